@@ -1,0 +1,60 @@
+"""In-process Tandem: load a model pair and wire drafter, verifier and router together.
+
+The transport is a direct method call: the plain `Drafter` and `Verifier` satisfy the router's
+ports themselves. Everything else (router loop, sessions, acceptance) is the code the
+distributed service runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from cluster.presets import ModelPair
+from cluster.router import Decode, Router
+from drafter.drafter import Drafter, DrafterConfig
+from verifier.errors import InvalidArgumentError
+from verifier.models import load_model
+from verifier.verifier import Verifier, VerifierConfig
+
+
+@dataclass
+class LocalTandem:
+    """A router over an in-process drafter and verifier, and the target's tokenizer."""
+
+    router: Router
+    drafter: Drafter
+    verifier: Verifier
+    tokenizer: PreTrainedTokenizerBase
+
+
+def text_decoder(tokenizer: PreTrainedTokenizerBase) -> Decode:
+    """The router's decode function for a Hugging Face tokenizer."""
+
+    def decode(token_ids: Sequence[int]) -> str:
+        return str(tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    return decode
+
+
+def build_local(
+    pair: ModelPair,
+    drafter_config: DrafterConfig | None = None,
+    verifier_config: VerifierConfig | None = None,
+) -> LocalTandem:
+    """Load both models of `pair` and connect them in this process."""
+    target = load_model(pair.target)
+    draft = load_model(pair.draft)
+    if draft.vocab_size > target.vocab_size:
+        raise InvalidArgumentError(
+            f"draft vocabulary ({draft.vocab_size}) is larger than the target's "
+            f"({target.vocab_size}): the pair must share a tokenizer"
+        )
+    verifier = Verifier(target, verifier_config)
+    drafter = Drafter(draft, drafter_config)
+    router = Router(verifier, drafter, text_decoder(target.tokenizer), target.eos_token_ids)
+    return LocalTandem(
+        router=router, drafter=drafter, verifier=verifier, tokenizer=target.tokenizer
+    )

@@ -1,0 +1,128 @@
+"""The drafter component: a small causal LM proposes the next tokens of a session.
+
+A plain class (no Ray, no gRPC). Each session holds the committed tokens as the router last
+reported them, a KV cache on the draft model, the drafter's own sampling settings and a seeded
+generator. `draft` first appends the tokens committed since the last block (the last verdict),
+then proposes `num_tokens` tokens, one model step each, reusing its cache across blocks:
+positions that the verdict kept stay cached, rejected ones are rolled back.
+
+Greedy requests draft greedily and send no q (q is one-hot at the drafted token). Sampled
+requests draft from the request's distribution, optionally truncated further to the drafter's
+own `top_k`, and send that exact truncated q as a sparse distribution: the acceptance rule only
+needs the q the token was really drawn from, so truncation costs acceptance, never exactness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from verifier.block import DraftBlock
+from verifier.errors import InvalidArgumentError
+from verifier.models import LoadedModel
+from verifier.sampling import SamplingParams, SparseDistribution, logits_to_probs, sample, to_sparse
+from verifier.session import ReplicaStats, SessionTable, check_seed, check_token_ids
+
+# XOR-ed into the request seed so that the drafter's draws are independent of the verifier's:
+# acceptance is only exact when the draft token and the acceptance test use separate randomness.
+DRAFTER_SEED_SALT = 0x9E3779B97F4A7C15
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Limits and drafting policy of one drafter replica."""
+
+    max_sessions: int = 256
+    """Sessions held at once; one more is refused with RESOURCE_EXHAUSTED."""
+    max_context_tokens: int = 4096
+    """Committed tokens plus a block may not exceed this."""
+    max_draft_tokens: int = 32
+    """Longest block one draft call may ask for."""
+    top_k: int = 64
+    """Sampled drafts draw from at most this many tokens (0 = the request's own top_k), which
+    keeps the q sent per token small; exactness does not depend on it."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_context_tokens", "max_draft_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.top_k < 0:
+            raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def draft_sampling(request: SamplingParams, top_k: int) -> SamplingParams:
+    """The distribution the drafter samples from for a request's settings."""
+    if request.is_greedy or top_k == 0:
+        return request
+    limit = top_k if request.top_k == 0 else min(request.top_k, top_k)
+    return SamplingParams(temperature=request.temperature, top_k=limit, top_p=request.top_p)
+
+
+class Drafter:
+    """Proposes draft blocks with a small model, one session per request."""
+
+    def __init__(self, draft: LoadedModel, config: DrafterConfig | None = None) -> None:
+        self.config = config or DrafterConfig()
+        self._draft = draft
+        self._sessions = SessionTable(
+            draft, self.config.max_sessions, self.config.max_context_tokens
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._draft.vocab_size
+
+    def open_session(
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+    ) -> int:
+        """Open a session and prefill its cache; returns the committed length."""
+        check_seed(seed)  # before salting, so the message names the caller's seed
+        own_sampling = draft_sampling(sampling, self.config.top_k)
+        session = self._sessions.open(
+            session_id, prompt_tokens, own_sampling, seed ^ DRAFTER_SEED_SALT
+        )
+        return len(session.tokens)
+
+    def draft(
+        self,
+        session_id: str,
+        base_length: int,
+        appended_tokens: Sequence[int],
+        num_tokens: int,
+    ) -> DraftBlock:
+        """Append the tokens committed since `base_length`, then draft `num_tokens` more."""
+        session = self._sessions.get_at(session_id, base_length)
+        if not 1 <= num_tokens <= self.config.max_draft_tokens:
+            raise InvalidArgumentError(
+                f"num_tokens must be in 1..{self.config.max_draft_tokens}, got {num_tokens}"
+            )
+        check_token_ids(appended_tokens, self.vocab_size, "appended_tokens")
+        self._sessions.check_context(len(session.tokens) + len(appended_tokens) + num_tokens)
+        session.tokens.extend(appended_tokens)
+
+        drafted: list[int] = []
+        draft_probs: list[SparseDistribution] = []
+        for _ in range(num_tokens):
+            logits = session.kv.logits(session.tokens + drafted, 1)  # [1, vocab]
+            if session.sampling.is_greedy:
+                drafted.append(int(logits[0].argmax()))
+                continue
+            q = logits_to_probs(logits, session.sampling)  # [1, vocab]
+            drafted.append(int(sample(q, session.generator)[0]))
+            draft_probs.append(to_sparse(q[0]))
+        return DraftBlock(
+            base_length=len(session.tokens),
+            tokens=tuple(drafted),
+            draft_probs=None if session.sampling.is_greedy else tuple(draft_probs),
+        )
+
+    def close_session(self, session_id: str) -> bool:
+        """Free the session; True if it existed."""
+        return self._sessions.remove(session_id)
+
+    def stats(self) -> ReplicaStats:
+        return self._sessions.stats()

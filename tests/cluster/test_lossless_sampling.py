@@ -1,0 +1,109 @@
+"""Sampling through the whole pipeline is distributed exactly as sampling the target alone.
+
+For a fixed prompt we compute the target's exact joint distribution of the first two generated
+tokens, P(t1, t2) = p(t1 | prompt) * p(t2 | prompt, t1), with the request's temperature and
+top-p applied (the distributions actually sampled from). Then we run the in-process router,
+drafter and verifier once per seed and compare the observed (t1, t2) pairs with P by Pearson's
+chi-square test.
+
+Bound and false-failure odds: the seeds are fixed, so each test is deterministic; the question
+is how likely it is that a correct sampler fails for this one set of seeds. Under a correct
+sampler the chi-square p-value is (asymptotically) uniform on [0, 1], so it falls below
+ALPHA = 1e-4 with probability 1e-4. Cells whose expected count is below 5 are pooled into one
+cell, which keeps the chi-square approximation sound. Power: the negative control below runs the
+same statistic on pairs drawn from the draft model alone (what a pipeline that emitted drafts
+unchecked would produce) and needs the p-value far below ALPHA, so the test can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+
+from cluster.local import LocalTandem
+from cluster.request import GenerationRequest
+from verifier.models import LoadedModel
+from verifier.sampling import SamplingParams, logits_to_probs
+
+ALPHA = 1e-4
+NUM_SEEDS = 2000
+MIN_EXPECTED = 5.0
+PROMPT = tuple(b"def add(a, b):")
+
+
+def joint_first_two(model: LoadedModel, sampling: SamplingParams) -> torch.Tensor:
+    """Exact P(t1, t2) of sampling `model` alone: `[vocab, vocab]`."""
+    vocab = model.vocab_size
+    with torch.inference_mode():
+        first = model.model(torch.tensor([PROMPT])).logits[:, -1]  # [1, vocab]
+        p1 = logits_to_probs(first, sampling)[0]  # [vocab]
+        contexts = torch.tensor([[*PROMPT, t] for t in range(vocab)])  # [vocab, len + 1]
+        second = model.model(contexts).logits[:, -1]  # [vocab, vocab]
+        p2 = logits_to_probs(second, sampling)  # [vocab, vocab], row t1
+    return p1[:, None] * p2
+
+
+def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value of observed counts against probabilities (same shape)."""
+    counts, probs = counts.flatten().double(), expected_probs.flatten().double()
+    # A sample outside the target's support is a hard failure, not a statistical one.
+    assert counts[probs == 0].sum() == 0, "sampled a token the target cannot produce"
+    counts, probs = counts[probs > 0], probs[probs > 0]
+    expected = probs * counts.sum()
+    big = expected >= MIN_EXPECTED
+    observed_cells, expected_cells = counts[big], expected[big]
+    if (~big).any():
+        observed_cells = torch.cat([observed_cells, counts[~big].sum()[None]])
+        expected_cells = torch.cat([expected_cells, expected[~big].sum()[None]])
+    statistic = ((observed_cells - expected_cells) ** 2 / expected_cells).sum().item()
+    return float(stats.chi2.sf(statistic, df=len(observed_cells) - 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sampling", "draft_tokens", "max_tokens"),
+    [
+        # Two drafts per block: t2 is an accepted or recovered draft, or from a second round.
+        (SamplingParams(temperature=1.0), 2, 3),
+        # One draft per block: t2 is often the bonus token.
+        (SamplingParams(temperature=1.0), 1, 2),
+        # Nucleus sampling: both p and q are truncated to their top-p sets.
+        (SamplingParams(temperature=1.0, top_p=0.8), 3, 4),
+    ],
+    ids=["temperature-k2", "temperature-k1-bonus", "top-p-k3"],
+)
+def test_first_two_tokens_follow_the_target(
+    local_tandem: LocalTandem,
+    tiny_target: LoadedModel,
+    sampling: SamplingParams,
+    draft_tokens: int,
+    max_tokens: int,
+) -> None:
+    vocab = tiny_target.vocab_size
+    counts = torch.zeros(vocab, vocab)
+    drafted = accepted = 0
+    for seed in range(NUM_SEEDS):
+        request = GenerationRequest(
+            PROMPT, max_tokens, sampling, seed=seed, draft_tokens=draft_tokens
+        )
+        result = local_tandem.router.generate(request)
+        counts[result.tokens[0], result.tokens[1]] += 1
+        drafted += result.stats.num_drafted
+        accepted += result.stats.num_accepted
+    assert 0 < accepted < drafted  # both acceptance and rejection paths were taken
+    assert chi_square_p_value(counts, joint_first_two(tiny_target, sampling)) > ALPHA
+
+
+def test_statistic_detects_unchecked_drafts(
+    tiny_target: LoadedModel, tiny_draft: LoadedModel
+) -> None:
+    """Negative control: pairs from the draft model alone are rejected by the same test."""
+    sampling = SamplingParams(temperature=1.0)
+    draft_joint = joint_first_two(tiny_draft, sampling).flatten()
+    generator = torch.Generator().manual_seed(0)
+    pairs = torch.multinomial(draft_joint, NUM_SEEDS, replacement=True, generator=generator)
+    counts = torch.bincount(pairs, minlength=draft_joint.numel()).reshape(draft_joint.shape[0], -1)
+    target_joint = joint_first_two(tiny_target, sampling)
+    # Without truncation every pair is in the target's support: the statistic itself rejects.
+    assert chi_square_p_value(counts, target_joint) < ALPHA

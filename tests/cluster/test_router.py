@@ -1,0 +1,141 @@
+"""The router loop in-process: lossless greedy for every K, exact sampling, stops and streams."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.local import LocalTandem
+from cluster.request import FinishReason, GenerationRequest
+from tests.conftest import CODE_PROMPT, PROMPTS
+from verifier import tiny
+from verifier.sampling import SamplingParams
+
+MAX_TOKENS = 40
+
+
+def encode(tandem: LocalTandem, text: str) -> tuple[int, ...]:
+    return tuple(tandem.tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.fixture(scope="module")
+def target_only(local_tandem: LocalTandem) -> dict[str, tuple[int, ...]]:
+    """Greedy target-only output (`draft_tokens=0`) per prompt."""
+    return {
+        prompt: local_tandem.router.generate(
+            GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=0)
+        ).tokens
+        for prompt in PROMPTS
+    }
+
+
+def test_target_only_equals_hugging_face_generate(
+    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
+) -> None:
+    model = local_tandem.verifier._target.model
+    for prompt, tokens in target_only.items():
+        ids = torch.tensor([encode(local_tandem, prompt)])
+        with torch.inference_mode():
+            reference = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+        assert list(tokens) == reference[0, ids.shape[1] :].tolist(), prompt
+
+
+@pytest.mark.parametrize("draft_tokens", range(1, 9))
+def test_greedy_speculation_is_lossless(
+    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]], draft_tokens: int
+) -> None:
+    drafted = accepted = 0
+    for prompt, expected in target_only.items():
+        request = GenerationRequest(
+            encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=draft_tokens
+        )
+        result = local_tandem.router.generate(request)
+        assert result.tokens == expected, prompt
+        drafted += result.stats.num_drafted
+        accepted += result.stats.num_accepted
+    # Both paths ran: some drafts accepted, some rejected.
+    assert 0 < accepted < drafted
+    assert local_tandem.verifier.stats().num_sessions == 0
+    assert local_tandem.drafter.stats().num_sessions == 0
+
+
+def test_stats_add_up(local_tandem: LocalTandem) -> None:
+    result = local_tandem.router.generate(
+        GenerationRequest(encode(local_tandem, CODE_PROMPT), 30, draft_tokens=4)
+    )
+    stats = result.stats
+    assert len(result.tokens) == 30
+    # Every verify pass emits its accepted drafts plus one token of the target's own.
+    assert stats.num_accepted + stats.num_verify_passes == 30
+    assert stats.num_drafted <= 4 * stats.num_verify_passes
+    assert result.finish_reason is FinishReason.LENGTH
+    assert result.num_prompt_tokens == len(CODE_PROMPT)
+
+
+def test_stream_yields_what_generate_returns(local_tandem: LocalTandem) -> None:
+    request = GenerationRequest(
+        encode(local_tandem, PROMPTS[2]), 25, SamplingParams(temperature=0.9), seed=5
+    )
+    chunks = list(local_tandem.router.stream(request))
+    result = local_tandem.router.generate(request)
+    assert tuple(t for c in chunks for t in c.tokens) == result.tokens
+    assert "".join(c.text for c in chunks) == result.text
+    assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].finish_reason is result.finish_reason
+
+
+def test_closing_a_stream_frees_both_sessions(local_tandem: LocalTandem) -> None:
+    stream = local_tandem.router.stream(GenerationRequest(encode(local_tandem, CODE_PROMPT), 50))
+    next(stream)
+    assert local_tandem.verifier.stats().num_sessions == 1
+    assert local_tandem.drafter.stats().num_sessions == 1
+    stream.close()
+    assert local_tandem.verifier.stats().num_sessions == 0
+    assert local_tandem.drafter.stats().num_sessions == 0
+
+
+def test_stop_sequence(local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]) -> None:
+    prompt = PROMPTS[0]
+    full_text = local_tandem.tokenizer.decode(target_only[prompt])
+    stop = full_text[10:12]
+    cut = full_text.index(stop)
+    result = local_tandem.router.generate(
+        GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, stop=(stop,), draft_tokens=5)
+    )
+    assert result.finish_reason is FinishReason.STOP
+    assert result.text == full_text[:cut]
+    assert result.tokens == target_only[prompt][: len(result.tokens)]
+
+
+def test_end_of_text_stops_generation(local_tandem: LocalTandem) -> None:
+    """Sample hot until some generation draws the end-of-text token: it must end there."""
+    router = local_tandem.router
+    for seed in range(200):
+        request = GenerationRequest(
+            (seed % 256,), 60, SamplingParams(temperature=1.5), seed=seed, draft_tokens=3
+        )
+        result = router.generate(request)
+        if result.tokens[-1] == tiny.END_OF_TEXT_ID:
+            assert result.finish_reason is FinishReason.STOP
+            assert tiny.END_OF_TEXT_ID not in result.tokens[:-1]
+            return
+    pytest.fail("no sampled generation reached the end-of-text token")
+
+
+def test_max_tokens_one(local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]) -> None:
+    result = local_tandem.router.generate(
+        GenerationRequest(encode(local_tandem, PROMPTS[0]), 1, draft_tokens=8)
+    )
+    assert result.tokens == target_only[PROMPTS[0]][:1]
+    assert result.stats.num_drafted == 0
+
+
+def test_seeded_sampling_repeats(local_tandem: LocalTandem) -> None:
+    def run(seed: int) -> tuple[int, ...]:
+        request = GenerationRequest(
+            encode(local_tandem, CODE_PROMPT), 30, SamplingParams(temperature=1.0), seed=seed
+        )
+        return local_tandem.router.generate(request).tokens
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)

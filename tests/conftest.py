@@ -1,0 +1,37 @@
+"""Shared fixtures: the tiny model pair, loaded once per test session (CPU, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.local import LocalTandem, build_local
+from cluster.presets import resolve_pair
+from verifier.models import TINY_DRAFT, TINY_TARGET, LoadedModel, ModelSpec, load_model
+
+CODE_PROMPT = "def add(a, b):"
+PROMPTS = (
+    CODE_PROMPT,
+    "x",
+    "The quick brown fox jumps over the lazy dog. ",
+    '{"name": "tandem", "version": 1, "tags": [',
+    "import numpy as np\nimport torch\n\nclass Model:\n    def __init__(self):\n",
+    "Once upon a time, in a land far away, ",
+    "SELECT id, name FROM users WHERE",
+    "Zürich – naïve café ☕ ",
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> LoadedModel:
+    return load_model(ModelSpec(TINY_TARGET, device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def tiny_draft() -> LoadedModel:
+    return load_model(ModelSpec(TINY_DRAFT, device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def local_tandem() -> LocalTandem:
+    """Drafter, verifier and router over the tiny pair, in this process."""
+    return build_local(resolve_pair("tiny", device="cpu"))

@@ -1,0 +1,140 @@
+"""What drafter and verifier both keep per session, and the checks both apply to requests.
+
+A replica's session is soft state (DESIGN.md invariant 2): the committed tokens as this
+replica last heard them, a KV cache over them, the sampling settings and a seeded generator.
+Everything here can be rebuilt from the router's token history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from verifier.errors import (
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    SessionExistsError,
+    SessionNotFoundError,
+    StaleBaseError,
+)
+from verifier.kv_cache import KVSession
+from verifier.models import LoadedModel
+from verifier.sampling import SamplingParams
+
+MAX_SEED = 2**64 - 1
+
+
+@dataclass
+class ReplicaSession:
+    """One request's state on one replica."""
+
+    tokens: list[int]
+    """Committed token ids (prompt plus every committed generated token)."""
+    kv: KVSession
+    sampling: SamplingParams
+    generator: torch.Generator
+    num_cached_blocks: int = field(default=0)
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """What a replica holds right now."""
+
+    num_sessions: int
+    num_cached_tokens: int
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:
+    """Reject ids outside the model's vocabulary, naming the first offender."""
+    for position, token in enumerate(token_ids):
+        if not 0 <= token < vocab_size:
+            raise InvalidArgumentError(
+                f"{what}[{position}] = {token} is outside the vocabulary (0..{vocab_size - 1})"
+            )
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed <= MAX_SEED:
+        raise InvalidArgumentError(f"seed must be in 0..2**64-1, got {seed}")
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+class SessionTable:
+    """Sessions of one replica by id, on one model, with the limits and lookups both sides share."""
+
+    def __init__(self, model: LoadedModel, max_sessions: int, max_context_tokens: int) -> None:
+        self.model = model
+        self.max_sessions = max_sessions
+        self.max_context_tokens = max_context_tokens
+        self._sessions: dict[str, ReplicaSession] = {}
+
+    def open(
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+    ) -> ReplicaSession:
+        """Check, create and prefill a session; nothing is kept if a check fails."""
+        self._check_new(session_id, prompt_tokens)
+        check_token_ids(prompt_tokens, self.model.vocab_size, "prompt_tokens")
+        check_seed(seed)
+        session = ReplicaSession(
+            tokens=list(prompt_tokens),
+            kv=KVSession(self.model.model, self.model.device),
+            sampling=sampling,
+            generator=make_generator(seed, self.model.device),
+        )
+        # The last committed token is fed with the next forward, whose logits need it.
+        session.kv.prefill(prompt_tokens[:-1])
+        self._sessions[session_id] = session
+        return session
+
+    def _check_new(self, session_id: str, prompt_tokens: Sequence[int]) -> None:
+        if not session_id:
+            raise InvalidArgumentError("session_id must not be empty")
+        if session_id in self._sessions:
+            raise SessionExistsError(f"session {session_id!r} is already open")
+        if len(self._sessions) >= self.max_sessions:
+            raise ResourceExhaustedError(
+                f"replica holds its maximum of {self.max_sessions} sessions"
+            )
+        if len(prompt_tokens) == 0:
+            raise InvalidArgumentError("prompt must hold at least one token")
+        self.check_context(len(prompt_tokens))
+
+    def check_context(self, length: int) -> None:
+        if length > self.max_context_tokens:
+            raise ResourceExhaustedError(
+                f"context of {length} tokens exceeds the limit of {self.max_context_tokens}"
+            )
+
+    def get(self, session_id: str) -> ReplicaSession:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise SessionNotFoundError(f"no open session {session_id!r}") from None
+
+    def get_at(self, session_id: str, base_length: int) -> ReplicaSession:
+        """The session, provided its committed length is `base_length` (invariant 3)."""
+        session = self.get(session_id)
+        if base_length != len(session.tokens):
+            raise StaleBaseError(
+                f"session {session_id!r} has committed length {len(session.tokens)}, "
+                f"but the request is based on length {base_length}"
+            )
+        return session
+
+    def remove(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None
+
+    def stats(self) -> ReplicaStats:
+        return ReplicaStats(
+            num_sessions=len(self._sessions),
+            num_cached_tokens=sum(s.kv.num_cached_tokens for s in self._sessions.values()),
+        )

@@ -1,0 +1,103 @@
+"""The verifier component: the target model checks a draft block in one forward pass.
+
+A plain class (no Ray, no gRPC): sessions by id, each with the committed tokens, a KV cache on
+the target model, the request's sampling settings and a seeded generator. `verify` runs the
+target once over the last committed token plus the block, turns the `k + 1` rows of logits into
+the distribution actually sampled from (temperature, top-k, top-p), applies `rejection_sample`,
+commits the emitted tokens and rolls the cache back past the rejected positions. A block with no
+tokens is plain target decoding through the same path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from verifier.block import DraftBlock, Verdict
+from verifier.errors import InvalidArgumentError
+from verifier.models import LoadedModel
+from verifier.rejection import rejection_sample
+from verifier.sampling import SamplingParams, logits_to_probs, to_dense
+from verifier.session import ReplicaStats, SessionTable, check_token_ids
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    """Limits of one verifier replica."""
+
+    max_sessions: int = 256
+    """Sessions held at once; one more is refused with RESOURCE_EXHAUSTED."""
+    max_context_tokens: int = 4096
+    """Committed tokens plus a block may not exceed this."""
+    max_block_tokens: int = 32
+    """Longest draft block accepted."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_context_tokens", "max_block_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Verifier:
+    """Verifies draft blocks against the target model, one session per request."""
+
+    def __init__(self, target: LoadedModel, config: VerifierConfig | None = None) -> None:
+        self.config = config or VerifierConfig()
+        self._target = target
+        self._sessions = SessionTable(
+            target, self.config.max_sessions, self.config.max_context_tokens
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._target.vocab_size
+
+    def open_session(
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+    ) -> int:
+        """Open a session and prefill its cache; returns the committed length."""
+        return len(self._sessions.open(session_id, prompt_tokens, sampling, seed).tokens)
+
+    def verify(self, session_id: str, block: DraftBlock) -> Verdict:
+        """Check `block` against the target, commit what is emitted, return the verdict."""
+        session = self._sessions.get_at(session_id, block.base_length)
+        num_draft = len(block.tokens)
+        if num_draft > self.config.max_block_tokens:
+            raise InvalidArgumentError(
+                f"block of {num_draft} tokens exceeds the limit of {self.config.max_block_tokens}"
+            )
+        check_token_ids(block.tokens, self.vocab_size, "block.tokens")
+        self._sessions.check_context(len(session.tokens) + num_draft + 1)
+        draft_probs = None
+        if block.draft_probs is not None:
+            draft_probs = to_dense(block.draft_probs, self.vocab_size).to(self._target.device)
+
+        logits = session.kv.logits(session.tokens + list(block.tokens), num_draft + 1)
+        target_probs = logits_to_probs(logits, session.sampling)  # [k + 1, vocab]
+        draft_tokens = torch.tensor(block.tokens, dtype=torch.long, device=self._target.device)
+        emitted, num_accepted = rejection_sample(
+            target_probs, draft_tokens, draft_probs, session.generator
+        )
+        tokens = tuple(int(t) for t in emitted.tolist())
+        session.tokens.extend(tokens)
+        # The cache keeps the accepted drafts; the newly emitted last token is fed next time.
+        session.kv.rollback(block.base_length + num_accepted)
+        return Verdict(
+            base_length=block.base_length,
+            num_accepted=num_accepted,
+            tokens=tokens,
+            committed_length=len(session.tokens),
+        )
+
+    def close_session(self, session_id: str) -> bool:
+        """Free the session; True if it existed."""
+        return self._sessions.remove(session_id)
+
+    def stats(self) -> ReplicaStats:
+        return self._sessions.stats()
