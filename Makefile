@@ -8,8 +8,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 PROMPT ?= def add(a, b):
+PORT ?= 9000
 
-.PHONY: setup test lint format protos demo clean
+.PHONY: setup test lint format protos demo demo-local clean
 
 setup: $(STAMP)
 
@@ -37,8 +38,18 @@ format: setup
 protos: setup
 	$(BIN)/python -m protos.build
 
-# The main job: a speculative generation in-process on the tiny preset, streamed to the terminal.
+# The main job: start the service on a local Ray cluster (tiny preset: 2 drafters, 2
+# verifiers), stream a generation through its gRPC API, show the replicas, shut it all down.
 demo: setup
+	$(BIN)/tandem serve --preset tiny --drafters 2 --verifiers 2 --port $(PORT) --detach
+	status=0; \
+	$(BIN)/tandem generate --address 127.0.0.1:$(PORT) --max-tokens 48 "$(PROMPT)" && \
+	$(BIN)/tandem generate --address 127.0.0.1:$(PORT) --max-tokens 48 --json "$(PROMPT)" && \
+	$(BIN)/tandem status || status=$$?; \
+	$(BIN)/tandem shutdown; exit $$status
+
+# The same loop in one process, no Ray.
+demo-local: setup
 	$(BIN)/tandem generate --local --preset tiny --max-tokens 48 "$(PROMPT)"
 	$(BIN)/tandem generate --local --preset tiny --max-tokens 48 --json "$(PROMPT)"
 

@@ -1,50 +1,51 @@
 """The `tandem` command line.
 
-`tandem generate --local ...` runs the whole speculative loop in this process. Flags are parsed
-and validated once, here, at the edge; bad input ends with a one-line message on stderr and
-exit status 2, never a traceback.
+Each subcommand lives in its own module with an `add_to(subparsers)` function that adds its
+parser and sets `handler` (a function of the parsed arguments returning the exit status) with
+`set_defaults(handler=...)`; `REGISTRARS` lists them. Subcommand modules import heavy
+dependencies (torch, transformers, Ray) inside their handlers, so that `tandem generate
+--address` starts in a fraction of a second.
+
+Flags are parsed and validated once, here, at the edge. A failure ends with one line on stderr,
+never a traceback: `tandem: error: <CODE>: <message>`, where CODE is the error's gRPC status
+name, whether a server sent it or it was raised in this process (a misused flag is
+INVALID_ARGUMENT; argparse's own usage errors keep argparse's format). Exit status 2 means the
+input was wrong (retrying will not help); 1 means the service failed (unavailable, past a
+deadline, internal, busy).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from cluster.presets import DEFAULT_PRESET, PRESETS, resolve_pair
-from cluster.request import DEFAULT_DRAFT_TOKENS, GenerationRequest, GenerationResult
+from cluster import cli_generate, cli_service
+from cluster.client_types import TandemClientError
 from verifier.errors import TandemError
-from verifier.models import DTYPES
-from verifier.sampling import SamplingParams
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
 
+FAILURE_CODES = frozenset(
+    {
+        "ABORTED",
+        "CANCELLED",
+        "DATA_LOSS",
+        "DEADLINE_EXCEEDED",
+        "INTERNAL",
+        "RESOURCE_EXHAUSTED",
+        "UNAVAILABLE",
+        "UNKNOWN",
+    }
+)
+"""gRPC status names that mean the service failed, not the input: exit status 1."""
 
-def _add_generate(commands: Any) -> None:
-    p = commands.add_parser("generate", help="generate text for a prompt")
-    p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--local", action="store_true", help="run drafter and verifier in-process")
-    p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
-    p.add_argument("--target", help="target model: hub id, folder or .gguf (overrides preset)")
-    p.add_argument("--draft", help="draft model: hub id, folder or .gguf (overrides preset)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="weight dtype (default: preset's)")
-    p.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = no limit")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
-    p.add_argument(
-        "--draft-tokens",
-        type=int,
-        default=DEFAULT_DRAFT_TOKENS,
-        help="draft block length; 0 = the target alone",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object with the result")
+Registrar = Callable[[Any], None]
+"""Adds one subcommand to the `argparse` subparsers object it is given."""
+
+REGISTRARS: tuple[Registrar, ...] = (cli_generate.add_to, cli_service.add_to)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,61 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tandem", description="Disaggregated speculative decoding."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_generate(commands)
+    for add_to in REGISTRARS:
+        add_to(commands)
     return parser
 
 
-def result_json(result: GenerationResult) -> dict[str, Any]:
-    stats = result.stats
-    return {
-        "tokens": list(result.tokens),
-        "text": result.text,
-        "finish_reason": result.finish_reason.value,
-        "num_prompt_tokens": result.num_prompt_tokens,
-        "num_generated_tokens": len(result.tokens),
-        "num_drafted": stats.num_drafted,
-        "num_accepted": stats.num_accepted,
-        "num_verify_passes": stats.num_verify_passes,
-        "acceptance_rate": None if stats.num_drafted == 0 else stats.acceptance_rate,
-    }
-
-
-def _generate(args: argparse.Namespace) -> int:
-    if not args.local:
-        raise TandemError("generate needs --local (run drafter and verifier in this process)")
-    if args.prompt == "":
-        raise TandemError("prompt must not be empty")
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    pair = resolve_pair(args.preset, args.target, args.draft, args.dtype, args.device)
-
-    from cluster.local import build_local  # loads torch and transformers: only when needed
-
-    tandem = build_local(pair)
-    request = GenerationRequest(
-        prompt_tokens=tuple(tandem.tokenizer.encode(args.prompt, add_special_tokens=False)),
-        max_tokens=args.max_tokens,
-        sampling=sampling,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        draft_tokens=args.draft_tokens,
-    )
-    if args.json:
-        print(json.dumps(result_json(tandem.router.generate(request))))
-        return 0
-    for chunk in tandem.router.stream(request):
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    return 0
+def _fail(code: str, message: str) -> int:
+    print(f"tandem: error: {code}: {message}", file=sys.stderr)
+    return EXIT_FAILURE if code in FAILURE_CODES else EXIT_USAGE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return _generate(args)
+        return int(args.handler(args))
+    except TandemClientError as error:
+        return _fail(error.code.name, error.message)
     except TandemError as error:
-        print(f"tandem: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(error.status, str(error))
     except KeyboardInterrupt:
         return EXIT_FAILURE
 

@@ -7,7 +7,8 @@ these protocols only, so the same router code runs in-process and distributed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from verifier.block import DraftBlock, Verdict
@@ -22,9 +23,16 @@ class DrafterPort(Protocol):
         ...
 
     def draft(
-        self, session_id: str, base_length: int, appended_tokens: Sequence[int], num_tokens: int
+        self,
+        session_id: str,
+        base_length: int,
+        appended_tokens: Sequence[int],
+        num_tokens: int,
+        truncate_to: int | None = None,
     ) -> DraftBlock:
-        """Append the tokens committed since `base_length`, then draft `num_tokens`."""
+        """Check the session is at `base_length`; drop its tokens from `truncate_to` on (a
+        speculative block the verdict rejected); append `appended_tokens`; draft
+        `num_tokens`."""
         ...
 
     def close_session(self, session_id: str) -> bool:
@@ -39,10 +47,42 @@ class VerifierPort(Protocol):
         """Open a session; returns its committed length."""
         ...
 
-    def verify(self, session_id: str, block: DraftBlock) -> Verdict:
-        """Verify `block` and commit the emitted tokens."""
+    def verify(self, session_id: str, block: DraftBlock, defer_bonus: bool = False) -> Verdict:
+        """Verify `block` and commit the emitted tokens; with `defer_bonus`, an all-accepted
+        block emits no bonus token and the next block is verified against the kept p."""
         ...
 
     def close_session(self, session_id: str) -> bool:
         """Free the session; True if it existed."""
         ...
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """The replicas one request is pinned to for its whole life (they hold its KV caches)."""
+
+    verifier: VerifierPort
+    drafter: DrafterPort | None
+    release: Callable[[], None] = field(default=_nothing)
+    """Called once when the request ends, whatever the outcome (load accounting)."""
+
+
+class ReplicaPool(Protocol):
+    def pin(self, speculate: bool) -> Pinned:
+        """Choose the replicas for a new request; `speculate` says whether it needs a drafter."""
+        ...
+
+
+@dataclass(frozen=True)
+class FixedReplicas:
+    """One verifier and one drafter for every request: the in-process transport."""
+
+    verifier: VerifierPort
+    drafter: DrafterPort | None
+
+    def pin(self, speculate: bool) -> Pinned:
+        return Pinned(self.verifier, self.drafter if speculate else None)

@@ -3,10 +3,17 @@
 The router is the single source of truth for a request's token history (DESIGN.md): replicas
 hold only caches of it. Per round it asks the drafter for a block of `k` tokens based on the
 committed length, sends the block to the verifier, commits the verdict's tokens, and streams
-them. `k` never exceeds what is left of `max_tokens` minus the one token every verify pass
-emits itself, so no verified work is thrown away at the end. With `draft_tokens = 0` the
-drafter is never called: each round verifies an empty block, which is plain target decoding
-through the same path.
+them. `k` never exceeds what is left of `max_tokens` minus the one token a verify pass may add
+itself, so no verified work is thrown away at the end. With `draft_tokens = 0` the drafter is
+never called: each round verifies an empty block, which is plain target decoding through the
+same path.
+
+Pipelining (DESIGN.md): while the verifier checks block i, the drafter already drafts block
+i+1 as if all of block i were accepted. The verify call asks the verifier to defer its bonus
+token in that case, so block i+1 continues exactly the committed sequence and is sent at once
+(a pipeline hit); its first token is checked against the kept target distribution. If the
+verdict rejected part of block i, block i+1 is discarded (a miss) and the drafter's next call
+truncates the rejected tail before appending the correction.
 
 The router depends only on the `DrafterPort` and `VerifierPort` protocols, so it runs the
 same in-process and across the network.
@@ -15,9 +22,11 @@ same in-process and across the network.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
-from cluster.ports import DrafterPort, VerifierPort
+from cluster.ports import DrafterPort, FixedReplicas, Pinned, ReplicaPool, VerifierPort
 from cluster.request import (
     FinishReason,
     GenerationChunk,
@@ -26,26 +35,48 @@ from cluster.request import (
     SpeculationStats,
 )
 from cluster.text import TextAssembler
-from verifier.block import DraftBlock
-from verifier.errors import InvalidArgumentError
+from verifier.block import DraftBlock, Verdict
 
 Decode = Callable[[Sequence[int]], str]
 """Token ids to text, special tokens left out."""
+
+MAX_CONCURRENT_DRAFTS = 64
+"""Drafts running ahead at once, across all requests of one router."""
+
+
+@dataclass
+class DrafterView:
+    """What the drafter's session holds, as far as the router knows, and what it must be told
+    before its next draft."""
+
+    base_length: int
+    """The drafter session's committed length."""
+    truncate_to: int | None = None
+    """Drop the session's tokens from here on first (a rejected block it assumed accepted)."""
+    behind: list[int] = field(default_factory=list)
+    """Tokens committed since, not yet sent to the drafter."""
 
 
 class _Generation:
     """The state of one request inside the router."""
 
-    def __init__(self, request: GenerationRequest, decode: Decode) -> None:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        decode: Decode,
+        stats: SpeculationStats,
+        pinned: Pinned,
+        pipelined: bool,
+    ) -> None:
         self.request = request
+        self.verifier = pinned.verifier
+        self.drafter_port = pinned.drafter
+        self.pipelined = pipelined
         self.session_id = uuid.uuid4().hex
-        self.committed = len(request.prompt_tokens)
-        self.stats = SpeculationStats()
+        self.stats = stats
         self.text = TextAssembler(decode, request.stop)
-        # What the drafter's session has: its committed length, and the tokens committed
-        # since then that it has not been told about yet.
-        self.drafter_base = self.committed
-        self.drafter_behind: list[int] = []
+        self.committed = len(request.prompt_tokens)
+        self.drafter = DrafterView(base_length=self.committed)
 
     @property
     def remaining(self) -> int:
@@ -53,7 +84,7 @@ class _Generation:
 
 
 class Router:
-    """Drives one drafter and one verifier for each request."""
+    """Drives a drafter and a verifier for each request; safe to share between threads."""
 
     def __init__(
         self,
@@ -61,19 +92,49 @@ class Router:
         drafter: DrafterPort | None,
         decode: Decode,
         eos_token_ids: frozenset[int],
+        pipelined: bool = True,
     ) -> None:
-        self._verifier = verifier
-        self._drafter = drafter
+        """A router over one fixed verifier and drafter (the in-process transport)."""
+        self._init(FixedReplicas(verifier, drafter), decode, eos_token_ids, pipelined)
+
+    @classmethod
+    def over_pool(
+        cls,
+        replicas: ReplicaPool,
+        decode: Decode,
+        eos_token_ids: frozenset[int],
+        pipelined: bool = True,
+    ) -> Router:
+        """A router that pins each request to replicas chosen by `replicas` (distributed)."""
+        router = cls.__new__(cls)
+        router._init(replicas, decode, eos_token_ids, pipelined)
+        return router
+
+    def _init(
+        self,
+        replicas: ReplicaPool,
+        decode: Decode,
+        eos_token_ids: frozenset[int],
+        pipelined: bool,
+    ) -> None:
+        self._replicas = replicas
         self._decode = decode
         self._eos_token_ids = eos_token_ids
+        self.pipelined = pipelined
+        self._pool = ThreadPoolExecutor(MAX_CONCURRENT_DRAFTS, thread_name_prefix="draft-ahead")
 
-    def generate(self, request: GenerationRequest) -> GenerationResult:
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def generate(
+        self, request: GenerationRequest, pipelined: bool | None = None
+    ) -> GenerationResult:
         """Run a request to completion."""
         tokens: list[int] = []
         text: list[str] = []
         stats = SpeculationStats()
         finish_reason = FinishReason.LENGTH
-        for chunk in self._run(request, stats):
+        for chunk in self._run(request, stats, pipelined):
             tokens.extend(chunk.tokens)
             text.append(chunk.text)
             if chunk.finish_reason is not None:
@@ -87,73 +148,148 @@ class Router:
         )
 
     def stream(
-        self, request: GenerationRequest, stats: SpeculationStats | None = None
-    ) -> Iterator[GenerationChunk]:
+        self,
+        request: GenerationRequest,
+        stats: SpeculationStats | None = None,
+        pipelined: bool | None = None,
+    ) -> Generator[GenerationChunk, None, None]:
         """Yield tokens as they are committed; the last chunk has the finish reason.
 
-        `stats`, when given, is updated in place as the generation runs. Closing the iterator
-        early (a cancelled client) frees the request's sessions on both replicas.
+        `stats`, when given, is updated in place as the generation runs. `pipelined` overrides
+        the router's default for this request. Closing the iterator early (a cancelled client)
+        frees the request's sessions on both replicas.
         """
-        return self._run(request, stats if stats is not None else SpeculationStats())
+        return self._run(request, stats if stats is not None else SpeculationStats(), pipelined)
 
     def _run(
-        self, request: GenerationRequest, stats: SpeculationStats
-    ) -> Iterator[GenerationChunk]:
+        self, request: GenerationRequest, stats: SpeculationStats, pipelined: bool | None
+    ) -> Generator[GenerationChunk, None, None]:
         speculate = request.draft_tokens > 0
-        if speculate and self._drafter is None:
-            raise InvalidArgumentError("speculation requested but this router has no drafter")
-        gen = _Generation(request, self._decode)
-        gen.stats = stats
-        prompt = request.prompt_tokens
-        self._verifier.open_session(gen.session_id, prompt, request.sampling, request.seed)
+        pinned = self._replicas.pin(speculate)
         try:
-            if speculate and self._drafter is not None:
-                self._drafter.open_session(gen.session_id, prompt, request.sampling, request.seed)
+            # With no drafter available the request runs on the target alone: lossless.
+            use_pipeline = self.pipelined if pipelined is None else pipelined
+            gen = _Generation(request, self._decode, stats, pinned, use_pipeline)
+            yield from self._session(gen)
+        finally:
+            pinned.release()
+
+    def _session(self, gen: _Generation) -> Iterator[GenerationChunk]:
+        request = gen.request
+        prompt = request.prompt_tokens
+        gen.verifier.open_session(gen.session_id, prompt, request.sampling, request.seed)
+        try:
+            if gen.drafter_port is not None:
+                gen.drafter_port.open_session(
+                    gen.session_id, prompt, request.sampling, request.seed
+                )
             yield from self._loop(gen)
         finally:
-            self._close(gen.session_id, speculate)
+            self._close(gen)
 
     def _loop(self, gen: _Generation) -> Iterator[GenerationChunk]:
-        while True:
-            block = self._draft(gen, min(gen.request.draft_tokens, gen.remaining - 1))
-            verdict = self._verifier.verify(gen.session_id, block)
-            gen.stats.num_verify_passes += 1
-            gen.stats.num_drafted += len(block.tokens)
-            gen.stats.num_accepted += verdict.num_accepted
-            gen.committed = verdict.committed_length
-            gen.drafter_behind.extend(verdict.tokens)
+        max_draft = gen.request.draft_tokens
+        block: DraftBlock | None = None  # a block drafted ahead that is still valid
+        ahead: Future[DraftBlock] | None = None
+        try:
+            while True:
+                remaining = gen.remaining
+                if block is None:
+                    block = self._draft_now(gen, min(max_draft, remaining - 1))
+                # If all of `block` is accepted (bonus deferred), `remaining - k` tokens are
+                # left and the next block must leave room for one more of the target's own.
+                next_k = min(max_draft, remaining - len(block.tokens) - 1)
+                if gen.pipelined and gen.drafter_port and len(block.tokens) > 0 and next_k > 0:
+                    ahead = self._draft_ahead(gen, block, next_k)
+                verdict = gen.verifier.verify(gen.session_id, block, defer_bonus=ahead is not None)
+                next_block = ahead.result() if ahead is not None else None
+                ahead = None
+                gen.committed = verdict.committed_length
+                self._count(gen.stats, block, verdict, next_block)
+                block = self._after_verdict(gen, block, verdict, next_block)
 
-            new_tokens = list(verdict.tokens[: gen.remaining])
-            finish: FinishReason | None = None
-            eos_at = next((i for i, t in enumerate(new_tokens) if t in self._eos_token_ids), None)
-            if eos_at is not None:
-                del new_tokens[eos_at + 1 :]
-                finish = FinishReason.STOP
-            step = gen.text.add(new_tokens)
-            text = step.text
-            if step.stopped:
-                finish = FinishReason.STOP
-            elif finish is None and gen.remaining == 0:
-                finish = FinishReason.LENGTH
-            if finish is not None and not step.stopped:
-                text += gen.text.finish()
-            yield GenerationChunk(
-                tokens=tuple(new_tokens[: step.num_tokens_kept]), text=text, finish_reason=finish
-            )
-            if finish is not None:
-                return
+                chunk = self._emit(gen, verdict)
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+        finally:
+            if ahead is not None:
+                # Let a draft in flight finish before the sessions are closed under it.
+                ahead.exception()
 
-    def _draft(self, gen: _Generation, num_tokens: int) -> DraftBlock:
-        if num_tokens <= 0 or self._drafter is None:
+    def _draft_now(self, gen: _Generation, num_tokens: int) -> DraftBlock:
+        view = gen.drafter
+        if num_tokens <= 0 or gen.drafter_port is None:
             return DraftBlock(base_length=gen.committed, tokens=())
-        block = self._drafter.draft(
-            gen.session_id, gen.drafter_base, gen.drafter_behind, num_tokens
+        block = gen.drafter_port.draft(
+            gen.session_id, view.base_length, view.behind, num_tokens, view.truncate_to
         )
-        gen.drafter_base = block.base_length
-        gen.drafter_behind = []
+        gen.drafter = DrafterView(base_length=block.base_length)
         return block
 
-    def _close(self, session_id: str, speculate: bool) -> None:
-        self._verifier.close_session(session_id)
-        if speculate and self._drafter is not None:
-            self._drafter.close_session(session_id)
+    def _draft_ahead(
+        self, gen: _Generation, block: DraftBlock, num_tokens: int
+    ) -> Future[DraftBlock]:
+        """Draft the block after `block` as if all of it were accepted, in the background."""
+        assert gen.drafter_port is not None
+        return self._pool.submit(
+            gen.drafter_port.draft, gen.session_id, block.base_length, block.tokens, num_tokens
+        )
+
+    @staticmethod
+    def _after_verdict(
+        gen: _Generation, block: DraftBlock, verdict: Verdict, next_block: DraftBlock | None
+    ) -> DraftBlock | None:
+        """Update the drafter's view; return the block to verify next, if one is ready."""
+        if next_block is None:
+            gen.drafter.behind.extend(verdict.tokens)
+            return None
+        if verdict.bonus_deferred:
+            gen.drafter = DrafterView(base_length=next_block.base_length)
+            return next_block
+        # The drafter assumed all of `block`: keep what was accepted, then the correction.
+        gen.drafter = DrafterView(
+            base_length=next_block.base_length,
+            truncate_to=block.base_length + verdict.num_accepted,
+            behind=list(verdict.tokens[verdict.num_accepted :]),
+        )
+        return None
+
+    @staticmethod
+    def _count(
+        stats: SpeculationStats, block: DraftBlock, verdict: Verdict, next_block: DraftBlock | None
+    ) -> None:
+        stats.num_verify_passes += 1
+        stats.num_drafted += len(block.tokens)
+        stats.num_accepted += verdict.num_accepted
+        if next_block is not None:
+            if verdict.bonus_deferred:
+                stats.pipeline_hits += 1
+            else:
+                stats.pipeline_misses += 1
+
+    def _emit(self, gen: _Generation, verdict: Verdict) -> GenerationChunk:
+        """Commit the verdict's tokens to the output, applying end-of-sequence and stops."""
+        new_tokens = list(verdict.tokens[: gen.remaining])
+        finish: FinishReason | None = None
+        eos_at = next((i for i, t in enumerate(new_tokens) if t in self._eos_token_ids), None)
+        if eos_at is not None:
+            del new_tokens[eos_at + 1 :]
+            finish = FinishReason.STOP
+        step = gen.text.add(new_tokens)
+        text = step.text
+        if step.stopped:
+            finish = FinishReason.STOP
+        elif finish is None and gen.remaining == 0:
+            finish = FinishReason.LENGTH
+        if finish is not None and not step.stopped:
+            text += gen.text.finish()
+        return GenerationChunk(
+            tokens=tuple(new_tokens[: step.num_tokens_kept]), text=text, finish_reason=finish
+        )
+
+    @staticmethod
+    def _close(gen: _Generation) -> None:
+        gen.verifier.close_session(gen.session_id)
+        if gen.drafter_port is not None:
+            gen.drafter_port.close_session(gen.session_id)

@@ -14,6 +14,7 @@ needs the q the token was really drawn from, so truncation costs acceptance, nev
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from verifier.block import DraftBlock
 from verifier.errors import InvalidArgumentError
 from verifier.models import LoadedModel
 from verifier.sampling import SamplingParams, SparseDistribution, logits_to_probs, sample, to_sparse
-from verifier.session import ReplicaStats, SessionTable, check_seed, check_token_ids
+from verifier.session import ReplicaStats, SessionTable, check_seed, check_token_ids, synchronized
 
 # XOR-ed into the request seed so that the drafter's draws are independent of the verifier's:
 # acceptance is only exact when the draft token and the acceptance test use separate randomness.
@@ -62,6 +63,7 @@ class Drafter:
     """Proposes draft blocks with a small model, one session per request."""
 
     def __init__(self, draft: LoadedModel, config: DrafterConfig | None = None) -> None:
+        self._lock = threading.Lock()
         self.config = config or DrafterConfig()
         self._draft = draft
         self._sessions = SessionTable(
@@ -72,6 +74,7 @@ class Drafter:
     def vocab_size(self) -> int:
         return self._draft.vocab_size
 
+    @synchronized
     def open_session(
         self,
         session_id: str,
@@ -87,21 +90,34 @@ class Drafter:
         )
         return len(session.tokens)
 
+    @synchronized
     def draft(
         self,
         session_id: str,
         base_length: int,
         appended_tokens: Sequence[int],
         num_tokens: int,
+        truncate_to: int | None = None,
     ) -> DraftBlock:
-        """Append the tokens committed since `base_length`, then draft `num_tokens` more."""
+        """Check the session is at `base_length`, drop its tokens from `truncate_to` on, append
+        `appended_tokens`, then draft `num_tokens` more.
+
+        `truncate_to` undoes a block the router let this drafter assume accepted (pipelining)
+        when the verdict rejected part of it.
+        """
         session = self._sessions.get_at(session_id, base_length)
         if not 1 <= num_tokens <= self.config.max_draft_tokens:
             raise InvalidArgumentError(
                 f"num_tokens must be in 1..{self.config.max_draft_tokens}, got {num_tokens}"
             )
+        keep = base_length if truncate_to is None else truncate_to
+        if not 1 <= keep <= base_length:
+            raise InvalidArgumentError(
+                f"truncate_to must be in 1..{base_length} (the base length), got {truncate_to}"
+            )
         check_token_ids(appended_tokens, self.vocab_size, "appended_tokens")
-        self._sessions.check_context(len(session.tokens) + len(appended_tokens) + num_tokens)
+        self._sessions.check_context(keep + len(appended_tokens) + num_tokens)
+        del session.tokens[keep:]
         session.tokens.extend(appended_tokens)
 
         drafted: list[int] = []
@@ -120,9 +136,11 @@ class Drafter:
             draft_probs=None if session.sampling.is_greedy else tuple(draft_probs),
         )
 
+    @synchronized
     def close_session(self, session_id: str) -> bool:
         """Free the session; True if it existed."""
         return self._sessions.remove(session_id)
 
+    @synchronized
     def stats(self) -> ReplicaStats:
         return self._sessions.stats()

@@ -26,16 +26,18 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, committed_length: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "base_length", "appended_token_ids", "num_tokens")
+    __slots__ = ("session_id", "base_length", "appended_token_ids", "num_tokens", "truncate_to")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     APPENDED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_TO_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_length: int
     appended_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., base_length: _Optional[int] = ..., appended_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    truncate_to: int
+    def __init__(self, session_id: _Optional[str] = ..., base_length: _Optional[int] = ..., appended_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., truncate_to: _Optional[int] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")
@@ -56,24 +58,28 @@ class DraftBlock(_message.Message):
     def __init__(self, base_length: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "block")
+    __slots__ = ("session_id", "block", "defer_bonus")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DEFER_BONUS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     block: DraftBlock
-    def __init__(self, session_id: _Optional[str] = ..., block: _Optional[_Union[DraftBlock, _Mapping]] = ...) -> None: ...
+    defer_bonus: bool
+    def __init__(self, session_id: _Optional[str] = ..., block: _Optional[_Union[DraftBlock, _Mapping]] = ..., defer_bonus: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("base_length", "num_accepted", "token_ids", "committed_length")
+    __slots__ = ("base_length", "num_accepted", "token_ids", "committed_length", "bonus_deferred")
     BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BONUS_DEFERRED_FIELD_NUMBER: _ClassVar[int]
     base_length: int
     num_accepted: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     committed_length: int
-    def __init__(self, base_length: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ...) -> None: ...
+    bonus_deferred: bool
+    def __init__(self, base_length: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., bonus_deferred: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

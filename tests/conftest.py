@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cluster.local import LocalTandem, build_local
 from cluster.presets import resolve_pair
 from verifier.models import TINY_DRAFT, TINY_TARGET, LoadedModel, ModelSpec, load_model
+
+# The tiny models are far too small to gain from intra-op threads, and pipelined tests run
+# drafter and verifier at once: one thread each keeps 2 cores from being oversubscribed.
+torch.set_num_threads(1)
 
 CODE_PROMPT = "def add(a, b):"
 PROMPTS = (

@@ -37,5 +37,10 @@ class Verdict:
     base_length: int
     num_accepted: int
     tokens: tuple[int, ...]
-    """The accepted draft tokens, then one recovered or bonus token: `num_accepted + 1`."""
+    """The accepted draft tokens, then one recovered or bonus token: `num_accepted + 1` tokens;
+    only `num_accepted` when the bonus was deferred."""
     committed_length: int
+    bonus_deferred: bool = False
+    """Every draft token was accepted and, as asked, no bonus token was sampled: the target's
+    distribution for the next position is kept and the next block's first token is verified
+    against it (pipelining: a block drafted ahead stays valid)."""

@@ -45,3 +45,14 @@ class ResourceExhaustedError(TandemError):
     """A limit was reached (sessions, context length, queue depth)."""
 
     status = "RESOURCE_EXHAUSTED"
+
+
+class ReplicaUnavailableError(TandemError):
+    """A replica could not be reached or did not answer: down, restarting, past the deadline.
+
+    Also raised for a status with no error class of its own (INTERNAL, UNIMPLEMENTED...).
+    Replicas hold only soft state (DESIGN.md invariant 2), so the caller may reopen the
+    session on another replica from its own token history.
+    """
+
+    status = "UNAVAILABLE"

@@ -19,6 +19,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -83,16 +84,47 @@ class LoadedModel:
     @property
     def eos_token_ids(self) -> frozenset[int]:
         """Every id that ends a generation for this model."""
-        ids: set[int] = set()
-        for value in (
-            self.model.generation_config.eos_token_id,
-            self.tokenizer.eos_token_id,
-        ):
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, list):
-                ids.update(int(v) for v in value)
-        return frozenset(ids)
+        return _eos_ids(self.model.generation_config, self.tokenizer)
+
+
+@dataclass(frozen=True)
+class LoadedTokenizer:
+    """A model's tokenizer and end-of-sequence ids, without its weights (for the router)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: frozenset[int]
+
+
+def _eos_ids(
+    generation_config: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase
+) -> frozenset[int]:
+    ids: set[int] = set()
+    configured = None if generation_config is None else generation_config.eos_token_id
+    for value in (configured, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def load_tokenizer(spec: ModelSpec) -> LoadedTokenizer:
+    """The tokenizer of `spec` and the ids that end its generations; loads no weights."""
+    if spec.source.startswith(TINY_SCHEME):
+        return LoadedTokenizer(tiny.build_tokenizer(), frozenset({tiny.END_OF_TEXT_ID}))
+    path = Path(spec.source).expanduser()
+    if spec.source.endswith(".gguf"):
+        if not path.is_file():
+            raise InvalidArgumentError(f"GGUF file not found: {path}")
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return LoadedTokenizer(tokenizer, _eos_ids(None, tokenizer))
+    source = str(path) if path.is_dir() else spec.source
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    try:
+        generation_config: GenerationConfig | None = GenerationConfig.from_pretrained(source)
+    except OSError:
+        generation_config = None  # the model ships none: the tokenizer's eos is all there is
+    return LoadedTokenizer(tokenizer, _eos_ids(generation_config, tokenizer))
 
 
 def resolve_device(name: str) -> torch.device:

@@ -7,8 +7,11 @@ Everything here can be rebuilt from the router's token history.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -25,6 +28,32 @@ from verifier.sampling import SamplingParams
 
 MAX_SEED = 2**64 - 1
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class HasLock(Protocol):
+    _lock: threading.Lock
+
+
+S = TypeVar("S", bound=HasLock)
+
+
+def synchronized(method: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
+    """Run a component method under the component's lock.
+
+    Drafter and verifier are called from several threads: a gRPC server's pool, or a router
+    serving concurrent requests in-process. Their session tables and KV caches are not
+    thread-safe, and one model forward at a time is also what a CPU or a GPU serves best.
+    """
+
+    @functools.wraps(method)
+    def locked(self: S, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
 
 @dataclass
 class ReplicaSession:
@@ -35,7 +64,9 @@ class ReplicaSession:
     kv: KVSession
     sampling: SamplingParams
     generator: torch.Generator
-    num_cached_blocks: int = field(default=0)
+    next_probs: torch.Tensor | None = field(default=None)
+    """Verifier only: the target's distribution for the next position, kept when a verdict
+    deferred its bonus token (`[vocab]`); the cache then holds every committed token."""
 
 
 @dataclass(frozen=True)

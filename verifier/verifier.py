@@ -10,6 +10,7 @@ tokens is plain target decoding through the same path.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,13 @@ from verifier.errors import InvalidArgumentError
 from verifier.models import LoadedModel
 from verifier.rejection import rejection_sample
 from verifier.sampling import SamplingParams, logits_to_probs, to_dense
-from verifier.session import ReplicaStats, SessionTable, check_token_ids
+from verifier.session import (
+    ReplicaSession,
+    ReplicaStats,
+    SessionTable,
+    check_token_ids,
+    synchronized,
+)
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class Verifier:
     """Verifies draft blocks against the target model, one session per request."""
 
     def __init__(self, target: LoadedModel, config: VerifierConfig | None = None) -> None:
+        self._lock = threading.Lock()
         self.config = config or VerifierConfig()
         self._target = target
         self._sessions = SessionTable(
@@ -54,6 +62,7 @@ class Verifier:
     def vocab_size(self) -> int:
         return self._target.vocab_size
 
+    @synchronized
     def open_session(
         self,
         session_id: str,
@@ -64,8 +73,15 @@ class Verifier:
         """Open a session and prefill its cache; returns the committed length."""
         return len(self._sessions.open(session_id, prompt_tokens, sampling, seed).tokens)
 
-    def verify(self, session_id: str, block: DraftBlock) -> Verdict:
-        """Check `block` against the target, commit what is emitted, return the verdict."""
+    @synchronized
+    def verify(self, session_id: str, block: DraftBlock, defer_bonus: bool = False) -> Verdict:
+        """Check `block` against the target, commit what is emitted, return the verdict.
+
+        With `defer_bonus`, a block whose every token is accepted emits no bonus token: the
+        target's distribution at the next position is kept, and the next block's first token
+        is verified against it. This is the same acceptance rule applied across two passes,
+        so it stays lossless; it lets a block drafted ahead (pipelining) be used as it is.
+        """
         session = self._sessions.get_at(session_id, block.base_length)
         num_draft = len(block.tokens)
         if num_draft > self.config.max_block_tokens:
@@ -78,26 +94,47 @@ class Verifier:
         if block.draft_probs is not None:
             draft_probs = to_dense(block.draft_probs, self.vocab_size).to(self._target.device)
 
-        logits = session.kv.logits(session.tokens + list(block.tokens), num_draft + 1)
-        target_probs = logits_to_probs(logits, session.sampling)  # [k + 1, vocab]
+        target_probs = self._target_probs(session, block.tokens)  # [k + 1, vocab]
         draft_tokens = torch.tensor(block.tokens, dtype=torch.long, device=self._target.device)
         emitted, num_accepted = rejection_sample(
             target_probs, draft_tokens, draft_probs, session.generator
         )
+        deferred = defer_bonus and num_draft > 0 and num_accepted == num_draft
+        if deferred:
+            # Every position is now in the cache; the bonus row waits for the next block.
+            session.next_probs = target_probs[num_draft]
+            emitted = emitted[:num_draft]
+        else:
+            session.next_probs = None
+            # Keep the accepted drafts; the newly emitted last token is fed next time.
+            session.kv.rollback(block.base_length + num_accepted)
         tokens = tuple(int(t) for t in emitted.tolist())
         session.tokens.extend(tokens)
-        # The cache keeps the accepted drafts; the newly emitted last token is fed next time.
-        session.kv.rollback(block.base_length + num_accepted)
         return Verdict(
             base_length=block.base_length,
             num_accepted=num_accepted,
             tokens=tokens,
             committed_length=len(session.tokens),
+            bonus_deferred=deferred,
         )
 
+    def _target_probs(self, session: ReplicaSession, block: Sequence[int]) -> torch.Tensor:
+        """The target's p at each block position plus the bonus position: `[k + 1, vocab]`."""
+        context = session.tokens + list(block)
+        kept = session.next_probs
+        if kept is None:
+            # The last committed token is not in the cache yet: feeding it gives the first row.
+            return logits_to_probs(session.kv.logits(context, len(block) + 1), session.sampling)
+        if not block:
+            return kept[None]
+        rows = logits_to_probs(session.kv.logits(context, len(block)), session.sampling)
+        return torch.cat([kept[None], rows])
+
+    @synchronized
     def close_session(self, session_id: str) -> bool:
         """Free the session; True if it existed."""
         return self._sessions.remove(session_id)
 
+    @synchronized
     def stats(self) -> ReplicaStats:
         return self._sessions.stats()

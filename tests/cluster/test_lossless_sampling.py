@@ -62,16 +62,20 @@ def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> fl
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("sampling", "draft_tokens", "max_tokens"),
+    ("sampling", "draft_tokens", "max_tokens", "pipelined"),
     [
         # Two drafts per block: t2 is an accepted or recovered draft, or from a second round.
-        (SamplingParams(temperature=1.0), 2, 3),
+        (SamplingParams(temperature=1.0), 2, 3, False),
         # One draft per block: t2 is often the bonus token.
-        (SamplingParams(temperature=1.0), 1, 2),
+        (SamplingParams(temperature=1.0), 1, 2, False),
         # Nucleus sampling: both p and q are truncated to their top-p sets.
-        (SamplingParams(temperature=1.0, top_p=0.8), 3, 4),
+        (SamplingParams(temperature=1.0, top_p=0.8), 3, 4, False),
+        # Pipelined: when t1 is accepted the bonus is deferred, and t2 is the block drafted
+        # ahead, checked against the kept target distribution.
+        (SamplingParams(temperature=1.0), 1, 3, True),
+        (SamplingParams(temperature=1.0, top_p=0.8), 1, 3, True),
     ],
-    ids=["temperature-k2", "temperature-k1-bonus", "top-p-k3"],
+    ids=["temperature-k2", "temperature-k1-bonus", "top-p-k3", "pipelined", "pipelined-top-p"],
 )
 def test_first_two_tokens_follow_the_target(
     local_tandem: LocalTandem,
@@ -79,19 +83,22 @@ def test_first_two_tokens_follow_the_target(
     sampling: SamplingParams,
     draft_tokens: int,
     max_tokens: int,
+    pipelined: bool,
 ) -> None:
     vocab = tiny_target.vocab_size
     counts = torch.zeros(vocab, vocab)
-    drafted = accepted = 0
+    drafted = accepted = hits = 0
     for seed in range(NUM_SEEDS):
         request = GenerationRequest(
             PROMPT, max_tokens, sampling, seed=seed, draft_tokens=draft_tokens
         )
-        result = local_tandem.router.generate(request)
+        result = local_tandem.router.generate(request, pipelined=pipelined)
         counts[result.tokens[0], result.tokens[1]] += 1
         drafted += result.stats.num_drafted
         accepted += result.stats.num_accepted
+        hits += result.stats.pipeline_hits
     assert 0 < accepted < drafted  # both acceptance and rejection paths were taken
+    assert (hits > 0) == pipelined
     assert chi_square_p_value(counts, joint_first_two(tiny_target, sampling)) > ALPHA
 
 

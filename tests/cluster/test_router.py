@@ -40,16 +40,20 @@ def test_target_only_equals_hugging_face_generate(
         assert list(tokens) == reference[0, ids.shape[1] :].tolist(), prompt
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
 @pytest.mark.parametrize("draft_tokens", range(1, 9))
 def test_greedy_speculation_is_lossless(
-    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]], draft_tokens: int
+    local_tandem: LocalTandem,
+    target_only: dict[str, tuple[int, ...]],
+    draft_tokens: int,
+    pipelined: bool,
 ) -> None:
     drafted = accepted = 0
     for prompt, expected in target_only.items():
         request = GenerationRequest(
             encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=draft_tokens
         )
-        result = local_tandem.router.generate(request)
+        result = local_tandem.router.generate(request, pipelined=pipelined)
         assert result.tokens == expected, prompt
         drafted += result.stats.num_drafted
         accepted += result.stats.num_accepted
@@ -59,17 +63,24 @@ def test_greedy_speculation_is_lossless(
     assert local_tandem.drafter.stats().num_sessions == 0
 
 
-def test_stats_add_up(local_tandem: LocalTandem) -> None:
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_stats_add_up(local_tandem: LocalTandem, pipelined: bool) -> None:
     result = local_tandem.router.generate(
-        GenerationRequest(encode(local_tandem, CODE_PROMPT), 30, draft_tokens=4)
+        GenerationRequest(encode(local_tandem, CODE_PROMPT), 30, draft_tokens=4),
+        pipelined=pipelined,
     )
     stats = result.stats
     assert len(result.tokens) == 30
-    # Every verify pass emits its accepted drafts plus one token of the target's own.
-    assert stats.num_accepted + stats.num_verify_passes == 30
+    # A verify pass emits its accepted drafts plus one token of the target's own, except when
+    # the block was all accepted and a block drafted ahead takes over (a pipeline hit).
+    assert stats.num_accepted + stats.num_verify_passes - stats.pipeline_hits == 30
     assert stats.num_drafted <= 4 * stats.num_verify_passes
     assert result.finish_reason is FinishReason.LENGTH
     assert result.num_prompt_tokens == len(CODE_PROMPT)
+    if pipelined:
+        assert stats.pipeline_hits > 0 and stats.pipeline_misses > 0
+    else:
+        assert stats.pipeline_hits == stats.pipeline_misses == 0
 
 
 def test_stream_yields_what_generate_returns(local_tandem: LocalTandem) -> None:
@@ -139,3 +150,19 @@ def test_seeded_sampling_repeats(local_tandem: LocalTandem) -> None:
 
     assert run(1) == run(1)
     assert run(1) != run(2)
+
+
+def test_concurrent_requests_in_process_are_exact(
+    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
+) -> None:
+    """One router, drafter and verifier shared by 8 threads: components serialise their calls."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(prompt: str) -> tuple[int, ...]:
+        request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=3)
+        return local_tandem.router.generate(request).tokens
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, PROMPTS))
+    assert results == [target_only[p] for p in PROMPTS]
+    assert local_tandem.verifier.stats().num_sessions == 0

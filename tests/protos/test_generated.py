@@ -149,6 +149,31 @@ def test_verdict_round_trips() -> None:
     assert parsed.committed_length == 20
 
 
+def test_pipelining_fields_round_trip() -> None:
+    # truncate_to: unset means drop nothing, so an explicit 0 must be distinguishable from it.
+    unset = _round_trip(replica_pb2.DraftRequest(session_id="s-1", base_length=9, num_tokens=4))
+    assert not unset.HasField("truncate_to")
+    explicit = _round_trip(replica_pb2.DraftRequest(base_length=9, num_tokens=4, truncate_to=0))
+    assert explicit.HasField("truncate_to") and explicit.truncate_to == 0
+
+    request = _round_trip(replica_pb2.VerifyRequest(session_id="s-1", defer_bonus=True))
+    assert request.defer_bonus
+    assert not replica_pb2.VerifyRequest().defer_bonus
+
+    # All three draft tokens accepted and the bonus deferred: no token of the target's own.
+    verdict = _round_trip(
+        replica_pb2.Verdict(
+            base_length=17,
+            num_accepted=3,
+            token_ids=[42, 7, 99],
+            committed_length=20,
+            bonus_deferred=True,
+        )
+    )
+    assert verdict.bonus_deferred
+    assert not replica_pb2.Verdict().bonus_deferred
+
+
 def _method_names(descriptor_file: FileDescriptor, service: str) -> list[str]:
     return [m.name for m in descriptor_file.services_by_name[service].methods]
 

@@ -9,7 +9,14 @@ import torch
 
 from verifier import tiny
 from verifier.errors import InvalidArgumentError
-from verifier.models import TINY_DRAFT, TINY_TARGET, LoadedModel, ModelSpec, load_model
+from verifier.models import (
+    TINY_DRAFT,
+    TINY_TARGET,
+    LoadedModel,
+    ModelSpec,
+    load_model,
+    load_tokenizer,
+)
 
 
 def test_tiny_pair_shares_tokenizer_and_vocabulary(
@@ -92,3 +99,13 @@ def test_cuda_requested_without_cuda() -> None:
 def test_loads_on_cuda() -> None:
     loaded = load_model(ModelSpec(TINY_TARGET, device="auto"))
     assert loaded.device.type == "cuda"
+
+
+def test_tokenizer_alone_matches_the_models(tiny_target: LoadedModel, tmp_path: Path) -> None:
+    loaded = load_tokenizer(ModelSpec(TINY_TARGET))
+    assert loaded.eos_token_ids == tiny_target.eos_token_ids
+    tiny_target.model.save_pretrained(tmp_path)
+    tiny_target.tokenizer.save_pretrained(tmp_path)
+    from_folder = load_tokenizer(ModelSpec(str(tmp_path)))
+    assert from_folder.eos_token_ids == tiny_target.eos_token_ids
+    assert from_folder.tokenizer.encode("abc", add_special_tokens=False) == [97, 98, 99]

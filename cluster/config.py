@@ -1,0 +1,148 @@
+"""The service's configuration: one frozen dataclass per part, validated when built.
+
+`ServiceConfig.from_dict` (and `from_yaml`) is the one place a config file is parsed: unknown
+keys are rejected with their path, so a typo never silently falls back to a default. No I/O
+happens when a config is built; models load in the replicas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from cluster.presets import DEFAULT_PRESET, ModelPair, resolve_pair
+from cluster.service import ServiceConfig
+from drafter.drafter import DrafterConfig
+from verifier.errors import InvalidArgumentError
+from verifier.verifier import VerifierConfig
+
+DEFAULT_APP_NAME = "tandem"
+DEFAULT_GRPC_PORT = 9000
+
+
+@dataclass(frozen=True)
+class ReplicaGroupConfig:
+    """How many replicas of one deployment, and what each asks Ray for (its placement)."""
+
+    num_replicas: int = 1
+    num_cpus: float = 0.0
+    """Logical CPUs reserved per replica (0: none, so a small machine fits every replica)."""
+    num_gpus: float = 0.0
+    accelerator_type: str | None = None
+    """Ray accelerator type, e.g. "L4" for drafters and "H100" for verifiers."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources, e.g. {"drafter_node": 1} to pin a side to labelled nodes."""
+    torch_threads: int = 0
+    """Intra-op threads per replica (0: Ray's default, which is the replica's num_cpus, and
+    1 when num_cpus is 0)."""
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise InvalidArgumentError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        for name in ("num_cpus", "num_gpus"):
+            if getattr(self, name) < 0:
+                raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.torch_threads < 0:
+            raise InvalidArgumentError(f"torch_threads must be >= 0, got {self.torch_threads}")
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.accelerator_type:
+            options["accelerator_type"] = self.accelerator_type
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        return options
+
+
+@dataclass(frozen=True)
+class ModelsConfig:
+    """Which target/draft pair to serve: a preset, with optional overrides."""
+
+    preset: str = DEFAULT_PRESET
+    target: str | None = None
+    draft: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+
+    def pair(self) -> ModelPair:
+        return resolve_pair(self.preset, self.target, self.draft, self.dtype, self.device)
+
+
+@dataclass(frozen=True)
+class TandemConfig:
+    """Everything `tandem serve` deploys."""
+
+    app_name: str = DEFAULT_APP_NAME
+    grpc_port: int = DEFAULT_GRPC_PORT
+    """Port of Serve's gRPC proxy: the public API."""
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    api: ServiceConfig = field(default_factory=ServiceConfig)
+    """Defaults and limits of the public API (draft length, pipelining, max_tokens)."""
+    router: ReplicaGroupConfig = field(default_factory=ReplicaGroupConfig)
+    drafter: ReplicaGroupConfig = field(default_factory=ReplicaGroupConfig)
+    verifier: ReplicaGroupConfig = field(default_factory=ReplicaGroupConfig)
+    drafter_limits: DrafterConfig = field(default_factory=DrafterConfig)
+    verifier_limits: VerifierConfig = field(default_factory=VerifierConfig)
+    replica_rpc_timeout_s: float | None = 60.0
+    """Deadline of each router -> replica call (None: no deadline)."""
+
+    def __post_init__(self) -> None:
+        if not self.app_name or not self.app_name.replace("-", "").replace("_", "").isalnum():
+            raise InvalidArgumentError(
+                f"app_name must be alphanumeric (with - or _), got {self.app_name!r}"
+            )
+        if not 0 < self.grpc_port < 65536:
+            raise InvalidArgumentError(f"grpc_port must be in 1..65535, got {self.grpc_port}")
+        self.models.pair()  # validates the preset and the model specs
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TandemConfig:
+        return _build(cls, data, "")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> TandemConfig:
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as error:
+            raise InvalidArgumentError(f"cannot read config {path}: {error}") from error
+        except yaml.YAMLError as error:
+            raise InvalidArgumentError(f"config {path} is not valid YAML: {error}") from error
+        if not isinstance(data, dict):
+            raise InvalidArgumentError(f"config {path} must be a mapping at the top level")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+T = TypeVar("T")
+
+
+def _build(cls: type[T], data: Any, path: str) -> T:
+    """Build dataclass `cls` from a mapping, recursing into dataclass fields; unknown keys fail."""
+    if not isinstance(data, dict):
+        raise InvalidArgumentError(f"{path or 'config'} must be a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f" in {path}" if path else ""
+        raise InvalidArgumentError(
+            f"unknown config key{'s' if len(unknown) > 1 else ''}{where}: {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(fields))}"
+        )
+    values: dict[str, Any] = {}
+    for name, value in data.items():
+        default = fields[name].default_factory
+        nested = default() if callable(default) else None
+        if dataclasses.is_dataclass(nested) and not isinstance(nested, type):
+            values[name] = _build(type(nested), value, f"{path}.{name}" if path else name)
+        else:
+            values[name] = value
+    try:
+        return cls(**values)
+    except TypeError as error:
+        raise InvalidArgumentError(f"{path or 'config'}: {error}") from error

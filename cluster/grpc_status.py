@@ -1,0 +1,33 @@
+"""What a client of the public `tandem.v1.Tandem` API sees when a call fails.
+
+Contract: `status_of(error)` turns any exception into a gRPC `(code, message)` pair. A
+`TandemError` keeps its own status (the name-to-code mapping is `verifier.rpc.status_code`,
+shared with the replica servers) and its message, which is written for the caller. Anything
+else is a bug: its traceback is logged here and the client gets INTERNAL with the fixed message
+`INTERNAL_ERROR_MESSAGE`, never the exception's text.
+
+Both public fronts use it, the plain gRPC servicer (`cluster.grpc_ingress`) and the Ray Serve
+ingress, so the same failure reaches a client with the same code and words either way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from verifier.errors import TandemError
+from verifier.rpc import status_code
+
+logger = logging.getLogger(__name__)
+
+INTERNAL_ERROR_MESSAGE = "internal error"
+"""The only details a client gets for an unexpected server-side exception."""
+
+
+def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and message a client should get for `error`."""
+    if isinstance(error, TandemError):
+        return status_code(error.status), str(error)
+    logger.error("request failed unexpectedly", exc_info=error)
+    return grpc.StatusCode.INTERNAL, INTERNAL_ERROR_MESSAGE

@@ -1,0 +1,201 @@
+"""gRPC clients for drafter and verifier replicas: the router's ports over the network.
+
+`GrpcDrafter` implements `DrafterPort` and `GrpcVerifier` implements `VerifierPort`, so the
+router runs unchanged over replicas in other processes (DESIGN.md invariant 4: direct gRPC to
+the pinned replica, no Serve hop). Each wraps one `grpc.Channel`, given or opened from a
+"host:port" address, and converts values with `verifier.wire`.
+
+Errors: a failed call raises the `TandemError` subclass the replica raised (matched by status
+code, with the replica's message), so callers handle a remote replica as they would a local
+one. Codes with no class of their own (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ...) raise
+`ReplicaUnavailableError`. Every call has an optional deadline, `timeout_s`: the client's
+default, or the one passed to the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+
+from protos import replica_pb2, replica_pb2_grpc
+from verifier import wire
+from verifier.block import DraftBlock, Verdict
+from verifier.errors import (
+    InvalidArgumentError,
+    ReplicaUnavailableError,
+    ResourceExhaustedError,
+    SessionExistsError,
+    SessionNotFoundError,
+    StaleBaseError,
+    TandemError,
+)
+from verifier.rpc import MESSAGE_SIZE_OPTIONS
+from verifier.sampling import SamplingParams
+from verifier.session import ReplicaStats
+
+ERRORS_BY_CODE: Mapping[grpc.StatusCode, type[TandemError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.FAILED_PRECONDITION: StaleBaseError,
+    grpc.StatusCode.NOT_FOUND: SessionNotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: SessionExistsError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+}
+"""The error a replica raised, by the status code it sent; any other code means the replica
+itself failed: `ReplicaUnavailableError`."""
+
+NO_TIMEOUT = None
+"""`timeout_s` value that waits for an answer as long as it takes."""
+
+
+def error_from_rpc(error: grpc.RpcError, replica: str) -> TandemError:
+    """The `TandemError` for a failed call to `replica` (named in unavailability messages)."""
+    code = error.code()
+    details = error.details() or ""
+    error_class = ERRORS_BY_CODE.get(code)
+    if error_class is not None:
+        return error_class(details)
+    name = code.name if isinstance(code, grpc.StatusCode) else str(code)
+    return ReplicaUnavailableError(f"{replica}: {name}: {details}")
+
+
+class _ReplicaClient:
+    """The channel, deadline and error handling both clients share, and the common calls.
+
+    `timeout_s` is every call's deadline in seconds (`NO_TIMEOUT`: none); a call's own
+    `timeout_s` keyword, when given, replaces it for that call.
+    """
+
+    _kind = "replica"
+
+    def __init__(self, target: grpc.Channel | str, timeout_s: float | None = NO_TIMEOUT) -> None:
+        """`target`: an open channel (still the caller's to close) or a "host:port" address
+        (its channel is opened here and closed by `close`)."""
+        if isinstance(target, str):
+            self._channel = grpc.insecure_channel(target, options=list(MESSAGE_SIZE_OPTIONS))
+            self._owns_channel = True
+            self._replica = f"{self._kind} at {target}"
+        else:
+            self._channel = target
+            self._owns_channel = False
+            self._replica = self._kind
+        self.timeout_s = timeout_s
+        self._stub = self._make_stub(self._channel)
+
+    def _make_stub(self, channel: grpc.Channel) -> Any:
+        """The service's stub on `channel`; each subclass names its service."""
+        raise NotImplementedError
+
+    def _call(self, method: Callable[..., Any], request: Any, timeout_s: float | None) -> Any:
+        """`method(request)` on the stub; a failed call raises the matching `TandemError`."""
+        deadline_s = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            return method(request, timeout=deadline_s)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, self._replica) from error
+
+    def open_session(
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+        *,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Open a session; returns its committed length."""
+        request = replica_pb2.OpenSessionRequest(
+            session_id=session_id,
+            prompt_token_ids=wire.token_ids_to_wire(prompt_tokens, "prompt_tokens"),
+            sampling=wire.sampling_to_wire(sampling),
+            seed=wire.uint_to_wire(seed, "seed"),
+        )
+        response: replica_pb2.OpenSessionResponse = self._call(
+            self._stub.OpenSession, request, timeout_s
+        )
+        return response.committed_length
+
+    def close_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
+        """Free the session; True if it existed."""
+        request = replica_pb2.CloseSessionRequest(session_id=session_id)
+        response: replica_pb2.CloseSessionResponse = self._call(
+            self._stub.CloseSession, request, timeout_s
+        )
+        return response.existed
+
+    def stats(self, *, timeout_s: float | None = None) -> ReplicaStats:
+        """What the replica holds right now."""
+        return wire.stats_from_wire(
+            self._call(self._stub.Stats, replica_pb2.StatsRequest(), timeout_s)
+        )
+
+    def close(self) -> None:
+        """Close the channel if this client opened it; a channel passed in stays open."""
+        if self._owns_channel:
+            self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class GrpcDrafter(_ReplicaClient):
+    """A drafter replica over gRPC; a `DrafterPort`."""
+
+    _kind = "drafter"
+
+    def _make_stub(self, channel: grpc.Channel) -> Any:
+        return replica_pb2_grpc.DrafterStub(channel)
+
+    def draft(
+        self,
+        session_id: str,
+        base_length: int,
+        appended_tokens: Sequence[int],
+        num_tokens: int,
+        truncate_to: int | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> DraftBlock:
+        """See `DrafterPort.draft`."""
+        request = replica_pb2.DraftRequest(
+            session_id=session_id,
+            base_length=wire.uint_to_wire(base_length, "base_length"),
+            appended_token_ids=wire.token_ids_to_wire(appended_tokens, "appended_tokens"),
+            num_tokens=wire.uint_to_wire(num_tokens, "num_tokens", wire.MAX_UINT32),
+        )
+        if truncate_to is not None:
+            request.truncate_to = wire.uint_to_wire(truncate_to, "truncate_to")
+        return wire.block_from_wire(self._call(self._stub.Draft, request, timeout_s))
+
+
+class GrpcVerifier(_ReplicaClient):
+    """A verifier replica over gRPC; a `VerifierPort`."""
+
+    _kind = "verifier"
+
+    def _make_stub(self, channel: grpc.Channel) -> Any:
+        return replica_pb2_grpc.VerifierStub(channel)
+
+    def verify(
+        self,
+        session_id: str,
+        block: DraftBlock,
+        defer_bonus: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> Verdict:
+        """See `VerifierPort.verify`."""
+        request = replica_pb2.VerifyRequest(
+            session_id=session_id, block=wire.block_to_wire(block), defer_bonus=defer_bonus
+        )
+        return wire.verdict_from_wire(self._call(self._stub.Verify, request, timeout_s))

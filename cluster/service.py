@@ -1,0 +1,253 @@
+"""The public API as a plain class: `tandem.v1.Tandem` requests in, responses and chunks out.
+
+`TandemService` turns a `GenerateRequest` into the router's `GenerationRequest` (a text prompt
+is tokenized with the target's tokenizer, `add_special_tokens=False`, so the ids are exactly
+the text's), runs it on the router, and turns what comes back into `GenerateResponse` /
+`GenerateChunk` messages. It knows nothing of gRPC servers or Ray: `cluster.grpc_ingress` and
+the Serve ingress are thin adapters over it, and tests call it directly.
+
+Validation: every bad field raises `InvalidArgumentError` (INVALID_ARGUMENT) naming the field.
+Proto3 cannot tell a plain scalar's 0 from unset, so `max_tokens` 0 is an error like any value
+below 1, never a silent default. `max_tokens` above `ServiceConfig.max_tokens_limit` is
+INVALID_ARGUMENT too, not RESOURCE_EXHAUSTED: the limit is fixed configuration, so the same
+request can never succeed on this server, while RESOURCE_EXHAUSTED tells a client to back off
+and retry. Unset optional fields take defaults: `top_p` 1.0 (no nucleus cut), `seed` a fresh
+random one (as generate.proto promises; send a seed to make sampling repeatable),
+`draft_tokens` and `pipelined` from `ServiceConfig`. Token ids are checked
+against the vocabulary by the verifier when the request starts.
+
+Every request gets a fresh request id (uuid4 hex) on its response and on every chunk. The last
+chunk of a stream carries the finish reason, usage and speculation counters. Closing a stream
+early (the client went away) closes the router's stream, which frees the request's sessions on
+both replicas; `generate` stops the same way once its `is_active` callback returns False.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import Callable, Generator, Iterator
+from contextlib import closing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cluster.request import (
+    DEFAULT_DRAFT_TOKENS,
+    MAX_DRAFT_TOKENS,
+    FinishReason,
+    GenerationChunk,
+    GenerationRequest,
+    SpeculationStats,
+)
+from cluster.router import Router
+from protos import generate_pb2
+from verifier.errors import InvalidArgumentError, TandemError
+from verifier.wire import sampling_from_wire
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+"""Seed of a request that sets none: the same request gives the same output."""
+DEFAULT_MAX_TOKENS_LIMIT = 4096
+"""Default ceiling on `max_tokens`: the verifier's default context is 4096 tokens."""
+_FINISH_REASON_PREFIX = "FINISH_REASON_"
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Server-side defaults and limits of the public API."""
+
+    default_draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    """Draft block length of a request that sets none; 0 means no speculation."""
+    default_pipelined: bool = True
+    """Whether a request that does not say drafts the next block during verification."""
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
+    """Largest `max_tokens` a request may ask for."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.default_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidArgumentError(
+                f"default_draft_tokens must be in 0..{MAX_DRAFT_TOKENS}, "
+                f"got {self.default_draft_tokens}"
+            )
+        if self.max_tokens_limit < 1:
+            raise InvalidArgumentError(
+                f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}"
+            )
+
+
+class RequestCancelledError(TandemError):
+    """The caller went away (cancelled, or past its deadline) before the request finished."""
+
+    status = "CANCELLED"
+
+
+def finish_reason_to_proto(reason: FinishReason) -> generate_pb2.FinishReason:
+    # The proto enum names are the Python enum's names with a prefix: one list of reasons.
+    return generate_pb2.FinishReason.Value(_FINISH_REASON_PREFIX + reason.name)
+
+
+def finish_reason_from_proto(value: generate_pb2.FinishReason) -> FinishReason | None:
+    """None for FINISH_REASON_UNSPECIFIED (not finished)."""
+    if value == generate_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return FinishReason[generate_pb2.FinishReason.Name(value).removeprefix(_FINISH_REASON_PREFIX)]
+
+
+def stats_to_proto(stats: SpeculationStats) -> generate_pb2.SpeculationStats:
+    return generate_pb2.SpeculationStats(
+        num_drafted=stats.num_drafted,
+        num_accepted=stats.num_accepted,
+        num_verify_passes=stats.num_verify_passes,
+        pipeline_hits=stats.pipeline_hits,
+        pipeline_misses=stats.pipeline_misses,
+    )
+
+
+def stats_from_proto(message: generate_pb2.SpeculationStats) -> SpeculationStats:
+    return SpeculationStats(
+        num_drafted=message.num_drafted,
+        num_accepted=message.num_accepted,
+        num_verify_passes=message.num_verify_passes,
+        pipeline_hits=message.pipeline_hits,
+        pipeline_misses=message.pipeline_misses,
+    )
+
+
+def _new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class TandemService:
+    """Serves `Generate` and `GenerateStream` on one router."""
+
+    def __init__(
+        self,
+        router: Router,
+        tokenizer: PreTrainedTokenizerBase,
+        config: ServiceConfig | None = None,
+    ) -> None:
+        self._router = router
+        self._tokenizer = tokenizer
+        self.config = config if config is not None else ServiceConfig()
+
+    def to_request(self, message: generate_pb2.GenerateRequest) -> tuple[GenerationRequest, bool]:
+        """The router's request for `message`, and whether to pipeline it; validated."""
+        max_tokens = message.max_tokens
+        if max_tokens < 1:
+            raise InvalidArgumentError(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_tokens > self.config.max_tokens_limit:
+            raise InvalidArgumentError(
+                f"max_tokens must be <= {self.config.max_tokens_limit} on this server, "
+                f"got {max_tokens}"
+            )
+        sampling = sampling_from_wire(message.sampling)
+        speculation = message.speculation
+        request = GenerationRequest(
+            prompt_tokens=self._prompt_tokens(message),
+            max_tokens=max_tokens,
+            sampling=sampling,
+            seed=message.seed if message.HasField("seed") else secrets.randbits(64),
+            stop=tuple(message.stop),
+            draft_tokens=(
+                speculation.draft_tokens
+                if speculation.HasField("draft_tokens")
+                else self.config.default_draft_tokens
+            ),
+        )
+        pipelined = (
+            speculation.pipelined
+            if speculation.HasField("pipelined")
+            else self.config.default_pipelined
+        )
+        return request, pipelined
+
+    def generate(
+        self,
+        message: generate_pb2.GenerateRequest,
+        is_active: Callable[[], bool] | None = None,
+    ) -> generate_pb2.GenerateResponse:
+        """Run a request to completion.
+
+        `is_active`, when given, is asked after every verify pass; once it returns False the
+        request stops, its sessions are freed, and `RequestCancelledError` is raised.
+        """
+        response = generate_pb2.GenerateResponse()
+        text: list[str] = []
+        with closing(self.stream(message)) as chunks:
+            for chunk in chunks:
+                response.request_id = chunk.request_id
+                response.token_ids.extend(chunk.token_ids)
+                text.append(chunk.text)
+                if chunk.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
+                    response.finish_reason = chunk.finish_reason
+                    response.usage.CopyFrom(chunk.usage)
+                    response.speculation.CopyFrom(chunk.speculation)
+                elif is_active is not None and not is_active():
+                    raise RequestCancelledError("the request was cancelled by its caller")
+        response.text = "".join(text)
+        return response
+
+    def stream(
+        self, message: generate_pb2.GenerateRequest
+    ) -> Generator[generate_pb2.GenerateChunk, None, None]:
+        """Chunks as tokens are committed; the last one has finish reason, usage and stats.
+
+        The request is validated here, before the first chunk is asked for. Closing the
+        returned generator early frees the request's sessions.
+        """
+        request, pipelined = self.to_request(message)
+        return self._chunks(request, pipelined, _new_request_id())
+
+    def _prompt_tokens(self, message: generate_pb2.GenerateRequest) -> tuple[int, ...]:
+        which = message.WhichOneof("prompt")
+        if which == "text":
+            if message.text == "":
+                raise InvalidArgumentError("prompt text must not be empty")
+            ids = self._tokenizer.encode(message.text, add_special_tokens=False)
+            if not ids:
+                raise InvalidArgumentError("prompt text encodes to no tokens")
+            return tuple(int(token) for token in ids)
+        if which == "token_ids":
+            if not message.token_ids.ids:
+                raise InvalidArgumentError("prompt token_ids must not be empty")
+            return tuple(message.token_ids.ids)
+        raise InvalidArgumentError("prompt is missing: set text or token_ids")
+
+    def _chunks(
+        self, request: GenerationRequest, pipelined: bool, request_id: str
+    ) -> Generator[generate_pb2.GenerateChunk, None, None]:
+        stats = SpeculationStats()
+        chunks = self._router.stream(request, stats, pipelined=pipelined)
+        num_generated = 0
+        try:
+            for chunk in chunks:
+                num_generated += len(chunk.tokens)
+                yield self._chunk_to_proto(chunk, request, request_id, stats, num_generated)
+        finally:
+            _close(chunks)
+
+    @staticmethod
+    def _chunk_to_proto(
+        chunk: GenerationChunk,
+        request: GenerationRequest,
+        request_id: str,
+        stats: SpeculationStats,
+        num_generated: int,
+    ) -> generate_pb2.GenerateChunk:
+        message = generate_pb2.GenerateChunk(
+            request_id=request_id, token_ids=chunk.tokens, text=chunk.text
+        )
+        if chunk.finish_reason is not None:
+            message.finish_reason = finish_reason_to_proto(chunk.finish_reason)
+            message.usage.prompt_tokens = len(request.prompt_tokens)
+            message.usage.completion_tokens = num_generated
+            message.speculation.CopyFrom(stats_to_proto(stats))
+        return message
+
+
+def _close(chunks: Iterator[GenerationChunk]) -> None:
+    # `Router.stream` is typed as an Iterator but is a generator, and closing it is what frees
+    # the sessions; an iterator that is not a generator holds nothing to free.
+    if isinstance(chunks, Generator):
+        chunks.close()

@@ -1,0 +1,34 @@
+"""The drafter replica as a Serve deployment body (the app builder applies `serve.deployment`).
+
+A thin shell: load the draft model, build the `Drafter`, serve it over gRPC on its own port and
+heartbeat to the registry. Serve only places it, restarts it and checks its health.
+"""
+
+from __future__ import annotations
+
+from drafter.drafter import Drafter, DrafterConfig
+from drafter.servicer import DrafterServicer
+from protos import replica_pb2_grpc
+from verifier.models import ModelSpec, load_model
+from verifier.replica_host import ReplicaShell, set_torch_threads
+
+
+class DrafterReplica(ReplicaShell):
+    def __init__(
+        self,
+        model: ModelSpec,
+        config: DrafterConfig,
+        registry_name: str | None,
+        torch_threads: int = 0,
+        bind_host: str | None = None,
+    ) -> None:
+        set_torch_threads(torch_threads)
+        self.drafter = Drafter(load_model(model), config)
+        servicer = DrafterServicer(self.drafter)
+        self._serve(
+            "drafter",
+            lambda server: replica_pb2_grpc.add_DrafterServicer_to_server(servicer, server),
+            self.drafter.stats,
+            registry_name,
+            bind_host,
+        )

@@ -1,0 +1,59 @@
+"""TandemConfig: parsed once, nested, unknown keys rejected with their path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.config import TandemConfig
+from verifier.errors import InvalidArgumentError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_example_config_in_deploy_parses() -> None:
+    config = TandemConfig.from_yaml(REPO_ROOT / "deploy" / "tandem.yaml")
+    assert config.drafter.num_replicas == 2 and config.verifier.num_replicas == 2
+    assert config.models.pair().target.source == "tiny://target"
+
+
+def test_nested_values_and_actor_options() -> None:
+    config = TandemConfig.from_dict(
+        {
+            "grpc_port": 9100,
+            "api": {"default_draft_tokens": 6},
+            "verifier": {"num_gpus": 1, "accelerator_type": "H100", "resources": {"big": 1}},
+            "drafter_limits": {"top_k": 16},
+        }
+    )
+    assert config.api.default_draft_tokens == 6
+    assert config.drafter_limits.top_k == 16
+    assert config.verifier.ray_actor_options() == {
+        "num_cpus": 0.0, "num_gpus": 1, "accelerator_type": "H100", "resources": {"big": 1},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"grpc_prot": 1}, "unknown config key: grpc_prot"),
+        ({"verifier": {"replicas": 2}}, "unknown config key in verifier: replicas"),
+        ({"verifier": {"num_replicas": 0}}, "num_replicas must be >= 1"),
+        ({"models": {"preset": "huge"}}, "unknown preset 'huge'"),
+        ({"grpc_port": 70000}, "grpc_port"),
+        ({"api": 3}, "api must be a mapping"),
+    ],
+)
+def test_bad_configs(data: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        TandemConfig.from_dict(data)
+
+
+def test_unreadable_yaml(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("verifier: [unclosed")
+    with pytest.raises(InvalidArgumentError, match="not valid YAML"):
+        TandemConfig.from_yaml(bad)
+    with pytest.raises(InvalidArgumentError, match="cannot read config"):
+        TandemConfig.from_yaml(tmp_path / "absent.yaml")

@@ -1,0 +1,71 @@
+"""Registry expiry and least-loaded pinning, without Ray (clock and registry read injected)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from cluster.directory import RegistryPool
+from cluster.registry import ReplicaRegistry
+from verifier.errors import ReplicaUnavailableError
+from verifier.replica_host import ReplicaInfo
+
+
+def entry(replica_id: str, side: str, sessions: int = 0, port: int = 1) -> dict[str, Any]:
+    return ReplicaInfo(replica_id, side, f"127.0.0.1:{port}", sessions, 0).to_dict()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_entries_expire_without_heartbeats() -> None:
+    clock = Clock()
+    registry = ReplicaRegistry(ttl_s=5.0, clock=clock)
+    registry.heartbeat(entry("d1", "drafter"))
+    registry.heartbeat(entry("v1", "verifier"))
+    clock.now = 4.0
+    registry.heartbeat(entry("v1", "verifier", sessions=3))
+    assert [e["replica_id"] for e in registry.replicas()] == ["d1", "v1"]
+    assert registry.replicas("verifier")[0]["num_sessions"] == 3
+    clock.now = 6.0  # d1 silent for 6 s, v1 for 2 s
+    assert [e["replica_id"] for e in registry.replicas()] == ["v1"]
+    assert registry.remove("v1") and not registry.remove("v1")
+    assert registry.replicas() == []
+
+
+def pool(entries: list[dict[str, Any]]) -> RegistryPool:
+    return RegistryPool(lambda: entries, refresh_s=0.0)
+
+
+def test_sessions_spread_over_equal_replicas() -> None:
+    entries = [entry("v1", "verifier", port=1), entry("v2", "verifier", port=2),
+               entry("d1", "drafter", port=3), entry("d2", "drafter", port=4)]  # fmt: skip
+    replicas = pool(entries)
+    pins = [replicas.pin(speculate=True) for _ in range(8)]
+    counts = Counter(replicas.pinned_counts())
+    assert counts == {"v1": 4, "v2": 4, "d1": 4, "d2": 4}
+    for pinned in pins:
+        pinned.release()
+    assert replicas.pinned_counts() == {}
+    replicas.close()
+
+
+def test_reported_load_steers_new_sessions() -> None:
+    replicas = pool([entry("v1", "verifier", sessions=5, port=1), entry("v2", "verifier", port=2)])
+    for _ in range(3):
+        replicas.pin(speculate=False)
+    assert replicas.pinned_counts() == {"v2": 3}
+
+
+def test_no_drafter_means_target_only_and_no_verifier_is_unavailable() -> None:
+    pinned = pool([entry("v1", "verifier")]).pin(speculate=True)
+    assert pinned.drafter is None
+    with pytest.raises(ReplicaUnavailableError, match="no verifier"):
+        pool([entry("d1", "drafter")]).pin(speculate=True)

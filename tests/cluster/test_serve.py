@@ -1,0 +1,240 @@
+"""The disaggregated service on a real local Ray cluster, started as a user starts it.
+
+One service per test session: `tandem serve --preset tiny --drafters 2 --verifiers 2 --detach`
+in its own TANDEM_HOME and on free ports, stopped by `tandem shutdown` at the end. Requests go
+through Serve's gRPC proxy to the Router deployment, and blocks over direct gRPC to the
+drafter and verifier replicas. Replica session counts are read straight from the replicas'
+Stats RPC (exact, no heartbeat lag), at the addresses `tandem status --json` reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.client import TandemClient
+from cluster.client_types import TandemClientError
+from cluster.local import LocalTandem
+from cluster.local_cluster import free_port
+from cluster.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.request import GenerationRequest
+from tests.conftest import PROMPTS
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+TANDEM = str(Path(sys.executable).with_name("tandem"))
+SERVE_TIMEOUT_S = 300
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+    home = Path("/tmp") / f"tandem-test-{os.getpid()}"  # short: Ray's socket paths are limited
+    env = {**os.environ, "TANDEM_HOME": str(home)}
+    port = free_port()
+    started = time.monotonic()
+    serve = subprocess.run(
+        [TANDEM, "serve", "--preset", "tiny", "--drafters", "2", "--verifiers", "2",
+         "--port", str(port), "--detach"],
+        env=env, capture_output=True, text=True, timeout=SERVE_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    cold_start_s = time.monotonic() - started
+    try:
+        assert serve.returncode == 0, serve.stderr[-3000:]
+        address = f"127.0.0.1:{port}"
+        assert f"serving tandem.v1.Tandem on {address}" in serve.stdout
+        status = subprocess.run(
+            [TANDEM, "status", "--json"], env=env, capture_output=True, text=True,
+            timeout=120, check=True,
+        )  # fmt: skip
+        yield {
+            "address": address,
+            "env": env,
+            "status": json.loads(status.stdout),
+            "cold_start_s": cold_start_s,
+        }
+    finally:
+        down = subprocess.run(
+            [TANDEM, "shutdown"], env=env, capture_output=True, text=True, timeout=180,
+            check=False,
+        )  # fmt: skip
+        assert down.returncode == 0, down.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def client(service: dict[str, object]) -> Iterator[TandemClient]:
+    with TandemClient(str(service["address"]), timeout_s=120) as c:
+        yield c
+
+
+def replica_sessions(service: dict[str, object]) -> dict[str, int]:
+    """Open sessions per replica, asked of each replica directly."""
+    counts = {}
+    for replica in service["status"]["replicas"]:  # type: ignore[index]
+        kind = GrpcDrafter if replica["side"] == "drafter" else GrpcVerifier
+        with kind(replica["address"], timeout_s=10) as port:
+            counts[replica["replica_id"]] = port.stats().num_sessions
+    return counts
+
+
+def wait_until_no_sessions(service: dict[str, object], timeout_s: float = 30) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = replica_sessions(service)
+        if not any(counts.values()) or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def expected(local_tandem: LocalTandem) -> dict[str, tuple[int, ...]]:
+    """Greedy target-only output per prompt, in-process."""
+    out = {}
+    for prompt in PROMPTS:
+        ids = tuple(local_tandem.tokenizer.encode(prompt, add_special_tokens=False))
+        request = GenerationRequest(ids, MAX_TOKENS, draft_tokens=0)
+        out[prompt] = local_tandem.router.generate(request).tokens
+    return out
+
+
+def test_deployments_and_replicas(service: dict[str, object]) -> None:
+    status = service["status"]
+    assert status["deployments"].keys() == {"Drafter", "Verifier", "Router"}  # type: ignore[index]
+    sides = [r["side"] for r in status["replicas"]]  # type: ignore[index]
+    assert sides.count("drafter") == 2 and sides.count("verifier") == 2
+    assert all(r["address"].startswith("127.0.0.1:") for r in status["replicas"])  # type: ignore[index]
+    print(f"cold start of tandem serve: {service['cold_start_s']:.1f} s")
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
+@pytest.mark.parametrize("draft_tokens", range(1, 9))
+def test_greedy_through_the_service_is_exact(
+    client: TandemClient, expected: dict[str, tuple[int, ...]], draft_tokens: int, pipelined: bool
+) -> None:
+    for prompt in PROMPTS[:3]:
+        result = client.generate(
+            prompt, max_tokens=MAX_TOKENS, draft_tokens=draft_tokens, pipelined=pipelined
+        )
+        assert result.tokens == expected[prompt], prompt
+        if pipelined and draft_tokens <= 4:
+            assert result.pipeline_hits + result.pipeline_misses > 0
+
+
+def test_target_only_through_the_service(
+    client: TandemClient, expected: dict[str, tuple[int, ...]]
+) -> None:
+    result = client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, draft_tokens=0)
+    assert result.tokens == expected[PROMPTS[0]]
+    assert result.num_drafted == 0 and result.num_verify_passes == MAX_TOKENS
+
+
+def test_stream_yields_exactly_what_generate_returns(client: TandemClient) -> None:
+    kwargs = dict(max_tokens=40, temperature=0.9, top_p=0.95, seed=11, draft_tokens=3)
+    unary = client.generate(PROMPTS[3], **kwargs)  # type: ignore[arg-type]
+    chunks = list(client.stream(PROMPTS[3], **kwargs))  # type: ignore[arg-type]
+    assert tuple(t for c in chunks for t in c.tokens) == unary.tokens
+    assert "".join(c.text for c in chunks) == unary.text
+    assert chunks[-1].finish_reason == unary.finish_reason
+    assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_concurrent_clients_are_exact_and_spread(
+    service: dict[str, object], client: TandemClient, expected: dict[str, tuple[int, ...]]
+) -> None:
+    """8 clients at once over 2 drafters and 2 verifiers: every output exact, and every
+    replica holds sessions while they run."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    seen: dict[str, int] = {}
+    running = threading.Event()
+    running.set()
+
+    def watch() -> None:
+        while running.is_set():
+            for replica, n in replica_sessions(service).items():
+                seen[replica] = max(seen.get(replica, 0), n)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(
+                pool.map(
+                    lambda p: client.generate(p, max_tokens=MAX_TOKENS, draft_tokens=4), prompts
+                )
+            )
+    finally:
+        running.clear()
+        watcher.join()
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.tokens == expected[prompt], prompt
+    assert len(seen) == 4 and all(n > 0 for n in seen.values()), seen
+    assert not any(wait_until_no_sessions(service).values())
+
+
+def test_cancelling_a_stream_frees_both_replicas(
+    service: dict[str, object], client: TandemClient
+) -> None:
+    stream = client.stream(PROMPTS[0], max_tokens=2000, draft_tokens=4)
+    next(stream)
+    next(stream)
+    during = replica_sessions(service)
+    assert sum(during.values()) == 2  # one drafter session and one verifier session
+    stream.close()  # cancels the call
+    after = wait_until_no_sessions(service)
+    assert not any(after.values()), after
+
+
+def test_deadline_frees_both_replicas(service: dict[str, object], client: TandemClient) -> None:
+    with pytest.raises(TandemClientError) as error:
+        client.generate(PROMPTS[0], max_tokens=4000, timeout_s=0.5)
+    assert error.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert not any(wait_until_no_sessions(service).values())
+
+
+def test_bad_input_gets_invalid_argument(client: TandemClient) -> None:
+    for kwargs in (dict(max_tokens=0), dict(max_tokens=5, temperature=float("nan"))):
+        with pytest.raises(TandemClientError) as error:
+            client.generate("hello", **kwargs)  # type: ignore[arg-type]
+        assert error.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(TandemClientError) as error:
+        client.generate([1, 300], max_tokens=4)
+    assert error.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "outside the vocabulary" in error.value.message
+
+
+def test_health_and_reflection(service: dict[str, object]) -> None:
+    with grpc.insecure_channel(str(service["address"])) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=30
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        response = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=30)))
+        names = {s.name for s in response.list_services_response.service}
+        assert {"tandem.v1.Tandem", "grpc.health.v1.Health"} <= names
+
+
+def test_cli_generate_against_the_service(service: dict[str, object]) -> None:
+    result = subprocess.run(
+        [TANDEM, "generate", "--address", str(service["address"]), "--json",
+         "--max-tokens", "16", "def add(a, b):"],
+        capture_output=True, text=True, timeout=120, check=False, env=service["env"],  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert len(out["tokens"]) == 16 and out["num_verify_passes"] > 0

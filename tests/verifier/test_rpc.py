@@ -1,0 +1,383 @@
+"""The replica servicers over real loopback gRPC: status codes, call handling, the server.
+
+Requests are sent with the raw generated stubs, so these tests see exactly what any client
+would: the status code and details on the wire.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+import pytest
+
+from drafter.drafter import Drafter
+from drafter.servicer import serve_drafter
+from protos import replica_pb2, replica_pb2_grpc, sampling_pb2
+from verifier import errors
+from verifier.models import LoadedModel
+from verifier.rpc import INTERNAL_ERROR_MESSAGE, CallGuard, start_server, status_code
+from verifier.servicer import serve_verifier
+from verifier.verifier import Verifier, VerifierConfig
+
+PROMPT = list(b"def add(a, b):")
+GREEDY = sampling_pb2.SamplingParams()
+
+
+@dataclass
+class Replicas:
+    drafter: Drafter
+    verifier: Verifier
+    drafter_stub: Any
+    verifier_stub: Any
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> Iterator[Replicas]:
+    drafter, verifier = Drafter(tiny_draft), Verifier(tiny_target, VerifierConfig(max_sessions=4))
+    drafter_server, drafter_port = serve_drafter(drafter)
+    verifier_server, verifier_port = serve_verifier(verifier)
+    drafter_channel = grpc.insecure_channel(f"127.0.0.1:{drafter_port}")
+    verifier_channel = grpc.insecure_channel(f"127.0.0.1:{verifier_port}")
+    yield Replicas(
+        drafter,
+        verifier,
+        replica_pb2_grpc.DrafterStub(drafter_channel),
+        replica_pb2_grpc.VerifierStub(verifier_channel),
+    )
+    drafter_channel.close()
+    verifier_channel.close()
+    drafter_server.stop(None)
+    verifier_server.stop(None)
+
+
+@pytest.fixture
+def session(replicas: Replicas, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A greedy session open on both replicas, closed afterwards."""
+    session_id = request.node.name
+    open_request = replica_pb2.OpenSessionRequest(
+        session_id=session_id, prompt_token_ids=PROMPT, sampling=GREEDY, seed=1
+    )
+    replicas.drafter_stub.OpenSession(open_request)
+    replicas.verifier_stub.OpenSession(open_request)
+    yield session_id
+    replicas.drafter_stub.CloseSession(replica_pb2.CloseSessionRequest(session_id=session_id))
+    replicas.verifier_stub.CloseSession(replica_pb2.CloseSessionRequest(session_id=session_id))
+
+
+def rpc_error(method: Any, request: Any) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        method(request)
+    return caught.value
+
+
+# --- happy path -------------------------------------------------------------------------------
+
+
+def test_draft_and_verify_round(replicas: Replicas, session: str) -> None:
+    block = replicas.drafter_stub.Draft(
+        replica_pb2.DraftRequest(session_id=session, base_length=len(PROMPT), num_tokens=4)
+    )
+    assert block.base_length == len(PROMPT) and len(block.token_ids) == 4
+    assert not block.draft_probs  # greedy: q is one-hot, nothing sent
+    verdict = replicas.verifier_stub.Verify(
+        replica_pb2.VerifyRequest(session_id=session, block=block)
+    )
+    assert verdict.base_length == len(PROMPT)
+    assert verdict.committed_length == len(PROMPT) + verdict.num_accepted + 1
+    assert (
+        list(verdict.token_ids[: verdict.num_accepted])
+        == list(block.token_ids)[: verdict.num_accepted]
+    )
+    stats = replicas.verifier_stub.Stats(replica_pb2.StatsRequest())
+    assert stats.num_sessions == 1 and stats.num_cached_tokens > 0
+
+
+def test_close_reports_whether_the_session_existed(replicas: Replicas, session: str) -> None:
+    close = replica_pb2.CloseSessionRequest(session_id=session)
+    assert replicas.verifier_stub.CloseSession(close).existed
+    assert not replicas.verifier_stub.CloseSession(close).existed
+
+
+# --- status codes -----------------------------------------------------------------------------
+
+
+def test_stale_base_is_failed_precondition(replicas: Replicas, session: str) -> None:
+    error = rpc_error(
+        replicas.drafter_stub.Draft,
+        replica_pb2.DraftRequest(session_id=session, base_length=3, num_tokens=2),
+    )
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error.details() == (
+        f"session {session!r} has committed length {len(PROMPT)}, "
+        "but the request is based on length 3"
+    )
+    error = rpc_error(
+        replicas.verifier_stub.Verify,
+        replica_pb2.VerifyRequest(session_id=session, block=replica_pb2.DraftBlock(base_length=3)),
+    )
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_unknown_session_is_not_found(replicas: Replicas) -> None:
+    error = rpc_error(
+        replicas.verifier_stub.Verify,
+        replica_pb2.VerifyRequest(session_id="nobody", block=replica_pb2.DraftBlock()),
+    )
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert error.details() == "no open session 'nobody'"
+    error = rpc_error(
+        replicas.drafter_stub.Draft,
+        replica_pb2.DraftRequest(session_id="nobody", base_length=1, num_tokens=1),
+    )
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_out_of_vocab_token_is_invalid_argument(replicas: Replicas, session: str) -> None:
+    vocab = replicas.verifier.vocab_size
+    error = rpc_error(
+        replicas.verifier_stub.Verify,
+        replica_pb2.VerifyRequest(
+            session_id=session,
+            block=replica_pb2.DraftBlock(base_length=len(PROMPT), token_ids=[65, vocab]),
+        ),
+    )
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == (
+        f"block.tokens[1] = {vocab} is outside the vocabulary (0..{vocab - 1})"
+    )
+
+
+def test_duplicate_and_too_many_sessions(replicas: Replicas, session: str) -> None:
+    def open_session(session_id: str) -> Any:
+        return replicas.verifier_stub.OpenSession(
+            replica_pb2.OpenSessionRequest(
+                session_id=session_id, prompt_token_ids=PROMPT, sampling=GREEDY
+            )
+        )
+
+    with pytest.raises(grpc.RpcError) as caught:
+        open_session(session)
+    assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    extra = [f"{session}-{i}" for i in range(3)]  # the verifier holds at most 4 sessions
+    for session_id in extra:
+        assert open_session(session_id).committed_length == len(PROMPT)
+    with pytest.raises(grpc.RpcError) as caught:
+        open_session("one-too-many")
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for session_id in extra:
+        replicas.verifier_stub.CloseSession(replica_pb2.CloseSessionRequest(session_id=session_id))
+
+
+# Garbage a misbehaving client could send: each field out of what it may hold.
+GARBAGE_DRAFTS: dict[str, tuple[dict[str, Any], grpc.StatusCode, str]] = {
+    "empty session id": (
+        dict(session_id="", base_length=len(PROMPT), num_tokens=1),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "session_id must not be empty",
+    ),
+    "negative appended token": (
+        dict(base_length=len(PROMPT), appended_token_ids=[5, -7], num_tokens=1),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "appended_tokens[1] = -7 is outside the vocabulary",
+    ),
+    "huge base length": (
+        dict(base_length=2**64 - 1, num_tokens=1),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "based on length 18446744073709551615",
+    ),
+    "huge num_tokens": (
+        dict(base_length=len(PROMPT), num_tokens=2**32 - 1),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "num_tokens must be in 1..32, got 4294967295",
+    ),
+    "zero num_tokens": (
+        dict(base_length=len(PROMPT)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "num_tokens must be in 1..32, got 0",
+    ),
+    "huge truncate_to": (
+        dict(base_length=len(PROMPT), num_tokens=1, truncate_to=2**64 - 1),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "truncate_to must be in",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", GARBAGE_DRAFTS)
+def test_garbage_draft_request_gets_a_precise_code(
+    replicas: Replicas, session: str, case: str
+) -> None:
+    fields, code, details = GARBAGE_DRAFTS[case]
+    request = replica_pb2.DraftRequest(**{"session_id": session, **fields})
+    error = rpc_error(replicas.drafter_stub.Draft, request)
+    assert (error.code(), details in error.details()) == (code, True), error.details()
+
+
+GARBAGE_BLOCKS = {
+    "probs for some tokens": (
+        replica_pb2.DraftBlock(
+            token_ids=[1, 2], draft_probs=[replica_pb2.SparseDistribution(token_ids=[1])]
+        ),
+        "block has 2 tokens but 1 draft distributions",
+    ),
+    "ids without probs": (
+        replica_pb2.DraftBlock(
+            token_ids=[1], draft_probs=[replica_pb2.SparseDistribution(token_ids=[1])]
+        ),
+        "draft_probs[0] has 1 token ids but 0 probabilities",
+    ),
+    "negative q": (
+        replica_pb2.DraftBlock(
+            token_ids=[1],
+            draft_probs=[replica_pb2.SparseDistribution(token_ids=[1, 2], probs=[1.5, -0.5])],
+        ),
+        "sparse row 0 has probabilities not finite and >= 0",
+    ),
+    "q id out of vocab": (
+        replica_pb2.DraftBlock(
+            token_ids=[1],
+            draft_probs=[replica_pb2.SparseDistribution(token_ids=[-1], probs=[1.0])],
+        ),
+        "sparse row 0 has token ids outside",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", GARBAGE_BLOCKS)
+def test_garbage_block_is_invalid_argument(replicas: Replicas, session: str, case: str) -> None:
+    block, details = GARBAGE_BLOCKS[case]
+    block.base_length = len(PROMPT)
+    error = rpc_error(
+        replicas.verifier_stub.Verify, replica_pb2.VerifyRequest(session_id=session, block=block)
+    )
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details in error.details()
+
+
+@pytest.mark.parametrize(
+    ("sampling", "details"),
+    [
+        (sampling_pb2.SamplingParams(temperature=float("nan")), "temperature must be"),
+        (sampling_pb2.SamplingParams(temperature=1.0, top_p=0.0), "top_p must satisfy"),
+    ],
+)
+def test_garbage_sampling_is_invalid_argument(
+    replicas: Replicas, sampling: sampling_pb2.SamplingParams, details: str
+) -> None:
+    error = rpc_error(
+        replicas.drafter_stub.OpenSession,
+        replica_pb2.OpenSessionRequest(session_id="s", prompt_token_ids=[1], sampling=sampling),
+    )
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details in error.details()
+
+
+def test_unexpected_exception_is_internal_without_traceback(
+    replicas: Replicas,
+    session: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken_draft(*args: object, **kwargs: object) -> NoReturn:
+        raise RuntimeError("secret detail from deep inside")
+
+    monkeypatch.setattr(replicas.drafter, "draft", broken_draft)
+    with caplog.at_level(logging.ERROR, logger="verifier.rpc"):
+        error = rpc_error(
+            replicas.drafter_stub.Draft,
+            replica_pb2.DraftRequest(session_id=session, base_length=len(PROMPT), num_tokens=1),
+        )
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert error.details() == INTERNAL_ERROR_MESSAGE
+    # The traceback is in the replica's log, and only there.
+    [record] = [r for r in caplog.records if r.name == "verifier.rpc"]
+    assert record.getMessage() == "Drafter.Draft failed unexpectedly"
+    assert record.exc_info is not None and "secret detail" in str(record.exc_info[1])
+
+
+# --- rpc building blocks ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "error_class",
+    [
+        errors.InvalidArgumentError,
+        errors.StaleBaseError,
+        errors.SessionNotFoundError,
+        errors.SessionExistsError,
+        errors.ResourceExhaustedError,
+        errors.ReplicaUnavailableError,
+        errors.TandemError,
+    ],
+)
+def test_every_error_status_names_a_grpc_code(error_class: type[errors.TandemError]) -> None:
+    assert status_code(error_class.status).name == error_class.status
+
+
+def test_unknown_status_name_is_internal() -> None:
+    assert status_code("NOT_A_CODE") == grpc.StatusCode.INTERNAL
+
+
+class AbortingContext:
+    """Stands in for grpc.ServicerContext: abort raises, as the real one does."""
+
+    def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
+        raise RuntimeError(f"aborted {code.name}: {details}")
+
+
+def test_call_guard_runs_calls_one_at_a_time() -> None:
+    guard = CallGuard("Fake")
+    inside = 0
+    most_inside = 0
+
+    def call() -> None:
+        nonlocal inside, most_inside
+        inside += 1
+        most_inside = max(most_inside, inside)
+        time.sleep(0.002)  # give other threads every chance to enter too
+        inside -= 1
+
+    def worker() -> None:
+        for _ in range(5):
+            guard.run(AbortingContext(), "Call", call)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most_inside == 1
+
+
+def test_call_guard_maps_tandem_errors_to_their_code() -> None:
+    def call() -> NoReturn:
+        raise errors.StaleBaseError("base moved")
+
+    with pytest.raises(RuntimeError, match="aborted FAILED_PRECONDITION: base moved"):
+        CallGuard("Fake").run(AbortingContext(), "Call", call)
+
+
+def test_start_server_picks_a_free_port_and_refuses_a_taken_one() -> None:
+    server, port = start_server(lambda server: None)
+    try:
+        assert port > 0
+        with pytest.raises(RuntimeError, match=f"cannot bind a gRPC server to 127.0.0.1:{port}"):
+            start_server(lambda server: None, port=port)
+    finally:
+        server.stop(None)
+
+
+def test_start_server_binds_the_port_it_is_given() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free_port = probe.getsockname()[1]
+    server, port = start_server(lambda server: None, port=free_port)
+    server.stop(None)
+    assert port == free_port

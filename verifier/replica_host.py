@@ -1,0 +1,184 @@
+"""Hosting a drafter or verifier replica: its own gRPC server, and heartbeats to the registry.
+
+Per-block traffic must not go through Serve (DESIGN.md invariant 4), so every replica serves
+the internal API on its own port, and tells the cluster's replica registry (a named Ray actor
+that the app builder creates) where it is and how loaded it is, once per heartbeat. The
+registry forgets a replica whose heartbeats stop, so a dead replica drops out by itself.
+
+The registry is reached by name through Ray, imported lazily: this module is the adapter
+layer, and the components below it never import Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from verifier.rpc import start_server
+from verifier.session import ReplicaStats
+
+logger = logging.getLogger(__name__)
+
+REGISTRY_NAMESPACE = "tandem"
+"""Ray namespace of the replica registry actor."""
+HEARTBEAT_INTERVAL_S = 1.0
+SHUTDOWN_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What a replica reports about itself in each heartbeat."""
+
+    replica_id: str
+    side: str
+    """`drafter` or `verifier`."""
+    address: str
+    """host:port of its internal gRPC server."""
+    num_sessions: int
+    num_cached_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ReplicaInfo:
+        return cls(**data)
+
+
+def node_ip_address() -> str:
+    """The address other nodes reach this one at, as Ray knows it (127.0.0.1 on a local
+    cluster started on loopback)."""
+    import ray
+
+    return str(ray.util.get_node_ip_address())
+
+
+def set_torch_threads(num_threads: int) -> None:
+    """Pin torch's intra-op threads for this replica (0 keeps torch's default)."""
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+
+
+class ReplicaHost:
+    """Runs a replica's gRPC server and its heartbeat thread."""
+
+    def __init__(
+        self,
+        side: str,
+        add_servicer: Callable[[grpc.Server], None],
+        stats: Callable[[], ReplicaStats],
+        registry_name: str | None,
+        host: str,
+        port: int = 0,
+    ) -> None:
+        self.side = side
+        self.replica_id = f"{side}-{uuid.uuid4().hex[:12]}"
+        self._server, bound_port = start_server(add_servicer, host=host, port=port)
+        self.address = f"{host}:{bound_port}"
+        self._stats = stats
+        self._registry_name = registry_name
+        self._registry: Any = None
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        if registry_name is not None:
+            # Register before the constructor returns, so a replica Serve calls ready is
+            # already discoverable.
+            self._beat(wait=True)
+            self._thread = threading.Thread(
+                target=self._heartbeats, name=f"{side}-heartbeat", daemon=True
+            )
+            self._thread.start()
+
+    def info(self) -> ReplicaInfo:
+        stats = self._stats()
+        return ReplicaInfo(
+            replica_id=self.replica_id,
+            side=self.side,
+            address=self.address,
+            num_sessions=stats.num_sessions,
+            num_cached_tokens=stats.num_cached_tokens,
+        )
+
+    def _registry_actor(self) -> Any:
+        if self._registry is None:
+            import ray
+
+            assert self._registry_name is not None
+            self._registry = ray.get_actor(self._registry_name, namespace=REGISTRY_NAMESPACE)
+        return self._registry
+
+    def _beat(self, wait: bool = False) -> None:
+        try:
+            ref = self._registry_actor().heartbeat.remote(self.info().to_dict())
+            if wait:
+                import ray
+
+                ray.get(ref, timeout=30)
+        except Exception:
+            # The registry may be restarting; look it up afresh on the next beat.
+            self._registry = None
+            logger.warning("heartbeat to the replica registry failed", exc_info=True)
+
+    def _heartbeats(self) -> None:
+        while not self._stopped.wait(HEARTBEAT_INTERVAL_S):
+            self._beat()
+
+    def stop(self) -> None:
+        """Deregister, stop heartbeats and the server; safe to call twice."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._registry_name is not None:
+            try:
+                self._registry_actor().remove.remote(self.replica_id)
+            except Exception:
+                logger.warning("could not deregister %s", self.replica_id, exc_info=True)
+        self._server.stop(SHUTDOWN_GRACE_S)
+
+    def check(self) -> None:
+        """Raise if the replica cannot serve (Serve's health check calls this)."""
+        if self._stopped.is_set():
+            raise RuntimeError(f"{self.replica_id} has stopped")
+        if self._thread is not None and not self._thread.is_alive():
+            raise RuntimeError(f"{self.replica_id} heartbeat thread died")
+
+
+class ReplicaShell:
+    """What the drafter and verifier Serve deployment bodies share: hosting, info, health."""
+
+    _host: ReplicaHost
+
+    def _serve(
+        self,
+        side: str,
+        add_servicer: Callable[[grpc.Server], None],
+        stats: Callable[[], ReplicaStats],
+        registry_name: str | None,
+        bind_host: str | None,
+    ) -> None:
+        self._host = ReplicaHost(
+            side=side,
+            add_servicer=add_servicer,
+            stats=stats,
+            registry_name=registry_name,
+            host=bind_host or node_ip_address(),
+        )
+
+    def info(self) -> dict[str, Any]:
+        return self._host.info().to_dict()
+
+    def check_health(self) -> None:
+        self._host.check()
+
+    def __del__(self) -> None:
+        # Serve calls __del__ when it shuts a replica down.
+        host = getattr(self, "_host", None)
+        if host is not None:
+            host.stop()
