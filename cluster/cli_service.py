@@ -180,16 +180,21 @@ def _status(state: local_cluster.ClusterState) -> dict[str, Any]:
     return {
         "app": app_name,
         "address": f"{local_cluster.LOOPBACK}:{state.grpc_port}",
-        "status": str(application.status),
+        "status": _name(application.status),
         "deployments": {
             name: {
-                "status": str(d.status),
-                "replicas": {str(s): n for s, n in d.replica_states.items()},
+                "status": _name(d.status),
+                "replicas": {_name(s): n for s, n in d.replica_states.items()},
             }
             for name, d in application.deployments.items()
         },
         "replicas": replicas,
     }
+
+
+def _name(value: Any) -> str:
+    """A Serve status enum as its plain value (RUNNING, HEALTHY...)."""
+    return str(getattr(value, "value", value))
 
 
 def shutdown_command(args: argparse.Namespace) -> int:

@@ -110,7 +110,10 @@ def expected(local_tandem: LocalTandem) -> dict[str, tuple[int, ...]]:
 
 def test_deployments_and_replicas(service: dict[str, object]) -> None:
     status = service["status"]
+    assert status["status"] == "RUNNING"  # type: ignore[index]
     assert status["deployments"].keys() == {"Drafter", "Verifier", "Router"}  # type: ignore[index]
+    for deployment in status["deployments"].values():  # type: ignore[index]
+        assert deployment["status"] == "HEALTHY"
     sides = [r["side"] for r in status["replicas"]]  # type: ignore[index]
     assert sides.count("drafter") == 2 and sides.count("verifier") == 2
     assert all(r["address"].startswith("127.0.0.1:") for r in status["replicas"])  # type: ignore[index]
