@@ -2,6 +2,9 @@
 
 A preset names the pair; `--target`, `--draft`, `--dtype` and `--device` override parts of it.
 Any Hugging Face hub id, local folder or GGUF file works as a source (see `verifier.models`).
+`qwen-coder` is a model pack (`verifier.packs`): its sources are the converted folders in the
+pack cache, the one of the requested dtype (bf16 by default; float16 loads the fp32 folder and
+casts). Building a pair does no I/O; loading an unfetched pack says how to fetch it.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from verifier.errors import InvalidArgumentError
 from verifier.models import TINY_DRAFT, TINY_TARGET, ModelSpec
+from verifier.packs import PACK_DTYPES, PACKS, model_dir
 
 DEFAULT_PRESET = "tiny"
 
@@ -22,8 +26,32 @@ class ModelPair:
     draft: ModelSpec
 
 
-PRESETS: dict[str, ModelPair] = {
-    "tiny": ModelPair(target=ModelSpec(TINY_TARGET), draft=ModelSpec(TINY_DRAFT)),
+@dataclass(frozen=True)
+class Preset:
+    """A named pair: fixed sources, or a model pack whose folder depends on the dtype."""
+
+    default_dtype: str
+    target: str = ""
+    draft: str = ""
+    pack: str | None = None
+
+    def pair(self, dtype: str | None) -> ModelPair:
+        chosen = dtype or self.default_dtype
+        if self.pack is None:
+            return ModelPair(
+                ModelSpec(self.target, dtype=chosen), ModelSpec(self.draft, dtype=chosen)
+            )
+        pack = PACKS[self.pack]
+        stored = chosen if chosen in PACK_DTYPES else "float32"
+        return ModelPair(
+            ModelSpec(str(model_dir(pack, "target", stored)), dtype=chosen),
+            ModelSpec(str(model_dir(pack, "draft", stored)), dtype=chosen),
+        )
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(default_dtype="float32", target=TINY_TARGET, draft=TINY_DRAFT),
+    "qwen-coder": Preset(default_dtype="bfloat16", pack="qwen-coder"),
 }
 
 
@@ -39,14 +67,9 @@ def resolve_pair(
         raise InvalidArgumentError(
             f"unknown preset {preset!r}; known presets: {', '.join(sorted(PRESETS))}"
         )
-    pair = PRESETS[preset]
+    pair = PRESETS[preset].pair(dtype)
     target_spec = replace(pair.target, source=target) if target else pair.target
     draft_spec = replace(pair.draft, source=draft) if draft else pair.draft
-    if dtype is not None:
-        target_spec, draft_spec = (
-            replace(target_spec, dtype=dtype),
-            replace(draft_spec, dtype=dtype),
-        )
     if device is not None:
         target_spec = replace(target_spec, device=device)
         draft_spec = replace(draft_spec, device=device)

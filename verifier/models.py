@@ -112,6 +112,7 @@ def load_tokenizer(spec: ModelSpec) -> LoadedTokenizer:
     """The tokenizer of `spec` and the ids that end its generations; loads no weights."""
     if spec.source.startswith(TINY_SCHEME):
         return LoadedTokenizer(tiny.build_tokenizer(), frozenset({tiny.END_OF_TEXT_ID}))
+    _check_local_path(spec)
     path = Path(spec.source).expanduser()
     if spec.source.endswith(".gguf"):
         if not path.is_file():
@@ -157,8 +158,23 @@ def _load_weights(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizer
     return model, tokenizer
 
 
+def _check_local_path(spec: ModelSpec) -> None:
+    """An absolute path that does not exist is a missing folder, never a hub id: say so."""
+    if not spec.source.startswith("/") or Path(spec.source).exists():
+        return
+    from verifier.packs import cache_root
+
+    hint = ""
+    path = Path(spec.source)
+    if path.is_relative_to(cache_root()):
+        pack = path.relative_to(cache_root()).parts[0]
+        hint = f": fetch it with `tandem models fetch {pack}`"
+    raise InvalidArgumentError(f"model folder {spec.source} does not exist{hint}")
+
+
 def load_model(spec: ModelSpec) -> LoadedModel:
     """Load `spec` onto its device, in eval mode."""
+    _check_local_path(spec)
     device = resolve_device(spec.device)
     model, tokenizer = _load_weights(spec)
     # Module.to moves and casts in place. It is called through nn.Module because transformers'
