@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cluster import cli_generate, cli_models, cli_service
+from cluster import cli_bench, cli_generate, cli_models, cli_service
 from cluster.client_types import TandemClientError
 from verifier.errors import TandemError
 
@@ -45,7 +45,12 @@ FAILURE_CODES = frozenset(
 Registrar = Callable[[Any], None]
 """Adds one subcommand to the `argparse` subparsers object it is given."""
 
-REGISTRARS: tuple[Registrar, ...] = (cli_generate.add_to, cli_service.add_to, cli_models.add_to)
+REGISTRARS: tuple[Registrar, ...] = (
+    cli_generate.add_to,
+    cli_service.add_to,
+    cli_models.add_to,
+    cli_bench.add_to,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

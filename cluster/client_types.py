@@ -45,6 +45,8 @@ class RequestStats:
     num_verify_passes: int
     pipeline_hits: int
     pipeline_misses: int
+    drafted_by_position: tuple[int, ...] = ()
+    accepted_by_position: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,10 @@ class GenerateResult:
     num_verify_passes: int
     pipeline_hits: int
     pipeline_misses: int
+    drafted_by_position: tuple[int, ...] = ()
+    """Per draft position i: verify passes whose block had a token at position i."""
+    accepted_by_position: tuple[int, ...] = ()
+    """Per draft position i: verify passes that accepted the block's first i + 1 tokens."""
 
     @property
     def num_generated_tokens(self) -> int:
@@ -160,6 +166,8 @@ def result_from_response(response: generate_pb2.GenerateResponse) -> GenerateRes
         num_verify_passes=stats.num_verify_passes,
         pipeline_hits=stats.pipeline_hits,
         pipeline_misses=stats.pipeline_misses,
+        drafted_by_position=tuple(stats.drafted_by_position),
+        accepted_by_position=tuple(stats.accepted_by_position),
     )
 
 
@@ -176,6 +184,8 @@ def chunk_from_proto(chunk: generate_pb2.GenerateChunk) -> StreamChunk:
             num_verify_passes=speculation.num_verify_passes,
             pipeline_hits=speculation.pipeline_hits,
             pipeline_misses=speculation.pipeline_misses,
+            drafted_by_position=tuple(speculation.drafted_by_position),
+            accepted_by_position=tuple(speculation.accepted_by_position),
         )
     return StreamChunk(
         request_id=chunk.request_id,

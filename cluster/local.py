@@ -16,7 +16,7 @@ from cluster.presets import ModelPair
 from cluster.router import Decode, Router
 from drafter.drafter import Drafter, DrafterConfig
 from verifier.errors import InvalidArgumentError
-from verifier.models import load_model
+from verifier.models import LoadedModel, load_model
 from verifier.verifier import Verifier, VerifierConfig
 
 
@@ -28,6 +28,8 @@ class LocalTandem:
     drafter: Drafter
     verifier: Verifier
     tokenizer: PreTrainedTokenizerBase
+    target: LoadedModel
+    draft: LoadedModel
 
 
 def text_decoder(tokenizer: PreTrainedTokenizerBase) -> Decode:
@@ -56,5 +58,10 @@ def build_local(
     drafter = Drafter(draft, drafter_config)
     router = Router(verifier, drafter, text_decoder(target.tokenizer), target.eos_token_ids)
     return LocalTandem(
-        router=router, drafter=drafter, verifier=verifier, tokenizer=target.tokenizer
+        router=router,
+        drafter=drafter,
+        verifier=verifier,
+        tokenizer=target.tokenizer,
+        target=target,
+        draft=draft,
     )

@@ -70,6 +70,18 @@ class SpeculationStats:
     num_verify_passes: int = 0
     pipeline_hits: int = 0
     pipeline_misses: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)
+    """Per draft position i: verify passes whose block had a token at position i."""
+    accepted_by_position: list[int] = field(default_factory=list)
+    """Per draft position i: verify passes that accepted the block's first i + 1 tokens."""
+
+    def record_block(self, num_drafted: int, num_accepted: int) -> None:
+        """Count one verify pass of a block of `num_drafted` tokens, `num_accepted` accepted."""
+        for counts, n in ((self.drafted_by_position, num_drafted),
+                          (self.accepted_by_position, num_accepted)):  # fmt: skip
+            counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
 
     @property
     def acceptance_rate(self) -> float:

@@ -262,6 +262,7 @@ class Router:
         stats.num_verify_passes += 1
         stats.num_drafted += len(block.tokens)
         stats.num_accepted += verdict.num_accepted
+        stats.record_block(len(block.tokens), verdict.num_accepted)
         if next_block is not None:
             if verdict.bonus_deferred:
                 stats.pipeline_hits += 1

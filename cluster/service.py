@@ -101,6 +101,8 @@ def stats_to_proto(stats: SpeculationStats) -> generate_pb2.SpeculationStats:
         num_verify_passes=stats.num_verify_passes,
         pipeline_hits=stats.pipeline_hits,
         pipeline_misses=stats.pipeline_misses,
+        drafted_by_position=stats.drafted_by_position,
+        accepted_by_position=stats.accepted_by_position,
     )
 
 
@@ -111,6 +113,8 @@ def stats_from_proto(message: generate_pb2.SpeculationStats) -> SpeculationStats
         num_verify_passes=message.num_verify_passes,
         pipeline_hits=message.pipeline_hits,
         pipeline_misses=message.pipeline_misses,
+        drafted_by_position=list(message.drafted_by_position),
+        accepted_by_position=list(message.accepted_by_position),
     )
 
 

@@ -60,18 +60,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("num_drafted", "num_accepted", "num_verify_passes", "pipeline_hits", "pipeline_misses")
+    __slots__ = ("num_drafted", "num_accepted", "num_verify_passes", "pipeline_hits", "pipeline_misses", "drafted_by_position", "accepted_by_position")
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFY_PASSES_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_HITS_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
     num_drafted: int
     num_accepted: int
     num_verify_passes: int
     pipeline_hits: int
     pipeline_misses: int
-    def __init__(self, num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., num_verify_passes: _Optional[int] = ..., pipeline_hits: _Optional[int] = ..., pipeline_misses: _Optional[int] = ...) -> None: ...
+    drafted_by_position: _containers.RepeatedScalarFieldContainer[int]
+    accepted_by_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., num_verify_passes: _Optional[int] = ..., pipeline_hits: _Optional[int] = ..., pipeline_misses: _Optional[int] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "speculation")

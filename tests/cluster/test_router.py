@@ -75,6 +75,10 @@ def test_stats_add_up(local_tandem: LocalTandem, pipelined: bool) -> None:
     # the block was all accepted and a block drafted ahead takes over (a pipeline hit).
     assert stats.num_accepted + stats.num_verify_passes - stats.pipeline_hits == 30
     assert stats.num_drafted <= 4 * stats.num_verify_passes
+    # Per-position counters add up to the totals and never rise with the position.
+    assert sum(stats.drafted_by_position) == stats.num_drafted
+    assert sum(stats.accepted_by_position) == stats.num_accepted
+    assert stats.accepted_by_position == sorted(stats.accepted_by_position, reverse=True)
     assert result.finish_reason is FinishReason.LENGTH
     assert result.num_prompt_tokens == len(CODE_PROMPT)
     if pipelined:

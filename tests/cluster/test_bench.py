@@ -1,0 +1,66 @@
+"""`tandem bench` on the tiny pair: every field later checks read, a chart, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.bench import RUNS, load_prompts
+from cluster.cli import main
+
+PROMPTS = [
+    {"prompt": "def add(a, b):", "category": "code"},
+    {"prompt": "Once upon a time", "category": "creative"},
+]
+
+
+def test_default_prompts_cover_the_categories() -> None:
+    prompts = load_prompts(None)
+    assert {p.category for p in prompts} == {"code", "structured", "prose", "creative"}
+    assert all(p.text for p in prompts)
+
+
+def test_bad_prompt_files(tmp_path: Path) -> None:
+    from verifier.errors import InvalidArgumentError
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"category": "code"}\n')
+    with pytest.raises(InvalidArgumentError, match="line 1"):
+        load_prompts(str(bad))
+    with pytest.raises(InvalidArgumentError, match="cannot read prompts"):
+        load_prompts(str(tmp_path / "absent.jsonl"))
+
+
+@pytest.mark.slow
+def test_local_bench_writes_result_and_chart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    out, chart = tmp_path / "out.json", tmp_path / "out.png"
+    code = main(["bench", "--preset", "tiny", "--prompts", str(prompts), "--max-tokens", "12",
+                 "--repeats", "3", "--json", str(out), "--plot", str(chart)])  # fmt: skip
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert list(result["runs"]) == list(RUNS)
+    for run in result["runs"].values():
+        assert run["tokens_per_s"] > 0 and run["ms_per_token"] > 0
+    pipelined = result["runs"]["tandem_pipelined"]
+    for key in ("acceptance_rate", "mean_tokens_per_verify", "acceptance_by_position",
+                "pipeline_hit_rate", "ideal_speedup"):  # fmt: skip
+        assert key in pipelined
+    assert 0 < pipelined["acceptance_rate"] < 1
+    assert result["runs"]["tandem_target"]["mean_tokens_per_verify"] == 1.0
+    assert set(result["speedup"]) == {"vs_hf_target", "vs_hf_assisted", "vs_tandem_target",
+                                      "pipelining"}  # fmt: skip
+    assert result["greedy_match"] == {"matched": 2, "total": 2}
+    assert set(result["by_category"]) == {"code", "creative"}
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "greedy match (fp32): 2/2 prompts" in capsys.readouterr().out
+
+
+def test_too_few_repeats_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--repeats", "2"]) == 2
+    assert "--repeats must be >= 3" in capsys.readouterr().err
