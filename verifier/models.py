@@ -160,7 +160,9 @@ def _load_weights(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizer
 
 def _check_local_path(spec: ModelSpec) -> None:
     """An absolute path that does not exist is a missing folder, never a hub id: say so."""
-    if not spec.source.startswith("/") or Path(spec.source).exists():
+    if not spec.source.startswith("/") or spec.source.endswith(".gguf"):
+        return  # hub ids are relative; a GGUF file gets its own message when loaded
+    if Path(spec.source).exists():
         return
     from verifier.packs import cache_root
 
