@@ -89,6 +89,7 @@ def _hf_runner(model: Any, max_tokens: int, assistant: Any = None) -> Runner:
 
 
 def _stats(result: Any) -> dict[str, Any]:
+    """Counters of a client `GenerateResult` or a router `SpeculationStats` (same names)."""
     return {
         "drafted": result.num_drafted,
         "accepted": result.num_accepted,
@@ -106,14 +107,7 @@ def _local_runner(tandem: Any, max_tokens: int, draft_tokens: int, pipelined: bo
     def run(ids: tuple[int, ...]) -> tuple[tuple[int, ...], dict[str, Any]]:
         request = GenerationRequest(ids, max_tokens, draft_tokens=draft_tokens)
         result = tandem.router.generate(request, pipelined=pipelined)
-        stats = result.stats
-        return result.tokens, {
-            "drafted": stats.num_drafted, "accepted": stats.num_accepted,
-            "passes": stats.num_verify_passes, "hits": stats.pipeline_hits,
-            "misses": stats.pipeline_misses,
-            "drafted_by_position": list(stats.drafted_by_position),
-            "accepted_by_position": list(stats.accepted_by_position),
-        }  # fmt: skip
+        return result.tokens, _stats(result.stats)
 
     return run
 
