@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -148,26 +149,32 @@ def finish_reason_name(value: generate_pb2.FinishReason) -> str | None:
     return generate_pb2.FinishReason.Name(value).removeprefix(_FINISH_REASON_PREFIX).lower()
 
 
+def _speculation_fields(stats: generate_pb2.SpeculationStats) -> dict[str, Any]:
+    """The speculation counters that `GenerateResult` and `RequestStats` both carry."""
+    return {
+        "num_drafted": stats.num_drafted,
+        "num_accepted": stats.num_accepted,
+        "num_verify_passes": stats.num_verify_passes,
+        "pipeline_hits": stats.pipeline_hits,
+        "pipeline_misses": stats.pipeline_misses,
+        "drafted_by_position": tuple(stats.drafted_by_position),
+        "accepted_by_position": tuple(stats.accepted_by_position),
+    }
+
+
 def result_from_response(response: generate_pb2.GenerateResponse) -> GenerateResult:
     finish_reason = finish_reason_name(response.finish_reason)
     if finish_reason is None:
         raise TandemClientError(
             grpc.StatusCode.UNKNOWN, "the server's response has no finish reason"
         )
-    stats = response.speculation
     return GenerateResult(
         request_id=response.request_id,
         tokens=tuple(response.token_ids),
         text=response.text,
         finish_reason=finish_reason,
         num_prompt_tokens=response.usage.prompt_tokens,
-        num_drafted=stats.num_drafted,
-        num_accepted=stats.num_accepted,
-        num_verify_passes=stats.num_verify_passes,
-        pipeline_hits=stats.pipeline_hits,
-        pipeline_misses=stats.pipeline_misses,
-        drafted_by_position=tuple(stats.drafted_by_position),
-        accepted_by_position=tuple(stats.accepted_by_position),
+        **_speculation_fields(response.speculation),
     )
 
 
@@ -175,17 +182,10 @@ def chunk_from_proto(chunk: generate_pb2.GenerateChunk) -> StreamChunk:
     finish_reason = finish_reason_name(chunk.finish_reason)
     stats = None
     if finish_reason is not None:
-        speculation = chunk.speculation
         stats = RequestStats(
             num_prompt_tokens=chunk.usage.prompt_tokens,
             num_generated_tokens=chunk.usage.completion_tokens,
-            num_drafted=speculation.num_drafted,
-            num_accepted=speculation.num_accepted,
-            num_verify_passes=speculation.num_verify_passes,
-            pipeline_hits=speculation.pipeline_hits,
-            pipeline_misses=speculation.pipeline_misses,
-            drafted_by_position=tuple(speculation.drafted_by_position),
-            accepted_by_position=tuple(speculation.accepted_by_position),
+            **_speculation_fields(chunk.speculation),
         )
     return StreamChunk(
         request_id=chunk.request_id,
