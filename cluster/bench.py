@@ -123,7 +123,7 @@ def _service_runner(client: Any, max_tokens: int, draft_tokens: int, pipelined: 
 
 
 @contextmanager
-def _service(preset: str) -> Iterator[str]:
+def _service(preset: str, prompt_lookup: bool) -> Iterator[str]:
     """A `tandem serve` of `preset` in a private home; yields its address."""
     from cluster.local_cluster import free_port
 
@@ -131,8 +131,9 @@ def _service(preset: str) -> Iterator[str]:
     env = {**os.environ, "TANDEM_HOME": home}
     tandem = str(Path(sys.executable).with_name("tandem"))
     port = free_port()
+    flags = ["--prompt-lookup"] if prompt_lookup else []
     started = subprocess.run(
-        [tandem, "serve", "--preset", preset, "--port", str(port), "--detach"],
+        [tandem, "serve", "--preset", preset, "--port", str(port), "--detach", *flags],
         env=env, capture_output=True, text=True, check=False,
     )  # fmt: skip
     try:
@@ -213,11 +214,13 @@ def speculation_summary(samples: list[Sample]) -> dict[str, Any]:
 def run_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     from cluster.local import build_local
     from cluster.presets import PRESETS, resolve_pair
+    from drafter.ngram import NgramConfig
 
     prompts = load_prompts(args.prompts)
     dtype = args.dtype or PRESETS[args.preset].default_dtype if args.preset in PRESETS else None
     progress(f"loading the {args.preset} pair ({dtype})")
-    tandem = build_local(resolve_pair(args.preset, dtype=dtype))
+    lookup = NgramConfig(enabled=args.prompt_lookup)
+    tandem = build_local(resolve_pair(args.preset, dtype=dtype), prompt_lookup=lookup)
     ids = [tuple(tandem.tokenizer.encode(p.text, add_special_tokens=False)) for p in prompts]
     target, draft = tandem.target.model, tandem.draft.model
     runners: dict[str, Runner] = {
@@ -244,6 +247,7 @@ def run_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
             "preset": args.preset, "mode": args.mode, "max_tokens": args.max_tokens,
             "draft_tokens": args.draft_tokens, "dtype": dtype, "repeats": args.repeats,
             "num_prompts": len(prompts), "prompts": args.prompts or "default",
+            "prompt_lookup": args.prompt_lookup,
         },
         "runs": runs,
         "speedup": {
@@ -266,7 +270,10 @@ def _maybe_service(args: Any, progress: Callable[[str], None]) -> Iterator[Any]:
     from cluster.client import TandemClient
 
     progress(f"starting tandem serve --preset {args.preset} (takes a minute)")
-    with _service(args.preset) as address, TandemClient(address, timeout_s=3600) as client:
+    with (
+        _service(args.preset, args.prompt_lookup) as address,
+        TandemClient(address, timeout_s=3600) as client,
+    ):
         yield client
 
 
@@ -302,10 +309,12 @@ def _greedy_match(
         return {"matched": sum(a.tokens == b.tokens for a, b in pairs), "total": len(ids)}
     from cluster.local import build_local
     from cluster.presets import resolve_pair
+    from drafter.ngram import NgramConfig
 
     progress("checking greedy output against HF target-only in float32")
     del tandem
-    exact = build_local(resolve_pair(args.preset, dtype="float32"))
+    lookup = NgramConfig(enabled=args.prompt_lookup)
+    exact = build_local(resolve_pair(args.preset, dtype="float32"), prompt_lookup=lookup)
     hf = _hf_runner(exact.target.model, args.max_tokens)
     ours = _local_runner(exact, args.max_tokens, args.draft_tokens, True)
     matched = 0

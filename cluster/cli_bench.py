@@ -18,6 +18,9 @@ def add_to(commands: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--draft-tokens", type=int, default=4)
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the preset's)")
+    p.add_argument(
+        "--prompt-lookup", action="store_true", help="Tandem runs copy recurring text first"
+    )
     p.add_argument("--repeats", type=int, default=3, help="median of this many (at least 3)")
     p.add_argument("--json", dest="json_out", help="write the result here")
     p.add_argument("--plot", help="write the chart here (PNG)")

@@ -7,10 +7,11 @@ the same tokens, the same JSON keys (`JSON_KEYS`) and the same error messages ei
 `--json` prints one object when the generation ends; without it, text is written to stdout as
 it is committed.
 
-`--preset`, `--target`, `--draft`, `--dtype` and `--device` pick the models, so they belong to
-`--local`: a server has picked its own, and giving one with `--address` is an error. They
-default to None so that "given" can be told from "left alone"; names and values are checked by
-`cluster.presets` / `verifier.models` when the models are loaded. Unset `--seed`,
+`--preset`, `--target`, `--draft`, `--dtype` and `--device` pick the models, and
+`--prompt-lookup` turns on the router's prompt lookup, so they belong to `--local`: a server
+has picked its own, and giving one with `--address` is an error. They default to None so
+that "given" can be told from "left alone"; names and values are checked by `cluster.presets`
+/ `verifier.models` when the models are loaded. Unset `--seed`,
 `--draft-tokens` and `--pipelined` leave the request field unset, meaning the service's default.
 """
 
@@ -49,8 +50,8 @@ JSON_KEYS = (
 )
 """The keys of `--json` output, in order; `acceptance_rate` is null when nothing was drafted."""
 
-MODEL_FLAGS = ("preset", "target", "draft", "dtype", "device")
-"""Flags that pick the models: `--local` only."""
+MODEL_FLAGS = ("preset", "target", "draft", "dtype", "device", "prompt_lookup")
+"""Flags that build the in-process service (models, prompt lookup): `--local` only."""
 
 
 def add_to(commands: Any) -> None:
@@ -66,6 +67,12 @@ def add_to(commands: Any) -> None:
     models.add_argument("--draft", help="draft model: hub id, folder or .gguf")
     models.add_argument("--dtype", help="float32, bfloat16 or float16 (default: preset's)")
     models.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
+    models.add_argument(
+        "--prompt-lookup",
+        action="store_true",
+        default=None,
+        help="copy recurring text before drafting (the router's prompt lookup)",
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -102,7 +109,9 @@ def result_json(result: GenerateResult) -> dict[str, object]:
 
 def run(args: argparse.Namespace) -> int:
     if args.address is not None:
-        given = [f"--{name}" for name in MODEL_FLAGS if getattr(args, name) is not None]
+        given = [
+            f"--{name.replace('_', '-')}" for name in MODEL_FLAGS if getattr(args, name) is not None
+        ]
         if given:
             raise InvalidArgumentError(
                 f"{', '.join(given)} cannot be used with --address: the server picks its models"
@@ -133,9 +142,11 @@ def _run_local(args: argparse.Namespace, request: generate_pb2.GenerateRequest) 
     from cluster.local import build_local
     from cluster.presets import DEFAULT_PRESET, resolve_pair
     from cluster.service import TandemService
+    from drafter.ngram import NgramConfig
 
     preset = args.preset if args.preset is not None else DEFAULT_PRESET
-    tandem = build_local(resolve_pair(preset, args.target, args.draft, args.dtype, args.device))
+    pair = resolve_pair(preset, args.target, args.draft, args.dtype, args.device)
+    tandem = build_local(pair, prompt_lookup=NgramConfig(enabled=bool(args.prompt_lookup)))
     service = TandemService(tandem.router, tandem.tokenizer)
     try:
         return _output(

@@ -35,6 +35,9 @@ def add_to(commands: Any) -> None:
     serve.add_argument("--drafters", type=int, help="drafter replicas")
     serve.add_argument("--verifiers", type=int, help="verifier replicas")
     serve.add_argument("--port", type=int, help="gRPC port of the public API (default 9000)")
+    serve.add_argument(
+        "--prompt-lookup", action="store_true", help="copy recurring text before drafting"
+    )
     serve.add_argument("--num-cpus", type=int, default=DEFAULT_NUM_CPUS, help="for a new cluster")
     serve.add_argument("--detach", action="store_true", help="return once the service is up")
     serve.set_defaults(handler=serve_command)
@@ -61,6 +64,8 @@ def _config(args: argparse.Namespace) -> TandemConfig:
         changes["verifier"] = dataclasses.replace(config.verifier, num_replicas=args.verifiers)
     if args.port is not None:
         changes["grpc_port"] = args.port
+    if args.prompt_lookup:
+        changes["prompt_lookup"] = dataclasses.replace(config.prompt_lookup, enabled=True)
     return dataclasses.replace(config, **changes) if changes else config
 
 

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from cluster.presets import DEFAULT_PRESET, ModelPair, resolve_pair
 from cluster.service import ServiceConfig
 from drafter.drafter import DrafterConfig
+from drafter.ngram import NgramConfig
 from verifier.errors import InvalidArgumentError
 from verifier.verifier import VerifierConfig
 
@@ -85,6 +86,9 @@ class TandemConfig:
     verifier: ReplicaGroupConfig = field(default_factory=ReplicaGroupConfig)
     drafter_limits: DrafterConfig = field(default_factory=DrafterConfig)
     verifier_limits: VerifierConfig = field(default_factory=VerifierConfig)
+    prompt_lookup: NgramConfig = field(default_factory=NgramConfig)
+    """The router's prompt lookup: blocks copied from the token history when its last few
+    tokens recur, the draft model otherwise."""
     replica_rpc_timeout_s: float | None = 60.0
     """Deadline of each router -> replica call (None: no deadline)."""
 

@@ -76,6 +76,7 @@ class RouterIngress:
             text_decoder(loaded.tokenizer),
             loaded.eos_token_ids,
             config.api.default_pipelined,
+            config.prompt_lookup,
         )
         self._service = TandemService(self._router, loaded.tokenizer, config.api)
         self._threads = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="request")

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from cluster.presets import ModelPair
 from cluster.router import Decode, Router
 from drafter.drafter import Drafter, DrafterConfig
+from drafter.ngram import NgramConfig
 from verifier.errors import InvalidArgumentError
 from verifier.models import LoadedModel, load_model
 from verifier.verifier import Verifier, VerifierConfig
@@ -45,6 +46,7 @@ def build_local(
     pair: ModelPair,
     drafter_config: DrafterConfig | None = None,
     verifier_config: VerifierConfig | None = None,
+    prompt_lookup: NgramConfig | None = None,
 ) -> LocalTandem:
     """Load both models of `pair` and connect them in this process."""
     target = load_model(pair.target)
@@ -56,7 +58,13 @@ def build_local(
         )
     verifier = Verifier(target, verifier_config)
     drafter = Drafter(draft, drafter_config)
-    router = Router(verifier, drafter, text_decoder(target.tokenizer), target.eos_token_ids)
+    router = Router(
+        verifier,
+        drafter,
+        text_decoder(target.tokenizer),
+        target.eos_token_ids,
+        ngram=prompt_lookup,
+    )
     return LocalTandem(
         router=router,
         drafter=drafter,

@@ -15,6 +15,12 @@ token in that case, so block i+1 continues exactly the committed sequence and is
 verdict rejected part of block i, block i+1 is discarded (a miss) and the drafter's next call
 truncates the rejected tail before appending the correction.
 
+Prompt lookup (optional, `ngram`): the router holds the whole token history, so before asking
+the drafter for a block it looks for the history's last few tokens earlier in the history and,
+when they recur, proposes what followed them (`drafter.ngram`): no model, no network hop. The
+drafter model drafts only when lookup finds nothing. A looked-up block never reaches the
+drafter, so the drafter's view simply gains its committed tokens like any others.
+
 The router depends only on the `DrafterPort` and `VerifierPort` protocols, so it runs the
 same in-process and across the network.
 """
@@ -35,6 +41,7 @@ from cluster.request import (
     SpeculationStats,
 )
 from cluster.text import TextAssembler
+from drafter.ngram import NgramConfig, propose
 from verifier.block import DraftBlock, Verdict
 
 Decode = Callable[[Sequence[int]], str]
@@ -57,6 +64,15 @@ class DrafterView:
     """Tokens committed since, not yet sent to the drafter."""
 
 
+@dataclass(frozen=True)
+class _Draft:
+    """A proposed block and where it came from."""
+
+    block: DraftBlock
+    by_drafter: bool
+    """False for a looked-up block: the drafter's session never saw it."""
+
+
 class _Generation:
     """The state of one request inside the router."""
 
@@ -75,8 +91,13 @@ class _Generation:
         self.session_id = uuid.uuid4().hex
         self.stats = stats
         self.text = TextAssembler(decode, request.stop)
-        self.committed = len(request.prompt_tokens)
-        self.drafter = DrafterView(base_length=self.committed)
+        self.history = list(request.prompt_tokens)
+        """Every committed token: what prompt lookup searches."""
+        self.drafter = DrafterView(base_length=len(self.history))
+
+    @property
+    def committed(self) -> int:
+        return len(self.history)
 
     @property
     def remaining(self) -> int:
@@ -93,9 +114,10 @@ class Router:
         decode: Decode,
         eos_token_ids: frozenset[int],
         pipelined: bool = True,
+        ngram: NgramConfig | None = None,
     ) -> None:
         """A router over one fixed verifier and drafter (the in-process transport)."""
-        self._init(FixedReplicas(verifier, drafter), decode, eos_token_ids, pipelined)
+        self._init(FixedReplicas(verifier, drafter), decode, eos_token_ids, pipelined, ngram)
 
     @classmethod
     def over_pool(
@@ -104,10 +126,11 @@ class Router:
         decode: Decode,
         eos_token_ids: frozenset[int],
         pipelined: bool = True,
+        ngram: NgramConfig | None = None,
     ) -> Router:
         """A router that pins each request to replicas chosen by `replicas` (distributed)."""
         router = cls.__new__(cls)
-        router._init(replicas, decode, eos_token_ids, pipelined)
+        router._init(replicas, decode, eos_token_ids, pipelined, ngram)
         return router
 
     def _init(
@@ -116,11 +139,14 @@ class Router:
         decode: Decode,
         eos_token_ids: frozenset[int],
         pipelined: bool,
+        ngram: NgramConfig | None,
     ) -> None:
         self._replicas = replicas
         self._decode = decode
         self._eos_token_ids = eos_token_ids
         self.pipelined = pipelined
+        self.ngram = ngram if ngram is not None and ngram.enabled else None
+        """Prompt lookup settings; None: every block comes from the drafter."""
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_DRAFTS, thread_name_prefix="draft-ahead")
 
     def close(self) -> None:
@@ -189,24 +215,26 @@ class Router:
 
     def _loop(self, gen: _Generation) -> Iterator[GenerationChunk]:
         max_draft = gen.request.draft_tokens
-        block: DraftBlock | None = None  # a block drafted ahead that is still valid
-        ahead: Future[DraftBlock] | None = None
+        draft: _Draft | None = None  # a block drafted ahead that is still valid
+        ahead: Future[_Draft] | None = None
         try:
             while True:
                 remaining = gen.remaining
-                if block is None:
-                    block = self._draft_now(gen, min(max_draft, remaining - 1))
+                if draft is None:
+                    draft = self._draft_now(gen, min(max_draft, remaining - 1))
+                block = draft.block
                 # If all of `block` is accepted (bonus deferred), `remaining - k` tokens are
                 # left and the next block must leave room for one more of the target's own.
                 next_k = min(max_draft, remaining - len(block.tokens) - 1)
-                if gen.pipelined and gen.drafter_port and len(block.tokens) > 0 and next_k > 0:
+                if gen.pipelined and len(block.tokens) > 0 and next_k > 0:
                     ahead = self._draft_ahead(gen, block, next_k)
                 verdict = gen.verifier.verify(gen.session_id, block, defer_bonus=ahead is not None)
-                next_block = ahead.result() if ahead is not None else None
+                next_draft = ahead.result() if ahead is not None else None
                 ahead = None
-                gen.committed = verdict.committed_length
-                self._count(gen.stats, block, verdict, next_block)
-                block = self._after_verdict(gen, block, verdict, next_block)
+                gen.history.extend(verdict.tokens)
+                assert gen.committed == verdict.committed_length, "verifier and router disagree"
+                self._count(gen.stats, block, verdict, next_draft)
+                draft = self._after_verdict(gen, block, verdict, next_draft)
 
                 chunk = self._emit(gen, verdict)
                 yield chunk
@@ -217,39 +245,68 @@ class Router:
                 # Let a draft in flight finish before the sessions are closed under it.
                 ahead.exception()
 
-    def _draft_now(self, gen: _Generation, num_tokens: int) -> DraftBlock:
+    def _look_up(self, history: Sequence[int], num_tokens: int) -> DraftBlock | None:
+        if self.ngram is None:
+            return None
+        tokens = propose(history, num_tokens, self.ngram)
+        return DraftBlock(base_length=len(history), tokens=tokens) if tokens else None
+
+    def _draft_now(self, gen: _Generation, num_tokens: int) -> _Draft:
+        if num_tokens <= 0:
+            return _Draft(DraftBlock(base_length=gen.committed, tokens=()), by_drafter=False)
+        looked_up = self._look_up(gen.history, num_tokens)
+        if looked_up is not None or gen.drafter_port is None:
+            empty = DraftBlock(base_length=gen.committed, tokens=())
+            return _Draft(looked_up or empty, by_drafter=False)
         view = gen.drafter
-        if num_tokens <= 0 or gen.drafter_port is None:
-            return DraftBlock(base_length=gen.committed, tokens=())
         block = gen.drafter_port.draft(
             gen.session_id, view.base_length, view.behind, num_tokens, view.truncate_to
         )
         gen.drafter = DrafterView(base_length=block.base_length)
-        return block
+        return _Draft(block, by_drafter=True)
 
     def _draft_ahead(
         self, gen: _Generation, block: DraftBlock, num_tokens: int
-    ) -> Future[DraftBlock]:
-        """Draft the block after `block` as if all of it were accepted, in the background."""
-        assert gen.drafter_port is not None
-        return self._pool.submit(
-            gen.drafter_port.draft, gen.session_id, block.base_length, block.tokens, num_tokens
-        )
+    ) -> Future[_Draft] | None:
+        """Propose the block after `block` as if all of it were accepted: looked up at once,
+        or drafted in the background; None if neither can."""
+        looked_up = self._look_up(gen.history + list(block.tokens), num_tokens)
+        if looked_up is not None:
+            done: Future[_Draft] = Future()
+            done.set_result(_Draft(looked_up, by_drafter=False))
+            return done
+        port = gen.drafter_port
+        if port is None:
+            return None
+        # The drafter catches up on what its view lacks, then on `block` itself (a no-op
+        # suffix when `block` came from it: its view then lacks nothing).
+        view = gen.drafter
+        appended = view.behind + list(block.tokens)
+
+        def draft() -> _Draft:
+            next_block = port.draft(
+                gen.session_id, view.base_length, appended, num_tokens, view.truncate_to
+            )
+            return _Draft(next_block, by_drafter=True)
+
+        return self._pool.submit(draft)
 
     @staticmethod
     def _after_verdict(
-        gen: _Generation, block: DraftBlock, verdict: Verdict, next_block: DraftBlock | None
-    ) -> DraftBlock | None:
-        """Update the drafter's view; return the block to verify next, if one is ready."""
-        if next_block is None:
+        gen: _Generation, block: DraftBlock, verdict: Verdict, next_draft: _Draft | None
+    ) -> _Draft | None:
+        """Update the drafter's view; return the draft to verify next, if one is ready."""
+        hit = next_draft is not None and verdict.bonus_deferred
+        if next_draft is None or not next_draft.by_drafter:
             gen.drafter.behind.extend(verdict.tokens)
-            return None
-        if verdict.bonus_deferred:
-            gen.drafter = DrafterView(base_length=next_block.base_length)
-            return next_block
+            return next_draft if hit else None
+        next_base = next_draft.block.base_length
+        if hit:
+            gen.drafter = DrafterView(base_length=next_base)
+            return next_draft
         # The drafter assumed all of `block`: keep what was accepted, then the correction.
         gen.drafter = DrafterView(
-            base_length=next_block.base_length,
+            base_length=next_base,
             truncate_to=block.base_length + verdict.num_accepted,
             behind=list(verdict.tokens[verdict.num_accepted :]),
         )
@@ -257,13 +314,13 @@ class Router:
 
     @staticmethod
     def _count(
-        stats: SpeculationStats, block: DraftBlock, verdict: Verdict, next_block: DraftBlock | None
+        stats: SpeculationStats, block: DraftBlock, verdict: Verdict, next_draft: _Draft | None
     ) -> None:
         stats.num_verify_passes += 1
         stats.num_drafted += len(block.tokens)
         stats.num_accepted += verdict.num_accepted
         stats.record_block(len(block.tokens), verdict.num_accepted)
-        if next_block is not None:
+        if next_draft is not None:
             if verdict.bonus_deferred:
                 stats.pipeline_hits += 1
             else:

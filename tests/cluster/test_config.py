@@ -25,9 +25,11 @@ def test_nested_values_and_actor_options() -> None:
             "api": {"default_draft_tokens": 6},
             "verifier": {"num_gpus": 1, "accelerator_type": "H100", "resources": {"big": 1}},
             "drafter_limits": {"top_k": 16},
+            "prompt_lookup": {"enabled": True, "max_ngram": 5},
         }
     )
     assert config.api.default_draft_tokens == 6
+    assert config.prompt_lookup.enabled and config.prompt_lookup.max_ngram == 5
     assert config.drafter_limits.top_k == 16
     assert config.verifier.ray_actor_options() == {
         "num_cpus": 0.0, "num_gpus": 1, "accelerator_type": "H100", "resources": {"big": 1},
@@ -43,6 +45,7 @@ def test_nested_values_and_actor_options() -> None:
         ({"models": {"preset": "huge"}}, "unknown preset 'huge'"),
         ({"grpc_port": 70000}, "grpc_port"),
         ({"api": 3}, "api must be a mapping"),
+        ({"prompt_lookup": {"min_ngram": 0}}, "min_ngram"),
     ],
 )
 def test_bad_configs(data: dict[str, object], message: str) -> None:
