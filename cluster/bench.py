@@ -123,7 +123,7 @@ def _service_runner(client: Any, max_tokens: int, draft_tokens: int, pipelined: 
 
 
 @contextmanager
-def _service(preset: str, prompt_lookup: bool) -> Iterator[str]:
+def _service(preset: str, flags: list[str]) -> Iterator[str]:
     """A `tandem serve` of `preset` in a private home; yields its address."""
     from cluster.local_cluster import free_port
 
@@ -131,7 +131,6 @@ def _service(preset: str, prompt_lookup: bool) -> Iterator[str]:
     env = {**os.environ, "TANDEM_HOME": home}
     tandem = str(Path(sys.executable).with_name("tandem"))
     port = free_port()
-    flags = ["--prompt-lookup"] if prompt_lookup else []
     started = subprocess.run(
         [tandem, "serve", "--preset", preset, "--port", str(port), "--detach", *flags],
         env=env, capture_output=True, text=True, check=False,
@@ -214,13 +213,11 @@ def speculation_summary(samples: list[Sample]) -> dict[str, Any]:
 def run_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     from cluster.local import build_local
     from cluster.presets import PRESETS, resolve_pair
-    from drafter.ngram import NgramConfig
 
     prompts = load_prompts(args.prompts)
     dtype = args.dtype or PRESETS[args.preset].default_dtype if args.preset in PRESETS else None
     progress(f"loading the {args.preset} pair ({dtype})")
-    lookup = NgramConfig(enabled=args.prompt_lookup)
-    tandem = build_local(resolve_pair(args.preset, dtype=dtype), prompt_lookup=lookup)
+    tandem = build_local(resolve_pair(args.preset, dtype=dtype), **_router_settings(args))
     ids = [tuple(tandem.tokenizer.encode(p.text, add_special_tokens=False)) for p in prompts]
     target, draft = tandem.target.model, tandem.draft.model
     runners: dict[str, Runner] = {
@@ -247,7 +244,7 @@ def run_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
             "preset": args.preset, "mode": args.mode, "max_tokens": args.max_tokens,
             "draft_tokens": args.draft_tokens, "dtype": dtype, "repeats": args.repeats,
             "num_prompts": len(prompts), "prompts": args.prompts or "default",
-            "prompt_lookup": args.prompt_lookup,
+            "prompt_lookup": args.prompt_lookup, "adaptive_draft": args.adaptive_draft,
         },
         "runs": runs,
         "speedup": {
@@ -262,6 +259,23 @@ def run_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     return result
 
 
+def _router_settings(args: Any) -> dict[str, Any]:
+    """`build_local` arguments for the router features the bench turns on."""
+    from cluster.draft_length import DraftLengthConfig
+    from drafter.ngram import NgramConfig
+
+    return {
+        "prompt_lookup": NgramConfig(enabled=args.prompt_lookup),
+        "draft_length": DraftLengthConfig(enabled=args.adaptive_draft),
+    }
+
+
+def _router_flags(args: Any) -> list[str]:
+    """The same features as `tandem serve` flags."""
+    flags = {"--prompt-lookup": args.prompt_lookup, "--adaptive-draft": args.adaptive_draft}
+    return [flag for flag, on in flags.items() if on]
+
+
 @contextmanager
 def _maybe_service(args: Any, progress: Callable[[str], None]) -> Iterator[Any]:
     if args.mode == "local":
@@ -271,7 +285,7 @@ def _maybe_service(args: Any, progress: Callable[[str], None]) -> Iterator[Any]:
 
     progress(f"starting tandem serve --preset {args.preset} (takes a minute)")
     with (
-        _service(args.preset, args.prompt_lookup) as address,
+        _service(args.preset, _router_flags(args)) as address,
         TandemClient(address, timeout_s=3600) as client,
     ):
         yield client
@@ -309,12 +323,10 @@ def _greedy_match(
         return {"matched": sum(a.tokens == b.tokens for a, b in pairs), "total": len(ids)}
     from cluster.local import build_local
     from cluster.presets import resolve_pair
-    from drafter.ngram import NgramConfig
 
     progress("checking greedy output against HF target-only in float32")
     del tandem
-    lookup = NgramConfig(enabled=args.prompt_lookup)
-    exact = build_local(resolve_pair(args.preset, dtype="float32"), prompt_lookup=lookup)
+    exact = build_local(resolve_pair(args.preset, dtype="float32"), **_router_settings(args))
     hf = _hf_runner(exact.target.model, args.max_tokens)
     ours = _local_runner(exact, args.max_tokens, args.draft_tokens, True)
     matched = 0

@@ -21,6 +21,7 @@ def add_to(commands: Any) -> None:
     p.add_argument(
         "--prompt-lookup", action="store_true", help="Tandem runs copy recurring text first"
     )
+    p.add_argument("--adaptive-draft", action="store_true", help="Tandem runs choose block lengths")
     p.add_argument("--repeats", type=int, default=3, help="median of this many (at least 3)")
     p.add_argument("--json", dest="json_out", help="write the result here")
     p.add_argument("--plot", help="write the chart here (PNG)")

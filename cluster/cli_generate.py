@@ -8,7 +8,7 @@ the same tokens, the same JSON keys (`JSON_KEYS`) and the same error messages ei
 it is committed.
 
 `--preset`, `--target`, `--draft`, `--dtype` and `--device` pick the models, and
-`--prompt-lookup` turns on the router's prompt lookup, so they belong to `--local`: a server
+`--prompt-lookup` and `--adaptive-draft` set up its router, so they belong to `--local`: a server
 has picked its own, and giving one with `--address` is an error. They default to None so
 that "given" can be told from "left alone"; names and values are checked by `cluster.presets`
 / `verifier.models` when the models are loaded. Unset `--seed`,
@@ -50,7 +50,7 @@ JSON_KEYS = (
 )
 """The keys of `--json` output, in order; `acceptance_rate` is null when nothing was drafted."""
 
-MODEL_FLAGS = ("preset", "target", "draft", "dtype", "device", "prompt_lookup")
+MODEL_FLAGS = ("preset", "target", "draft", "dtype", "device", "prompt_lookup", "adaptive_draft")
 """Flags that build the in-process service (models, prompt lookup): `--local` only."""
 
 
@@ -72,6 +72,12 @@ def add_to(commands: Any) -> None:
         action="store_true",
         default=None,
         help="copy recurring text before drafting (the router's prompt lookup)",
+    )
+    models.add_argument(
+        "--adaptive-draft",
+        action="store_true",
+        default=None,
+        help="choose each block's length from acceptance and latency (up to --draft-tokens)",
     )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -139,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_local(args: argparse.Namespace, request: generate_pb2.GenerateRequest) -> int:
     # Loading torch and transformers takes seconds: only here, never for --address.
+    from cluster.draft_length import DraftLengthConfig
     from cluster.local import build_local
     from cluster.presets import DEFAULT_PRESET, resolve_pair
     from cluster.service import TandemService
@@ -146,7 +153,11 @@ def _run_local(args: argparse.Namespace, request: generate_pb2.GenerateRequest) 
 
     preset = args.preset if args.preset is not None else DEFAULT_PRESET
     pair = resolve_pair(preset, args.target, args.draft, args.dtype, args.device)
-    tandem = build_local(pair, prompt_lookup=NgramConfig(enabled=bool(args.prompt_lookup)))
+    tandem = build_local(
+        pair,
+        prompt_lookup=NgramConfig(enabled=bool(args.prompt_lookup)),
+        draft_length=DraftLengthConfig(enabled=bool(args.adaptive_draft)),
+    )
     service = TandemService(tandem.router, tandem.tokenizer)
     try:
         return _output(

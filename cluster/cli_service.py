@@ -38,6 +38,9 @@ def add_to(commands: Any) -> None:
     serve.add_argument(
         "--prompt-lookup", action="store_true", help="copy recurring text before drafting"
     )
+    serve.add_argument(
+        "--adaptive-draft", action="store_true", help="choose each block's length per request"
+    )
     serve.add_argument("--num-cpus", type=int, default=DEFAULT_NUM_CPUS, help="for a new cluster")
     serve.add_argument("--detach", action="store_true", help="return once the service is up")
     serve.set_defaults(handler=serve_command)
@@ -66,6 +69,8 @@ def _config(args: argparse.Namespace) -> TandemConfig:
         changes["grpc_port"] = args.port
     if args.prompt_lookup:
         changes["prompt_lookup"] = dataclasses.replace(config.prompt_lookup, enabled=True)
+    if args.adaptive_draft:
+        changes["draft_length"] = dataclasses.replace(config.draft_length, enabled=True)
     return dataclasses.replace(config, **changes) if changes else config
 
 

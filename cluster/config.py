@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from cluster.draft_length import DraftLengthConfig
 from cluster.presets import DEFAULT_PRESET, ModelPair, resolve_pair
 from cluster.service import ServiceConfig
 from drafter.drafter import DrafterConfig
@@ -89,6 +90,8 @@ class TandemConfig:
     prompt_lookup: NgramConfig = field(default_factory=NgramConfig)
     """The router's prompt lookup: blocks copied from the token history when its last few
     tokens recur, the draft model otherwise."""
+    draft_length: DraftLengthConfig = field(default_factory=DraftLengthConfig)
+    """The router's adaptive draft length per request (up to the request's draft_tokens)."""
     replica_rpc_timeout_s: float | None = 60.0
     """Deadline of each router -> replica call (None: no deadline)."""
 

@@ -77,6 +77,7 @@ class RouterIngress:
             loaded.eos_token_ids,
             config.api.default_pipelined,
             config.prompt_lookup,
+            config.draft_length,
         )
         self._service = TandemService(self._router, loaded.tokenizer, config.api)
         self._threads = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="request")

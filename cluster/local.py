@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from cluster.draft_length import DraftLengthConfig
 from cluster.presets import ModelPair
 from cluster.router import Decode, Router
 from drafter.drafter import Drafter, DrafterConfig
@@ -47,6 +48,7 @@ def build_local(
     drafter_config: DrafterConfig | None = None,
     verifier_config: VerifierConfig | None = None,
     prompt_lookup: NgramConfig | None = None,
+    draft_length: DraftLengthConfig | None = None,
 ) -> LocalTandem:
     """Load both models of `pair` and connect them in this process."""
     target = load_model(pair.target)
@@ -64,6 +66,7 @@ def build_local(
         text_decoder(target.tokenizer),
         target.eos_token_ids,
         ngram=prompt_lookup,
+        draft_length=draft_length,
     )
     return LocalTandem(
         router=router,

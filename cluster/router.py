@@ -15,6 +15,11 @@ token in that case, so block i+1 continues exactly the committed sequence and is
 verdict rejected part of block i, block i+1 is discarded (a miss) and the drafter's next call
 truncates the rejected tail before appending the correction.
 
+Adaptive draft length (optional, `draft_length`): each request's block length is re-chosen
+every pass, up to its draft_tokens, from its observed acceptance and the measured draft and
+verify times (`cluster.draft_length`); it falls to 0, the target alone, when speculation does
+not pay.
+
 Prompt lookup (optional, `ngram`): the router holds the whole token history, so before asking
 the drafter for a block it looks for the history's last few tokens earlier in the history and,
 when they recur, proposes what followed them (`drafter.ngram`): no model, no network hop. The
@@ -27,11 +32,13 @@ same in-process and across the network.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from cluster.draft_length import DraftLength, DraftLengthConfig
 from cluster.ports import DrafterPort, FixedReplicas, Pinned, ReplicaPool, VerifierPort
 from cluster.request import (
     FinishReason,
@@ -83,6 +90,7 @@ class _Generation:
         stats: SpeculationStats,
         pinned: Pinned,
         pipelined: bool,
+        draft_length: DraftLengthConfig,
     ) -> None:
         self.request = request
         self.verifier = pinned.verifier
@@ -91,6 +99,7 @@ class _Generation:
         self.session_id = uuid.uuid4().hex
         self.stats = stats
         self.text = TextAssembler(decode, request.stop)
+        self.lengths = DraftLength(draft_length, request.draft_tokens, pipelined)
         self.history = list(request.prompt_tokens)
         """Every committed token: what prompt lookup searches."""
         self.drafter = DrafterView(base_length=len(self.history))
@@ -115,9 +124,11 @@ class Router:
         eos_token_ids: frozenset[int],
         pipelined: bool = True,
         ngram: NgramConfig | None = None,
+        draft_length: DraftLengthConfig | None = None,
     ) -> None:
         """A router over one fixed verifier and drafter (the in-process transport)."""
-        self._init(FixedReplicas(verifier, drafter), decode, eos_token_ids, pipelined, ngram)
+        replicas = FixedReplicas(verifier, drafter)
+        self._init(replicas, decode, eos_token_ids, pipelined, ngram, draft_length)
 
     @classmethod
     def over_pool(
@@ -127,10 +138,11 @@ class Router:
         eos_token_ids: frozenset[int],
         pipelined: bool = True,
         ngram: NgramConfig | None = None,
+        draft_length: DraftLengthConfig | None = None,
     ) -> Router:
         """A router that pins each request to replicas chosen by `replicas` (distributed)."""
         router = cls.__new__(cls)
-        router._init(replicas, decode, eos_token_ids, pipelined, ngram)
+        router._init(replicas, decode, eos_token_ids, pipelined, ngram, draft_length)
         return router
 
     def _init(
@@ -140,6 +152,7 @@ class Router:
         eos_token_ids: frozenset[int],
         pipelined: bool,
         ngram: NgramConfig | None,
+        draft_length: DraftLengthConfig | None,
     ) -> None:
         self._replicas = replicas
         self._decode = decode
@@ -147,6 +160,7 @@ class Router:
         self.pipelined = pipelined
         self.ngram = ngram if ngram is not None and ngram.enabled else None
         """Prompt lookup settings; None: every block comes from the drafter."""
+        self.draft_length = draft_length or DraftLengthConfig()
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_DRAFTS, thread_name_prefix="draft-ahead")
 
     def close(self) -> None:
@@ -195,7 +209,7 @@ class Router:
         try:
             # With no drafter available the request runs on the target alone: lossless.
             use_pipeline = self.pipelined if pipelined is None else pipelined
-            gen = _Generation(request, self._decode, stats, pinned, use_pipeline)
+            gen = _Generation(request, self._decode, stats, pinned, use_pipeline, self.draft_length)
             yield from self._session(gen)
         finally:
             pinned.release()
@@ -214,21 +228,23 @@ class Router:
             self._close(gen)
 
     def _loop(self, gen: _Generation) -> Iterator[GenerationChunk]:
-        max_draft = gen.request.draft_tokens
         draft: _Draft | None = None  # a block drafted ahead that is still valid
         ahead: Future[_Draft] | None = None
         try:
             while True:
                 remaining = gen.remaining
                 if draft is None:
-                    draft = self._draft_now(gen, min(max_draft, remaining - 1))
+                    draft = self._draft_now(gen, min(gen.lengths.next_length(), remaining - 1))
                 block = draft.block
                 # If all of `block` is accepted (bonus deferred), `remaining - k` tokens are
                 # left and the next block must leave room for one more of the target's own.
-                next_k = min(max_draft, remaining - len(block.tokens) - 1)
+                next_k = min(gen.lengths.next_length(), remaining - len(block.tokens) - 1)
                 if gen.pipelined and len(block.tokens) > 0 and next_k > 0:
                     ahead = self._draft_ahead(gen, block, next_k)
+                started = time.perf_counter()
                 verdict = gen.verifier.verify(gen.session_id, block, defer_bonus=ahead is not None)
+                gen.lengths.observe_verify(time.perf_counter() - started)
+                gen.lengths.observe(len(block.tokens), verdict.num_accepted)
                 next_draft = ahead.result() if ahead is not None else None
                 ahead = None
                 gen.history.extend(verdict.tokens)
@@ -259,9 +275,11 @@ class Router:
             empty = DraftBlock(base_length=gen.committed, tokens=())
             return _Draft(looked_up or empty, by_drafter=False)
         view = gen.drafter
+        started = time.perf_counter()
         block = gen.drafter_port.draft(
             gen.session_id, view.base_length, view.behind, num_tokens, view.truncate_to
         )
+        gen.lengths.observe_draft(len(block.tokens), time.perf_counter() - started)
         gen.drafter = DrafterView(base_length=block.base_length)
         return _Draft(block, by_drafter=True)
 
@@ -284,9 +302,11 @@ class Router:
         appended = view.behind + list(block.tokens)
 
         def draft() -> _Draft:
+            started = time.perf_counter()
             next_block = port.draft(
                 gen.session_id, view.base_length, appended, num_tokens, view.truncate_to
             )
+            gen.lengths.observe_draft(len(next_block.tokens), time.perf_counter() - started)
             return _Draft(next_block, by_drafter=True)
 
         return self._pool.submit(draft)

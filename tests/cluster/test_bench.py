@@ -42,7 +42,7 @@ def test_local_bench_writes_result_and_chart(
     out, chart = tmp_path / "out.json", tmp_path / "out.png"
     code = main(["bench", "--preset", "tiny", "--prompts", str(prompts), "--max-tokens", "12",
                  "--repeats", "3", "--json", str(out), "--plot", str(chart),
-                 "--prompt-lookup"])  # fmt: skip
+                 "--prompt-lookup", "--adaptive-draft"])  # fmt: skip
     assert code == 0
     result = json.loads(out.read_text())
     assert list(result["runs"]) == list(RUNS)
@@ -57,7 +57,7 @@ def test_local_bench_writes_result_and_chart(
     assert set(result["speedup"]) == {"vs_hf_target", "vs_hf_assisted", "vs_tandem_target",
                                       "pipelining"}  # fmt: skip
     assert result["greedy_match"] == {"matched": 2, "total": 2}
-    assert result["config"]["prompt_lookup"] is True
+    assert result["config"]["prompt_lookup"] is result["config"]["adaptive_draft"] is True
     assert set(result["by_category"]) == {"code", "creative"}
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "greedy match (fp32): 2/2 prompts" in capsys.readouterr().out

@@ -1,0 +1,118 @@
+"""Per-request draft length from the acceptance and latencies seen so far (the goodput trade-off).
+
+Pure arithmetic, no I/O: the router feeds it each verify pass's outcome and the measured
+draft and verify times, and asks it for the next block's length.
+
+Model (Leviathan et al.): each drafted token is accepted with probability `a`, independently.
+A block of `k` tokens then commits E(k) = (1 - a^(k+1)) / (1 - a) tokens per verify pass. Its
+cost is k draft steps of `d` seconds and one verify pass of `v` seconds. Serial: T(k) = k d + v.
+Pipelined, the next block is drafted while this one is verified, and that draft survives only if
+all k are accepted (probability a^k): T(k) = a^k max(v, k d) + (1 - a^k)(k d + v). The length
+chosen is the k in 0..max_k with the most tokens per second E(k) / T(k); k = 0 (the target
+alone: one token per pass of `v`) wins when acceptance is low or drafting is slow, for example
+when a busy drafter's steps queue behind other requests'. So the same rule turns speculation
+down under load and back up when it pays.
+
+Estimating `a`: a block of k with n accepted is n successes and, if n < k, one failure. Counts
+decay by `decay` per pass, towards a Beta prior (`prior_accepted`, `prior_rejected`), so the
+estimate follows a request whose text changes character, and after a run of k = 0 passes (which
+observe nothing) the estimate drifts back to the prior and speculation is tried again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verifier.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class DraftLengthConfig:
+    """How the router picks each block's length (up to the request's draft_tokens)."""
+
+    enabled: bool = False
+    """False: every block has the request's draft_tokens."""
+    prior_accepted: float = 3.0
+    prior_rejected: float = 1.0
+    """A Beta(3, 1) prior: an acceptance of 0.75 until the request shows otherwise."""
+    decay: float = 0.9
+    """Weight kept by past outcomes per verify pass: about the last 10 passes count."""
+    latency_decay: float = 0.8
+    """Weight kept by past draft and verify latencies per measurement."""
+
+    def __post_init__(self) -> None:
+        if self.prior_accepted <= 0 or self.prior_rejected <= 0:
+            raise InvalidArgumentError("prior_accepted and prior_rejected must be > 0")
+        for name in ("decay", "latency_decay"):
+            if not 0 <= getattr(self, name) < 1:
+                raise InvalidArgumentError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one verify pass of a k-token block commits: 1 + a + ... + a^k."""
+    return float(sum(acceptance**i for i in range(k + 1)))
+
+
+def pass_seconds(
+    acceptance: float, k: int, draft_s: float, verify_s: float, pipelined: bool
+) -> float:
+    """Expected wall time of one round with a k-token block."""
+    serial = k * draft_s + verify_s
+    if not pipelined or k == 0:
+        return serial
+    hit = acceptance**k
+    return hit * max(verify_s, k * draft_s) + (1 - hit) * serial
+
+
+def best_length(
+    acceptance: float, max_k: int, draft_s: float, verify_s: float, pipelined: bool
+) -> int:
+    """The k in 0..max_k with the most tokens per second (the shortest on ties)."""
+    rates = [
+        expected_tokens(acceptance, k) / pass_seconds(acceptance, k, draft_s, verify_s, pipelined)
+        for k in range(max_k + 1)
+    ]
+    return max(range(max_k + 1), key=lambda k: (rates[k], -k))
+
+
+class DraftLength:
+    """One request's acceptance and latency estimates, and the length they recommend."""
+
+    def __init__(self, config: DraftLengthConfig, max_k: int, pipelined: bool) -> None:
+        self.config = config
+        self.max_k = max_k
+        self.pipelined = pipelined
+        self._accepted = 0.0
+        self._rejected = 0.0
+        self._draft_s: float | None = None
+        """Seconds per drafted token."""
+        self._verify_s: float | None = None
+        """Seconds per verify pass."""
+
+    @property
+    def acceptance(self) -> float:
+        accepted = self._accepted + self.config.prior_accepted
+        return accepted / (accepted + self._rejected + self.config.prior_rejected)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """Count one verify pass's outcome (nothing drafted: only the decay)."""
+        self._accepted = self._accepted * self.config.decay + num_accepted
+        self._rejected = self._rejected * self.config.decay + (num_accepted < num_drafted)
+
+    def observe_draft(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0:
+            self._draft_s = self._smooth(self._draft_s, seconds / num_tokens)
+
+    def observe_verify(self, seconds: float) -> None:
+        self._verify_s = self._smooth(self._verify_s, seconds)
+
+    def _smooth(self, old: float | None, new: float) -> float:
+        weight = self.config.latency_decay
+        return new if old is None else weight * old + (1 - weight) * new
+
+    def next_length(self) -> int:
+        """The block length for the next pass; the maximum until both latencies are known."""
+        if not self.config.enabled or self._draft_s is None or self._verify_s is None:
+            return self.max_k
+        return best_length(self.acceptance, self.max_k, self._draft_s, self._verify_s,
+                           self.pipelined)  # fmt: skip

@@ -1,0 +1,131 @@
+"""Adaptive draft length: the arithmetic, the estimator, and the router turning speculation
+down when drafting does not pay (still exact)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from cluster.draft_length import (
+    DraftLength,
+    DraftLengthConfig,
+    best_length,
+    expected_tokens,
+    pass_seconds,
+)
+from cluster.local import LocalTandem, text_decoder
+from cluster.request import GenerationRequest
+from cluster.router import Router
+from tests.conftest import CODE_PROMPT
+from verifier.errors import InvalidArgumentError
+
+ON = DraftLengthConfig(enabled=True)
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 3) == pytest.approx((1 - 0.5**4) / (1 - 0.5))
+
+
+def test_pass_seconds_serial_and_pipelined() -> None:
+    assert pass_seconds(0.8, 0, 0.1, 0.3, pipelined=True) == pytest.approx(0.3)
+    assert pass_seconds(0.8, 4, 0.1, 0.3, pipelined=False) == pytest.approx(0.7)
+    # All accepted for sure: the draft hides behind the longer of the two.
+    assert pass_seconds(1.0, 4, 0.1, 0.3, pipelined=True) == pytest.approx(0.4)
+    # Never accepted: the draft ahead is wasted and the round is serial.
+    assert pass_seconds(0.0, 4, 0.1, 0.3, pipelined=True) == pytest.approx(0.7)
+
+
+def test_best_length() -> None:
+    # Cheap drafts, high acceptance: the longest block.
+    assert best_length(0.95, 8, draft_s=0.01, verify_s=0.3, pipelined=False) == 8
+    # Nothing is accepted: the target alone.
+    assert best_length(0.0, 8, draft_s=0.01, verify_s=0.3, pipelined=False) == 0
+    # A draft step as dear as a verify pass never pays serially at 0.6 acceptance.
+    assert best_length(0.6, 8, draft_s=0.3, verify_s=0.3, pipelined=False) == 0
+    # A middling case picks a middling length, and hiding drafts behind verification
+    # never makes the best block shorter.
+    serial = best_length(0.8, 8, draft_s=0.1, verify_s=0.3, pipelined=False)
+    assert 0 < serial < 8
+    assert best_length(0.8, 8, draft_s=0.1, verify_s=0.3, pipelined=True) >= serial
+
+
+def test_disabled_or_unmeasured_uses_the_request_length() -> None:
+    off = DraftLength(DraftLengthConfig(), max_k=5, pipelined=False)
+    off.observe_draft(4, 10.0)
+    off.observe_verify(0.01)
+    assert off.next_length() == 5
+    on = DraftLength(ON, max_k=5, pipelined=False)
+    on.observe_verify(0.01)
+    assert on.next_length() == 5  # no draft latency yet
+
+
+def test_rejections_stop_speculation_and_the_prior_brings_it_back() -> None:
+    # A draft step costs 2/3 of a verify pass: drafting pays above about 0.67 acceptance.
+    lengths = DraftLength(ON, max_k=4, pipelined=False)
+    lengths.observe_draft(4, 0.8)
+    lengths.observe_verify(0.3)
+    assert lengths.next_length() > 0
+    for _ in range(10):
+        lengths.observe(4, 0)
+    assert lengths.acceptance < 0.3 and lengths.next_length() == 0
+    # Passes of the target alone observe nothing; the estimate drifts back to the prior
+    # (0.75), and speculation is tried again.
+    passes = 0
+    while lengths.next_length() == 0:
+        lengths.observe(0, 0)
+        passes += 1
+    assert 5 < passes < 60
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(InvalidArgumentError, match="decay"):
+        DraftLengthConfig(decay=1.0)
+    with pytest.raises(InvalidArgumentError, match="prior"):
+        DraftLengthConfig(prior_accepted=0)
+
+
+class SlowDrafter:
+    """The real drafter, made slower than a verify pass per drafted token."""
+
+    def __init__(self, tandem: LocalTandem, delay_s: float) -> None:
+        self.drafter = tandem.drafter
+        self.delay_s = delay_s
+
+    def open_session(self, *args: Any) -> int:
+        return self.drafter.open_session(*args)
+
+    def draft(self, session_id: str, base: int, appended: Any, num_tokens: int, *rest: Any) -> Any:
+        time.sleep(self.delay_s * num_tokens)
+        return self.drafter.draft(session_id, base, appended, num_tokens, *rest)
+
+    def close_session(self, session_id: str) -> bool:
+        return self.drafter.close_session(session_id)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
+def test_router_stops_drafting_when_drafts_cost_more_than_they_save(
+    local_tandem: LocalTandem, pipelined: bool
+) -> None:
+    prompt = tuple(local_tandem.tokenizer.encode(CODE_PROMPT, add_special_tokens=False))
+    request = GenerationRequest(prompt, 40, draft_tokens=4)
+    expected = local_tandem.router.generate(GenerationRequest(prompt, 40, draft_tokens=0)).tokens
+    decode = text_decoder(local_tandem.tokenizer)
+    eos = local_tandem.target.eos_token_ids
+    # A tiny-model verify pass takes a few ms; 50 ms per drafted token can never pay.
+    slow = SlowDrafter(local_tandem, delay_s=0.05)
+    adaptive = Router(local_tandem.verifier, slow, decode, eos, draft_length=ON)
+    fixed = Router(local_tandem.verifier, slow, decode, eos)
+    try:
+        result = adaptive.generate(request, pipelined=pipelined)
+        baseline = fixed.generate(request, pipelined=pipelined)
+    finally:
+        adaptive.close()
+        fixed.close()
+    assert result.tokens == expected == baseline.tokens
+    # Most passes ran the target alone; only the first block and the odd probe drafted.
+    assert result.stats.num_drafted < baseline.stats.num_drafted / 3
+    assert result.stats.num_verify_passes > 20
