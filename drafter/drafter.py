@@ -14,7 +14,6 @@ needs the q the token was really drawn from, so truncation costs acceptance, nev
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +21,14 @@ from verifier.block import DraftBlock
 from verifier.errors import InvalidArgumentError
 from verifier.models import LoadedModel
 from verifier.sampling import SamplingParams, SparseDistribution, logits_to_probs, sample, to_sparse
-from verifier.session import ReplicaStats, SessionTable, check_seed, check_token_ids, synchronized
+from verifier.session import (
+    BusyLock,
+    ReplicaStats,
+    SessionTable,
+    check_seed,
+    check_token_ids,
+    synchronized,
+)
 
 # XOR-ed into the request seed so that the drafter's draws are independent of the verifier's:
 # acceptance is only exact when the draft token and the acceptance test use separate randomness.
@@ -63,7 +69,7 @@ class Drafter:
     """Proposes draft blocks with a small model, one session per request."""
 
     def __init__(self, draft: LoadedModel, config: DrafterConfig | None = None) -> None:
-        self._lock = threading.Lock()
+        self._lock = BusyLock()
         self.config = config or DrafterConfig()
         self._draft = draft
         self._sessions = SessionTable(
@@ -143,4 +149,4 @@ class Drafter:
 
     @synchronized
     def stats(self) -> ReplicaStats:
-        return self._sessions.stats()
+        return self._sessions.stats(busy_s=self._lock.busy_s)

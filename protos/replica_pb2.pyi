@@ -98,9 +98,11 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("num_sessions", "num_cached_tokens")
+    __slots__ = ("num_sessions", "num_cached_tokens", "busy_s")
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
     num_sessions: int
     num_cached_tokens: int
-    def __init__(self, num_sessions: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    busy_s: float
+    def __init__(self, num_sessions: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ...) -> None: ...

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
@@ -32,8 +33,28 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+class BusyLock:
+    """A lock that adds up how long it has been held: its component's busy (computing) time,
+    which tells load apart from idle sessions and splits a call's latency into compute and
+    transport."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since = 0.0
+        self.busy_s = 0.0
+
+    def __enter__(self) -> BusyLock:
+        self._lock.acquire()
+        self._since = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.busy_s += time.perf_counter() - self._since
+        self._lock.release()
+
+
 class HasLock(Protocol):
-    _lock: threading.Lock
+    _lock: BusyLock
 
 
 S = TypeVar("S", bound=HasLock)
@@ -75,6 +96,8 @@ class ReplicaStats:
 
     num_sessions: int
     num_cached_tokens: int
+    busy_s: float = 0.0
+    """Seconds the replica's component has spent serving calls since it started."""
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:
@@ -164,8 +187,9 @@ class SessionTable:
     def remove(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None
 
-    def stats(self) -> ReplicaStats:
+    def stats(self, busy_s: float = 0.0) -> ReplicaStats:
         return ReplicaStats(
+            busy_s=busy_s,
             num_sessions=len(self._sessions),
             num_cached_tokens=sum(s.kv.num_cached_tokens for s in self._sessions.values()),
         )

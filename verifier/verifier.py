@@ -10,7 +10,6 @@ tokens is plain target decoding through the same path.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from verifier.models import LoadedModel
 from verifier.rejection import rejection_sample
 from verifier.sampling import SamplingParams, logits_to_probs, to_dense
 from verifier.session import (
+    BusyLock,
     ReplicaSession,
     ReplicaStats,
     SessionTable,
@@ -51,7 +51,7 @@ class Verifier:
     """Verifies draft blocks against the target model, one session per request."""
 
     def __init__(self, target: LoadedModel, config: VerifierConfig | None = None) -> None:
-        self._lock = threading.Lock()
+        self._lock = BusyLock()
         self.config = config or VerifierConfig()
         self._target = target
         self._sessions = SessionTable(
@@ -137,4 +137,4 @@ class Verifier:
 
     @synchronized
     def stats(self) -> ReplicaStats:
-        return self._sessions.stats()
+        return self._sessions.stats(busy_s=self._lock.busy_s)

@@ -146,11 +146,15 @@ def verdict_from_wire(message: replica_pb2.Verdict) -> Verdict:
 
 def stats_to_wire(stats: ReplicaStats) -> replica_pb2.ReplicaStats:
     return replica_pb2.ReplicaStats(
-        num_sessions=stats.num_sessions, num_cached_tokens=stats.num_cached_tokens
+        num_sessions=stats.num_sessions,
+        num_cached_tokens=stats.num_cached_tokens,
+        busy_s=stats.busy_s,
     )
 
 
 def stats_from_wire(message: replica_pb2.ReplicaStats) -> ReplicaStats:
     return ReplicaStats(
-        num_sessions=message.num_sessions, num_cached_tokens=message.num_cached_tokens
+        num_sessions=message.num_sessions,
+        num_cached_tokens=message.num_cached_tokens,
+        busy_s=message.busy_s,
     )

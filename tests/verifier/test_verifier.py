@@ -69,7 +69,10 @@ def test_wrong_token_is_replaced_and_the_rest_dropped(
     assert list(verdict.tokens) == expected[:2]
     # The cache keeps the prompt and the accepted draft; the correction is fed next round.
     assert verifier.stats().num_cached_tokens == len(PROMPT) + 1
+    busy_before = verifier.stats().busy_s
     follow = verifier.verify("s", DraftBlock(len(PROMPT) + 2, ()))
+    # A forward pass is compute: the busy counter grows by its time, and only by its time.
+    assert 0 < verifier.stats().busy_s - busy_before < 10
     assert list(follow.tokens) == expected[2:3]
 
 

@@ -214,7 +214,7 @@ def test_verdict_round_trips(verdict: Verdict) -> None:
 
 
 def test_stats_round_trip() -> None:
-    stats = ReplicaStats(num_sessions=3, num_cached_tokens=2**40)
+    stats = ReplicaStats(num_sessions=3, num_cached_tokens=2**40, busy_s=12.375)
     assert wire.stats_from_wire(over_the_wire(wire.stats_to_wire(stats))) == stats
 
 
