@@ -267,3 +267,26 @@ def test_cli_demo_against_the_service(service: dict[str, object]) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def fibonacci(n):")
     assert "acceptance" in result.stdout and "speedup over target-only" in result.stdout
+
+
+def test_profile_splits_rounds_into_compute_and_transport(
+    service: dict[str, object], tmp_path: Path
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
+    out = tmp_path / "profile.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.profile", "--preset", "tiny", "--max-tokens", "12",
+         "--repeats", "1", "--prompts", str(prompts), "--json", str(out)],
+        capture_output=True, text=True, timeout=180, check=False, env=service["env"],  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert runs["target_only"]["tokens_per_verify"] == 1.0
+    assert runs["target_only"]["round_ms"]["draft_compute"] == 0
+    for name in ("serial", "pipelined"):
+        rounds = runs[name]["round_ms"]
+        assert rounds["verify_compute"] > 0 and rounds["verify_transport"] > 0
+        assert rounds["draft_compute"] > 0 or name == "pipelined"  # pipelined: drafts ahead
+        assert runs[name]["transport_per_call_ms"]["p50"] > 0
+    assert runs["serial"]["round_ms"]["draft_transport"] > 0
