@@ -41,7 +41,11 @@ def build_app(config: TandemConfig) -> Application:
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
     )(DrafterReplica).bind(
-        pair.draft, config.drafter_limits, registry, config.drafter.torch_threads
+        pair.draft,
+        config.drafter_limits,
+        registry,
+        config.drafter.torch_threads,
+        cpus=tuple(config.drafter.cpus),
     )
     verifier = serve.deployment(
         name="Verifier",
@@ -50,7 +54,11 @@ def build_app(config: TandemConfig) -> Application:
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
     )(VerifierReplica).bind(
-        pair.target, config.verifier_limits, registry, config.verifier.torch_threads
+        pair.target,
+        config.verifier_limits,
+        registry,
+        config.verifier.torch_threads,
+        cpus=tuple(config.verifier.cpus),
     )
     return serve.deployment(
         name="Router",

@@ -245,6 +245,7 @@ def run_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
             "draft_tokens": args.draft_tokens, "dtype": dtype, "repeats": args.repeats,
             "num_prompts": len(prompts), "prompts": args.prompts or "default",
             "prompt_lookup": args.prompt_lookup, "adaptive_draft": args.adaptive_draft,
+            "serve_config": args.serve_config,
         },
         "runs": runs,
         "speedup": {
@@ -270,10 +271,11 @@ def _router_settings(args: Any) -> dict[str, Any]:
     }
 
 
-def _router_flags(args: Any) -> list[str]:
-    """The same features as `tandem serve` flags."""
+def _serve_flags(args: Any) -> list[str]:
+    """`tandem serve` flags: the same router features, and the service's config file."""
     flags = {"--prompt-lookup": args.prompt_lookup, "--adaptive-draft": args.adaptive_draft}
-    return [flag for flag, on in flags.items() if on]
+    config = ["--config", args.serve_config] if args.serve_config else []
+    return [flag for flag, on in flags.items() if on] + config
 
 
 @contextmanager
@@ -285,7 +287,7 @@ def _maybe_service(args: Any, progress: Callable[[str], None]) -> Iterator[Any]:
 
     progress(f"starting tandem serve --preset {args.preset} (takes a minute)")
     with (
-        _service(args.preset, _router_flags(args)) as address,
+        _service(args.preset, _serve_flags(args)) as address,
         TandemClient(address, timeout_s=3600) as client,
     ):
         yield client

@@ -22,6 +22,9 @@ def add_to(commands: Any) -> None:
         "--prompt-lookup", action="store_true", help="Tandem runs copy recurring text first"
     )
     p.add_argument("--adaptive-draft", action="store_true", help="Tandem runs choose block lengths")
+    p.add_argument(
+        "--serve-config", help="--mode service: a TandemConfig YAML for the service it starts"
+    )
     p.add_argument("--repeats", type=int, default=3, help="median of this many (at least 3)")
     p.add_argument("--json", dest="json_out", help="write the result here")
     p.add_argument("--plot", help="write the chart here (PNG)")
@@ -37,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(
             f"--repeats must be >= 3 (medians of repeats), got {args.repeats}"
         )
+    if args.serve_config and args.mode != "service":
+        raise InvalidArgumentError("--serve-config needs --mode service")
     if args.max_tokens < 1 or args.draft_tokens < 1:
         raise InvalidArgumentError("--max-tokens and --draft-tokens must be >= 1")
     started = time.monotonic()

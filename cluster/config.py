@@ -39,6 +39,9 @@ class ReplicaGroupConfig:
     torch_threads: int = 0
     """Intra-op threads per replica (0: Ray's default, which is the replica's num_cpus, and
     1 when num_cpus is 0)."""
+    cpus: list[int] = field(default_factory=list)
+    """CPU ids every replica of this group is pinned to (empty: not pinned). On one machine,
+    e.g. [0] for drafters and [1] for verifiers gives each side a core of its own."""
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -48,6 +51,8 @@ class ReplicaGroupConfig:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.torch_threads < 0:
             raise InvalidArgumentError(f"torch_threads must be >= 0, got {self.torch_threads}")
+        if any(isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 0 for cpu in self.cpus):
+            raise InvalidArgumentError(f"cpus must be CPU ids (ints >= 0), got {self.cpus}")
 
     def ray_actor_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}

@@ -6,11 +6,13 @@ heartbeat to the registry. Serve only places it, restarts it and checks its heal
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from drafter.drafter import Drafter, DrafterConfig
 from drafter.servicer import DrafterServicer
 from protos import replica_pb2_grpc
 from verifier.models import ModelSpec, load_model
-from verifier.replica_host import ReplicaShell, set_torch_threads
+from verifier.replica_host import ReplicaShell, place_threads
 
 
 class DrafterReplica(ReplicaShell):
@@ -21,8 +23,9 @@ class DrafterReplica(ReplicaShell):
         registry_name: str | None,
         torch_threads: int = 0,
         bind_host: str | None = None,
+        cpus: Sequence[int] = (),
     ) -> None:
-        set_torch_threads(torch_threads)
+        place_threads(torch_threads, cpus)
         self.drafter = Drafter(load_model(model), config)
         servicer = DrafterServicer(self.drafter)
         self._serve(

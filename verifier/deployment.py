@@ -6,9 +6,11 @@ heartbeat to the registry. Serve only places it, restarts it and checks its heal
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from protos import replica_pb2_grpc
 from verifier.models import ModelSpec, load_model
-from verifier.replica_host import ReplicaShell, set_torch_threads
+from verifier.replica_host import ReplicaShell, place_threads
 from verifier.servicer import VerifierServicer
 from verifier.verifier import Verifier, VerifierConfig
 
@@ -21,8 +23,9 @@ class VerifierReplica(ReplicaShell):
         registry_name: str | None,
         torch_threads: int = 0,
         bind_host: str | None = None,
+        cpus: Sequence[int] = (),
     ) -> None:
-        set_torch_threads(torch_threads)
+        place_threads(torch_threads, cpus)
         self.verifier = Verifier(load_model(model), config)
         servicer = VerifierServicer(self.verifier)
         self._serve(

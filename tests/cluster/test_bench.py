@@ -66,3 +66,8 @@ def test_local_bench_writes_result_and_chart(
 def test_too_few_repeats_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--repeats", "2"]) == 2
     assert "--repeats must be >= 3" in capsys.readouterr().err
+
+
+def test_serve_config_needs_service_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--serve-config", "deploy/tandem.yaml"]) == 2
+    assert "--serve-config needs --mode service" in capsys.readouterr().err

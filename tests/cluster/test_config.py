@@ -46,6 +46,7 @@ def test_nested_values_and_actor_options() -> None:
         ({"grpc_port": 70000}, "grpc_port"),
         ({"api": 3}, "api must be a mapping"),
         ({"prompt_lookup": {"min_ngram": 0}}, "min_ngram"),
+        ({"drafter": {"cpus": [0, -1]}}, "cpus must be CPU ids"),
     ],
 )
 def test_bad_configs(data: dict[str, object], message: str) -> None:
