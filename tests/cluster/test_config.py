@@ -18,6 +18,12 @@ def test_example_config_in_deploy_parses() -> None:
     assert config.models.pair().target.source == "tiny://target"
 
 
+@pytest.mark.parametrize("name", ["one-core-each", "shared-cores"])
+def test_placement_configs_parse(name: str) -> None:
+    config = TandemConfig.from_yaml(REPO_ROOT / "deploy" / "placement" / f"{name}.yaml")
+    assert config.drafter.torch_threads >= 1 and config.verifier.torch_threads >= 1
+
+
 def test_nested_values_and_actor_options() -> None:
     config = TandemConfig.from_dict(
         {
