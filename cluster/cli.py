@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cluster import cli_bench, cli_demo, cli_generate, cli_models, cli_service
+from cluster import cli_bench, cli_demo, cli_generate, cli_loadtest, cli_models, cli_service
 from cluster.client_types import TandemClientError
 from verifier.errors import TandemError
 
@@ -51,6 +51,7 @@ REGISTRARS: tuple[Registrar, ...] = (
     cli_models.add_to,
     cli_bench.add_to,
     cli_demo.add_to,
+    cli_loadtest.add_to,
 )
 
 

@@ -290,3 +290,24 @@ def test_profile_splits_rounds_into_compute_and_transport(
         assert rounds["draft_compute"] > 0 or name == "pipelined"  # pipelined: drafts ahead
         assert runs[name]["transport_per_call_ms"]["p50"] > 0
     assert runs["serial"]["round_ms"]["draft_transport"] > 0
+
+
+def test_loadtest_compares_speculation_with_the_target_alone(
+    service: dict[str, object], tmp_path: Path
+) -> None:
+    out, chart = tmp_path / "load.json", tmp_path / "load.png"
+    result = subprocess.run(
+        [TANDEM, "loadtest", "--address", str(service["address"]), "--concurrency", "1", "3",
+         "--duration", "2", "--max-tokens", "8", "--compare", "--json", str(out),
+         "--plot", str(chart)],
+        capture_output=True, text=True, timeout=180, check=False, env=service["env"],  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    levels = json.loads(out.read_text())["levels"]
+    assert [level["concurrency"] for level in levels] == [1, 3]
+    for level in levels:
+        for mode in ("speculative", "target_only"):
+            assert level[mode]["errors"] == {} and level[mode]["requests"] > 0
+            assert 0 < level[mode]["tokens"] <= 8 * level[mode]["requests"]
+        assert level["speedup"] > 0
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
