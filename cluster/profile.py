@@ -8,7 +8,8 @@ timed here (its wall time), and after every call the replica's cumulative `busy_
 transport (serialisation, the network stack, gRPC, the replica's thread hand-off). That split
 is exact only while nothing else runs on the replicas, so profile an otherwise idle service.
 
-Per configuration (target alone, serial speculation, pipelined speculation) it reports
+Per configuration (target alone, then serial and pipelined speculation at each draft length
+given) it reports
 ms per token, tokens per verify pass, and per round: the draft calls the router waited for,
 the verify call, each split into compute and transport, and the rest (the router's own work,
 and in pipelined mode the wait for a draft ahead that outlasted its verify pass). p50 and p99
@@ -32,8 +33,21 @@ from typing import Any
 
 from cluster.overhead import _percentile
 
-CONFIGS = (("target_only", 0, False), ("serial", None, False), ("pipelined", None, True))
-"""Name, draft length (None: --draft-tokens) and pipelining of each profiled configuration."""
+ROUND_PARTS = (
+    "draft_compute",
+    "draft_transport",
+    "verify_compute",
+    "verify_transport",
+    "router_and_waits",
+)
+
+
+def configurations(draft_lengths: Sequence[int]) -> list[tuple[str, int, bool]]:
+    """Name, draft length and pipelining of each profiled configuration."""
+    configs = [("target_only", 0, False)]
+    for k in draft_lengths:
+        configs += [(f"serial_k{k}", k, False), (f"pipelined_k{k}", k, True)]
+    return configs
 
 
 @dataclass
@@ -151,7 +165,11 @@ def _median(reports: Sequence[Any]) -> Any:
 
 
 def measure(
-    preset: str, max_tokens: int, draft_tokens: int, repeats: int, prompts_path: str | None
+    preset: str,
+    max_tokens: int,
+    draft_lengths: Sequence[int],
+    repeats: int,
+    prompts_path: str | None,
 ) -> dict[str, Any]:
     from cluster import local_cluster
 
@@ -182,16 +200,17 @@ def measure(
         decode = text_decoder(loaded.tokenizer)
         return Router(verifier, drafter, decode, loaded.eos_token_ids), drafter, verifier
 
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in CONFIGS}
+    configs = configurations(draft_lengths)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
     for repeat in range(repeats):
-        shift = repeat % len(CONFIGS)  # rotate the order: no configuration always runs first
-        for name, k, pipelined in CONFIGS[shift:] + CONFIGS[:shift]:
-            length = draft_tokens if k is None else k
-            runs[name].append(profile_config(router_for, prompts, max_tokens, length, pipelined))
+        shift = repeat % len(configs)  # rotate the order: no configuration always runs first
+        for name, k, pipelined in configs[shift:] + configs[:shift]:
+            runs[name].append(profile_config(router_for, prompts, max_tokens, k, pipelined))
             ms = runs[name][-1]["ms_per_token"]
             print(f"repeat {repeat + 1}/{repeats} {name}: {ms:.0f} ms/token", file=sys.stderr)
     return {
-        "config": {"preset": preset, "max_tokens": max_tokens, "draft_tokens": draft_tokens,
+        "config": {"preset": preset, "max_tokens": max_tokens,
+                   "draft_lengths": list(draft_lengths),
                    "repeats": repeats, "prompts": prompts_path or "default",
                    "drafter": address["drafter"], "verifier": address["verifier"]},
         "runs": {name: _median(reports) for name, reports in runs.items()},
@@ -202,16 +221,55 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen-coder", help="the pair the service runs")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--draft-tokens", type=int, nargs="+", default=[4], help="one or more")
     parser.add_argument("--repeats", type=int, default=3, help="medians over this many")
     parser.add_argument("--prompts", help="jsonl as for tandem bench (default: its prompt set)")
     parser.add_argument("--json", dest="json_out", help="write the report here")
+    parser.add_argument("--plot", help="tokens/s by draft length and round parts (PNG)")
     args = parser.parse_args()
     report = measure(args.preset, args.max_tokens, args.draft_tokens, args.repeats, args.prompts)
     text = json.dumps(report, indent=2)
     print(text)
     if args.json_out:
         Path(args.json_out).write_text(text + "\n")
+    if args.plot:
+        plot(report, args.plot)
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Tokens/s against draft length (left) and each configuration's round split (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    lengths = report["config"]["draft_lengths"]
+    fig, (rate_ax, parts_ax) = plt.subplots(1, 2, figsize=(12.0, 4.5))
+    try:
+        for mode in ("serial", "pipelined"):
+            rates = [1000 / runs[f"{mode}_k{k}"]["ms_per_token"] for k in lengths]
+            rate_ax.plot(lengths, rates, marker="o", label=mode)
+        rate_ax.axhline(1000 / runs["target_only"]["ms_per_token"], color="gray",
+                        linestyle="--", label="target alone")  # fmt: skip
+        rate_ax.set_xlabel("draft length k")
+        rate_ax.set_ylabel("tokens/s")
+        rate_ax.set_ylim(bottom=0)
+        rate_ax.legend()
+        rate_ax.grid(alpha=0.3)
+        names = list(runs)
+        bottom = [0.0] * len(names)
+        for part in ROUND_PARTS:
+            heights = [max(0.0, runs[n]["round_ms"][part]) for n in names]
+            parts_ax.bar(names, heights, bottom=bottom, label=part)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        parts_ax.set_ylabel("ms per round")
+        parts_ax.tick_params(axis="x", rotation=30)
+        parts_ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -277,19 +277,22 @@ def test_profile_splits_rounds_into_compute_and_transport(
     out = tmp_path / "profile.json"
     result = subprocess.run(
         [sys.executable, "-m", "cluster.profile", "--preset", "tiny", "--max-tokens", "12",
-         "--repeats", "1", "--prompts", str(prompts), "--json", str(out)],
+         "--repeats", "1", "--prompts", str(prompts), "--json", str(out),
+         "--draft-tokens", "2", "4", "--plot", str(tmp_path / "profile.png")],
         capture_output=True, text=True, timeout=180, check=False, env=service["env"],  # type: ignore[arg-type]
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
     assert runs["target_only"]["tokens_per_verify"] == 1.0
     assert runs["target_only"]["round_ms"]["draft_compute"] == 0
-    for name in ("serial", "pipelined"):
+    assert set(runs) == {"target_only", "serial_k2", "pipelined_k2", "serial_k4", "pipelined_k4"}
+    for name in ("serial_k4", "pipelined_k4"):
         rounds = runs[name]["round_ms"]
         assert rounds["verify_compute"] > 0 and rounds["verify_transport"] > 0
-        assert rounds["draft_compute"] > 0 or name == "pipelined"  # pipelined: drafts ahead
+        assert rounds["draft_compute"] > 0
         assert runs[name]["transport_per_call_ms"]["p50"] > 0
-    assert runs["serial"]["round_ms"]["draft_transport"] > 0
+    assert runs["serial_k4"]["round_ms"]["draft_transport"] > 0
+    assert (tmp_path / "profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_loadtest_compares_speculation_with_the_target_alone(
