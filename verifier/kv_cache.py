@@ -18,12 +18,24 @@ from verifier.errors import InvalidArgumentError
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
+    """Length of the longest common prefix of two token sequences.
+
+    Called on every forward with the whole context, so it compares list slices (a C loop)
+    instead of stepping through tokens in Python: one comparison in the usual case, where one
+    sequence extends the other, and a binary search over prefix lengths otherwise.
+    """
+    a, b = list(a), list(b)  # a list never equals a tuple: compare like with like
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low] and a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 class KVSession:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from verifier.errors import InvalidArgumentError
 from verifier.kv_cache import KVSession, common_prefix_length
@@ -28,6 +30,15 @@ def test_common_prefix_length() -> None:
     assert common_prefix_length([1, 2], [1, 2, 3]) == 2
     assert common_prefix_length([], [1]) == 0
     assert common_prefix_length([5], [6]) == 0
+    assert common_prefix_length((1, 2, 3), [1, 2, 3, 4]) == 3  # a tuple against a list
+
+
+@given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=40))
+def test_common_prefix_length_matches_a_plain_loop(a: list[int], b: list[int]) -> None:
+    expected = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                    min(len(a), len(b)))  # fmt: skip
+    assert common_prefix_length(a, b) == expected
+    assert common_prefix_length(a, a + b) == len(a)
 
 
 def test_block_logits_match_full_forward(tiny_target: LoadedModel, sequence: list[int]) -> None:
