@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from verifier.block import DraftBlock
 from verifier.errors import InvalidArgumentError
 from verifier.models import LoadedModel
@@ -48,6 +50,11 @@ class DrafterConfig:
     top_k: int = 64
     """Sampled drafts draw from at most this many tokens (0 = the request's own top_k), which
     keeps the q sent per token small; exactness does not depend on it."""
+    min_confidence: float = 0.0
+    """End a block early after a token the draft model gave less than this probability (its
+    most likely token's probability, before truncation): later tokens would likely be
+    rejected, and drafting them costs time. 0 drafts every token asked for. The block length
+    then depends only on the drafter, so acceptance stays exact."""
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_context_tokens", "max_draft_tokens"):
@@ -55,6 +62,10 @@ class DrafterConfig:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.top_k < 0:
             raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_confidence <= 1.0:
+            raise InvalidArgumentError(
+                f"min_confidence must be in [0, 1], got {self.min_confidence}"
+            )
 
 
 def draft_sampling(request: SamplingParams, top_k: int) -> SamplingParams:
@@ -132,15 +143,23 @@ class Drafter:
             logits = session.kv.logits(session.tokens + drafted, 1)  # [1, vocab]
             if session.sampling.is_greedy:
                 drafted.append(int(logits[0].argmax()))
-                continue
-            q = logits_to_probs(logits, session.sampling)  # [1, vocab]
-            drafted.append(int(sample(q, session.generator)[0]))
-            draft_probs.append(to_sparse(q[0]))
+            else:
+                q = logits_to_probs(logits, session.sampling)  # [1, vocab]
+                drafted.append(int(sample(q, session.generator)[0]))
+                draft_probs.append(to_sparse(q[0]))
+            if self._unsure(logits[0]):
+                break
         return DraftBlock(
             base_length=len(session.tokens),
             tokens=tuple(drafted),
             draft_probs=None if session.sampling.is_greedy else tuple(draft_probs),
         )
+
+    def _unsure(self, logits: torch.Tensor) -> bool:
+        """Whether the draft model's best next token has less than min_confidence."""
+        if self.config.min_confidence <= 0.0:
+            return False
+        return float(logits.float().softmax(-1).max()) < self.config.min_confidence
 
     @synchronized
     def close_session(self, session_id: str) -> bool:

@@ -9,6 +9,7 @@ from cluster.local import LocalTandem
 from cluster.request import FinishReason, GenerationRequest
 from tests.conftest import CODE_PROMPT, PROMPTS
 from verifier import tiny
+from verifier.models import LoadedModel
 from verifier.sampling import SamplingParams
 
 MAX_TOKENS = 40
@@ -170,3 +171,31 @@ def test_concurrent_requests_in_process_are_exact(
         results = list(pool.map(run, PROMPTS))
     assert results == [target_only[p] for p in PROMPTS]
     assert local_tandem.verifier.stats().num_sessions == 0
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
+def test_drafts_cut_short_by_confidence_stay_exact(
+    local_tandem: LocalTandem,
+    tiny_draft: LoadedModel,
+    target_only: dict[str, tuple[int, ...]],
+    pipelined: bool,
+) -> None:
+    from cluster.local import text_decoder
+    from cluster.router import Router
+    from drafter.drafter import Drafter, DrafterConfig
+
+    unsure = Drafter(tiny_draft, DrafterConfig(min_confidence=0.5))
+    router = Router(local_tandem.verifier, unsure, text_decoder(local_tandem.tokenizer),
+                    local_tandem.target.eos_token_ids)  # fmt: skip
+    drafted = drafted_in_full = 0
+    try:
+        for prompt in PROMPTS[:4]:
+            request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=6)
+            result = router.generate(request, pipelined=pipelined)
+            assert result.tokens == target_only[prompt], prompt
+            drafted += result.stats.num_drafted
+            full = local_tandem.router.generate(request, pipelined=pipelined)
+            drafted_in_full += full.stats.num_drafted
+    finally:
+        router.close()
+    assert 0 < drafted < drafted_in_full  # some blocks were cut short

@@ -112,3 +112,23 @@ def test_bad_seed_is_reported_as_sent(tiny_draft: LoadedModel) -> None:
     with pytest.raises(InvalidArgumentError, match="got -5"):
         drafter.open_session("s", PROMPT, SamplingParams(temperature=1.0), seed=-5)
     assert drafter.stats().num_sessions == 0
+
+
+def test_a_block_ends_after_the_first_unsure_token(tiny_draft: LoadedModel) -> None:
+    tokens = list(PROMPT)
+    best: list[float] = []  # the draft model's top probability at each greedy step
+    with torch.inference_mode():
+        for _ in range(6):
+            probs = tiny_draft.model(torch.tensor([tokens])).logits[0, -1].softmax(-1)
+            best.append(float(probs.max()))
+            tokens.append(int(probs.argmax()))
+    # A threshold just above the least confident step: every earlier step clears it.
+    weakest = min(range(6), key=best.__getitem__)
+    gap = min(b - best[weakest] for i, b in enumerate(best) if i != weakest)
+    threshold = best[weakest] + gap / 2
+    drafter = Drafter(tiny_draft, DrafterConfig(min_confidence=threshold))
+    drafter.open_session("s", PROMPT, GREEDY, seed=0)
+    block = drafter.draft("s", len(PROMPT), (), 6)
+    assert list(block.tokens) == tokens[len(PROMPT) : len(PROMPT) + weakest + 1]
+    with pytest.raises(InvalidArgumentError, match="min_confidence"):
+        DrafterConfig(min_confidence=1.5)
