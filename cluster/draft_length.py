@@ -6,8 +6,11 @@ draft and verify times, and asks it for the next block's length.
 Model (Leviathan et al.): each drafted token is accepted with probability `a`, independently.
 A block of `k` tokens then commits E(k) = (1 - a^(k+1)) / (1 - a) tokens per verify pass. Its
 cost is k draft steps of `d` seconds and one verify pass of `v` seconds. Serial: T(k) = k d + v.
-Pipelined, the next block is drafted while this one is verified, and that draft survives only if
-all k are accepted (probability a^k): T(k) = a^k max(v, k d) + (1 - a^k)(k d + v). The length
+Pipelined, the next block is drafted while this one is verified, so every round waits for the
+longer of the two, max(v, k d), and that draft survives only if all k are accepted
+(probability a^k); otherwise the next round first drafts afresh: T(k) = max(v, k d) +
+(1 - a^k) k d. A surviving draft takes the place of the bonus token (deferred), so a pipelined
+round commits E(k) - a^k tokens. The length
 chosen is the k in 0..max_k with the most tokens per second E(k) / T(k); k = 0 (the target
 alone: one token per pass of `v`) wins when acceptance is low or drafting is slow, for example
 when a busy drafter's steps queue behind other requests'. So the same rule turns speculation
@@ -48,20 +51,20 @@ class DraftLengthConfig:
                 raise InvalidArgumentError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens one verify pass of a k-token block commits: 1 + a + ... + a^k."""
-    return float(sum(acceptance**i for i in range(k + 1)))
+def expected_tokens(acceptance: float, k: int, pipelined: bool = False) -> float:
+    """Tokens one verify pass of a k-token block commits: 1 + a + ... + a^k, less the bonus
+    token that a pipelined round defers when all k are accepted."""
+    tokens = float(sum(acceptance**i for i in range(k + 1)))
+    return tokens - acceptance**k if pipelined and k > 0 else tokens
 
 
 def pass_seconds(
     acceptance: float, k: int, draft_s: float, verify_s: float, pipelined: bool
 ) -> float:
     """Expected wall time of one round with a k-token block."""
-    serial = k * draft_s + verify_s
     if not pipelined or k == 0:
-        return serial
-    hit = acceptance**k
-    return hit * max(verify_s, k * draft_s) + (1 - hit) * serial
+        return k * draft_s + verify_s
+    return max(verify_s, k * draft_s) + (1 - acceptance**k) * k * draft_s
 
 
 def best_length(
@@ -69,7 +72,8 @@ def best_length(
 ) -> int:
     """The k in 0..max_k with the most tokens per second (the shortest on ties)."""
     rates = [
-        expected_tokens(acceptance, k) / pass_seconds(acceptance, k, draft_s, verify_s, pipelined)
+        expected_tokens(acceptance, k, pipelined)
+        / pass_seconds(acceptance, k, draft_s, verify_s, pipelined)
         for k in range(max_k + 1)
     ]
     return max(range(max_k + 1), key=lambda k: (rates[k], -k))

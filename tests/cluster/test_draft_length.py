@@ -28,6 +28,9 @@ def test_expected_tokens() -> None:
     assert expected_tokens(0.5, 0) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 3) == pytest.approx((1 - 0.5**4) / (1 - 0.5))
+    # Pipelined, an all-accepted block defers its bonus token to the next round.
+    assert expected_tokens(1.0, 4, pipelined=True) == 4.0
+    assert expected_tokens(0.5, 0, pipelined=True) == 1.0
 
 
 def test_pass_seconds_serial_and_pipelined() -> None:
@@ -35,8 +38,9 @@ def test_pass_seconds_serial_and_pipelined() -> None:
     assert pass_seconds(0.8, 4, 0.1, 0.3, pipelined=False) == pytest.approx(0.7)
     # All accepted for sure: the draft hides behind the longer of the two.
     assert pass_seconds(1.0, 4, 0.1, 0.3, pipelined=True) == pytest.approx(0.4)
-    # Never accepted: the draft ahead is wasted and the round is serial.
-    assert pass_seconds(0.0, 4, 0.1, 0.3, pipelined=True) == pytest.approx(0.7)
+    # Never accepted: the round waits for the wasted draft ahead, then drafts afresh.
+    assert pass_seconds(0.0, 4, 0.1, 0.3, pipelined=True) == pytest.approx(0.8)
+    assert pass_seconds(0.0, 2, 0.1, 0.3, pipelined=True) == pytest.approx(0.5)
 
 
 def test_best_length() -> None:
@@ -50,7 +54,9 @@ def test_best_length() -> None:
     # never makes the best block shorter.
     serial = best_length(0.8, 8, draft_s=0.1, verify_s=0.3, pipelined=False)
     assert 0 < serial < 8
-    assert best_length(0.8, 8, draft_s=0.1, verify_s=0.3, pipelined=True) >= serial
+    # Pipelined, a block drafted longer than a verify pass stalls every round: the best block
+    # drafts in about one verify pass (k d <= v).
+    assert best_length(0.95, 8, draft_s=0.1, verify_s=0.3, pipelined=True) == 3
 
 
 def test_disabled_or_unmeasured_uses_the_request_length() -> None:
