@@ -10,11 +10,13 @@ Pipelined, the next block is drafted while this one is verified, so every round 
 longer of the two, max(v, k d), and that draft survives only if all k are accepted
 (probability a^k); otherwise the next round first drafts afresh: T(k) = max(v, k d) +
 (1 - a^k) k d. A surviving draft takes the place of the bonus token (deferred), so a pipelined
-round commits E(k) - a^k tokens. The length
-chosen is the k in 0..max_k with the most tokens per second E(k) / T(k); k = 0 (the target
-alone: one token per pass of `v`) wins when acceptance is low or drafting is slow, for example
-when a busy drafter's steps queue behind other requests'. So the same rule turns speculation
-down under load and back up when it pays.
+round commits E(k) - a^k tokens. The plan
+chosen is the k in 0..max_k, pipelined or not, with the most tokens per second E(k) / T(k):
+k = 0 (the target alone: one token per pass of `v`) wins when acceptance is low or drafting is
+slow, for example when a busy drafter's steps queue behind other requests'; a serial round wins
+over a pipelined one when a block takes longer to draft than to verify and is often rejected
+(the draft ahead is then mostly wasted wait). So the same rule turns speculation and pipelining
+down under load and back up when they pay.
 
 Estimating `a`: a block of k with n accepted is n successes and, if n < k, one failure. Counts
 decay by `decay` per pass, towards a Beta prior (`prior_accepted`, `prior_rejected`), so the
@@ -79,6 +81,34 @@ def best_length(
     return max(range(max_k + 1), key=lambda k: (rates[k], -k))
 
 
+@dataclass(frozen=True)
+class Plan:
+    """How the next round runs: its block length, and whether the block after it is drafted
+    while this one is verified."""
+
+    k: int
+    pipelined: bool
+
+
+def rate(acceptance: float, plan: Plan, draft_s: float, verify_s: float) -> float:
+    """Expected tokens per second of rounds run to `plan`."""
+    tokens = expected_tokens(acceptance, plan.k, plan.pipelined)
+    return tokens / pass_seconds(acceptance, plan.k, draft_s, verify_s, plan.pipelined)
+
+
+def best_plan(
+    acceptance: float, max_k: int, draft_s: float, verify_s: float, may_pipeline: bool
+) -> Plan:
+    """The plan with the most tokens per second; on ties serial, then the shortest block."""
+    plans = [Plan(k, False) for k in range(max_k + 1)]
+    if may_pipeline:
+        plans += [Plan(k, True) for k in range(1, max_k + 1)]
+    return max(
+        plans,
+        key=lambda p: (rate(acceptance, p, draft_s, verify_s), not p.pipelined, -p.k),
+    )
+
+
 class DraftLength:
     """One request's acceptance and latency estimates, and the length they recommend."""
 
@@ -86,6 +116,7 @@ class DraftLength:
         self.config = config
         self.max_k = max_k
         self.pipelined = pipelined
+        """Whether the request allows pipelined rounds (the plan decides each round)."""
         self._accepted = 0.0
         self._rejected = 0.0
         self._draft_s: float | None = None
@@ -115,8 +146,12 @@ class DraftLength:
         return new if old is None else weight * old + (1 - weight) * new
 
     def next_length(self) -> int:
-        """The block length for the next pass; the maximum until both latencies are known."""
+        """The block length for the next pass."""
+        return self.next_plan().k
+
+    def next_plan(self) -> Plan:
+        """The next round's plan; the request's own (`max_k`, pipelined as asked) until both
+        latencies are known. A request that did not ask for pipelining never gets it."""
         if not self.config.enabled or self._draft_s is None or self._verify_s is None:
-            return self.max_k
-        return best_length(self.acceptance, self.max_k, self._draft_s, self._verify_s,
-                           self.pipelined)  # fmt: skip
+            return Plan(self.max_k, self.pipelined and self.max_k > 0)
+        return best_plan(self.acceptance, self.max_k, self._draft_s, self._verify_s, self.pipelined)

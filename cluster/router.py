@@ -15,10 +15,11 @@ token in that case, so block i+1 continues exactly the committed sequence and is
 verdict rejected part of block i, block i+1 is discarded (a miss) and the drafter's next call
 truncates the rejected tail before appending the correction.
 
-Adaptive draft length (optional, `draft_length`): each request's block length is re-chosen
-every pass, up to its draft_tokens, from its observed acceptance and the measured draft and
-verify times (`cluster.draft_length`); it falls to 0, the target alone, when speculation does
-not pay.
+Adaptive draft length (optional, `draft_length`): each request's block length, and whether the
+round is pipelined, are re-chosen every pass, up to its draft_tokens, from its observed
+acceptance and the measured draft and verify times (`cluster.draft_length`); it falls to serial
+rounds when drafts ahead would mostly be wasted, and to 0, the target alone, when speculation
+does not pay.
 
 Prompt lookup (optional, `ngram`): the router holds the whole token history, so before asking
 the drafter for a block it looks for the history's last few tokens earlier in the history and,
@@ -233,13 +234,14 @@ class Router:
         try:
             while True:
                 remaining = gen.remaining
+                plan = gen.lengths.next_plan()
                 if draft is None:
-                    draft = self._draft_now(gen, min(gen.lengths.next_length(), remaining - 1))
+                    draft = self._draft_now(gen, min(plan.k, remaining - 1))
                 block = draft.block
                 # If all of `block` is accepted (bonus deferred), `remaining - k` tokens are
                 # left and the next block must leave room for one more of the target's own.
-                next_k = min(gen.lengths.next_length(), remaining - len(block.tokens) - 1)
-                if gen.pipelined and len(block.tokens) > 0 and next_k > 0:
+                next_k = min(plan.k, remaining - len(block.tokens) - 1)
+                if plan.pipelined and len(block.tokens) > 0 and next_k > 0:
                     ahead = self._draft_ahead(gen, block, next_k)
                 started = time.perf_counter()
                 verdict = gen.verifier.verify(gen.session_id, block, defer_bonus=ahead is not None)

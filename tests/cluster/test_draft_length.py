@@ -11,7 +11,9 @@ import pytest
 from cluster.draft_length import (
     DraftLength,
     DraftLengthConfig,
+    Plan,
     best_length,
+    best_plan,
     expected_tokens,
     pass_seconds,
 )
@@ -94,6 +96,29 @@ def test_config_is_checked() -> None:
         DraftLengthConfig(prior_accepted=0)
 
 
+def test_best_plan_pipelines_only_when_the_draft_ahead_pays() -> None:
+    # A block drafts within one verify pass and is usually accepted: pipelined.
+    assert best_plan(0.9, 4, draft_s=0.1, verify_s=0.3, may_pipeline=True) == Plan(3, True)
+    # The request did not allow pipelining: the best serial plan instead.
+    assert best_plan(0.9, 4, draft_s=0.1, verify_s=0.3, may_pipeline=False) == Plan(4, False)
+    # Drafting outlasts verifying and half the blocks miss: the draft ahead is wasted wait.
+    serial = best_plan(0.6, 4, draft_s=0.09, verify_s=0.3, may_pipeline=True)
+    assert serial.pipelined is False and serial.k > 0
+    # Low acceptance: neither pays, the target alone.
+    assert best_plan(0.2, 4, draft_s=0.1, verify_s=0.3, may_pipeline=True) == Plan(0, False)
+
+
+def test_plan_follows_the_request_until_measured() -> None:
+    lengths = DraftLength(ON, max_k=4, pipelined=True)
+    assert lengths.next_plan() == Plan(4, True)
+    assert DraftLength(ON, max_k=0, pipelined=True).next_plan() == Plan(0, False)
+    lengths.observe_draft(4, 0.4)  # 0.1 s per token
+    lengths.observe_verify(0.3)
+    for _ in range(30):  # two of each five accepted: acceptance settles near 2/3
+        lengths.observe(5, 2)
+    assert lengths.next_plan().pipelined is False
+
+
 class SlowDrafter:
     """The real drafter, made slower than a verify pass per drafted token."""
 
@@ -135,3 +160,22 @@ def test_router_stops_drafting_when_drafts_cost_more_than_they_save(
     # Most passes ran the target alone; only the first block and the odd probe drafted.
     assert result.stats.num_drafted < baseline.stats.num_drafted / 3
     assert result.stats.num_verify_passes > 20
+
+
+def test_router_follows_the_plan_round_by_round(
+    local_tandem: LocalTandem, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rounds alternate between pipelined and serial plans: only the pipelined ones draft
+    ahead, and the output stays the target's."""
+    prompt = tuple(local_tandem.tokenizer.encode(CODE_PROMPT, add_special_tokens=False))
+    expected = local_tandem.router.generate(GenerationRequest(prompt, 40, draft_tokens=0)).tokens
+    plans = [Plan(3, True), Plan(3, False), Plan(2, False)]
+    calls = iter(range(10_000))
+    monkeypatch.setattr(DraftLength, "next_plan", lambda self: plans[next(calls) % 3])
+    result = local_tandem.router.generate(GenerationRequest(prompt, 40, draft_tokens=3))
+    assert result.tokens == expected
+    stats = result.stats
+    ahead = stats.pipeline_hits + stats.pipeline_misses
+    assert 0 < ahead < stats.num_verify_passes
+    # A plan is drawn once per round; one round in three drafted ahead.
+    assert ahead <= stats.num_verify_passes // 3 + 1
