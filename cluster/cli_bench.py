@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 
@@ -34,6 +32,7 @@ def add_to(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from cluster.bench import run_bench
     from cluster.bench_report import format_table, plot
+    from cluster.cli_output import write_result
     from verifier.errors import InvalidArgumentError
 
     if args.repeats < 3:
@@ -50,9 +49,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{time.monotonic() - started:7.1f}s] {message}", file=sys.stderr, flush=True)
 
     result = run_bench(args, progress)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
-    if args.plot:
-        plot(result, args.plot)
-    print(format_table(result))
+    write_result(result, args.json_out, args.plot, plot, format_table)
     return 0

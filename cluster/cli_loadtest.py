@@ -9,10 +9,8 @@ aggregate tokens/s and that speedup against concurrency.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 MAX_CONCURRENCY = 256
@@ -47,6 +45,8 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cluster.cli_output import write_result
+
     _check(args)
     from cluster.bench import load_prompts
     from cluster.client import TandemClient
@@ -80,11 +80,7 @@ def run(args: argparse.Namespace) -> int:
                    "prompts": args.prompts or "default"},
         "levels": levels,
     }  # fmt: skip
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
-    if args.plot:
-        plot(result, args.plot)
-    print(format_table(result))
+    write_result(result, args.json_out, args.plot, plot, format_table)
     return 0
 
 

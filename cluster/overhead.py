@@ -65,19 +65,11 @@ def _session_rounds(
 
 
 def measure(sessions: int, rounds: int, draft_tokens: int, threads: int) -> dict[str, Any]:
-    state = local_cluster.load_state()
-    if state is None:
-        raise local_cluster.ClusterError("no running service: start one with tandem serve")
-    local_cluster.connect(state)
-    import ray
-
+    address = local_cluster.replica_addresses()
     from cluster.local import build_local
     from cluster.presets import resolve_pair
-    from cluster.registry import get_registry
     from cluster.replica_client import GrpcDrafter, GrpcVerifier
 
-    replicas = ray.get(get_registry(state.app_name or "tandem").replicas.remote())
-    address = {r["side"]: r["address"] for r in replicas}
     remote_drafter, remote_verifier = (
         GrpcDrafter(address["drafter"]),
         GrpcVerifier(address["verifier"]),

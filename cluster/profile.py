@@ -173,22 +173,14 @@ def measure(
 ) -> dict[str, Any]:
     from cluster import local_cluster
 
-    state = local_cluster.load_state()
-    if state is None:
-        raise local_cluster.ClusterError("no running service: start one with tandem serve")
-    local_cluster.connect(state)
-    import ray
-
+    address = local_cluster.replica_addresses()
     from cluster.bench import load_prompts
     from cluster.local import text_decoder
     from cluster.presets import resolve_pair
-    from cluster.registry import get_registry
     from cluster.replica_client import GrpcDrafter, GrpcVerifier
     from cluster.router import Router
     from verifier.models import load_tokenizer
 
-    replicas = ray.get(get_registry(state.app_name or "tandem").replicas.remote())
-    address = {r["side"]: r["address"] for r in replicas}
     loaded = load_tokenizer(resolve_pair(preset).target)
     encode = loaded.tokenizer.encode
     prompts = [tuple(encode(p.text, add_special_tokens=False)) for p in load_prompts(prompts_path)]

@@ -7,6 +7,7 @@ import torch
 
 from cluster.local import LocalTandem, build_local
 from cluster.presets import resolve_pair
+from cluster.request import GenerationRequest
 from verifier.models import TINY_DRAFT, TINY_TARGET, LoadedModel, ModelSpec, load_model
 
 # The tiny models are far too small to gain from intra-op threads, and pipelined tests run
@@ -24,6 +25,12 @@ PROMPTS = (
     "SELECT id, name FROM users WHERE",
     "Zürich – naïve café ☕ ",
 )
+MAX_TOKENS = 40
+"""Tokens generated per prompt by the `target_only` reference."""
+
+
+def encode(tandem: LocalTandem, text: str) -> tuple[int, ...]:
+    return tuple(tandem.tokenizer.encode(text, add_special_tokens=False))
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +47,15 @@ def tiny_draft() -> LoadedModel:
 def local_tandem() -> LocalTandem:
     """Drafter, verifier and router over the tiny pair, in this process."""
     return build_local(resolve_pair("tiny", device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def target_only(local_tandem: LocalTandem) -> dict[str, tuple[int, ...]]:
+    """Greedy target-only output (`draft_tokens=0`, MAX_TOKENS tokens) per prompt: the
+    reference every lossless greedy test compares with."""
+    return {
+        prompt: local_tandem.router.generate(
+            GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=0)
+        ).tokens
+        for prompt in PROMPTS
+    }

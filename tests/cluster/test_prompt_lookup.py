@@ -15,11 +15,10 @@ from cluster.router import Router
 from drafter.drafter import Drafter
 from drafter.ngram import NgramConfig
 from tests.cluster.test_lossless_sampling import ALPHA, chi_square_p_value
-from tests.conftest import PROMPTS
+from tests.conftest import MAX_TOKENS, encode
 from verifier.models import LoadedModel
 from verifier.sampling import SamplingParams, logits_to_probs
 
-MAX_TOKENS = 40
 LOOKUP = NgramConfig(enabled=True, max_ngram=4, min_ngram=2)
 
 
@@ -44,20 +43,6 @@ class CountingDrafter:
 def router(tandem: LocalTandem, drafter: Any) -> Router:
     decode = text_decoder(tandem.tokenizer)
     return Router(tandem.verifier, drafter, decode, tandem.target.eos_token_ids, ngram=LOOKUP)
-
-
-def encode(tandem: LocalTandem, text: str) -> tuple[int, ...]:
-    return tuple(tandem.tokenizer.encode(text, add_special_tokens=False))
-
-
-@pytest.fixture(scope="module")
-def target_only(local_tandem: LocalTandem) -> dict[str, tuple[int, ...]]:
-    return {
-        prompt: local_tandem.router.generate(
-            GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=0)
-        ).tokens
-        for prompt in PROMPTS
-    }
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])

@@ -7,27 +7,10 @@ import torch
 
 from cluster.local import LocalTandem
 from cluster.request import FinishReason, GenerationRequest
-from tests.conftest import CODE_PROMPT, PROMPTS
+from tests.conftest import CODE_PROMPT, MAX_TOKENS, PROMPTS, encode
 from verifier import tiny
 from verifier.models import LoadedModel
 from verifier.sampling import SamplingParams
-
-MAX_TOKENS = 40
-
-
-def encode(tandem: LocalTandem, text: str) -> tuple[int, ...]:
-    return tuple(tandem.tokenizer.encode(text, add_special_tokens=False))
-
-
-@pytest.fixture(scope="module")
-def target_only(local_tandem: LocalTandem) -> dict[str, tuple[int, ...]]:
-    """Greedy target-only output (`draft_tokens=0`) per prompt."""
-    return {
-        prompt: local_tandem.router.generate(
-            GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=0)
-        ).tokens
-        for prompt in PROMPTS
-    }
 
 
 def test_target_only_equals_hugging_face_generate(
