@@ -81,6 +81,14 @@ def clear_state() -> None:
     _state_path().unlink(missing_ok=True)
 
 
+WORKER_NICENESS = "0"
+"""Niceness of the cluster's worker processes (Ray's default is 15). The replicas are the
+workload: at 15, any of Ray's own daemons that wakes up takes a core from a model forward at
+once, and with two or more intra-op threads the other threads then wait for the straggler at
+every operator. Measured on 2 cores (`python -m cluster.profile`, qwen-coder, two intra-op
+threads per replica): the target alone 1056 ms/token at 15, 766 at 0."""
+
+
 def ray_environment() -> dict[str, str]:
     """Environment for every Ray process of this home's cluster (token created if missing)."""
     token = home() / "auth_token"
@@ -92,6 +100,7 @@ def ray_environment() -> dict[str, str]:
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": str(token),
+        "RAY_worker_niceness": WORKER_NICENESS,
     }
 
 
@@ -157,19 +166,50 @@ def connect(state: ClusterState) -> None:
         raise ClusterError(f"no Ray cluster answers at {state.address}: {error}") from error
 
 
+def replica_addresses() -> dict[str, str]:
+    """Join the service `tandem serve` started and return the internal gRPC address of one
+    replica per side (`drafter`, `verifier`), from its registry: what the measuring tools
+    (`cluster.profile`, `cluster.overhead`) drive directly."""
+    state = load_state()
+    if state is None:
+        raise ClusterError("no running service: start one with tandem serve")
+    connect(state)
+    import ray
+
+    from cluster.registry import get_registry
+
+    replicas = ray.get(get_registry(state.app_name or "tandem").replicas.remote())
+    addresses = {r["side"]: r["address"] for r in replicas}
+    missing = {"drafter", "verifier"} - addresses.keys()
+    if missing:
+        raise ClusterError(f"the service has no live {' or '.join(sorted(missing))} replica")
+    return addresses
+
+
 def cluster_processes(temp_dir: str) -> list[int]:
-    """Pids of the processes whose command line names `temp_dir`."""
+    """Pids of the processes whose command line names `temp_dir`, or that hold a file open in
+    it: Ray's dashboard and runtime-env agents retitle themselves (`ray::DashboardAgent`), and
+    outlive the raylet unless they are signalled too."""
     needle = temp_dir.encode()
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if needle in (entry / "cmdline").read_bytes():
+            if needle in (entry / "cmdline").read_bytes() or _holds_file_in(entry, temp_dir):
                 pids.append(int(entry.name))
         except OSError:
             continue
     return pids
+
+
+def _holds_file_in(process: Path, folder: str) -> bool:
+    prefix = folder.rstrip("/") + "/"
+    for fd in (process / "fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if os.readlink(fd).startswith(prefix):
+                return True
+    return False
 
 
 def stop_cluster(state: ClusterState) -> int:

@@ -18,7 +18,7 @@ def test_example_config_in_deploy_parses() -> None:
     assert config.models.pair().target.source == "tiny://target"
 
 
-@pytest.mark.parametrize("name", ["one-core-each", "shared-cores"])
+@pytest.mark.parametrize("name", ["one-core-each", "shared-cores", "whole-machine"])
 def test_placement_configs_parse(name: str) -> None:
     config = TandemConfig.from_yaml(REPO_ROOT / "deploy" / "placement" / f"{name}.yaml")
     assert config.drafter.torch_threads >= 1 and config.verifier.torch_threads >= 1

@@ -27,7 +27,7 @@ from cluster.client import TandemClient
 from cluster.client_types import TandemClientError
 from cluster.demo import format_report, run_demo
 from cluster.local import LocalTandem
-from cluster.local_cluster import free_port
+from cluster.local_cluster import cluster_processes, free_port
 from cluster.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.request import GenerationRequest
 from tests.conftest import PROMPTS
@@ -62,6 +62,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
         yield {
             "address": address,
             "env": env,
+            "home": home,
             "status": json.loads(status.stdout),
             "cold_start_s": cold_start_s,
         }
@@ -71,6 +72,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
             check=False,
         )  # fmt: skip
         assert down.returncode == 0, down.stderr[-3000:]
+        # Every process of the cluster is gone, Ray's retitled agents included.
+        assert cluster_processes(str(home / "ray")) == []
 
 
 @pytest.fixture(scope="session")
@@ -119,6 +122,20 @@ def test_deployments_and_replicas(service: dict[str, object]) -> None:
     assert sides.count("drafter") == 2 and sides.count("verifier") == 2
     assert all(r["address"].startswith("127.0.0.1:") for r in status["replicas"])  # type: ignore[index]
     print(f"cold start of tandem serve: {service['cold_start_s']:.1f} s")
+
+
+def test_replicas_run_at_normal_priority(service: dict[str, object]) -> None:
+    """Ray starts workers at niceness 15; Tandem's cluster runs them at 0 (the replicas are
+    the workload, see `local_cluster.WORKER_NICENESS`)."""
+    home = service["home"]
+    assert isinstance(home, Path)
+    replicas = [
+        pid
+        for pid in cluster_processes(str(home / "ray"))
+        if b"ServeReplica" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(replicas) >= 4  # router(s), 2 drafters, 2 verifiers
+    assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in replicas} == {0}
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
