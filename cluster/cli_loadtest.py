@@ -9,6 +9,7 @@ aggregate tokens/s and that speedup against concurrency.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from typing import Any
@@ -24,6 +25,9 @@ def add_to(commands: Any) -> None:
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load per level")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--draft-tokens", type=int, help="default: the service's")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples"
+    )
     p.add_argument("--compare", action="store_true", help="also run the target alone")
     p.add_argument("--prompts", help="jsonl as for tandem bench (default: its prompt set)")
     p.add_argument("--json", dest="json_out", help="write the result here")
@@ -40,6 +44,8 @@ def _check(args: argparse.Namespace) -> None:
         raise InvalidArgumentError(f"--duration must be in (0, {MAX_DURATION_S:.0f}] seconds")
     if args.max_tokens < 1:
         raise InvalidArgumentError("--max-tokens must be >= 1")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise InvalidArgumentError("--temperature must be a finite number >= 0")
     if args.plot and not args.compare:
         raise InvalidArgumentError("--plot needs --compare")
 
@@ -63,7 +69,11 @@ def run(args: argparse.Namespace) -> int:
             level: dict[str, Any] = {"concurrency": concurrency}
             names = list(modes) if index % 2 == 0 else list(reversed(modes))
             for name in names:
-                settings = {"max_tokens": args.max_tokens, "draft_tokens": modes[name]}
+                settings = {
+                    "max_tokens": args.max_tokens,
+                    "draft_tokens": modes[name],
+                    "temperature": args.temperature,
+                }
                 level[name] = run_load(client, prompts, concurrency, args.duration, settings)
                 print(f"[{time.monotonic() - started:7.1f}s] concurrency {concurrency} {name}: "
                       f"{level[name]['tokens_per_s']:.2f} tokens/s, "
@@ -77,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "config": {"address": args.address, "duration_s": args.duration,
                    "max_tokens": args.max_tokens, "draft_tokens": args.draft_tokens,
+                   "temperature": args.temperature,
                    "prompts": args.prompts or "default"},
         "levels": levels,
     }  # fmt: skip

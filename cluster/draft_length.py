@@ -18,6 +18,11 @@ over a pipelined one when a block takes longer to draft than to verify and is of
 (the draft ahead is then mostly wasted wait). So the same rule turns speculation and pipelining
 down under load and back up when they pay.
 
+Where the two sides share a machine, a draft and a verify pass that run at once each take
+longer than alone, so the latencies are measured apart: alone (serial rounds, a redraft after a
+miss) and beside each other (a pipelined round's verify pass and draft ahead). Each plan is
+priced with the ones it would run under.
+
 Estimating `a`: a block of k with n accepted is n successes and, if n < k, one failure. Counts
 decay by `decay` per pass, towards a Beta prior (`prior_accepted`, `prior_rejected`), so the
 estimate follows a request whose text changes character, and after a run of k = 0 passes (which
@@ -61,12 +66,20 @@ def expected_tokens(acceptance: float, k: int, pipelined: bool = False) -> float
 
 
 def pass_seconds(
-    acceptance: float, k: int, draft_s: float, verify_s: float, pipelined: bool
+    acceptance: float,
+    k: int,
+    draft_s: float,
+    verify_s: float,
+    pipelined: bool,
+    overlapped: tuple[float, float] | None = None,
 ) -> float:
-    """Expected wall time of one round with a k-token block."""
+    """Expected wall time of one round with a k-token block. `overlapped` is (draft_s,
+    verify_s) while a draft and a verify pass run at once, when sharing the machine makes them
+    slower than alone; by default the same as alone. A missed draft ahead is redrafted alone."""
     if not pipelined or k == 0:
         return k * draft_s + verify_s
-    return max(verify_s, k * draft_s) + (1 - acceptance**k) * k * draft_s
+    draft_beside, verify_beside = overlapped or (draft_s, verify_s)
+    return max(verify_beside, k * draft_beside) + (1 - acceptance**k) * k * draft_s
 
 
 def best_length(
@@ -90,14 +103,26 @@ class Plan:
     pipelined: bool
 
 
-def rate(acceptance: float, plan: Plan, draft_s: float, verify_s: float) -> float:
+def rate(
+    acceptance: float,
+    plan: Plan,
+    draft_s: float,
+    verify_s: float,
+    overlapped: tuple[float, float] | None = None,
+) -> float:
     """Expected tokens per second of rounds run to `plan`."""
     tokens = expected_tokens(acceptance, plan.k, plan.pipelined)
-    return tokens / pass_seconds(acceptance, plan.k, draft_s, verify_s, plan.pipelined)
+    seconds = pass_seconds(acceptance, plan.k, draft_s, verify_s, plan.pipelined, overlapped)
+    return tokens / seconds
 
 
 def best_plan(
-    acceptance: float, max_k: int, draft_s: float, verify_s: float, may_pipeline: bool
+    acceptance: float,
+    max_k: int,
+    draft_s: float,
+    verify_s: float,
+    may_pipeline: bool,
+    overlapped: tuple[float, float] | None = None,
 ) -> Plan:
     """The plan with the most tokens per second; on ties serial, then the shortest block."""
     plans = [Plan(k, False) for k in range(max_k + 1)]
@@ -105,8 +130,21 @@ def best_plan(
         plans += [Plan(k, True) for k in range(1, max_k + 1)]
     return max(
         plans,
-        key=lambda p: (rate(acceptance, p, draft_s, verify_s), not p.pipelined, -p.k),
+        key=lambda p: (rate(acceptance, p, draft_s, verify_s, overlapped), not p.pipelined, -p.k),
     )
+
+
+@dataclass
+class Latencies:
+    """Smoothed seconds per drafted token and per verify pass, under one condition (alone, or
+    while the other side works too)."""
+
+    draft_s: float | None = None
+    verify_s: float | None = None
+
+    @property
+    def known(self) -> bool:
+        return self.draft_s is not None and self.verify_s is not None
 
 
 class DraftLength:
@@ -119,10 +157,10 @@ class DraftLength:
         """Whether the request allows pipelined rounds (the plan decides each round)."""
         self._accepted = 0.0
         self._rejected = 0.0
-        self._draft_s: float | None = None
-        """Seconds per drafted token."""
-        self._verify_s: float | None = None
-        """Seconds per verify pass."""
+        self._alone = Latencies()
+        """Measured while the other side was idle: serial rounds, and redrafts after a miss."""
+        self._beside = Latencies()
+        """Measured while a draft ahead and a verify pass ran at once (pipelined rounds)."""
 
     @property
     def acceptance(self) -> float:
@@ -134,12 +172,16 @@ class DraftLength:
         self._accepted = self._accepted * self.config.decay + num_accepted
         self._rejected = self._rejected * self.config.decay + (num_accepted < num_drafted)
 
-    def observe_draft(self, num_tokens: int, seconds: float) -> None:
+    def observe_draft(self, num_tokens: int, seconds: float, overlapped: bool = False) -> None:
+        """A draft of `num_tokens` took `seconds`; `overlapped`: a verify pass ran meanwhile."""
         if num_tokens > 0:
-            self._draft_s = self._smooth(self._draft_s, seconds / num_tokens)
+            latencies = self._beside if overlapped else self._alone
+            latencies.draft_s = self._smooth(latencies.draft_s, seconds / num_tokens)
 
-    def observe_verify(self, seconds: float) -> None:
-        self._verify_s = self._smooth(self._verify_s, seconds)
+    def observe_verify(self, seconds: float, overlapped: bool = False) -> None:
+        """A verify pass took `seconds`; `overlapped`: a draft ahead ran meanwhile."""
+        latencies = self._beside if overlapped else self._alone
+        latencies.verify_s = self._smooth(latencies.verify_s, seconds)
 
     def _smooth(self, old: float | None, new: float) -> float:
         weight = self.config.latency_decay
@@ -150,8 +192,27 @@ class DraftLength:
         return self.next_plan().k
 
     def next_plan(self) -> Plan:
-        """The next round's plan; the request's own (`max_k`, pipelined as asked) until both
-        latencies are known. A request that did not ask for pipelining never gets it."""
-        if not self.config.enabled or self._draft_s is None or self._verify_s is None:
-            return Plan(self.max_k, self.pipelined and self.max_k > 0)
-        return best_plan(self.acceptance, self.max_k, self._draft_s, self._verify_s, self.pipelined)
+        """The next round's plan. The request's own (`max_k`, pipelined as asked) until a
+        round alone has been timed; a pipelined request then runs one serial round to time
+        the two sides alone, so that serial and pipelined plans are each priced with their own
+        measured latencies. A request that did not ask for pipelining never gets it."""
+        asked = Plan(self.max_k, self.pipelined and self.max_k > 0)
+        alone, beside = self._alone, self._beside
+        if not self.config.enabled:
+            return asked
+        if not alone.known:
+            if beside.known:  # pipelined rounds so far: time one alone
+                return Plan(self.max_k, False)
+            return asked
+        assert alone.draft_s is not None and alone.verify_s is not None
+        overlapped = None
+        if beside.draft_s is not None and beside.verify_s is not None:
+            overlapped = (beside.draft_s, beside.verify_s)
+        return best_plan(
+            self.acceptance,
+            self.max_k,
+            alone.draft_s,
+            alone.verify_s,
+            self.pipelined,
+            overlapped,
+        )

@@ -243,9 +243,11 @@ class Router:
                 next_k = min(plan.k, remaining - len(block.tokens) - 1)
                 if plan.pipelined and len(block.tokens) > 0 and next_k > 0:
                     ahead = self._draft_ahead(gen, block, next_k)
+                # A looked-up block ahead is ready at once: the verify pass then runs alone.
+                overlapped = ahead is not None and not ahead.done()
                 started = time.perf_counter()
                 verdict = gen.verifier.verify(gen.session_id, block, defer_bonus=ahead is not None)
-                gen.lengths.observe_verify(time.perf_counter() - started)
+                gen.lengths.observe_verify(time.perf_counter() - started, overlapped)
                 gen.lengths.observe(len(block.tokens), verdict.num_accepted)
                 next_draft = ahead.result() if ahead is not None else None
                 ahead = None
@@ -308,7 +310,8 @@ class Router:
             next_block = port.draft(
                 gen.session_id, view.base_length, appended, num_tokens, view.truncate_to
             )
-            gen.lengths.observe_draft(len(next_block.tokens), time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            gen.lengths.observe_draft(len(next_block.tokens), elapsed, overlapped=True)
             return _Draft(next_block, by_drafter=True)
 
         return self._pool.submit(draft)

@@ -108,6 +108,36 @@ def test_best_plan_pipelines_only_when_the_draft_ahead_pays() -> None:
     assert best_plan(0.2, 4, draft_s=0.1, verify_s=0.3, may_pipeline=True) == Plan(0, False)
 
 
+def test_overlapped_latencies_price_pipelined_rounds() -> None:
+    # Alone a draft step costs 0.1 s and a verify pass 0.3 s; at once, sharing the cores,
+    # each takes twice as long.
+    assert pass_seconds(1.0, 3, 0.1, 0.3, True, overlapped=(0.2, 0.6)) == pytest.approx(0.6)
+    # A miss redrafts alone.
+    assert pass_seconds(0.0, 3, 0.1, 0.3, True, overlapped=(0.2, 0.6)) == pytest.approx(0.9)
+    assert best_plan(0.9, 4, 0.1, 0.3, True) == Plan(3, True)
+    shared = best_plan(0.9, 4, 0.1, 0.3, True, overlapped=(0.2, 0.6))
+    assert shared == best_plan(0.9, 4, 0.1, 0.3, False)  # serial, as if pipelining were off
+
+
+def test_a_pipelined_request_times_one_round_alone_then_prices_both() -> None:
+    lengths = DraftLength(ON, max_k=4, pipelined=True)
+    lengths.observe_draft(4, 0.8, overlapped=True)  # 0.2 s per token beside a verify pass
+    lengths.observe_verify(0.6, overlapped=True)
+    assert lengths.next_plan() == Plan(4, False)  # nothing timed alone yet: a serial round
+    lengths.observe_draft(4, 0.4)  # 0.1 s per token alone
+    lengths.observe_verify(0.3)
+    for _ in range(30):  # every block accepted: acceptance near 1
+        lengths.observe(4, 4)
+    assert lengths.next_plan().pipelined is False  # sharing the cores costs more than it hides
+    fair = DraftLength(ON, max_k=4, pipelined=True)
+    for overlapped in (True, False):  # the same latencies alone and beside: one core each
+        fair.observe_draft(4, 0.4, overlapped)
+        fair.observe_verify(0.3, overlapped)
+    for _ in range(30):
+        fair.observe(4, 4)
+    assert fair.next_plan().pipelined is True
+
+
 def test_plan_follows_the_request_until_measured() -> None:
     lengths = DraftLength(ON, max_k=4, pipelined=True)
     assert lengths.next_plan() == Plan(4, True)

@@ -52,6 +52,8 @@ def test_counts_tokens_latencies_and_errors() -> None:
         (["--concurrency", "0"], "--concurrency must be in 1..256"),
         (["--duration", "0"], "--duration must be in"),
         (["--plot", "x.png"], "--plot needs --compare"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
     ],
 )
 def test_bad_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -318,12 +318,14 @@ def test_loadtest_compares_speculation_with_the_target_alone(
     out, chart = tmp_path / "load.json", tmp_path / "load.png"
     result = subprocess.run(
         [TANDEM, "loadtest", "--address", str(service["address"]), "--concurrency", "1", "3",
-         "--duration", "2", "--max-tokens", "8", "--compare", "--json", str(out),
-         "--plot", str(chart)],
+         "--duration", "2", "--max-tokens", "8", "--temperature", "0.8", "--compare",
+         "--json", str(out), "--plot", str(chart)],
         capture_output=True, text=True, timeout=180, check=False, env=service["env"],  # type: ignore[arg-type]
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    levels = json.loads(out.read_text())["levels"]
+    report = json.loads(out.read_text())
+    assert report["config"]["temperature"] == 0.8  # sampled requests, through the service
+    levels = report["levels"]
     assert [level["concurrency"] for level in levels] == [1, 3]
     for level in levels:
         for mode in ("speculative", "target_only"):
