@@ -22,6 +22,14 @@ def test_default_prompts_cover_the_categories() -> None:
     assert all(p.text for p in prompts)
 
 
+@pytest.mark.parametrize("subset", ["code-and-prose", "one-per-category"])
+def test_prompt_subsets_are_taken_from_the_default_set(subset: str) -> None:
+    """The quicker sets the speed measurements use are prompts of the default set."""
+    folder = Path(__file__).resolve().parents[2] / "cluster" / "prompts"
+    chosen = load_prompts(str(folder / f"{subset}.jsonl"))
+    assert chosen and set(chosen) <= set(load_prompts(None))
+
+
 def test_bad_prompt_files(tmp_path: Path) -> None:
     from verifier.errors import InvalidArgumentError
 
