@@ -21,6 +21,11 @@ acceptance and the measured draft and verify times (`cluster.draft_length`); it 
 rounds when drafts ahead would mostly be wasted, and to 0, the target alone, when speculation
 does not pay.
 
+The first token comes from the target alone: the drafter reads the prompt in the background
+while the verifier does, and the opening round verifies what prompt lookup proposes (often
+nothing) without waiting for it. Time to first token is then the target's own, not a prefill
+on each side plus a whole speculative round.
+
 Prompt lookup (optional, `ngram`): the router holds the whole token history, so before asking
 the drafter for a block it looks for the history's last few tokens earlier in the history and,
 when they recur, proposes what followed them (`drafter.ngram`): no model, no network hop. The
@@ -104,6 +109,18 @@ class _Generation:
         self.history = list(request.prompt_tokens)
         """Every committed token: what prompt lookup searches."""
         self.drafter = DrafterView(base_length=len(self.history))
+        self.drafter_opening: Future[int] | None = None
+        """The drafter's session being opened in the background; None once known open."""
+        self.opening_round = False
+        """The coming round is the first and does not wait for the drafter."""
+
+    def ready_drafter(self) -> DrafterPort:
+        """The drafter, once its session is open (waits for it; raises what opening raised)."""
+        assert self.drafter_port is not None
+        if self.drafter_opening is not None:
+            self.drafter_opening.result()
+            self.drafter_opening = None
+        return self.drafter_port
 
     @property
     def committed(self) -> int:
@@ -162,6 +179,9 @@ class Router:
         self.ngram = ngram if ngram is not None and ngram.enabled else None
         """Prompt lookup settings; None: every block comes from the drafter."""
         self.draft_length = draft_length or DraftLengthConfig()
+        self.first_token_alone = True
+        """The opening round verifies only what prompt lookup proposes while the drafter reads
+        the prompt; False: it waits for the drafter (tests of the first tokens' sampling)."""
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_DRAFTS, thread_name_prefix="draft-ahead")
 
     def close(self) -> None:
@@ -218,15 +238,22 @@ class Router:
     def _session(self, gen: _Generation) -> Iterator[GenerationChunk]:
         request = gen.request
         prompt = request.prompt_tokens
-        gen.verifier.open_session(gen.session_id, prompt, request.sampling, request.seed)
+        port = gen.drafter_port
+        gen.opening_round = self.first_token_alone
+        if port is not None:
+            gen.drafter_opening = self._pool.submit(
+                port.open_session, gen.session_id, prompt, request.sampling, request.seed
+            )
         try:
-            if gen.drafter_port is not None:
-                gen.drafter_port.open_session(
-                    gen.session_id, prompt, request.sampling, request.seed
-                )
+            gen.verifier.open_session(gen.session_id, prompt, request.sampling, request.seed)
+        except BaseException:
+            self._close_drafter(gen)
+            raise
+        try:
             yield from self._loop(gen)
         finally:
-            self._close(gen)
+            gen.verifier.close_session(gen.session_id)
+            self._close_drafter(gen)
 
     def _loop(self, gen: _Generation) -> Iterator[GenerationChunk]:
         draft: _Draft | None = None  # a block drafted ahead that is still valid
@@ -235,19 +262,22 @@ class Router:
             while True:
                 remaining = gen.remaining
                 plan = gen.lengths.next_plan()
+                opening = gen.opening_round
+                gen.opening_round = False
                 if draft is None:
-                    draft = self._draft_now(gen, min(plan.k, remaining - 1))
+                    draft = self._draft_now(gen, min(plan.k, remaining - 1), by_drafter=not opening)
                 block = draft.block
                 # If all of `block` is accepted (bonus deferred), `remaining - k` tokens are
                 # left and the next block must leave room for one more of the target's own.
                 next_k = min(plan.k, remaining - len(block.tokens) - 1)
-                if plan.pipelined and len(block.tokens) > 0 and next_k > 0:
+                if plan.pipelined and not opening and len(block.tokens) > 0 and next_k > 0:
                     ahead = self._draft_ahead(gen, block, next_k)
                 # A looked-up block ahead is ready at once: the verify pass then runs alone.
                 overlapped = ahead is not None and not ahead.done()
                 started = time.perf_counter()
                 verdict = gen.verifier.verify(gen.session_id, block, defer_bonus=ahead is not None)
-                gen.lengths.observe_verify(time.perf_counter() - started, overlapped)
+                if not opening:  # the opening pass runs beside the drafter's prefill
+                    gen.lengths.observe_verify(time.perf_counter() - started, overlapped)
                 gen.lengths.observe(len(block.tokens), verdict.num_accepted)
                 next_draft = ahead.result() if ahead is not None else None
                 ahead = None
@@ -271,16 +301,18 @@ class Router:
         tokens = propose(history, num_tokens, self.ngram)
         return DraftBlock(base_length=len(history), tokens=tokens) if tokens else None
 
-    def _draft_now(self, gen: _Generation, num_tokens: int) -> _Draft:
+    def _draft_now(self, gen: _Generation, num_tokens: int, by_drafter: bool = True) -> _Draft:
+        """A block to verify now: looked up, else drafted (if `by_drafter`), else empty."""
         if num_tokens <= 0:
             return _Draft(DraftBlock(base_length=gen.committed, tokens=()), by_drafter=False)
         looked_up = self._look_up(gen.history, num_tokens)
-        if looked_up is not None or gen.drafter_port is None:
+        if looked_up is not None or gen.drafter_port is None or not by_drafter:
             empty = DraftBlock(base_length=gen.committed, tokens=())
             return _Draft(looked_up or empty, by_drafter=False)
         view = gen.drafter
+        port = gen.ready_drafter()
         started = time.perf_counter()
-        block = gen.drafter_port.draft(
+        block = port.draft(
             gen.session_id, view.base_length, view.behind, num_tokens, view.truncate_to
         )
         gen.lengths.observe_draft(len(block.tokens), time.perf_counter() - started)
@@ -297,9 +329,9 @@ class Router:
             done: Future[_Draft] = Future()
             done.set_result(_Draft(looked_up, by_drafter=False))
             return done
-        port = gen.drafter_port
-        if port is None:
+        if gen.drafter_port is None:
             return None
+        port = gen.ready_drafter()
         # The drafter catches up on what its view lacks, then on `block` itself (a no-op
         # suffix when `block` came from it: its view then lacks nothing).
         view = gen.drafter
@@ -372,7 +404,10 @@ class Router:
         )
 
     @staticmethod
-    def _close(gen: _Generation) -> None:
-        gen.verifier.close_session(gen.session_id)
-        if gen.drafter_port is not None:
-            gen.drafter_port.close_session(gen.session_id)
+    def _close_drafter(gen: _Generation) -> None:
+        """Close the drafter's session, once it has opened (if opening failed, nothing is)."""
+        if gen.drafter_port is None:
+            return
+        if gen.drafter_opening is not None and gen.drafter_opening.exception() is not None:
+            return
+        gen.drafter_port.close_session(gen.session_id)

@@ -84,10 +84,13 @@ def test_first_two_tokens_follow_the_target(
     draft_tokens: int,
     max_tokens: int,
     pipelined: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     vocab = tiny_target.vocab_size
     counts = torch.zeros(vocab, vocab)
     drafted = accepted = hits = 0
+    # The first token must come through the draft path too, not from the target alone.
+    monkeypatch.setattr(local_tandem.router, "first_token_alone", False)
     for seed in range(NUM_SEEDS):
         request = GenerationRequest(
             PROMPT, max_tokens, sampling, seed=seed, draft_tokens=draft_tokens

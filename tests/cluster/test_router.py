@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
+
 import pytest
 import torch
 
 from cluster.local import LocalTandem
+from cluster.ports import DrafterPort
 from cluster.request import FinishReason, GenerationRequest
+from cluster.router import Router
 from tests.conftest import CODE_PROMPT, MAX_TOKENS, PROMPTS, encode
 from verifier import tiny
+from verifier.block import DraftBlock
 from verifier.models import LoadedModel
 from verifier.sampling import SamplingParams
 
@@ -182,3 +188,78 @@ def test_drafts_cut_short_by_confidence_stay_exact(
     finally:
         router.close()
     assert 0 < drafted < drafted_in_full  # some blocks were cut short
+
+
+class _SlowToOpen:
+    """A drafter whose sessions open only when `opened` is set (its prefill still running)."""
+
+    def __init__(self, drafter: DrafterPort, fail: bool = False) -> None:
+        self._drafter = drafter
+        self._fail = fail
+        self.opened = threading.Event()
+
+    def open_session(
+        self, session_id: str, prompt: Sequence[int], sampling: SamplingParams, seed: int
+    ) -> int:
+        assert self.opened.wait(timeout=30)
+        if self._fail:
+            raise RuntimeError("drafter replica lost")
+        return self._drafter.open_session(session_id, prompt, sampling, seed)
+
+    def draft(
+        self,
+        session_id: str,
+        base_length: int,
+        appended_tokens: Sequence[int],
+        num_tokens: int,
+        truncate_to: int | None = None,
+    ) -> DraftBlock:
+        return self._drafter.draft(
+            session_id, base_length, appended_tokens, num_tokens, truncate_to
+        )
+
+    def close_session(self, session_id: str) -> bool:
+        return self._drafter.close_session(session_id)
+
+
+def _router_over(local_tandem: LocalTandem, drafter: DrafterPort) -> Router:
+    return Router(
+        local_tandem.verifier,
+        drafter,
+        local_tandem.router._decode,
+        local_tandem.router._eos_token_ids,
+    )
+
+
+def test_first_token_does_not_wait_for_the_drafter(
+    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
+) -> None:
+    prompt, expected = next(iter(target_only.items()))
+    drafter = _SlowToOpen(local_tandem.drafter)
+    router = _router_over(local_tandem, drafter)
+    try:
+        stream = router.stream(GenerationRequest(encode(local_tandem, prompt), 12, draft_tokens=4))
+        first = next(stream)  # would block (and time out) if it waited for the drafter
+        assert first.tokens == expected[:1]
+        drafter.opened.set()
+        rest = [t for chunk in stream for t in chunk.tokens]
+        assert tuple(first.tokens) + tuple(rest) == expected[:12]
+    finally:
+        router.close()
+    assert local_tandem.drafter.stats().num_sessions == 0
+    assert local_tandem.verifier.stats().num_sessions == 0
+
+
+def test_a_drafter_that_fails_to_open_fails_the_request_and_frees_the_verifier(
+    local_tandem: LocalTandem,
+) -> None:
+    drafter = _SlowToOpen(local_tandem.drafter, fail=True)
+    drafter.opened.set()
+    router = _router_over(local_tandem, drafter)
+    try:
+        request = GenerationRequest(encode(local_tandem, CODE_PROMPT), 12, draft_tokens=4)
+        with pytest.raises(RuntimeError, match="drafter replica lost"):
+            router.generate(request)
+    finally:
+        router.close()
+    assert local_tandem.verifier.stats().num_sessions == 0
