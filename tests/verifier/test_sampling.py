@@ -110,6 +110,25 @@ def test_top_k_ties_at_the_boundary_keep_the_lowest_ids() -> None:
     assert torch.equal(probs, _row(0.0, 0.5, 0.5, 0.0))
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    levels=st.lists(st.integers(0, 4), min_size=2, max_size=40),
+    rows=st.integers(1, 3),
+    top_k=st.integers(1, 39),
+)
+def test_top_k_on_heavily_tied_rows_keeps_the_k_most_probable_lowest_ids_first(
+    levels: list[int], rows: int, top_k: int
+) -> None:
+    """Few distinct values, many ties: the kept set is what a full stable sort would keep."""
+    logits = torch.tensor([levels] * rows, dtype=torch.float32)
+    logits[1:] = logits[1:].roll(1, dims=-1)  # rows that differ
+    top_k = min(top_k, len(levels) - 1)
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=top_k))
+    _, order = logits.sort(dim=-1, descending=True, stable=True)
+    expected = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order[:, :top_k], True)
+    assert torch.equal(probs > 0, expected)
+
+
 def test_top_k_at_least_vocab_keeps_everything() -> None:
     logits = _row(0.1, 0.2, 0.3)
     full = logits_to_probs(logits, SamplingParams(temperature=1.0))
