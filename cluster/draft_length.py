@@ -1,7 +1,7 @@
 """Per-request draft length from the acceptance and latencies seen so far (the goodput trade-off).
 
 Pure arithmetic, no I/O: the router feeds it each verify pass's outcome and the measured
-draft and verify times, and asks it for the next block's length.
+draft and verify times, and asks it for the next round's plan.
 
 Model (Leviathan et al.): each drafted token is accepted with probability `a`, independently.
 A block of `k` tokens then commits E(k) = (1 - a^(k+1)) / (1 - a) tokens per verify pass. Its
@@ -80,18 +80,6 @@ def pass_seconds(
         return k * draft_s + verify_s
     draft_beside, verify_beside = overlapped or (draft_s, verify_s)
     return max(verify_beside, k * draft_beside) + (1 - acceptance**k) * k * draft_s
-
-
-def best_length(
-    acceptance: float, max_k: int, draft_s: float, verify_s: float, pipelined: bool
-) -> int:
-    """The k in 0..max_k with the most tokens per second (the shortest on ties)."""
-    rates = [
-        expected_tokens(acceptance, k, pipelined)
-        / pass_seconds(acceptance, k, draft_s, verify_s, pipelined)
-        for k in range(max_k + 1)
-    ]
-    return max(range(max_k + 1), key=lambda k: (rates[k], -k))
 
 
 @dataclass(frozen=True)
@@ -186,10 +174,6 @@ class DraftLength:
     def _smooth(self, old: float | None, new: float) -> float:
         weight = self.config.latency_decay
         return new if old is None else weight * old + (1 - weight) * new
-
-    def next_length(self) -> int:
-        """The block length for the next pass."""
-        return self.next_plan().k
 
     def next_plan(self) -> Plan:
         """The next round's plan. The request's own (`max_k`, pipelined as asked) until a

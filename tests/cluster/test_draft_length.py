@@ -12,10 +12,10 @@ from cluster.draft_length import (
     DraftLength,
     DraftLengthConfig,
     Plan,
-    best_length,
     best_plan,
     expected_tokens,
     pass_seconds,
+    rate,
 )
 from cluster.local import LocalTandem, text_decoder
 from cluster.request import GenerationRequest
@@ -45,30 +45,35 @@ def test_pass_seconds_serial_and_pipelined() -> None:
     assert pass_seconds(0.0, 2, 0.1, 0.3, pipelined=True) == pytest.approx(0.5)
 
 
-def test_best_length() -> None:
+def _serial_k(acceptance: float, draft_s: float, verify_s: float) -> int:
+    return best_plan(acceptance, 8, draft_s, verify_s, may_pipeline=False).k
+
+
+def test_best_serial_length() -> None:
     # Cheap drafts, high acceptance: the longest block.
-    assert best_length(0.95, 8, draft_s=0.01, verify_s=0.3, pipelined=False) == 8
+    assert _serial_k(0.95, draft_s=0.01, verify_s=0.3) == 8
     # Nothing is accepted: the target alone.
-    assert best_length(0.0, 8, draft_s=0.01, verify_s=0.3, pipelined=False) == 0
+    assert _serial_k(0.0, draft_s=0.01, verify_s=0.3) == 0
     # A draft step as dear as a verify pass never pays serially at 0.6 acceptance.
-    assert best_length(0.6, 8, draft_s=0.3, verify_s=0.3, pipelined=False) == 0
-    # A middling case picks a middling length, and hiding drafts behind verification
-    # never makes the best block shorter.
-    serial = best_length(0.8, 8, draft_s=0.1, verify_s=0.3, pipelined=False)
-    assert 0 < serial < 8
-    # Pipelined, a block drafted longer than a verify pass stalls every round: the best block
-    # drafts in about one verify pass (k d <= v).
-    assert best_length(0.95, 8, draft_s=0.1, verify_s=0.3, pipelined=True) == 3
+    assert _serial_k(0.6, draft_s=0.3, verify_s=0.3) == 0
+    # A middling case picks a middling length.
+    assert 0 < _serial_k(0.8, draft_s=0.1, verify_s=0.3) < 8
+
+
+def test_best_pipelined_block_drafts_in_about_one_verify_pass() -> None:
+    # A block drafted longer than a verify pass stalls every round (k d <= v).
+    rates = {k: rate(0.95, Plan(k, True), draft_s=0.1, verify_s=0.3) for k in range(1, 9)}
+    assert max(rates, key=lambda k: rates[k]) == 3
 
 
 def test_disabled_or_unmeasured_uses_the_request_length() -> None:
     off = DraftLength(DraftLengthConfig(), max_k=5, pipelined=False)
     off.observe_draft(4, 10.0)
     off.observe_verify(0.01)
-    assert off.next_length() == 5
+    assert off.next_plan().k == 5
     on = DraftLength(ON, max_k=5, pipelined=False)
     on.observe_verify(0.01)
-    assert on.next_length() == 5  # no draft latency yet
+    assert on.next_plan().k == 5  # no draft latency yet
 
 
 def test_rejections_stop_speculation_and_the_prior_brings_it_back() -> None:
@@ -76,14 +81,14 @@ def test_rejections_stop_speculation_and_the_prior_brings_it_back() -> None:
     lengths = DraftLength(ON, max_k=4, pipelined=False)
     lengths.observe_draft(4, 0.8)
     lengths.observe_verify(0.3)
-    assert lengths.next_length() > 0
+    assert lengths.next_plan().k > 0
     for _ in range(10):
         lengths.observe(4, 0)
-    assert lengths.acceptance < 0.3 and lengths.next_length() == 0
+    assert lengths.acceptance < 0.3 and lengths.next_plan().k == 0
     # Passes of the target alone observe nothing; the estimate drifts back to the prior
     # (0.75), and speculation is tried again.
     passes = 0
-    while lengths.next_length() == 0:
+    while lengths.next_plan().k == 0:
         lengths.observe(0, 0)
         passes += 1
     assert 5 < passes < 60
