@@ -272,10 +272,11 @@ def _router_settings(args: Any) -> dict[str, Any]:
 
 
 def _serve_flags(args: Any) -> list[str]:
-    """`tandem serve` flags: the same router features, and the service's config file."""
-    flags = {"--prompt-lookup": args.prompt_lookup, "--adaptive-draft": args.adaptive_draft}
+    """`tandem serve` flags: the same router features, on or off either way (the service's
+    defaults differ from the bench's), and the service's config file."""
+    flags = {"prompt-lookup": args.prompt_lookup, "adaptive-draft": args.adaptive_draft}
     config = ["--config", args.serve_config] if args.serve_config else []
-    return [flag for flag, on in flags.items() if on] + config
+    return [f"--{name}" if on else f"--no-{name}" for name, on in flags.items()] + config
 
 
 @contextmanager

@@ -36,10 +36,14 @@ def add_to(commands: Any) -> None:
     serve.add_argument("--verifiers", type=int, help="verifier replicas")
     serve.add_argument("--port", type=int, help="gRPC port of the public API (default 9000)")
     serve.add_argument(
-        "--prompt-lookup", action="store_true", help="copy recurring text before drafting"
+        "--prompt-lookup",
+        action=argparse.BooleanOptionalAction,
+        help="copy recurring text before drafting (default: the config's, on)",
     )
     serve.add_argument(
-        "--adaptive-draft", action="store_true", help="choose each block's length per request"
+        "--adaptive-draft",
+        action=argparse.BooleanOptionalAction,
+        help="choose each round's length and pipelining per request (default: the config's, on)",
     )
     serve.add_argument("--num-cpus", type=int, default=DEFAULT_NUM_CPUS, help="for a new cluster")
     serve.add_argument("--detach", action="store_true", help="return once the service is up")
@@ -67,10 +71,14 @@ def _config(args: argparse.Namespace) -> TandemConfig:
         changes["verifier"] = dataclasses.replace(config.verifier, num_replicas=args.verifiers)
     if args.port is not None:
         changes["grpc_port"] = args.port
-    if args.prompt_lookup:
-        changes["prompt_lookup"] = dataclasses.replace(config.prompt_lookup, enabled=True)
-    if args.adaptive_draft:
-        changes["draft_length"] = dataclasses.replace(config.draft_length, enabled=True)
+    if args.prompt_lookup is not None:
+        changes["prompt_lookup"] = dataclasses.replace(
+            config.prompt_lookup, enabled=args.prompt_lookup
+        )
+    if args.adaptive_draft is not None:
+        changes["draft_length"] = dataclasses.replace(
+            config.draft_length, enabled=args.adaptive_draft
+        )
     return dataclasses.replace(config, **changes) if changes else config
 
 

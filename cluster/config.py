@@ -92,11 +92,13 @@ class TandemConfig:
     verifier: ReplicaGroupConfig = field(default_factory=ReplicaGroupConfig)
     drafter_limits: DrafterConfig = field(default_factory=DrafterConfig)
     verifier_limits: VerifierConfig = field(default_factory=VerifierConfig)
-    prompt_lookup: NgramConfig = field(default_factory=NgramConfig)
+    prompt_lookup: NgramConfig = field(default_factory=lambda: NgramConfig(enabled=True))
     """The router's prompt lookup: blocks copied from the token history when its last few
-    tokens recur, the draft model otherwise."""
-    draft_length: DraftLengthConfig = field(default_factory=DraftLengthConfig)
-    """The router's adaptive draft length per request (up to the request's draft_tokens)."""
+    tokens recur, the draft model otherwise. On by default: free blocks, lossless."""
+    draft_length: DraftLengthConfig = field(default_factory=lambda: DraftLengthConfig(enabled=True))
+    """The router's adaptive plan per request and round: block length up to the request's
+    draft_tokens, serial or pipelined, 0 when speculation does not pay. On by default: it is
+    what keeps speculation from running slower than the target alone on a busy cluster."""
     replica_rpc_timeout_s: float | None = 60.0
     """Deadline of each router -> replica call (None: no deadline)."""
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from cluster.bench import RUNS, load_prompts
+from cluster import cli_service
+from cluster.bench import RUNS, _serve_flags, load_prompts
 from cluster.cli import main
 
 PROMPTS = [
@@ -79,3 +82,16 @@ def test_too_few_repeats_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
 def test_serve_config_needs_service_mode(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--serve-config", "deploy/tandem.yaml"]) == 2
     assert "--serve-config needs --mode service" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_the_benched_service_gets_each_router_feature_as_asked(lookup: bool) -> None:
+    """The service turns both on by default: a bench run without them must say so."""
+    args = SimpleNamespace(prompt_lookup=lookup, adaptive_draft=False, serve_config=None)
+    flags = _serve_flags(args)
+    assert ("--prompt-lookup" in flags) is lookup and ("--no-prompt-lookup" in flags) is not lookup
+    assert "--no-adaptive-draft" in flags
+    parser = argparse.ArgumentParser()
+    cli_service.add_to(parser.add_subparsers())
+    config = cli_service._config(parser.parse_args(["serve", *flags]))
+    assert config.prompt_lookup.enabled is lookup and not config.draft_length.enabled

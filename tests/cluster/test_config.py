@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
+from cluster import cli_service
 from cluster.config import TandemConfig
 from verifier.errors import InvalidArgumentError
 
@@ -16,6 +18,18 @@ def test_example_config_in_deploy_parses() -> None:
     config = TandemConfig.from_yaml(REPO_ROOT / "deploy" / "tandem.yaml")
     assert config.drafter.num_replicas == 2 and config.verifier.num_replicas == 2
     assert config.models.pair().target.source == "tiny://target"
+
+
+def test_the_service_adapts_and_looks_up_by_default_and_the_cli_can_turn_either_off() -> None:
+    assert TandemConfig().prompt_lookup.enabled and TandemConfig().draft_length.enabled
+    example = TandemConfig.from_yaml(REPO_ROOT / "deploy" / "tandem.yaml")
+    assert example.prompt_lookup.enabled and example.draft_length.enabled
+    parser = argparse.ArgumentParser()
+    cli_service.add_to(parser.add_subparsers())
+    fixed = cli_service._config(parser.parse_args(["serve", "--no-adaptive-draft"]))
+    assert fixed.prompt_lookup.enabled and not fixed.draft_length.enabled
+    bare = cli_service._config(parser.parse_args(["serve", "--no-prompt-lookup"]))
+    assert not bare.prompt_lookup.enabled and bare.draft_length.enabled
 
 
 @pytest.mark.parametrize("name", ["one-core-each", "shared-cores", "whole-machine"])

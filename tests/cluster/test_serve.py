@@ -46,8 +46,9 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
     port = free_port()
     started = time.monotonic()
     serve = subprocess.run(
+        # Fixed rounds (no adaptive plan, no lookup): the tests count blocks and pipeline hits.
         [TANDEM, "serve", "--preset", "tiny", "--drafters", "2", "--verifiers", "2",
-         "--port", str(port), "--detach"],
+         "--no-adaptive-draft", "--no-prompt-lookup", "--port", str(port), "--detach"],
         env=env, capture_output=True, text=True, timeout=SERVE_TIMEOUT_S, check=False,
     )  # fmt: skip
     cold_start_s = time.monotonic() - started
