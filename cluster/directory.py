@@ -51,8 +51,11 @@ class RegistryPool:
         fetch: FetchReplicas,
         refresh_s: float = DEFAULT_REFRESH_S,
         rpc_timeout_s: float | None = None,
+        secret: str | None = None,
     ) -> None:
+        """`secret`: the cluster's shared secret, sent with every call to a replica."""
         self._fetch = fetch
+        self._secret = secret
         self._refresh_s = refresh_s
         self._rpc_timeout_s = rpc_timeout_s
         self._lock = threading.Lock()
@@ -123,5 +126,5 @@ class RegistryPool:
 
     def _client(self, cache: dict[str, Any], kind: type, address: str) -> Any:
         if address not in cache:
-            cache[address] = kind(address, timeout_s=self._rpc_timeout_s)
+            cache[address] = kind(address, timeout_s=self._rpc_timeout_s, secret=self._secret)
         return cache[address]

@@ -89,13 +89,28 @@ every operator. Measured on 2 cores (`python -m cluster.profile`, qwen-coder, tw
 threads per replica): the target alone 1056 ms/token at 15, 766 at 0."""
 
 
+def _private_token(name: str) -> Path:
+    """A file of this home holding a random token, made (mode 0600) if missing."""
+    path = home() / name
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_hex(32))
+    return path
+
+
+def cluster_secret() -> str:
+    """The shared secret of this home's service's internal API: $TANDEM_CLUSTER_SECRET, else
+    one made once per home (`cluster_secret`, mode 0600). `tandem serve` deploys with it and
+    the measuring tools that call replicas directly send it."""
+    from cluster.config import CLUSTER_SECRET_ENV
+
+    return os.environ.get(CLUSTER_SECRET_ENV) or _private_token("cluster_secret").read_text()
+
+
 def ray_environment() -> dict[str, str]:
     """Environment for every Ray process of this home's cluster (token created if missing)."""
-    token = home() / "auth_token"
-    if not token.exists():
-        token.parent.mkdir(parents=True, exist_ok=True)
-        token.touch(mode=0o600)
-        token.write_text(secrets.token_hex(32))
+    token = _private_token("auth_token")
     return {
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_AUTH_MODE": "token",

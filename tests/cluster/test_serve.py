@@ -4,7 +4,8 @@ One service per test session: `tandem serve --preset tiny --drafters 2 --verifie
 in its own TANDEM_HOME and on free ports, stopped by `tandem shutdown` at the end. Requests go
 through Serve's gRPC proxy to the Router deployment, and blocks over direct gRPC to the
 drafter and verifier replicas. Replica session counts are read straight from the replicas'
-Stats RPC (exact, no heartbeat lag), at the addresses `tandem status --json` reports.
+Stats RPC (exact, no heartbeat lag), at the addresses `tandem status --json` reports, with
+the cluster secret `tandem serve` settled in the service's home.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.client import TandemClient
 from cluster.client_types import TandemClientError
+from cluster.config import CLUSTER_SECRET_ENV
 from cluster.demo import format_report, run_demo
 from cluster.local import LocalTandem
 from cluster.local_cluster import cluster_processes, free_port
 from cluster.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.request import GenerationRequest
 from tests.conftest import PROMPTS
+from verifier.errors import ClusterSecretError
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -42,7 +45,9 @@ MAX_TOKENS = 32
 @pytest.fixture(scope="session")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
     home = Path("/tmp") / f"tandem-test-{os.getpid()}"  # short: Ray's socket paths are limited
-    env = {**os.environ, "TANDEM_HOME": str(home)}
+    # The service settles its own cluster secret in its home (none from the environment).
+    env = {k: v for k, v in os.environ.items() if k != CLUSTER_SECRET_ENV}
+    env["TANDEM_HOME"] = str(home)
     port = free_port()
     started = time.monotonic()
     serve = subprocess.run(
@@ -66,6 +71,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
             "home": home,
             "status": json.loads(status.stdout),
             "cold_start_s": cold_start_s,
+            "secret": (home / "cluster_secret").read_text(),
         }
     finally:
         down = subprocess.run(
@@ -88,7 +94,7 @@ def replica_sessions(service: dict[str, object]) -> dict[str, int]:
     counts = {}
     for replica in service["status"]["replicas"]:  # type: ignore[index]
         kind = GrpcDrafter if replica["side"] == "drafter" else GrpcVerifier
-        with kind(replica["address"], timeout_s=10) as port:
+        with kind(replica["address"], timeout_s=10, secret=service["secret"]) as port:
             counts[replica["replica_id"]] = port.stats().num_sessions
     return counts
 
@@ -123,6 +129,19 @@ def test_deployments_and_replicas(service: dict[str, object]) -> None:
     assert sides.count("drafter") == 2 and sides.count("verifier") == 2
     assert all(r["address"].startswith("127.0.0.1:") for r in status["replicas"])  # type: ignore[index]
     print(f"cold start of tandem serve: {service['cold_start_s']:.1f} s")
+
+
+def test_replicas_refuse_calls_without_the_cluster_secret(service: dict[str, object]) -> None:
+    secret_file = Path(str(service["home"])) / "cluster_secret"
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    for replica in service["status"]["replicas"]:  # type: ignore[index]
+        kind = GrpcDrafter if replica["side"] == "drafter" else GrpcVerifier
+        for secret in (None, "x" * len(str(service["secret"]))):
+            with kind(replica["address"], timeout_s=10, secret=secret) as port:
+                with pytest.raises(ClusterSecretError):
+                    port.stats()
+                with pytest.raises(ClusterSecretError):
+                    port.close_session("anyone's")
 
 
 def test_replicas_run_at_normal_priority(service: dict[str, object]) -> None:
