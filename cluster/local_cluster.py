@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from verifier.errors import TandemError
 
@@ -181,10 +182,9 @@ def connect(state: ClusterState) -> None:
         raise ClusterError(f"no Ray cluster answers at {state.address}: {error}") from error
 
 
-def replica_addresses() -> dict[str, str]:
-    """Join the service `tandem serve` started and return the internal gRPC address of one
-    replica per side (`drafter`, `verifier`), from its registry: what the measuring tools
-    (`cluster.profile`, `cluster.overhead`) drive directly."""
+def live_replicas() -> list[dict[str, Any]]:
+    """Join the service `tandem serve` started and return its registry's live replicas
+    (`ReplicaInfo` dicts: id, side, address, sessions, cached tokens, pid)."""
     state = load_state()
     if state is None:
         raise ClusterError("no running service: start one with tandem serve")
@@ -193,8 +193,13 @@ def replica_addresses() -> dict[str, str]:
 
     from cluster.registry import get_registry
 
-    replicas = ray.get(get_registry(state.app_name or "tandem").replicas.remote())
-    addresses = {r["side"]: r["address"] for r in replicas}
+    return list(ray.get(get_registry(state.app_name or "tandem").replicas.remote()))
+
+
+def replica_addresses() -> dict[str, str]:
+    """The internal gRPC address of one replica per side (`drafter`, `verifier`): what the
+    measuring tools (`cluster.profile`, `cluster.overhead`) drive directly."""
+    addresses = {r["side"]: r["address"] for r in live_replicas()}
     missing = {"drafter", "verifier"} - addresses.keys()
     if missing:
         raise ClusterError(f"the service has no live {' or '.join(sorted(missing))} replica")

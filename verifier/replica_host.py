@@ -46,6 +46,8 @@ class ReplicaInfo:
     """host:port of its internal gRPC server."""
     num_sessions: int
     num_cached_tokens: int
+    pid: int = 0
+    """The replica's process id on its node (what `tandem loadtest --kill` signals)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,6 +124,7 @@ class ReplicaHost:
             address=self.address,
             num_sessions=stats.num_sessions,
             num_cached_tokens=stats.num_cached_tokens,
+            pid=os.getpid(),
         )
 
     def _registry_actor(self) -> Any:
