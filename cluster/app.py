@@ -34,6 +34,8 @@ def build_app(config: TandemConfig) -> Application:
     ensure_registry(config.app_name)
     registry = registry_name(config.app_name)
     pair = config.models.pair()
+    # One secret for the whole application: the router carries it, the replicas demand it.
+    config = config.with_cluster_secret()
     drafter = serve.deployment(
         name="Drafter",
         num_replicas=config.drafter.num_replicas,
@@ -44,6 +46,7 @@ def build_app(config: TandemConfig) -> Application:
         pair.draft,
         config.drafter_limits,
         registry,
+        config.cluster_secret,
         config.drafter.torch_threads,
         cpus=tuple(config.drafter.cpus),
     )
@@ -57,6 +60,7 @@ def build_app(config: TandemConfig) -> Application:
         pair.target,
         config.verifier_limits,
         registry,
+        config.cluster_secret,
         config.verifier.torch_threads,
         cpus=tuple(config.verifier.cpus),
     )

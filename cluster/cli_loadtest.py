@@ -4,6 +4,14 @@
 service's speculation and with the target alone (draft length 0), alternating, and reports the
 speedup of speculation at each level: the "never slower under load" check. `--plot` draws
 aggregate tokens/s and that speedup against concurrency.
+
+`--kill drafter|verifier` (the service `tandem serve` started here) SIGKILLs the replica of
+that side holding the most sessions half way through each level's speculative run, and
+reports `lost` (requests that started and did not complete) and, for greedy runs,
+`corrupted` (completed outputs that differ from the target alone's, fetched once per prompt
+before the load: exact for float32 models; in bfloat16 a near-tie can round differently in a
+5-token verify pass than in a 1-token step). Replica memory (sessions, cached tokens, resident
+MiB per side) is reported before the load and after it, once the sessions have drained.
 """
 
 from __future__ import annotations
@@ -13,6 +21,9 @@ import math
 import sys
 import time
 from typing import Any
+
+from cluster import faults
+from verifier.errors import InvalidArgumentError
 
 MAX_CONCURRENCY = 256
 MAX_DURATION_S = 3600.0
@@ -29,6 +40,11 @@ def add_to(commands: Any) -> None:
         "--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples"
     )
     p.add_argument("--compare", action="store_true", help="also run the target alone")
+    p.add_argument(
+        "--kill",
+        choices=("drafter", "verifier"),
+        help="kill a replica of this side half way through each speculative run",
+    )
     p.add_argument("--prompts", help="jsonl as for tandem bench (default: its prompt set)")
     p.add_argument("--json", dest="json_out", help="write the result here")
     p.add_argument("--plot", help="--compare: write tokens/s and speedup by concurrency (PNG)")
@@ -36,8 +52,6 @@ def add_to(commands: Any) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    from verifier.errors import InvalidArgumentError
-
     if not all(1 <= c <= MAX_CONCURRENCY for c in args.concurrency):
         raise InvalidArgumentError(f"--concurrency must be in 1..{MAX_CONCURRENCY}")
     if not 0 < args.duration <= MAX_DURATION_S:
@@ -64,7 +78,16 @@ def run(args: argparse.Namespace) -> int:
         modes["target_only"] = 0
     started = time.monotonic()
     levels: list[dict[str, Any]] = []
+    replicas = _local_replicas(args.kill is not None)
+    kills: list[dict[str, Any]] = []
+    memory_before = faults.memory(replicas) if replicas is not None else None
     with TandemClient(args.address, timeout_s=600) as client:
+        reference = None
+        if args.temperature == 0:
+            reference = {
+                p: client.generate(p, max_tokens=args.max_tokens, draft_tokens=0).tokens
+                for p in prompts
+            }
         for index, concurrency in enumerate(args.concurrency):
             level: dict[str, Any] = {"concurrency": concurrency}
             names = list(modes) if index % 2 == 0 else list(reversed(modes))
@@ -74,10 +97,17 @@ def run(args: argparse.Namespace) -> int:
                     "draft_tokens": modes[name],
                     "temperature": args.temperature,
                 }
-                level[name] = run_load(client, prompts, concurrency, args.duration, settings)
+                midway = None
+                if args.kill is not None and name == "speculative":
+                    assert replicas is not None
+                    midway = faults.kill_busiest(args.kill, replicas, kills)
+                level[name] = run_load(
+                    client, prompts, concurrency, args.duration, settings, midway, reference
+                )
                 print(f"[{time.monotonic() - started:7.1f}s] concurrency {concurrency} {name}: "
                       f"{level[name]['tokens_per_s']:.2f} tokens/s, "
-                      f"{level[name]['requests']} requests, errors {level[name]['errors']}",
+                      f"{level[name]['requests']} requests, errors {level[name]['errors']}, "
+                      f"lost {level[name]['lost']}, corrupted {level[name]['corrupted']}",
                       file=sys.stderr, flush=True)  # fmt: skip
             if args.compare:
                 level["speedup"] = (
@@ -87,12 +117,40 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "config": {"address": args.address, "duration_s": args.duration,
                    "max_tokens": args.max_tokens, "draft_tokens": args.draft_tokens,
-                   "temperature": args.temperature,
+                   "temperature": args.temperature, "kill": args.kill,
                    "prompts": args.prompts or "default"},
         "levels": levels,
+        "lost": sum(lv[m]["lost"] for lv in levels for m in modes),
+        "corrupted": None if reference is None
+                     else sum(lv[m]["corrupted"] for lv in levels for m in modes),
+        "killed": kills,
+        "memory": {"before": memory_before,
+                   "after": _drained_memory(replicas) if replicas is not None else None},
     }  # fmt: skip
     write_result(result, args.json_out, args.plot, plot, format_table)
     return 0
+
+
+def _local_replicas(required: bool) -> faults.Replicas | None:
+    """The live replicas of the service `tandem serve` started here, if there is one."""
+    from cluster import local_cluster
+
+    if local_cluster.load_state() is None:
+        if required:
+            raise InvalidArgumentError("--kill needs the service tandem serve started here")
+        return None
+    return local_cluster.live_replicas
+
+
+def _drained_memory(replicas: faults.Replicas, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Replica memory once every session has closed (or after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        memory = faults.memory(replicas)
+        drained = all(memory[side]["sessions"] == 0 for side in faults.SIDES)
+        if drained or time.monotonic() > deadline:
+            return memory
+        time.sleep(1.0)
 
 
 def format_table(result: dict[str, Any]) -> str:

@@ -107,6 +107,8 @@ def _live_state() -> local_cluster.ClusterState | None:
 
 def serve_command(args: argparse.Namespace) -> int:
     config = _config(args)
+    if config.cluster_secret is None:
+        config = dataclasses.replace(config, cluster_secret=local_cluster.cluster_secret())
     started = time.monotonic()
     state = _live_state()
     if state is None:

@@ -8,6 +8,8 @@ happens when a config is built; models load in the replicas.
 from __future__ import annotations
 
 import dataclasses
+import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -77,6 +79,11 @@ class ModelsConfig:
         return resolve_pair(self.preset, self.target, self.draft, self.dtype, self.device)
 
 
+CLUSTER_SECRET_ENV = "TANDEM_CLUSTER_SECRET"
+"""Environment variable that holds the cluster's shared secret (see TandemConfig)."""
+MIN_SECRET_CHARS = 16
+
+
 @dataclass(frozen=True)
 class TandemConfig:
     """Everything `tandem serve` deploys."""
@@ -101,6 +108,11 @@ class TandemConfig:
     what keeps speculation from running slower than the target alone on a busy cluster."""
     replica_rpc_timeout_s: float | None = 60.0
     """Deadline of each router -> replica call (None: no deadline)."""
+    cluster_secret: str | None = field(default=None, repr=False)
+    """The shared secret every call to a replica's internal API must carry, so that nothing
+    but this application's router can drive a replica. None: $TANDEM_CLUSTER_SECRET, else one
+    made up when the application is built. Never logged; prefer the environment (a Kubernetes
+    Secret) to writing it in a config file."""
 
     def __post_init__(self) -> None:
         if not self.app_name or not self.app_name.replace("-", "").replace("_", "").isalnum():
@@ -110,6 +122,18 @@ class TandemConfig:
         if not 0 < self.grpc_port < 65536:
             raise InvalidArgumentError(f"grpc_port must be in 1..65535, got {self.grpc_port}")
         self.models.pair()  # validates the preset and the model specs
+        if self.cluster_secret is not None and len(self.cluster_secret) < MIN_SECRET_CHARS:
+            raise InvalidArgumentError(
+                f"cluster_secret must have at least {MIN_SECRET_CHARS} characters"
+            )
+
+    def with_cluster_secret(self) -> TandemConfig:
+        """This config with its cluster secret settled: its own, else $TANDEM_CLUSTER_SECRET,
+        else a new random one."""
+        if self.cluster_secret is not None:
+            return self
+        secret = os.environ.get(CLUSTER_SECRET_ENV) or secrets.token_hex(32)
+        return dataclasses.replace(self, cluster_secret=secret)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TandemConfig:

@@ -8,7 +8,8 @@ sessions spread over equal replicas. The registry is read at most every `refresh
 Clients (gRPC channels) are kept per address and reused by every request pinned there.
 
 A request with no drafter available runs on the target alone (lossless, just slower); with no
-verifier it fails with UNAVAILABLE.
+verifier it fails with UNAVAILABLE. When a pinned replica fails a call, the router asks for a
+spare of the same side, never one that already failed that request.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from cluster.ports import Pinned
+from cluster.ports import Pinned, Spare
 from cluster.replica_client import GrpcDrafter, GrpcVerifier
 from verifier.errors import ReplicaUnavailableError
 from verifier.replica_host import ReplicaInfo
@@ -51,8 +52,11 @@ class RegistryPool:
         fetch: FetchReplicas,
         refresh_s: float = DEFAULT_REFRESH_S,
         rpc_timeout_s: float | None = None,
+        secret: str | None = None,
     ) -> None:
+        """`secret`: the cluster's shared secret, sent with every call to a replica."""
         self._fetch = fetch
+        self._secret = secret
         self._refresh_s = refresh_s
         self._rpc_timeout_s = rpc_timeout_s
         self._lock = threading.Lock()
@@ -92,7 +96,36 @@ class RegistryPool:
                     if self._pinned[info.replica_id] <= 0:
                         del self._pinned[info.replica_id]
 
-        return Pinned(verifier_port, drafter_port, release)
+        return Pinned(
+            verifier_port,
+            drafter_port,
+            release,
+            verifier_id=verifier.replica_id,
+            drafter_id=drafter.replica_id if drafter is not None else "",
+        )
+
+    def spare(self, side: str, avoid: frozenset[str]) -> Spare | None:
+        """The least-loaded live replica of `side` not in `avoid`, pinned; None if none."""
+        self._refresh()
+        with self._lock:
+            chosen = self._least_loaded(side, avoid)
+            if chosen is None:
+                return None
+            self._pinned[chosen.replica_id] += 1
+            kind, cache = (
+                (GrpcVerifier, self._verifiers)
+                if side == "verifier"
+                else (GrpcDrafter, self._drafters)
+            )
+            port = self._client(cache, kind, chosen.address)
+
+        def release() -> None:
+            with self._lock:
+                self._pinned[chosen.replica_id] -= 1
+                if self._pinned[chosen.replica_id] <= 0:
+                    del self._pinned[chosen.replica_id]
+
+        return Spare(port, chosen.replica_id, release)
 
     def pinned_counts(self) -> dict[str, int]:
         with self._lock:
@@ -113,8 +146,8 @@ class RegistryPool:
             self._entries = [ReplicaInfo.from_dict(e) for e in entries]
             self._fetched_at = time.monotonic()
 
-    def _least_loaded(self, side: str) -> ReplicaInfo | None:
-        candidates = [e for e in self._entries if e.side == side]
+    def _least_loaded(self, side: str, avoid: frozenset[str] = frozenset()) -> ReplicaInfo | None:
+        candidates = [e for e in self._entries if e.side == side and e.replica_id not in avoid]
         if not candidates:
             return None
         loads = {e.replica_id: max(e.num_sessions, self._pinned[e.replica_id]) for e in candidates}
@@ -123,5 +156,5 @@ class RegistryPool:
 
     def _client(self, cache: dict[str, Any], kind: type, address: str) -> Any:
         if address not in cache:
-            cache[address] = kind(address, timeout_s=self._rpc_timeout_s)
+            cache[address] = kind(address, timeout_s=self._rpc_timeout_s, secret=self._secret)
         return cache[address]

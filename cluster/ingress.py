@@ -70,6 +70,7 @@ class RouterIngress:
         self._pool = RegistryPool(
             from_registry_actor(get_registry(config.app_name)),
             rpc_timeout_s=config.replica_rpc_timeout_s,
+            secret=config.cluster_secret,
         )
         self._router = Router.over_pool(
             self._pool,

@@ -7,6 +7,11 @@ flight, so every request counts whole. It records time to first token, inter-tok
 failures by gRPC status name. The loop is bounded in time and count and talks only to the
 address it is given. The client is injected (a `TandemClient`, thread-safe), so the same loop
 runs against any server.
+
+Fault injection: `midway` is called once, half way through the duration (`tandem loadtest
+--kill` kills a replica there). Every request that started and did not complete is `lost`
+(whatever its status); with `reference` (a fault-free greedy output per prompt), a completed
+request whose tokens differ from it is `corrupted`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +38,7 @@ class LoadLog:
     first_token_s: list[float] = field(default_factory=list)
     inter_token_s: list[float] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
+    corrupted: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -43,11 +49,17 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _one_request(client: Any, prompt: str, settings: dict[str, Any], log: LoadLog) -> None:
+def _one_request(
+    client: Any,
+    prompt: str,
+    settings: dict[str, Any],
+    log: LoadLog,
+    expected: tuple[int, ...] | None,
+) -> None:
     started = last = time.perf_counter()
     first: float | None = None
     gaps: list[float] = []
-    tokens = 0
+    received: list[int] = []
     try:
         for chunk in client.stream(prompt, **settings):
             now = time.perf_counter()
@@ -57,14 +69,15 @@ def _one_request(client: Any, prompt: str, settings: dict[str, Any], log: LoadLo
                 else:
                     gaps.extend([(now - last) / len(chunk.tokens)] * len(chunk.tokens))
                 last = now
-                tokens += len(chunk.tokens)
+                received.extend(chunk.tokens)
     except TandemClientError as error:
         with log.lock:
             log.errors[error.code.name] += 1
         return
     with log.lock:
         log.requests += 1
-        log.tokens += tokens
+        log.tokens += len(received)
+        log.corrupted += expected is not None and tuple(received) != expected
         if first is not None:
             log.first_token_s.append(first)
         log.inter_token_s.extend(gaps)
@@ -76,8 +89,11 @@ def run_load(
     concurrency: int,
     duration_s: float,
     settings: dict[str, Any],
+    midway: Callable[[], None] | None = None,
+    reference: Mapping[str, tuple[int, ...]] | None = None,
 ) -> dict[str, Any]:
-    """Drive `concurrency` streams for `duration_s`; `settings` go to every `client.stream`."""
+    """Drive `concurrency` streams for `duration_s`; `settings` go to every `client.stream`;
+    `midway`, if given, runs once half way through; `reference` counts corrupted outputs."""
     log = LoadLog()
     deadline = time.perf_counter() + duration_s
     counter = iter(range(10**9))
@@ -89,10 +105,14 @@ def run_load(
                 return
             with counter_lock:
                 index = next(counter)
-            _one_request(client, prompts[index % len(prompts)], settings, log)
+            prompt = prompts[index % len(prompts)]
+            expected = reference.get(prompt) if reference is not None else None
+            _one_request(client, prompt, settings, log, expected)
 
     started = time.perf_counter()
     workers = [threading.Thread(target=worker, name=f"load-{i}") for i in range(concurrency)]
+    if midway is not None:
+        workers.append(threading.Timer(duration_s / 2, midway))
     for thread in workers:
         thread.start()
     for thread in workers:
@@ -107,6 +127,8 @@ def run_load(
         "ttft_ms": _millis(log.first_token_s),
         "itl_ms": _millis(log.inter_token_s),
         "errors": dict(log.errors),
+        "lost": sum(log.errors.values()),
+        "corrupted": log.corrupted if reference is not None else None,
     }
 
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from cluster.draft_length import DraftLengthConfig
+from cluster.generation import Decode
 from cluster.presets import ModelPair
-from cluster.router import Decode, Router
+from cluster.router import Router
 from drafter.drafter import Drafter, DrafterConfig
 from drafter.ngram import NgramConfig
 from verifier.errors import InvalidArgumentError

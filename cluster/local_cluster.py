@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from verifier.errors import TandemError
 
@@ -89,13 +90,28 @@ every operator. Measured on 2 cores (`python -m cluster.profile`, qwen-coder, tw
 threads per replica): the target alone 1056 ms/token at 15, 766 at 0."""
 
 
+def _private_token(name: str) -> Path:
+    """A file of this home holding a random token, made (mode 0600) if missing."""
+    path = home() / name
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_hex(32))
+    return path
+
+
+def cluster_secret() -> str:
+    """The shared secret of this home's service's internal API: $TANDEM_CLUSTER_SECRET, else
+    one made once per home (`cluster_secret`, mode 0600). `tandem serve` deploys with it and
+    the measuring tools that call replicas directly send it."""
+    from cluster.config import CLUSTER_SECRET_ENV
+
+    return os.environ.get(CLUSTER_SECRET_ENV) or _private_token("cluster_secret").read_text()
+
+
 def ray_environment() -> dict[str, str]:
     """Environment for every Ray process of this home's cluster (token created if missing)."""
-    token = home() / "auth_token"
-    if not token.exists():
-        token.parent.mkdir(parents=True, exist_ok=True)
-        token.touch(mode=0o600)
-        token.write_text(secrets.token_hex(32))
+    token = _private_token("auth_token")
     return {
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_AUTH_MODE": "token",
@@ -166,10 +182,9 @@ def connect(state: ClusterState) -> None:
         raise ClusterError(f"no Ray cluster answers at {state.address}: {error}") from error
 
 
-def replica_addresses() -> dict[str, str]:
-    """Join the service `tandem serve` started and return the internal gRPC address of one
-    replica per side (`drafter`, `verifier`), from its registry: what the measuring tools
-    (`cluster.profile`, `cluster.overhead`) drive directly."""
+def live_replicas() -> list[dict[str, Any]]:
+    """Join the service `tandem serve` started and return its registry's live replicas
+    (`ReplicaInfo` dicts: id, side, address, sessions, cached tokens, pid)."""
     state = load_state()
     if state is None:
         raise ClusterError("no running service: start one with tandem serve")
@@ -178,8 +193,13 @@ def replica_addresses() -> dict[str, str]:
 
     from cluster.registry import get_registry
 
-    replicas = ray.get(get_registry(state.app_name or "tandem").replicas.remote())
-    addresses = {r["side"]: r["address"] for r in replicas}
+    return list(ray.get(get_registry(state.app_name or "tandem").replicas.remote()))
+
+
+def replica_addresses() -> dict[str, str]:
+    """The internal gRPC address of one replica per side (`drafter`, `verifier`): what the
+    measuring tools (`cluster.profile`, `cluster.overhead`) drive directly."""
+    addresses = {r["side"]: r["address"] for r in live_replicas()}
     missing = {"drafter", "verifier"} - addresses.keys()
     if missing:
         raise ClusterError(f"the service has no live {' or '.join(sorted(missing))} replica")

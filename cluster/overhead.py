@@ -71,8 +71,8 @@ def measure(sessions: int, rounds: int, draft_tokens: int, threads: int) -> dict
     from cluster.replica_client import GrpcDrafter, GrpcVerifier
 
     remote_drafter, remote_verifier = (
-        GrpcDrafter(address["drafter"]),
-        GrpcVerifier(address["verifier"]),
+        GrpcDrafter(address["drafter"], secret=local_cluster.cluster_secret()),
+        GrpcVerifier(address["verifier"], secret=local_cluster.cluster_secret()),
     )
     local = build_local(resolve_pair("tiny", device="cpu"))
     import torch

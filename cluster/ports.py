@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from verifier.block import DraftBlock, Verdict
 from verifier.sampling import SamplingParams
@@ -63,17 +63,34 @@ def _nothing() -> None:
 
 @dataclass(frozen=True)
 class Pinned:
-    """The replicas one request is pinned to for its whole life (they hold its KV caches)."""
+    """The replicas one request is pinned to (they hold its KV caches), until one fails."""
 
     verifier: VerifierPort
     drafter: DrafterPort | None
     release: Callable[[], None] = field(default=_nothing)
     """Called once when the request ends, whatever the outcome (load accounting)."""
+    verifier_id: str = "verifier"
+    drafter_id: str = "drafter"
+
+
+@dataclass(frozen=True)
+class Spare:
+    """A replica pinned in place of one that failed a request's call."""
+
+    port: Any
+    """A `VerifierPort` or a `DrafterPort`, as asked."""
+    replica_id: str
+    release: Callable[[], None] = field(default=_nothing)
 
 
 class ReplicaPool(Protocol):
     def pin(self, speculate: bool) -> Pinned:
         """Choose the replicas for a new request; `speculate` says whether it needs a drafter."""
+        ...
+
+    def spare(self, side: str, avoid: frozenset[str]) -> Spare | None:
+        """Another live replica of `side` ("verifier" or "drafter"), none of `avoid` (the ids
+        that failed this request); None if there is none."""
         ...
 
 
@@ -86,3 +103,6 @@ class FixedReplicas:
 
     def pin(self, speculate: bool) -> Pinned:
         return Pinned(self.verifier, self.drafter if speculate else None)
+
+    def spare(self, side: str, avoid: frozenset[str]) -> Spare | None:
+        return None  # one replica per side: nothing to fail over to

@@ -184,8 +184,8 @@ def measure(
     loaded = load_tokenizer(resolve_pair(preset).target)
     encode = loaded.tokenizer.encode
     prompts = [tuple(encode(p.text, add_special_tokens=False)) for p in load_prompts(prompts_path)]
-    drafter_client = GrpcDrafter(address["drafter"])
-    verifier_client = GrpcVerifier(address["verifier"])
+    drafter_client = GrpcDrafter(address["drafter"], secret=local_cluster.cluster_secret())
+    verifier_client = GrpcVerifier(address["verifier"], secret=local_cluster.cluster_secret())
 
     def router_for() -> tuple[Router, Timed, Timed]:
         drafter, verifier = Timed(drafter_client, "draft"), Timed(verifier_client, "verify")

@@ -9,7 +9,8 @@ Errors: a failed call raises the `TandemError` subclass the replica raised (matc
 code, with the replica's message), so callers handle a remote replica as they would a local
 one. Codes with no class of their own (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ...) raise
 `ReplicaUnavailableError`. Every call has an optional deadline, `timeout_s`: the client's
-default, or the one passed to the call.
+default, or the one passed to the call, and carries the cluster's shared secret when the client
+has one (replicas refuse calls without it: UNAUTHENTICATED, raised as `ClusterSecretError`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from protos import replica_pb2, replica_pb2_grpc
 from verifier import wire
 from verifier.block import DraftBlock, Verdict
 from verifier.errors import (
+    ClusterSecretError,
     InvalidArgumentError,
     ReplicaUnavailableError,
     ResourceExhaustedError,
@@ -32,7 +34,7 @@ from verifier.errors import (
     StaleBaseError,
     TandemError,
 )
-from verifier.rpc import MESSAGE_SIZE_OPTIONS
+from verifier.rpc import MESSAGE_SIZE_OPTIONS, SECRET_METADATA_KEY
 from verifier.sampling import SamplingParams
 from verifier.session import ReplicaStats
 
@@ -42,6 +44,7 @@ ERRORS_BY_CODE: Mapping[grpc.StatusCode, type[TandemError]] = {
     grpc.StatusCode.NOT_FOUND: SessionNotFoundError,
     grpc.StatusCode.ALREADY_EXISTS: SessionExistsError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAUTHENTICATED: ClusterSecretError,
 }
 """The error a replica raised, by the status code it sent; any other code means the replica
 itself failed: `ReplicaUnavailableError`."""
@@ -70,9 +73,15 @@ class _ReplicaClient:
 
     _kind = "replica"
 
-    def __init__(self, target: grpc.Channel | str, timeout_s: float | None = NO_TIMEOUT) -> None:
+    def __init__(
+        self,
+        target: grpc.Channel | str,
+        timeout_s: float | None = NO_TIMEOUT,
+        secret: str | None = None,
+    ) -> None:
         """`target`: an open channel (still the caller's to close) or a "host:port" address
-        (its channel is opened here and closed by `close`)."""
+        (its channel is opened here and closed by `close`). `secret`: the cluster's shared
+        secret, sent with every call."""
         if isinstance(target, str):
             self._channel = grpc.insecure_channel(target, options=list(MESSAGE_SIZE_OPTIONS))
             self._owns_channel = True
@@ -82,6 +91,7 @@ class _ReplicaClient:
             self._owns_channel = False
             self._replica = self._kind
         self.timeout_s = timeout_s
+        self._metadata = ((SECRET_METADATA_KEY, secret),) if secret is not None else None
         self._stub = self._make_stub(self._channel)
 
     def _make_stub(self, channel: grpc.Channel) -> Any:
@@ -92,7 +102,7 @@ class _ReplicaClient:
         """`method(request)` on the stub; a failed call raises the matching `TandemError`."""
         deadline_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            return method(request, timeout=deadline_s)
+            return method(request, timeout=deadline_s, metadata=self._metadata)
         except grpc.RpcError as error:
             raise error_from_rpc(error, self._replica) from error
 

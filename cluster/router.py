@@ -32,20 +32,29 @@ when they recur, proposes what followed them (`drafter.ngram`): no model, no net
 drafter model drafts only when lookup finds nothing. A looked-up block never reaches the
 drafter, so the drafter's view simply gains its committed tokens like any others.
 
+Failover: replicas hold only soft state and the router holds every committed token, so when
+a replica fails a call (unreachable, or it no longer knows the session) the request moves on.
+A verifier is replaced by a spare of the pool, whose session is opened on the whole history
+(prompt and committed tokens) before the same block is verified again; a drafter is replaced
+the same way, or, with no spare, the request goes on with the target alone. Greedy output is
+the same as without the failure; sampled output keeps its distribution (the spare's generator
+starts afresh, so a seeded request is no longer repeatable across the failure). At most
+`MAX_FAILOVERS` per request, then the error goes to the caller.
+
 The router depends only on the `DrafterPort` and `VerifierPort` protocols, so it runs the
 same in-process and across the network.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-import uuid
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
-from cluster.draft_length import DraftLength, DraftLengthConfig
-from cluster.ports import DrafterPort, FixedReplicas, Pinned, ReplicaPool, VerifierPort
+from cluster.draft_length import DraftLengthConfig
+from cluster.generation import Decode, Draft, DrafterView, Generation
+from cluster.ports import DrafterPort, FixedReplicas, ReplicaPool, VerifierPort
 from cluster.request import (
     FinishReason,
     GenerationChunk,
@@ -53,82 +62,19 @@ from cluster.request import (
     GenerationResult,
     SpeculationStats,
 )
-from cluster.text import TextAssembler
 from drafter.ngram import NgramConfig, propose
 from verifier.block import DraftBlock, Verdict
+from verifier.errors import ReplicaUnavailableError, SessionNotFoundError
 
-Decode = Callable[[Sequence[int]], str]
-"""Token ids to text, special tokens left out."""
+logger = logging.getLogger(__name__)
+
 
 MAX_CONCURRENT_DRAFTS = 64
 """Drafts running ahead at once, across all requests of one router."""
-
-
-@dataclass
-class DrafterView:
-    """What the drafter's session holds, as far as the router knows, and what it must be told
-    before its next draft."""
-
-    base_length: int
-    """The drafter session's committed length."""
-    truncate_to: int | None = None
-    """Drop the session's tokens from here on first (a rejected block it assumed accepted)."""
-    behind: list[int] = field(default_factory=list)
-    """Tokens committed since, not yet sent to the drafter."""
-
-
-@dataclass(frozen=True)
-class _Draft:
-    """A proposed block and where it came from."""
-
-    block: DraftBlock
-    by_drafter: bool
-    """False for a looked-up block: the drafter's session never saw it."""
-
-
-class _Generation:
-    """The state of one request inside the router."""
-
-    def __init__(
-        self,
-        request: GenerationRequest,
-        decode: Decode,
-        stats: SpeculationStats,
-        pinned: Pinned,
-        pipelined: bool,
-        draft_length: DraftLengthConfig,
-    ) -> None:
-        self.request = request
-        self.verifier = pinned.verifier
-        self.drafter_port = pinned.drafter
-        self.pipelined = pipelined
-        self.session_id = uuid.uuid4().hex
-        self.stats = stats
-        self.text = TextAssembler(decode, request.stop)
-        self.lengths = DraftLength(draft_length, request.draft_tokens, pipelined)
-        self.history = list(request.prompt_tokens)
-        """Every committed token: what prompt lookup searches."""
-        self.drafter = DrafterView(base_length=len(self.history))
-        self.drafter_opening: Future[int] | None = None
-        """The drafter's session being opened in the background; None once known open."""
-        self.opening_round = False
-        """The coming round is the first and does not wait for the drafter."""
-
-    def ready_drafter(self) -> DrafterPort:
-        """The drafter, once its session is open (waits for it; raises what opening raised)."""
-        assert self.drafter_port is not None
-        if self.drafter_opening is not None:
-            self.drafter_opening.result()
-            self.drafter_opening = None
-        return self.drafter_port
-
-    @property
-    def committed(self) -> int:
-        return len(self.history)
-
-    @property
-    def remaining(self) -> int:
-        return self.request.max_tokens - len(self.text.tokens)
+MAX_FAILOVERS = 4
+"""Replicas one request may replace (both sides together) before it fails."""
+LOST = (ReplicaUnavailableError, SessionNotFoundError)
+"""What a replica raises when the request's session there is gone: fail over."""
 
 
 class Router:
@@ -227,15 +173,19 @@ class Router:
     ) -> Generator[GenerationChunk, None, None]:
         speculate = request.draft_tokens > 0
         pinned = self._replicas.pin(speculate)
+        releases = [pinned.release]
         try:
             # With no drafter available the request runs on the target alone: lossless.
             use_pipeline = self.pipelined if pipelined is None else pipelined
-            gen = _Generation(request, self._decode, stats, pinned, use_pipeline, self.draft_length)
+            gen = Generation(
+                request, self._decode, stats, pinned, use_pipeline, self.draft_length, releases
+            )
             yield from self._session(gen)
         finally:
-            pinned.release()
+            for release in releases:
+                release()
 
-    def _session(self, gen: _Generation) -> Iterator[GenerationChunk]:
+    def _session(self, gen: Generation) -> Iterator[GenerationChunk]:
         request = gen.request
         prompt = request.prompt_tokens
         port = gen.drafter_port
@@ -245,19 +195,73 @@ class Router:
                 port.open_session, gen.session_id, prompt, request.sampling, request.seed
             )
         try:
-            gen.verifier.open_session(gen.session_id, prompt, request.sampling, request.seed)
+            self._open_verifier(gen)
         except BaseException:
             self._close_drafter(gen)
             raise
         try:
             yield from self._loop(gen)
         finally:
-            gen.verifier.close_session(gen.session_id)
+            self._close_quietly("verifier", gen.verifier, gen.session_id)
             self._close_drafter(gen)
 
-    def _loop(self, gen: _Generation) -> Iterator[GenerationChunk]:
-        draft: _Draft | None = None  # a block drafted ahead that is still valid
-        ahead: Future[_Draft] | None = None
+    def _open_verifier(self, gen: Generation) -> None:
+        """Open the request's session on its verifier, over the whole history (the prompt at
+        first; after a failover, every committed token too); fail over while that fails."""
+        while True:
+            request = gen.request
+            try:
+                gen.verifier.open_session(
+                    gen.session_id, gen.history, request.sampling, request.seed
+                )
+                return
+            except LOST as error:
+                self._replace(gen, "verifier", error)
+
+    def _verify(self, gen: Generation, block: DraftBlock, defer_bonus: bool) -> Verdict:
+        """Verify `block`; if the verifier fails, verify it again on a spare."""
+        while True:
+            try:
+                return gen.verifier.verify(gen.session_id, block, defer_bonus=defer_bonus)
+            except LOST as error:
+                self._replace(gen, "verifier", error)
+                self._open_verifier(gen)
+
+    def _replace(self, gen: Generation, side: str, error: Exception) -> None:
+        """Pin a spare of `side` in place of the replica that raised `error`; re-raise it when
+        there is none, or this request has failed over too often. A lost drafter leaves the
+        request to the target alone rather than failing it."""
+        failed_id = gen.verifier_id if side == "verifier" else gen.drafter_id
+        gen.failed.add(failed_id)
+        logger.warning("request %s: %s %s failed: %s", gen.session_id, side, failed_id, error)
+        spare = None
+        if len(gen.failed) <= MAX_FAILOVERS:
+            spare = self._replicas.spare(side, frozenset(gen.failed))
+        if spare is not None:
+            gen.releases.append(spare.release)
+        if side == "verifier":
+            if spare is None:
+                raise error
+            gen.verifier, gen.verifier_id = spare.port, spare.replica_id
+            return
+        gen.drafter_opening = None
+        gen.drafter = DrafterView(base_length=gen.committed)
+        if spare is None:
+            gen.drafter_port = None  # on with the target alone (and prompt lookup)
+            return
+        gen.drafter_port, gen.drafter_id = spare.port, spare.replica_id
+        request = gen.request
+        gen.drafter_opening = self._pool.submit(
+            spare.port.open_session,
+            gen.session_id,
+            list(gen.history),
+            request.sampling,
+            request.seed,
+        )
+
+    def _loop(self, gen: Generation) -> Iterator[GenerationChunk]:
+        draft: Draft | None = None  # a block drafted ahead that is still valid
+        ahead: Future[Draft] | None = None
         try:
             while True:
                 remaining = gen.remaining
@@ -275,16 +279,22 @@ class Router:
                 # A looked-up block ahead is ready at once: the verify pass then runs alone.
                 overlapped = ahead is not None and not ahead.done()
                 started = time.perf_counter()
-                verdict = gen.verifier.verify(gen.session_id, block, defer_bonus=ahead is not None)
+                verdict = self._verify(gen, block, defer_bonus=ahead is not None)
                 if not opening:  # the opening pass runs beside the drafter's prefill
                     gen.lengths.observe_verify(time.perf_counter() - started, overlapped)
                 gen.lengths.observe(len(block.tokens), verdict.num_accepted)
-                next_draft = ahead.result() if ahead is not None else None
+                lost: Exception | None = None
+                try:
+                    next_draft = ahead.result() if ahead is not None else None
+                except LOST as error:  # the drafter failed while drafting ahead
+                    next_draft, lost = None, error
                 ahead = None
                 gen.history.extend(verdict.tokens)
                 assert gen.committed == verdict.committed_length, "verifier and router disagree"
                 self._count(gen.stats, block, verdict, next_draft)
                 draft = self._after_verdict(gen, block, verdict, next_draft)
+                if lost is not None:
+                    self._replace(gen, "drafter", lost)
 
                 chunk = self._emit(gen, verdict)
                 yield chunk
@@ -301,57 +311,65 @@ class Router:
         tokens = propose(history, num_tokens, self.ngram)
         return DraftBlock(base_length=len(history), tokens=tokens) if tokens else None
 
-    def _draft_now(self, gen: _Generation, num_tokens: int, by_drafter: bool = True) -> _Draft:
+    def _draft_now(self, gen: Generation, num_tokens: int, by_drafter: bool = True) -> Draft:
         """A block to verify now: looked up, else drafted (if `by_drafter`), else empty."""
         if num_tokens <= 0:
-            return _Draft(DraftBlock(base_length=gen.committed, tokens=()), by_drafter=False)
+            return Draft(DraftBlock(base_length=gen.committed, tokens=()), by_drafter=False)
         looked_up = self._look_up(gen.history, num_tokens)
         if looked_up is not None or gen.drafter_port is None or not by_drafter:
             empty = DraftBlock(base_length=gen.committed, tokens=())
-            return _Draft(looked_up or empty, by_drafter=False)
+            return Draft(looked_up or empty, by_drafter=False)
         view = gen.drafter
-        port = gen.ready_drafter()
-        started = time.perf_counter()
-        block = port.draft(
-            gen.session_id, view.base_length, view.behind, num_tokens, view.truncate_to
-        )
+        try:
+            port = gen.ready_drafter()
+            started = time.perf_counter()
+            block = port.draft(
+                gen.session_id, view.base_length, view.behind, num_tokens, view.truncate_to
+            )
+        except LOST as error:
+            self._replace(gen, "drafter", error)
+            return self._draft_now(gen, num_tokens, by_drafter)
         gen.lengths.observe_draft(len(block.tokens), time.perf_counter() - started)
         gen.drafter = DrafterView(base_length=block.base_length)
-        return _Draft(block, by_drafter=True)
+        return Draft(block, by_drafter=True)
 
     def _draft_ahead(
-        self, gen: _Generation, block: DraftBlock, num_tokens: int
-    ) -> Future[_Draft] | None:
+        self, gen: Generation, block: DraftBlock, num_tokens: int
+    ) -> Future[Draft] | None:
         """Propose the block after `block` as if all of it were accepted: looked up at once,
         or drafted in the background; None if neither can."""
         looked_up = self._look_up(gen.history + list(block.tokens), num_tokens)
         if looked_up is not None:
-            done: Future[_Draft] = Future()
-            done.set_result(_Draft(looked_up, by_drafter=False))
+            done: Future[Draft] = Future()
+            done.set_result(Draft(looked_up, by_drafter=False))
             return done
         if gen.drafter_port is None:
             return None
-        port = gen.ready_drafter()
+        try:
+            port = gen.ready_drafter()
+        except LOST as error:
+            self._replace(gen, "drafter", error)
+            return None
         # The drafter catches up on what its view lacks, then on `block` itself (a no-op
         # suffix when `block` came from it: its view then lacks nothing).
         view = gen.drafter
         appended = view.behind + list(block.tokens)
 
-        def draft() -> _Draft:
+        def draft() -> Draft:
             started = time.perf_counter()
             next_block = port.draft(
                 gen.session_id, view.base_length, appended, num_tokens, view.truncate_to
             )
             elapsed = time.perf_counter() - started
             gen.lengths.observe_draft(len(next_block.tokens), elapsed, overlapped=True)
-            return _Draft(next_block, by_drafter=True)
+            return Draft(next_block, by_drafter=True)
 
         return self._pool.submit(draft)
 
     @staticmethod
     def _after_verdict(
-        gen: _Generation, block: DraftBlock, verdict: Verdict, next_draft: _Draft | None
-    ) -> _Draft | None:
+        gen: Generation, block: DraftBlock, verdict: Verdict, next_draft: Draft | None
+    ) -> Draft | None:
         """Update the drafter's view; return the draft to verify next, if one is ready."""
         hit = next_draft is not None and verdict.bonus_deferred
         if next_draft is None or not next_draft.by_drafter:
@@ -371,7 +389,7 @@ class Router:
 
     @staticmethod
     def _count(
-        stats: SpeculationStats, block: DraftBlock, verdict: Verdict, next_draft: _Draft | None
+        stats: SpeculationStats, block: DraftBlock, verdict: Verdict, next_draft: Draft | None
     ) -> None:
         stats.num_verify_passes += 1
         stats.num_drafted += len(block.tokens)
@@ -383,7 +401,7 @@ class Router:
             else:
                 stats.pipeline_misses += 1
 
-    def _emit(self, gen: _Generation, verdict: Verdict) -> GenerationChunk:
+    def _emit(self, gen: Generation, verdict: Verdict) -> GenerationChunk:
         """Commit the verdict's tokens to the output, applying end-of-sequence and stops."""
         new_tokens = list(verdict.tokens[: gen.remaining])
         finish: FinishReason | None = None
@@ -403,11 +421,19 @@ class Router:
             tokens=tuple(new_tokens[: step.num_tokens_kept]), text=text, finish_reason=finish
         )
 
-    @staticmethod
-    def _close_drafter(gen: _Generation) -> None:
+    @classmethod
+    def _close_drafter(cls, gen: Generation) -> None:
         """Close the drafter's session, once it has opened (if opening failed, nothing is)."""
         if gen.drafter_port is None:
             return
         if gen.drafter_opening is not None and gen.drafter_opening.exception() is not None:
             return
-        gen.drafter_port.close_session(gen.session_id)
+        cls._close_quietly("drafter", gen.drafter_port, gen.session_id)
+
+    @staticmethod
+    def _close_quietly(side: str, port: DrafterPort | VerifierPort, session_id: str) -> None:
+        """Close a session; a replica that cannot be reached evicts it after its TTL."""
+        try:
+            port.close_session(session_id)
+        except ReplicaUnavailableError as error:
+            logger.warning("could not close session %s on the %s: %s", session_id, side, error)

@@ -21,10 +21,12 @@ class DrafterReplica(ReplicaShell):
         model: ModelSpec,
         config: DrafterConfig,
         registry_name: str | None,
+        secret: str,
         torch_threads: int = 0,
         bind_host: str | None = None,
         cpus: Sequence[int] = (),
     ) -> None:
+        """`secret`: the cluster's shared secret; the replica serves only calls carrying it."""
         place_threads(torch_threads, cpus)
         self.drafter = Drafter(load_model(model), config)
         servicer = DrafterServicer(self.drafter)
@@ -34,4 +36,6 @@ class DrafterReplica(ReplicaShell):
             self.drafter.stats,
             registry_name,
             bind_host,
+            secret,
+            self.drafter.evict_idle,
         )

@@ -45,6 +45,9 @@ class DrafterConfig:
     """Sessions held at once; one more is refused with RESOURCE_EXHAUSTED."""
     max_context_tokens: int = 4096
     """Committed tokens plus a block may not exceed this."""
+    session_ttl_s: float = 600.0
+    """A session unused this long is evicted (its client or router is gone); requests touch
+    their sessions every round, so only abandoned ones idle this long."""
     max_draft_tokens: int = 32
     """Longest block one draft call may ask for."""
     top_k: int = 64
@@ -60,6 +63,8 @@ class DrafterConfig:
         for name in ("max_sessions", "max_context_tokens", "max_draft_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.session_ttl_s > 0:
+            raise InvalidArgumentError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
         if self.top_k < 0:
             raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 <= self.min_confidence <= 1.0:
@@ -84,7 +89,10 @@ class Drafter:
         self.config = config or DrafterConfig()
         self._draft = draft
         self._sessions = SessionTable(
-            draft, self.config.max_sessions, self.config.max_context_tokens
+            draft,
+            self.config.max_sessions,
+            self.config.max_context_tokens,
+            self.config.session_ttl_s,
         )
 
     @property
@@ -165,6 +173,11 @@ class Drafter:
     def close_session(self, session_id: str) -> bool:
         """Free the session; True if it existed."""
         return self._sessions.remove(session_id)
+
+    @synchronized
+    def evict_idle(self) -> int:
+        """Evict the sessions idle past the TTL (the replica host calls this every second)."""
+        return self._sessions.evict_idle()
 
     @synchronized
     def stats(self) -> ReplicaStats:

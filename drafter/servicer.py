@@ -71,6 +71,7 @@ def serve_drafter(
     host: str = "127.0.0.1",
     port: int = 0,
     max_workers: int = DEFAULT_MAX_WORKERS,
+    secret: str | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start a gRPC server for `drafter`; returns it and its port (see `rpc.start_server`)."""
     servicer = DrafterServicer(drafter)
@@ -79,4 +80,5 @@ def serve_drafter(
         host,
         port,
         max_workers,
+        secret,
     )

@@ -21,10 +21,12 @@ class VerifierReplica(ReplicaShell):
         model: ModelSpec,
         config: VerifierConfig,
         registry_name: str | None,
+        secret: str,
         torch_threads: int = 0,
         bind_host: str | None = None,
         cpus: Sequence[int] = (),
     ) -> None:
+        """`secret`: the cluster's shared secret; the replica serves only calls carrying it."""
         place_threads(torch_threads, cpus)
         self.verifier = Verifier(load_model(model), config)
         servicer = VerifierServicer(self.verifier)
@@ -34,4 +36,6 @@ class VerifierReplica(ReplicaShell):
             self.verifier.stats,
             registry_name,
             bind_host,
+            secret,
+            self.verifier.evict_idle,
         )

@@ -47,6 +47,13 @@ class ResourceExhaustedError(TandemError):
     status = "RESOURCE_EXHAUSTED"
 
 
+class ClusterSecretError(TandemError):
+    """A replica refused a call for lack of the cluster's shared secret (UNAUTHENTICATED on the
+    internal API). To a public client this is the service's own misconfiguration: INTERNAL."""
+
+    status = "INTERNAL"
+
+
 class ReplicaUnavailableError(TandemError):
     """A replica could not be reached or did not answer: down, restarting, past the deadline.
 

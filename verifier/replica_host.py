@@ -1,7 +1,8 @@
 """Hosting a drafter or verifier replica: its own gRPC server, and heartbeats to the registry.
 
 Per-block traffic must not go through Serve (DESIGN.md invariant 4), so every replica serves
-the internal API on its own port, and tells the cluster's replica registry (a named Ray actor
+the internal API on its own port (to callers holding the cluster's shared secret only), evicts
+sessions left idle past their TTL, and tells the cluster's replica registry (a named Ray actor
 that the app builder creates) where it is and how loaded it is, once per heartbeat. The
 registry forgets a replica whose heartbeats stop, so a dead replica drops out by itself.
 
@@ -45,6 +46,8 @@ class ReplicaInfo:
     """host:port of its internal gRPC server."""
     num_sessions: int
     num_cached_tokens: int
+    pid: int = 0
+    """The replica's process id on its node (what `tandem loadtest --kill` signals)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,7 +82,8 @@ def place_threads(num_threads: int, cpus: Sequence[int] = ()) -> None:
 
 
 class ReplicaHost:
-    """Runs a replica's gRPC server and its heartbeat thread."""
+    """Runs a replica's gRPC server and its housekeeping thread: every second it evicts the
+    sessions idle past their TTL, then heartbeats to the registry (if there is one)."""
 
     def __init__(
         self,
@@ -88,25 +92,29 @@ class ReplicaHost:
         stats: Callable[[], ReplicaStats],
         registry_name: str | None,
         host: str,
+        secret: str,
         port: int = 0,
+        evict_idle: Callable[[], int] = lambda: 0,
     ) -> None:
+        """`secret`: the cluster's shared secret, required of every call to this replica.
+        `evict_idle`: the component's eviction of idle sessions; returns how many went."""
         self.side = side
         self.replica_id = f"{side}-{uuid.uuid4().hex[:12]}"
-        self._server, bound_port = start_server(add_servicer, host=host, port=port)
+        self._server, bound_port = start_server(add_servicer, host=host, port=port, secret=secret)
         self.address = f"{host}:{bound_port}"
         self._stats = stats
+        self._evict_idle = evict_idle
         self._registry_name = registry_name
         self._registry: Any = None
         self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
         if registry_name is not None:
             # Register before the constructor returns, so a replica Serve calls ready is
             # already discoverable.
             self._beat(wait=True)
-            self._thread = threading.Thread(
-                target=self._heartbeats, name=f"{side}-heartbeat", daemon=True
-            )
-            self._thread.start()
+        self._thread = threading.Thread(
+            target=self._housekeeping, name=f"{side}-housekeeping", daemon=True
+        )
+        self._thread.start()
 
     def info(self) -> ReplicaInfo:
         stats = self._stats()
@@ -116,6 +124,7 @@ class ReplicaHost:
             address=self.address,
             num_sessions=stats.num_sessions,
             num_cached_tokens=stats.num_cached_tokens,
+            pid=os.getpid(),
         )
 
     def _registry_actor(self) -> Any:
@@ -138,9 +147,17 @@ class ReplicaHost:
             self._registry = None
             logger.warning("heartbeat to the replica registry failed", exc_info=True)
 
-    def _heartbeats(self) -> None:
+    def _housekeeping(self) -> None:
         while not self._stopped.wait(HEARTBEAT_INTERVAL_S):
-            self._beat()
+            try:
+                evicted = self._evict_idle()
+            except Exception:
+                logger.exception("evicting idle sessions failed")
+            else:
+                if evicted:
+                    logger.info("%s evicted %d idle session(s)", self.replica_id, evicted)
+            if self._registry_name is not None:
+                self._beat()
 
     def stop(self) -> None:
         """Deregister, stop heartbeats and the server; safe to call twice."""
@@ -158,8 +175,8 @@ class ReplicaHost:
         """Raise if the replica cannot serve (Serve's health check calls this)."""
         if self._stopped.is_set():
             raise RuntimeError(f"{self.replica_id} has stopped")
-        if self._thread is not None and not self._thread.is_alive():
-            raise RuntimeError(f"{self.replica_id} heartbeat thread died")
+        if not self._thread.is_alive():
+            raise RuntimeError(f"{self.replica_id} housekeeping thread died")
 
 
 class ReplicaShell:
@@ -174,6 +191,8 @@ class ReplicaShell:
         stats: Callable[[], ReplicaStats],
         registry_name: str | None,
         bind_host: str | None,
+        secret: str,
+        evict_idle: Callable[[], int],
     ) -> None:
         self._host = ReplicaHost(
             side=side,
@@ -181,6 +200,8 @@ class ReplicaShell:
             stats=stats,
             registry_name=registry_name,
             host=bind_host or node_ip_address(),
+            secret=secret,
+            evict_idle=evict_idle,
         )
 
     def info(self) -> dict[str, Any]:

@@ -4,7 +4,11 @@
 - `CallGuard` runs a servicer's handlers one at a time and turns what they raise into a gRPC
   status: a `TandemError` becomes its own code with its message; anything else becomes
   INTERNAL with a fixed message, its traceback logged here and never sent to the client.
-- `start_server` starts a sync gRPC server on a thread pool and returns the port it bound.
+- `start_server` starts a sync gRPC server on a thread pool and returns the port it bound;
+  given the cluster's shared secret, it answers UNAUTHENTICATED to every call that does not
+  carry it (`SecretCheck`), so nothing but the router can drive a replica; and it parses each
+  request itself (`ParseCheck`), so bytes that are not the method's message get
+  INVALID_ARGUMENT rather than gRPC's own INTERNAL.
 
 Both servicers are thin adapters over a plain component (STYLE.md, three layers): they convert
 with `verifier.wire`, call the component inside `CallGuard.run`, and convert the result back.
@@ -12,11 +16,12 @@ with `verifier.wire`, call the component inside `CallGuard.run`, and convert the
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 from collections.abc import Callable
 from concurrent import futures
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -38,6 +43,9 @@ INTERNAL_ERROR_MESSAGE = "internal error; see the replica's log"
 """The only details a client gets for an unexpected server-side exception."""
 
 DEFAULT_MAX_WORKERS = 8
+
+SECRET_METADATA_KEY = "x-tandem-cluster-secret"
+"""gRPC metadata key that carries the cluster's shared secret on internal calls."""
 
 R = TypeVar("R")
 
@@ -83,21 +91,94 @@ class CallGuard:
             _abort(context, grpc.StatusCode.INTERNAL, INTERNAL_ERROR_MESSAGE)
 
 
+class SecretCheck(grpc.ServerInterceptor):
+    """Lets a call through only if its metadata carries the shared secret (compared in
+    constant time); every other call is answered UNAUTHENTICATED before any handler runs, its
+    payload never parsed. The secret itself is never logged or echoed."""
+
+    def __init__(self, secret: str) -> None:
+        if not secret:
+            raise ValueError("the cluster secret must not be empty")
+        self._secret = secret.encode()
+        self._refuse = grpc.unary_unary_rpc_method_handler(self._unauthenticated)
+
+    @staticmethod
+    def _unauthenticated(request: Any, context: grpc.ServicerContext) -> NoReturn:
+        _abort(
+            context,
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"internal API: missing or wrong {SECRET_METADATA_KEY}",
+        )
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == SECRET_METADATA_KEY:
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(given, self._secret):
+                    return continuation(handler_call_details)
+        return self._refuse
+
+
+class ParseCheck(grpc.ServerInterceptor):
+    """Parses each unary request in the handler instead of in gRPC: a payload that is not the
+    method's message is answered INVALID_ARGUMENT (gRPC itself would answer INTERNAL, "Exception
+    deserializing request!"), and the servicer sees only parsed messages."""
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        method = handler_call_details.method
+
+        def parsed(raw: bytes, context: grpc.ServicerContext) -> Any:
+            try:
+                return parse(raw)
+            except Exception:
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{method}: the payload is not a valid request message",
+                )
+
+        if handler.response_streaming:
+            stream = handler.unary_stream
+            return grpc.unary_stream_rpc_method_handler(
+                lambda raw, context: stream(parsed(raw, context), context),
+                response_serializer=handler.response_serializer,
+            )
+        unary = handler.unary_unary
+        return grpc.unary_unary_rpc_method_handler(
+            lambda raw, context: unary(parsed(raw, context), context),
+            response_serializer=handler.response_serializer,
+        )
+
+
 def start_server(
     add_servicer: Callable[[grpc.Server], None],
     host: str = "127.0.0.1",
     port: int = 0,
     max_workers: int = DEFAULT_MAX_WORKERS,
+    secret: str | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start an insecure gRPC server with the servicers `add_servicer` registers on it.
 
     `port` 0 picks a free port. Returns the running server and the port it bound; raises
     RuntimeError if the address cannot be bound (a port in use is not shared: SO_REUSEPORT is
     off, so two replicas can never silently split one port's traffic). Stop it with
-    `server.stop(grace_s)`.
+    `server.stop(grace_s)`. With `secret`, only calls that carry it are served (`SecretCheck`).
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="replica-rpc"),
+        interceptors=[*([SecretCheck(secret)] if secret is not None else []), ParseCheck()],
         options=[*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)],
     )
     add_servicer(server)

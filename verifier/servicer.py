@@ -69,6 +69,7 @@ def serve_verifier(
     host: str = "127.0.0.1",
     port: int = 0,
     max_workers: int = DEFAULT_MAX_WORKERS,
+    secret: str | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start a gRPC server for `verifier`; returns it and its port (see `rpc.start_server`)."""
     servicer = VerifierServicer(verifier)
@@ -77,4 +78,5 @@ def serve_verifier(
         host,
         port,
         max_workers,
+        secret,
     )

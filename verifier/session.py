@@ -2,7 +2,8 @@
 
 A replica's session is soft state (DESIGN.md invariant 2): the committed tokens as this
 replica last heard them, a KV cache over them, the sampling settings and a seeded generator.
-Everything here can be rebuilt from the router's token history.
+Everything here can be rebuilt from the router's token history. A session nobody has used for
+`session_ttl_s` (its client gone, its router restarted) is evicted, KV cache and all.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class ReplicaSession:
     next_probs: torch.Tensor | None = field(default=None)
     """Verifier only: the target's distribution for the next position, kept when a verdict
     deferred its bonus token (`[vocab]`); the cache then holds every committed token."""
+    last_used: float = 0.0
+    """When a call last found this session (the table's clock)."""
 
 
 @dataclass(frozen=True)
@@ -121,11 +124,23 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
 class SessionTable:
     """Sessions of one replica by id, on one model, with the limits and lookups both sides share."""
 
-    def __init__(self, model: LoadedModel, max_sessions: int, max_context_tokens: int) -> None:
+    def __init__(
+        self,
+        model: LoadedModel,
+        max_sessions: int,
+        max_context_tokens: int,
+        session_ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`session_ttl_s`: evict a session idle this long (None: never)."""
         self.model = model
         self.max_sessions = max_sessions
         self.max_context_tokens = max_context_tokens
+        self.session_ttl_s = session_ttl_s
+        self._clock = clock
         self._sessions: dict[str, ReplicaSession] = {}
+        self.num_evicted = 0
+        """Sessions evicted for idling since the table was made."""
 
     def open(
         self,
@@ -143,6 +158,7 @@ class SessionTable:
             kv=KVSession(self.model.model, self.model.device),
             sampling=sampling,
             generator=make_generator(seed, self.model.device),
+            last_used=self._clock(),
         )
         # The last committed token is fed with the next forward, whose logits need it.
         session.kv.prefill(prompt_tokens[:-1])
@@ -154,6 +170,8 @@ class SessionTable:
             raise InvalidArgumentError("session_id must not be empty")
         if session_id in self._sessions:
             raise SessionExistsError(f"session {session_id!r} is already open")
+        if len(self._sessions) >= self.max_sessions:
+            self.evict_idle()  # abandoned sessions give up their places first
         if len(self._sessions) >= self.max_sessions:
             raise ResourceExhaustedError(
                 f"replica holds its maximum of {self.max_sessions} sessions"
@@ -170,9 +188,24 @@ class SessionTable:
 
     def get(self, session_id: str) -> ReplicaSession:
         try:
-            return self._sessions[session_id]
+            session = self._sessions[session_id]
         except KeyError:
-            raise SessionNotFoundError(f"no open session {session_id!r}") from None
+            raise SessionNotFoundError(
+                f"no open session {session_id!r} (closed, evicted after idling, or never opened)"
+            ) from None
+        session.last_used = self._clock()
+        return session
+
+    def evict_idle(self) -> int:
+        """Drop every session unused for longer than the TTL; returns how many went."""
+        if self.session_ttl_s is None:
+            return 0
+        oldest = self._clock() - self.session_ttl_s
+        idle = [sid for sid, s in self._sessions.items() if s.last_used < oldest]
+        for session_id in idle:
+            del self._sessions[session_id]
+        self.num_evicted += len(idle)
+        return len(idle)
 
     def get_at(self, session_id: str, base_length: int) -> ReplicaSession:
         """The session, provided its committed length is `base_length` (invariant 3)."""

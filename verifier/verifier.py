@@ -38,6 +38,9 @@ class VerifierConfig:
     """Sessions held at once; one more is refused with RESOURCE_EXHAUSTED."""
     max_context_tokens: int = 4096
     """Committed tokens plus a block may not exceed this."""
+    session_ttl_s: float = 600.0
+    """A session unused this long is evicted (its client or router is gone); requests touch
+    their sessions every round, so only abandoned ones idle this long."""
     max_block_tokens: int = 32
     """Longest draft block accepted."""
 
@@ -45,6 +48,8 @@ class VerifierConfig:
         for name in ("max_sessions", "max_context_tokens", "max_block_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.session_ttl_s > 0:
+            raise InvalidArgumentError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
 
 
 class Verifier:
@@ -55,7 +60,10 @@ class Verifier:
         self.config = config or VerifierConfig()
         self._target = target
         self._sessions = SessionTable(
-            target, self.config.max_sessions, self.config.max_context_tokens
+            target,
+            self.config.max_sessions,
+            self.config.max_context_tokens,
+            self.config.session_ttl_s,
         )
 
     @property
@@ -134,6 +142,11 @@ class Verifier:
     def close_session(self, session_id: str) -> bool:
         """Free the session; True if it existed."""
         return self._sessions.remove(session_id)
+
+    @synchronized
+    def evict_idle(self) -> int:
+        """Evict the sessions idle past the TTL (the replica host calls this every second)."""
+        return self._sessions.evict_idle()
 
     @synchronized
     def stats(self) -> ReplicaStats:

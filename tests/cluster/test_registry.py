@@ -69,3 +69,19 @@ def test_no_drafter_means_target_only_and_no_verifier_is_unavailable() -> None:
     assert pinned.drafter is None
     with pytest.raises(ReplicaUnavailableError, match="no verifier"):
         pool([entry("d1", "drafter")]).pin(speculate=True)
+
+
+def test_a_spare_is_another_live_replica_of_the_side_never_one_that_failed() -> None:
+    replicas = pool([entry("v1", "verifier", port=1), entry("v2", "verifier", sessions=9, port=2),
+                     entry("d1", "drafter", port=3)])  # fmt: skip
+    pinned = replicas.pin(speculate=True)
+    assert (pinned.verifier_id, pinned.drafter_id) == ("v1", "d1")
+    spare = replicas.spare("verifier", frozenset({"v1"}))
+    assert spare is not None and spare.replica_id == "v2"  # busier, but the only other one
+    assert replicas.pinned_counts() == {"v1": 1, "v2": 1, "d1": 1}
+    assert replicas.spare("verifier", frozenset({"v1", "v2"})) is None
+    assert replicas.spare("drafter", frozenset({"d1"})) is None
+    spare.release()
+    pinned.release()
+    assert replicas.pinned_counts() == {}
+    replicas.close()

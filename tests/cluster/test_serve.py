@@ -4,13 +4,15 @@ One service per test session: `tandem serve --preset tiny --drafters 2 --verifie
 in its own TANDEM_HOME and on free ports, stopped by `tandem shutdown` at the end. Requests go
 through Serve's gRPC proxy to the Router deployment, and blocks over direct gRPC to the
 drafter and verifier replicas. Replica session counts are read straight from the replicas'
-Stats RPC (exact, no heartbeat lag), at the addresses `tandem status --json` reports.
+Stats RPC (exact, no heartbeat lag), at the addresses `tandem status --json` reports, with
+the cluster secret `tandem serve` settled in the service's home.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -25,12 +27,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.client import TandemClient
 from cluster.client_types import TandemClientError
+from cluster.config import CLUSTER_SECRET_ENV
 from cluster.demo import format_report, run_demo
 from cluster.local import LocalTandem
 from cluster.local_cluster import cluster_processes, free_port
 from cluster.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.request import GenerationRequest
 from tests.conftest import PROMPTS
+from verifier.errors import ClusterSecretError
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -42,7 +46,9 @@ MAX_TOKENS = 32
 @pytest.fixture(scope="session")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
     home = Path("/tmp") / f"tandem-test-{os.getpid()}"  # short: Ray's socket paths are limited
-    env = {**os.environ, "TANDEM_HOME": str(home)}
+    # The service settles its own cluster secret in its home (none from the environment).
+    env = {k: v for k, v in os.environ.items() if k != CLUSTER_SECRET_ENV}
+    env["TANDEM_HOME"] = str(home)
     port = free_port()
     started = time.monotonic()
     serve = subprocess.run(
@@ -66,6 +72,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
             "home": home,
             "status": json.loads(status.stdout),
             "cold_start_s": cold_start_s,
+            "secret": (home / "cluster_secret").read_text(),
         }
     finally:
         down = subprocess.run(
@@ -88,7 +95,7 @@ def replica_sessions(service: dict[str, object]) -> dict[str, int]:
     counts = {}
     for replica in service["status"]["replicas"]:  # type: ignore[index]
         kind = GrpcDrafter if replica["side"] == "drafter" else GrpcVerifier
-        with kind(replica["address"], timeout_s=10) as port:
+        with kind(replica["address"], timeout_s=10, secret=service["secret"]) as port:
             counts[replica["replica_id"]] = port.stats().num_sessions
     return counts
 
@@ -123,6 +130,19 @@ def test_deployments_and_replicas(service: dict[str, object]) -> None:
     assert sides.count("drafter") == 2 and sides.count("verifier") == 2
     assert all(r["address"].startswith("127.0.0.1:") for r in status["replicas"])  # type: ignore[index]
     print(f"cold start of tandem serve: {service['cold_start_s']:.1f} s")
+
+
+def test_replicas_refuse_calls_without_the_cluster_secret(service: dict[str, object]) -> None:
+    secret_file = Path(str(service["home"])) / "cluster_secret"
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    for replica in service["status"]["replicas"]:  # type: ignore[index]
+        kind = GrpcDrafter if replica["side"] == "drafter" else GrpcVerifier
+        for secret in (None, "x" * len(str(service["secret"]))):
+            with kind(replica["address"], timeout_s=10, secret=secret) as port:
+                with pytest.raises(ClusterSecretError):
+                    port.stats()
+                with pytest.raises(ClusterSecretError):
+                    port.close_session("anyone's")
 
 
 def test_replicas_run_at_normal_priority(service: dict[str, object]) -> None:
@@ -334,3 +354,86 @@ def test_loadtest_compares_speculation_with_the_target_alone(
             assert 0 < level[mode]["tokens"] <= 8 * level[mode]["requests"]
         assert level["speedup"] > 0
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# Last in this module: they kill replica processes (Serve starts new ones).
+
+KILL_TOKENS = 160
+
+
+def live_replicas(service: dict[str, object], side: str) -> list[dict[str, object]]:
+    """The registry's live replicas of `side` now (not the fixture's first reading)."""
+    status = subprocess.run(
+        [TANDEM, "status", "--json"], env=service["env"], capture_output=True, text=True,  # type: ignore[arg-type]
+        timeout=120, check=True,
+    )  # fmt: skip
+    replicas: list[dict[str, object]] = json.loads(status.stdout)["replicas"]
+    return [r for r in replicas if r["side"] == side]
+
+
+def sessions_on(service: dict[str, object], replica: dict[str, object]) -> int:
+    kind = GrpcDrafter if replica["side"] == "drafter" else GrpcVerifier
+    with kind(str(replica["address"]), timeout_s=10, secret=str(service["secret"])) as port:
+        return port.stats().num_sessions
+
+
+@pytest.mark.parametrize("side", ["drafter", "verifier"])
+def test_killing_a_replica_mid_stream_loses_and_corrupts_nothing(
+    service: dict[str, object], client: TandemClient, local_tandem: LocalTandem, side: str
+) -> None:
+    prompts = list(PROMPTS[:4])
+    expected = {}
+    for prompt in prompts:
+        ids = tuple(local_tandem.tokenizer.encode(prompt, add_special_tokens=False))
+        reference = GenerationRequest(ids, KILL_TOKENS, draft_tokens=0)
+        expected[prompt] = local_tandem.router.generate(reference).tokens
+    streams = [client.stream(p, max_tokens=KILL_TOKENS, draft_tokens=3) for p in prompts]
+    received = {p: list(next(stream).tokens) for p, stream in zip(prompts, streams, strict=True)}
+    # Every stream is running: kill the replica of `side` that holds the most of them.
+    busiest = max(live_replicas(service, side), key=lambda r: sessions_on(service, r))
+    assert sessions_on(service, busiest) > 0
+    os.kill(int(str(busiest["pid"])), signal.SIGKILL)
+    for prompt, stream in zip(prompts, streams, strict=True):
+        for chunk in stream:  # a lost request would raise here
+            received[prompt].extend(chunk.tokens)
+    for prompt in prompts:
+        assert tuple(received[prompt]) == expected[prompt], prompt  # nothing corrupted
+    # Serve replaces the killed replica; nothing is left open on the live ones.
+    wait_until_replaced(service, side, str(busiest["replica_id"]))
+    for each_side in ("drafter", "verifier"):
+        for replica in live_replicas(service, each_side):
+            assert sessions_on(service, replica) == 0
+
+
+def wait_until_replaced(service: dict[str, object], side: str, killed: str) -> None:
+    """Until Serve has started a replica in place of `killed` and the registry has dropped it."""
+    deadline = time.monotonic() + 180
+    while True:
+        live = live_replicas(service, side)
+        if len(live) >= 2 and all(r["replica_id"] != killed for r in live):
+            return
+        assert time.monotonic() < deadline, f"{side} {killed} was not replaced"
+        time.sleep(1)
+
+
+@pytest.mark.parametrize("side", ["drafter", "verifier"])
+def test_loadtest_kill_reports_nothing_lost_or_corrupted(
+    service: dict[str, object], tmp_path: Path, side: str
+) -> None:
+    out = tmp_path / "kill.json"
+    result = subprocess.run(
+        [TANDEM, "loadtest", "--address", str(service["address"]), "--concurrency", "4",
+         "--duration", "8", "--max-tokens", "48", "--draft-tokens", "3", "--kill", side,
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300, check=False, env=service["env"],  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    killed = report["killed"]
+    assert len(killed) == 1 and killed[0]["side"] == side and "replica_id" in killed[0]
+    assert report["levels"][0]["speculative"]["requests"] > 0
+    assert report["lost"] == 0 and report["corrupted"] == 0
+    before, after = report["memory"]["before"], report["memory"]["after"]
+    assert before[side]["replicas"] >= 2 and after["verifier"]["sessions"] == 0
+    assert after["drafter"]["sessions"] == 0 and after["verifier"]["cached_tokens"] == 0
+    wait_until_replaced(service, side, killed[0]["replica_id"])

@@ -131,7 +131,9 @@ def test_unknown_session_is_not_found(replicas: Replicas) -> None:
         replica_pb2.VerifyRequest(session_id="nobody", block=replica_pb2.DraftBlock()),
     )
     assert error.code() == grpc.StatusCode.NOT_FOUND
-    assert error.details() == "no open session 'nobody'"
+    assert error.details() == (
+        "no open session 'nobody' (closed, evicted after idling, or never opened)"
+    )
     error = rpc_error(
         replicas.drafter_stub.Draft,
         replica_pb2.DraftRequest(session_id="nobody", base_length=1, num_tokens=1),

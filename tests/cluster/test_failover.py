@@ -1,0 +1,174 @@
+"""A replica that dies mid-generation loses nothing: the router fails over to a spare (or, for
+a drafter with no spare, to the target alone) and greedy output stays exactly the target's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cluster.local import LocalTandem
+from cluster.ports import Pinned, Spare
+from cluster.request import GenerationRequest
+from cluster.router import Router
+from drafter.drafter import Drafter
+from tests.conftest import encode
+from verifier.errors import ReplicaUnavailableError
+from verifier.models import LoadedModel
+from verifier.sampling import SamplingParams
+from verifier.verifier import Verifier
+
+MAX_TOKENS = 24
+
+
+class Dying:
+    """A replica that answers `calls` calls, then is gone (its process killed): every later
+    call raises ReplicaUnavailableError, as the gRPC client does for an unreachable replica."""
+
+    def __init__(self, component: Any, calls: int) -> None:
+        self._component = component
+        self._calls_left = calls
+        self.refused = 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._component, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._calls_left <= 0:
+                self.refused += 1
+                raise ReplicaUnavailableError(f"{name}: UNAVAILABLE: the replica is gone")
+            self._calls_left -= 1
+            return method(*args, **kwargs)
+
+        return call
+
+
+class Pool:
+    """A first replica of each side, and spares in order."""
+
+    def __init__(self, verifiers: list[Any], drafters: list[Any]) -> None:
+        self._replicas = {"verifier": verifiers, "drafter": drafters}
+
+    def pin(self, speculate: bool) -> Pinned:
+        drafters = self._replicas["drafter"]
+        return Pinned(
+            self._replicas["verifier"][0],
+            drafters[0] if speculate and drafters else None,
+            verifier_id="verifier-0",
+            drafter_id="drafter-0",
+        )
+
+    def spare(self, side: str, avoid: frozenset[str]) -> Spare | None:
+        for i, port in enumerate(self._replicas[side]):
+            if f"{side}-{i}" not in avoid:
+                return Spare(port, f"{side}-{i}")
+        return None
+
+
+@pytest.fixture(scope="module")
+def spares(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> tuple[Verifier, Drafter]:
+    return Verifier(tiny_target), Drafter(tiny_draft)
+
+
+def _router(local_tandem: LocalTandem, pool: Pool, pipelined: bool) -> Router:
+    router = local_tandem.router
+    return Router.over_pool(pool, router._decode, router._eos_token_ids, pipelined=pipelined)
+
+
+def _expected(target_only: dict[str, tuple[int, ...]]) -> tuple[str, tuple[int, ...]]:
+    prompt, tokens = next(iter(target_only.items()))
+    return prompt, tokens[:MAX_TOKENS]
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
+@pytest.mark.parametrize("calls", [0, 1, 2, 5])
+@pytest.mark.parametrize("side", ["verifier", "drafter"])
+def test_a_replica_dying_mid_generation_fails_over_to_a_spare_exactly(
+    local_tandem: LocalTandem,
+    target_only: dict[str, tuple[int, ...]],
+    spares: tuple[Verifier, Drafter],
+    tiny_target: LoadedModel,
+    tiny_draft: LoadedModel,
+    side: str,
+    calls: int,
+    pipelined: bool,
+) -> None:
+    spare_verifier, spare_drafter = spares
+    # A replica of its own: what a dead one held is gone with it.
+    first = Dying(Verifier(tiny_target) if side == "verifier" else Drafter(tiny_draft), calls)
+    verifiers = [first, spare_verifier] if side == "verifier" else [local_tandem.verifier]
+    drafters = [first, spare_drafter] if side == "drafter" else [local_tandem.drafter]
+    router = _router(local_tandem, Pool(verifiers, drafters), pipelined)
+    prompt, expected = _expected(target_only)
+    spare = spare_verifier if side == "verifier" else spare_drafter
+    busy_before = spare.stats().busy_s
+    try:
+        request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=3)
+        result = router.generate(request)
+    finally:
+        router.close()
+    assert result.tokens == expected
+    assert first.refused > 0  # it really died while the request ran
+    assert spare.stats().busy_s > busy_before  # and the spare took over
+    for component in (spare_verifier, spare_drafter, local_tandem.verifier, local_tandem.drafter):
+        assert component.stats().num_sessions == 0  # nothing left open where it moved
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
+def test_a_lost_drafter_with_no_spare_leaves_the_request_to_the_target_alone(
+    local_tandem: LocalTandem,
+    target_only: dict[str, tuple[int, ...]],
+    tiny_draft: LoadedModel,
+    pipelined: bool,
+) -> None:
+    drafter = Dying(Drafter(tiny_draft), calls=3)
+    router = _router(local_tandem, Pool([local_tandem.verifier], [drafter]), pipelined)
+    prompt, expected = _expected(target_only)
+    try:
+        request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=3)
+        result = router.generate(request)
+    finally:
+        router.close()
+    assert result.tokens == expected
+    assert result.stats.num_verify_passes > MAX_TOKENS // 2  # mostly one token per pass
+    assert local_tandem.verifier.stats().num_sessions == 0
+
+
+def test_a_lost_verifier_with_no_spare_fails_the_request_and_frees_the_drafter(
+    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]], tiny_target: LoadedModel
+) -> None:
+    verifier = Dying(Verifier(tiny_target), calls=2)
+    router = _router(local_tandem, Pool([verifier], [local_tandem.drafter]), pipelined=True)
+    prompt, _ = _expected(target_only)
+    try:
+        request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=3)
+        with pytest.raises(ReplicaUnavailableError, match="the replica is gone"):
+            router.generate(request)
+    finally:
+        router.close()
+    assert local_tandem.drafter.stats().num_sessions == 0
+
+
+def test_sampled_requests_complete_across_a_failover(
+    local_tandem: LocalTandem,
+    spares: tuple[Verifier, Drafter],
+    tiny_target: LoadedModel,
+    tiny_draft: LoadedModel,
+) -> None:
+    spare_verifier, spare_drafter = spares
+    verifiers = [Dying(Verifier(tiny_target), calls=4), spare_verifier]
+    drafters = [Dying(Drafter(tiny_draft), calls=3), spare_drafter]
+    router = _router(local_tandem, Pool(verifiers, drafters), pipelined=True)
+    try:
+        request = GenerationRequest(
+            encode(local_tandem, "Once upon a time"),
+            MAX_TOKENS,
+            SamplingParams(temperature=0.9),
+            seed=7,
+            draft_tokens=3,
+        )
+        result = router.generate(request)
+    finally:
+        router.close()
+    assert len(result.tokens) == MAX_TOKENS
+    assert spare_verifier.stats().num_sessions == spare_drafter.stats().num_sessions == 0

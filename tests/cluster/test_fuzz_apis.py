@@ -1,0 +1,278 @@
+"""Hostile input, thousands of times: every public and internal call with malformed fields or
+garbage bytes gets a precise status (never INTERNAL or UNKNOWN), and the servers keep serving.
+
+Over real loopback gRPC: a drafter and a verifier replica server (with the cluster secret,
+and calls that carry it, so the fuzz reaches the handlers) and the public API on a plain gRPC
+server over the in-process router. Counts per status are printed (`pytest -s`) for the record.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster.grpc_ingress import serve_local
+from cluster.local import LocalTandem
+from cluster.service import ServiceConfig, TandemService
+from drafter.drafter import Drafter
+from drafter.servicer import serve_drafter
+from protos import generate_pb2, generate_pb2_grpc, replica_pb2, replica_pb2_grpc, sampling_pb2
+from tests.conftest import encode
+from verifier.models import LoadedModel
+from verifier.rpc import SECRET_METADATA_KEY
+from verifier.servicer import serve_verifier
+from verifier.verifier import Verifier
+
+SECRET = "fuzz-secret-0123456789"
+AUTH = ((SECRET_METADATA_KEY, SECRET),)
+EXAMPLES = 700  # per test; six tests
+PRECISE = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+OUTCOMES: Counter[str] = Counter()
+
+int32s = st.integers(-(2**31), 2**31 - 1)
+uint64s = st.one_of(st.integers(0, 64), st.integers(0, 2**64 - 1))
+uint32s = st.one_of(st.integers(0, 40), st.integers(0, 2**32 - 1))
+floats32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
+session_ids = st.one_of(st.just("live"), st.just(""), st.text(max_size=40), st.text(min_size=500))
+token_lists = st.one_of(
+    st.lists(st.integers(0, 300), max_size=12),
+    st.lists(int32s, max_size=12),
+    st.just([1] * 5000),  # past every context limit
+)
+garbage = st.binary(min_size=1, max_size=200)
+
+
+@st.composite
+def samplings(draw: st.DrawFn) -> sampling_pb2.SamplingParams:
+    usual = st.sampled_from([0.0, 0.7, 1.0])  # valid often enough to reach deeper checks
+    message = sampling_pb2.SamplingParams(
+        temperature=draw(st.one_of(usual, floats32)),
+        top_k=draw(st.one_of(st.integers(0, 50), int32s)),
+    )
+    if draw(st.booleans()):
+        message.top_p = draw(st.one_of(st.sampled_from([0.5, 0.9]), floats32))
+    return message
+
+
+@st.composite
+def open_requests(draw: st.DrawFn) -> replica_pb2.OpenSessionRequest:
+    return replica_pb2.OpenSessionRequest(
+        session_id=draw(session_ids),
+        prompt_token_ids=draw(token_lists),
+        sampling=draw(samplings()),
+        seed=draw(uint64s),
+    )
+
+
+@st.composite
+def draft_requests(draw: st.DrawFn) -> replica_pb2.DraftRequest:
+    message = replica_pb2.DraftRequest(
+        session_id=draw(session_ids),
+        base_length=draw(uint64s),
+        appended_token_ids=draw(token_lists),
+        num_tokens=draw(uint32s),
+    )
+    if draw(st.booleans()):
+        message.truncate_to = draw(uint64s)
+    return message
+
+
+@st.composite
+def blocks(draw: st.DrawFn) -> replica_pb2.DraftBlock:
+    tokens = draw(st.lists(st.one_of(st.integers(0, 300), int32s), max_size=6))
+    rows = draw(
+        st.lists(
+            st.builds(
+                replica_pb2.SparseDistribution,
+                token_ids=st.lists(st.one_of(st.integers(0, 300), int32s), max_size=5),
+                probs=st.lists(floats32, max_size=5),
+            ),
+            max_size=7,
+        )
+    )
+    return replica_pb2.DraftBlock(base_length=draw(uint64s), token_ids=tokens, draft_probs=rows)
+
+
+@st.composite
+def verify_requests(draw: st.DrawFn) -> replica_pb2.VerifyRequest:
+    return replica_pb2.VerifyRequest(
+        session_id=draw(session_ids), block=draw(blocks()), defer_bonus=draw(st.booleans())
+    )
+
+
+@st.composite
+def generate_requests(draw: st.DrawFn) -> generate_pb2.GenerateRequest:
+    message = generate_pb2.GenerateRequest(
+        max_tokens=draw(st.one_of(st.integers(-2, 10), st.integers(1, 8), int32s)),
+        sampling=draw(samplings()),
+        stop=draw(st.lists(st.text(max_size=8), max_size=3)),
+    )
+    prompt = draw(st.sampled_from(["text", "ids", "none"]))
+    if prompt == "text":
+        message.text = draw(st.text(max_size=60))
+    elif prompt == "ids":
+        message.token_ids.ids.extend(draw(token_lists))
+    if draw(st.booleans()):
+        message.seed = draw(uint64s)
+    if draw(st.booleans()):
+        message.speculation.draft_tokens = draw(st.one_of(st.integers(-2, 40), int32s))
+    if draw(st.booleans()):
+        message.speculation.pipelined = draw(st.booleans())
+    return message
+
+
+@dataclass
+class Servers:
+    drafter: grpc.Channel
+    verifier: grpc.Channel
+    public: grpc.Channel
+
+
+@pytest.fixture(scope="module")
+def servers(
+    local_tandem: LocalTandem, tiny_target: LoadedModel, tiny_draft: LoadedModel
+) -> Iterator[Servers]:
+    drafter_server, drafter_port = serve_drafter(Drafter(tiny_draft), secret=SECRET)
+    verifier_server, verifier_port = serve_verifier(Verifier(tiny_target), secret=SECRET)
+    service = TandemService(
+        local_tandem.router, tiny_target.tokenizer, ServiceConfig(max_tokens_limit=8)
+    )
+    public_server, public_port = serve_local(service)
+    channels = [
+        grpc.insecure_channel(f"127.0.0.1:{port}")
+        for port in (drafter_port, verifier_port, public_port)
+    ]
+    # A live session on each replica, so that calls naming it reach the base-length checks.
+    live = replica_pb2.OpenSessionRequest(session_id="live", prompt_token_ids=[5, 6, 7])
+    replica_pb2_grpc.DrafterStub(channels[0]).OpenSession(live, metadata=AUTH)
+    replica_pb2_grpc.VerifierStub(channels[1]).OpenSession(live, metadata=AUTH)
+    yield Servers(*channels)
+    for channel in channels:
+        channel.close()
+    for server in (drafter_server, verifier_server, public_server):
+        server.stop(None)
+    print("\nfuzz outcomes:", dict(sorted(OUTCOMES.items())))
+
+
+def _record(api: str, call: Callable[[], Any]) -> None:
+    try:
+        result = call()
+        if isinstance(result, Iterator):
+            for _ in result:
+                pass
+        code = grpc.StatusCode.OK
+    except grpc.RpcError as error:
+        code = error.code()
+    OUTCOMES[f"{api} {code.name}"] += 1
+    assert code in PRECISE, f"{api}: {code}"
+
+
+def _raw(channel: grpc.Channel, method: str, streaming: bool = False) -> Any:
+    return (channel.unary_stream if streaming else channel.unary_unary)(method)
+
+
+@FUZZ
+@given(request=st.one_of(open_requests(), draft_requests()), close=st.booleans())
+def test_drafter_answers_malformed_calls_precisely(
+    servers: Servers, request: Any, close: bool
+) -> None:
+    stub = replica_pb2_grpc.DrafterStub(servers.drafter)
+    if isinstance(request, replica_pb2.OpenSessionRequest):
+        _record("drafter.OpenSession", lambda: stub.OpenSession(request, metadata=AUTH, timeout=30))
+        if close and request.session_id != "live":
+            closing = replica_pb2.CloseSessionRequest(session_id=request.session_id)
+            _record("drafter.CloseSession", lambda: stub.CloseSession(closing, metadata=AUTH))
+    else:
+        _record("drafter.Draft", lambda: stub.Draft(request, metadata=AUTH, timeout=30))
+
+
+@FUZZ
+@given(request=st.one_of(open_requests(), verify_requests()), close=st.booleans())
+def test_verifier_answers_malformed_calls_precisely(
+    servers: Servers, request: Any, close: bool
+) -> None:
+    stub = replica_pb2_grpc.VerifierStub(servers.verifier)
+    if isinstance(request, replica_pb2.OpenSessionRequest):
+        _record(
+            "verifier.OpenSession", lambda: stub.OpenSession(request, metadata=AUTH, timeout=30)
+        )
+        if close and request.session_id != "live":
+            closing = replica_pb2.CloseSessionRequest(session_id=request.session_id)
+            _record("verifier.CloseSession", lambda: stub.CloseSession(closing, metadata=AUTH))
+    else:
+        _record("verifier.Verify", lambda: stub.Verify(request, metadata=AUTH, timeout=30))
+
+
+REPLICA_METHODS = [
+    f"/tandem.v1.{side}/{method}"
+    for side, methods in (
+        ("Drafter", ("OpenSession", "Draft", "CloseSession", "Stats")),
+        ("Verifier", ("OpenSession", "Verify", "CloseSession", "Stats")),
+    )
+    for method in methods
+]
+
+
+@FUZZ
+@given(method=st.sampled_from(REPLICA_METHODS), payload=garbage)
+def test_replicas_answer_garbage_bytes_precisely(
+    servers: Servers, method: str, payload: bytes
+) -> None:
+    channel = servers.drafter if "Drafter" in method else servers.verifier
+    _record("replica bytes", lambda: _raw(channel, method)(payload, metadata=AUTH, timeout=30))
+
+
+@FUZZ
+@given(request=generate_requests(), streaming=st.booleans())
+def test_public_api_answers_malformed_requests_precisely(
+    servers: Servers, request: generate_pb2.GenerateRequest, streaming: bool
+) -> None:
+    stub = generate_pb2_grpc.TandemStub(servers.public)
+    if streaming:
+        _record("public.GenerateStream", lambda: stub.GenerateStream(request, timeout=60))
+    else:
+        _record("public.Generate", lambda: stub.Generate(request, timeout=60))
+
+
+@FUZZ
+@given(streaming=st.booleans(), payload=garbage)
+def test_public_api_answers_garbage_bytes_precisely(
+    servers: Servers, streaming: bool, payload: bytes
+) -> None:
+    method = "/tandem.v1.Tandem/" + ("GenerateStream" if streaming else "Generate")
+    _record("public bytes", lambda: _raw(servers.public, method, streaming)(payload, timeout=60))
+
+
+def test_after_the_fuzz_everything_still_serves_exactly(
+    servers: Servers, local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
+) -> None:
+    prompt, expected = next(iter(target_only.items()))
+    request = generate_pb2.GenerateRequest(max_tokens=8)
+    request.token_ids.ids.extend(encode(local_tandem, prompt))
+    response = generate_pb2_grpc.TandemStub(servers.public).Generate(request, timeout=60)
+    assert tuple(response.token_ids) == expected[:8]
+    for channel, stub_class in (
+        (servers.drafter, replica_pb2_grpc.DrafterStub),
+        (servers.verifier, replica_pb2_grpc.VerifierStub),
+    ):
+        stats = stub_class(channel).Stats(replica_pb2.StatsRequest(), metadata=AUTH, timeout=30)
+        assert stats.num_sessions <= 256
