@@ -358,7 +358,7 @@ def test_loadtest_compares_speculation_with_the_target_alone(
 
 # Last in this module: they kill replica processes (Serve starts new ones).
 
-KILL_TOKENS = 160
+KILL_TOKENS = 400
 
 
 def live_replicas(service: dict[str, object], side: str) -> list[dict[str, object]]:
@@ -387,12 +387,14 @@ def test_killing_a_replica_mid_stream_loses_and_corrupts_nothing(
         ids = tuple(local_tandem.tokenizer.encode(prompt, add_special_tokens=False))
         reference = GenerationRequest(ids, KILL_TOKENS, draft_tokens=0)
         expected[prompt] = local_tandem.router.generate(reference).tokens
+    candidates = live_replicas(service, side)  # before the streams: it takes a second or two
     streams = [client.stream(p, max_tokens=KILL_TOKENS, draft_tokens=3) for p in prompts]
     received = {p: list(next(stream).tokens) for p, stream in zip(prompts, streams, strict=True)}
     # Every stream is running: kill the replica of `side` that holds the most of them.
-    busiest = max(live_replicas(service, side), key=lambda r: sessions_on(service, r))
-    assert sessions_on(service, busiest) > 0
+    sessions = {str(r["replica_id"]): sessions_on(service, r) for r in candidates}
+    busiest = max(candidates, key=lambda r: sessions[str(r["replica_id"])])
     os.kill(int(str(busiest["pid"])), signal.SIGKILL)
+    assert sessions[str(busiest["replica_id"])] > 0
     for prompt, stream in zip(prompts, streams, strict=True):
         for chunk in stream:  # a lost request would raise here
             received[prompt].extend(chunk.tokens)
