@@ -5,7 +5,9 @@ pick the least-loaded live replica of each side: load is the larger of the sessi
 last reported and the requests this router has pinned to it and not yet released (the report
 is up to a heartbeat old; our own count is exact for our share). Ties are broken at random, so
 sessions spread over equal replicas. The registry is read at most every `refresh_s` seconds.
-Clients (gRPC channels) are kept per address and reused by every request pinned there.
+Clients (gRPC channels) are kept per address and reused by every request pinned there; each
+request gets views of them bound to its deadline (`GrpcVerifier.bounded`), which stop its calls
+when its time runs out and tell the replicas how long its sessions may live.
 
 A request with no drafter available runs on the target alone (lossless, just slower); with no
 verifier it fails with UNAVAILABLE. When a pinned replica fails a call, the router asks for a
@@ -72,7 +74,9 @@ class RegistryPool:
         self._refresh()
         return list(self._entries)
 
-    def pin(self, speculate: bool) -> Pinned:
+    def pin(self, speculate: bool, deadline: float | None = None) -> Pinned:
+        """The least-loaded live verifier (and drafter, if `speculate`), pinned, as clients
+        bound to `deadline`; raises `ReplicaUnavailableError` when no verifier is live."""
         self._refresh()
         with self._lock:
             verifier = self._least_loaded("verifier")
@@ -86,8 +90,9 @@ class RegistryPool:
             drafter_port = (
                 None
                 if drafter is None
-                else self._client(self._drafters, GrpcDrafter, drafter.address)
+                else self._client(self._drafters, GrpcDrafter, drafter.address).bounded(deadline)
             )
+            verifier_port = verifier_port.bounded(deadline)
 
         def release() -> None:
             with self._lock:
@@ -104,8 +109,11 @@ class RegistryPool:
             drafter_id=drafter.replica_id if drafter is not None else "",
         )
 
-    def spare(self, side: str, avoid: frozenset[str]) -> Spare | None:
-        """The least-loaded live replica of `side` not in `avoid`, pinned; None if none."""
+    def spare(
+        self, side: str, avoid: frozenset[str], deadline: float | None = None
+    ) -> Spare | None:
+        """The least-loaded live replica of `side` not in `avoid`, pinned, as a client bound to
+        `deadline`; None if none."""
         self._refresh()
         with self._lock:
             chosen = self._least_loaded(side, avoid)
@@ -117,7 +125,7 @@ class RegistryPool:
                 if side == "verifier"
                 else (GrpcDrafter, self._drafters)
             )
-            port = self._client(cache, kind, chosen.address)
+            port = self._client(cache, kind, chosen.address).bounded(deadline)
 
         def release() -> None:
             with self._lock:

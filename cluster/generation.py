@@ -8,6 +8,7 @@ why a failed replica can be replaced by a spare opened on `history`.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -18,6 +19,7 @@ from cluster.ports import DrafterPort, Pinned
 from cluster.request import GenerationRequest, SpeculationStats
 from cluster.text import TextAssembler
 from verifier.block import DraftBlock
+from verifier.errors import DeadlineExceededError
 
 Decode = Callable[[Sequence[int]], str]
 """Token ids to text, special tokens left out."""
@@ -57,8 +59,11 @@ class Generation:
         pipelined: bool,
         draft_length: DraftLengthConfig,
         releases: list[Callable[[], None]],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock`: what `request.deadline` is an instant of."""
         self.request = request
+        self._clock = clock
         self.verifier = pinned.verifier
         self.verifier_id = pinned.verifier_id
         self.drafter_port = pinned.drafter
@@ -79,6 +84,15 @@ class Generation:
         """The drafter's session being opened in the background; None once known open."""
         self.opening_round = False
         """The coming round is the first and does not wait for the drafter."""
+
+    def check_deadline(self) -> None:
+        """Raise `DeadlineExceededError` once the request's deadline has passed."""
+        deadline = self.request.deadline
+        if deadline is not None and self._clock() >= deadline:
+            raise DeadlineExceededError(
+                f"the request's deadline passed after {len(self.text.tokens)} of its "
+                f"{self.request.max_tokens} tokens"
+            )
 
     def ready_drafter(self) -> DrafterPort:
         """The drafter, once its session is open (waits for it; raises what opening raised)."""

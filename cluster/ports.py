@@ -3,6 +3,11 @@
 The plain `drafter.Drafter` and `verifier.Verifier` satisfy them directly (the in-process
 transport); the gRPC transport implements them with a client per replica. The router depends on
 these protocols only, so the same router code runs in-process and distributed.
+
+Deadlines: a pool hands each request ports bound to its deadline where it can (the gRPC
+clients' `bounded` views stop a call when the request's time runs out, and tell the replica
+how long the session may live); in-process ports are not interrupted, and the router itself
+checks the deadline before every round.
 """
 
 from __future__ import annotations
@@ -84,13 +89,16 @@ class Spare:
 
 
 class ReplicaPool(Protocol):
-    def pin(self, speculate: bool) -> Pinned:
-        """Choose the replicas for a new request; `speculate` says whether it needs a drafter."""
+    def pin(self, speculate: bool, deadline: float | None = None) -> Pinned:
+        """Choose the replicas for a new request; `speculate` says whether it needs a drafter.
+        `deadline`: the request's `time.monotonic()` deadline, which the ports may honour."""
         ...
 
-    def spare(self, side: str, avoid: frozenset[str]) -> Spare | None:
+    def spare(
+        self, side: str, avoid: frozenset[str], deadline: float | None = None
+    ) -> Spare | None:
         """Another live replica of `side` ("verifier" or "drafter"), none of `avoid` (the ids
-        that failed this request); None if there is none."""
+        that failed this request); None if there is none. `deadline` as for `pin`."""
         ...
 
 
@@ -101,8 +109,11 @@ class FixedReplicas:
     verifier: VerifierPort
     drafter: DrafterPort | None
 
-    def pin(self, speculate: bool) -> Pinned:
+    def pin(self, speculate: bool, deadline: float | None = None) -> Pinned:
+        # In-process calls cannot be cut short: the router checks `deadline` between rounds.
         return Pinned(self.verifier, self.drafter if speculate else None)
 
-    def spare(self, side: str, avoid: frozenset[str]) -> Spare | None:
+    def spare(
+        self, side: str, avoid: frozenset[str], deadline: float | None = None
+    ) -> Spare | None:
         return None  # one replica per side: nothing to fail over to

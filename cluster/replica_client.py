@@ -7,14 +7,24 @@ the pinned replica, no Serve hop). Each wraps one `grpc.Channel`, given or opene
 
 Errors: a failed call raises the `TandemError` subclass the replica raised (matched by status
 code, with the replica's message), so callers handle a remote replica as they would a local
-one. Codes with no class of their own (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ...) raise
-`ReplicaUnavailableError`. Every call has an optional deadline, `timeout_s`: the client's
-default, or the one passed to the call, and carries the cluster's shared secret when the client
-has one (replicas refuse calls without it: UNAUTHENTICATED, raised as `ClusterSecretError`).
+one. Codes with no class of their own (UNAVAILABLE, INTERNAL, ...) raise
+`ReplicaUnavailableError`. Every call has an optional timeout, `timeout_s`: the client's
+default, or the one passed to the call; a call that outlasts it raises
+`ReplicaUnavailableError` too (the replica is too slow: fail over). Every call carries the
+cluster's shared secret when the client has one (replicas refuse calls without it:
+UNAUTHENTICATED, raised as `ClusterSecretError`).
+
+Deadlines: `bounded(deadline)` gives one request's view of a client, sharing its channel. Its
+calls wait no longer than the request has left, raise `DeadlineExceededError` without calling
+once nothing is left (or when the time runs out during the call), and its `open_session` sends
+the time left (`time_limit_ms`), so the replica drops the session itself even if the router
+dies. Closing a session ignores the deadline: freeing it after the deadline is the point.
 """
 
 from __future__ import annotations
 
+import copy
+import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -26,6 +36,7 @@ from verifier import wire
 from verifier.block import DraftBlock, Verdict
 from verifier.errors import (
     ClusterSecretError,
+    DeadlineExceededError,
     InvalidArgumentError,
     ReplicaUnavailableError,
     ResourceExhaustedError,
@@ -45,19 +56,27 @@ ERRORS_BY_CODE: Mapping[grpc.StatusCode, type[TandemError]] = {
     grpc.StatusCode.ALREADY_EXISTS: SessionExistsError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.UNAUTHENTICATED: ClusterSecretError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }
 """The error a replica raised, by the status code it sent; any other code means the replica
-itself failed: `ReplicaUnavailableError`."""
+itself failed: `ReplicaUnavailableError`. RESOURCE_EXHAUSTED (a replica full of sessions, or
+of calls) and DEADLINE_EXCEEDED (the request's time ran out) end the request: neither is a
+reason to fail over."""
 
 NO_TIMEOUT = None
 """`timeout_s` value that waits for an answer as long as it takes."""
 
 
-def error_from_rpc(error: grpc.RpcError, replica: str) -> TandemError:
-    """The `TandemError` for a failed call to `replica` (named in unavailability messages)."""
+def error_from_rpc(error: grpc.RpcError, replica: str, timed_out: bool = False) -> TandemError:
+    """The `TandemError` for a failed call to `replica` (named in unavailability messages).
+
+    `timed_out`: the call ran out the client's own timeout, so a DEADLINE_EXCEEDED is that
+    timeout (the replica was too slow to answer), not the replica's: `ReplicaUnavailableError`.
+    """
     code = error.code()
     details = error.details() or ""
-    error_class = ERRORS_BY_CODE.get(code)
+    slow = timed_out and code == grpc.StatusCode.DEADLINE_EXCEEDED
+    error_class = None if slow else ERRORS_BY_CODE.get(code)
     if error_class is not None:
         return error_class(details)
     name = code.name if isinstance(code, grpc.StatusCode) else str(code)
@@ -65,10 +84,11 @@ def error_from_rpc(error: grpc.RpcError, replica: str) -> TandemError:
 
 
 class _ReplicaClient:
-    """The channel, deadline and error handling both clients share, and the common calls.
+    """The channel, timeouts and error handling both clients share, and the common calls.
 
-    `timeout_s` is every call's deadline in seconds (`NO_TIMEOUT`: none); a call's own
-    `timeout_s` keyword, when given, replaces it for that call.
+    `timeout_s` is every call's timeout in seconds (`NO_TIMEOUT`: none); a call's own
+    `timeout_s` keyword, when given, replaces it for that call. A view made by `bounded` also
+    holds its request's deadline.
     """
 
     _kind = "replica"
@@ -93,18 +113,68 @@ class _ReplicaClient:
         self.timeout_s = timeout_s
         self._metadata = ((SECRET_METADATA_KEY, secret),) if secret is not None else None
         self._stub = self._make_stub(self._channel)
+        self._deadline: float | None = None
+        """The request's `time.monotonic()` deadline, on a view made by `bounded`."""
+
+    def bounded(self, deadline: float | None) -> Self:
+        """This client as seen by one request that must end by `deadline` (a
+        `time.monotonic()` instant; None: no deadline, and this client itself is returned).
+
+        A cheap view sharing the channel and stub: each call waits at most
+        min(`timeout_s`, the time left) and raises `DeadlineExceededError` without calling
+        when none is left; `open_session` sends the time left to the replica. `close_session`
+        and `stats` ignore the deadline. Closing the view leaves the channel open.
+        """
+        if deadline is None:
+            return self
+        view = copy.copy(self)
+        view._deadline = deadline
+        view._owns_channel = False
+        return view
+
+    def _time_left(self) -> float | None:
+        """Seconds the request has left (None: no deadline); raises `DeadlineExceededError`
+        when there are none."""
+        if self._deadline is None:
+            return None
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceededError(
+                f"the request's deadline passed before its call to the {self._replica}"
+            )
+        return left
 
     def _make_stub(self, channel: grpc.Channel) -> Any:
         """The service's stub on `channel`; each subclass names its service."""
         raise NotImplementedError
 
-    def _call(self, method: Callable[..., Any], request: Any, timeout_s: float | None) -> Any:
-        """`method(request)` on the stub; a failed call raises the matching `TandemError`."""
-        deadline_s = self.timeout_s if timeout_s is None else timeout_s
+    def _call(
+        self,
+        method: Callable[..., Any],
+        request: Any,
+        timeout_s: float | None,
+        bounded: bool = True,
+    ) -> Any:
+        """`method(request)` on the stub; a failed call raises the matching `TandemError`.
+
+        `bounded`: the call stops at the request's deadline (a view's; see `bounded`).
+        """
+        own_timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        left = self._time_left() if bounded else None
+        wait_s = min((t for t in (own_timeout_s, left) if t is not None), default=None)
+        started = time.monotonic()
         try:
-            return method(request, timeout=deadline_s, metadata=self._metadata)
+            return method(request, timeout=wait_s, metadata=self._metadata)
         except grpc.RpcError as error:
-            raise error_from_rpc(error, self._replica) from error
+            now = time.monotonic()
+            out_of_time = left is not None and self._deadline is not None and now >= self._deadline
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and out_of_time:
+                # Whichever timer fired, the request has no time left: nothing to fail over.
+                raise DeadlineExceededError(
+                    f"the request's deadline passed while waiting for the {self._replica}"
+                ) from error
+            timed_out = own_timeout_s is not None and now - started >= own_timeout_s
+            raise error_from_rpc(error, self._replica, timed_out) from error
 
     def open_session(
         self,
@@ -122,6 +192,9 @@ class _ReplicaClient:
             sampling=wire.sampling_to_wire(sampling),
             seed=wire.uint_to_wire(seed, "seed"),
         )
+        left = self._time_left()
+        if left is not None:
+            request.time_limit_ms = wire.time_limit_to_wire(left)
         response: replica_pb2.OpenSessionResponse = self._call(
             self._stub.OpenSession, request, timeout_s
         )
@@ -130,15 +203,16 @@ class _ReplicaClient:
     def close_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
         """Free the session; True if it existed."""
         request = replica_pb2.CloseSessionRequest(session_id=session_id)
+        # Not bounded: a session is freed even after its request's deadline.
         response: replica_pb2.CloseSessionResponse = self._call(
-            self._stub.CloseSession, request, timeout_s
+            self._stub.CloseSession, request, timeout_s, bounded=False
         )
         return response.existed
 
     def stats(self, *, timeout_s: float | None = None) -> ReplicaStats:
         """What the replica holds right now."""
         return wire.stats_from_wire(
-            self._call(self._stub.Stats, replica_pb2.StatsRequest(), timeout_s)
+            self._call(self._stub.Stats, replica_pb2.StatsRequest(), timeout_s, bounded=False)
         )
 
     def close(self) -> None:

@@ -41,6 +41,9 @@ class GenerationRequest:
     """Generation ends before the first occurrence of any of these strings."""
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     """Draft block length; 0 decodes with the target alone through the same path."""
+    deadline: float | None = None
+    """A `time.monotonic()` instant after which the request must stop (DEADLINE_EXCEEDED) and
+    free its sessions; None: no deadline."""
 
     def __post_init__(self) -> None:
         if len(self.prompt_tokens) == 0:
@@ -59,6 +62,8 @@ class GenerationRequest:
             )
         if any(s == "" for s in self.stop):
             raise InvalidArgumentError("stop sequences must not be empty strings")
+        if self.deadline is not None and math.isnan(self.deadline):
+            raise InvalidArgumentError("deadline must be a time.monotonic() instant, got NaN")
 
 
 @dataclass

@@ -41,6 +41,13 @@ the same as without the failure; sampled output keeps its distribution (the spar
 starts afresh, so a seeded request is no longer repeatable across the failure). At most
 `MAX_FAILOVERS` per request, then the error goes to the caller.
 
+Deadlines: a request with a `deadline` is checked against it before its sessions open and
+before every round; past it, `DeadlineExceededError` ends the request and its sessions are
+closed like any other's, freeing their KV caches. The pool's ports are bound to the deadline
+too (over gRPC a call stops when the time runs out, and each replica is told how long the
+session may live, so it drops the session itself should the router die). A deadline is the
+caller's limit, not a replica failure: it never fails over.
+
 The router depends only on the `DrafterPort` and `VerifierPort` protocols, so it runs the
 same in-process and across the network.
 """
@@ -49,7 +56,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from cluster.draft_length import DraftLengthConfig
@@ -64,7 +71,7 @@ from cluster.request import (
 )
 from drafter.ngram import NgramConfig, propose
 from verifier.block import DraftBlock, Verdict
-from verifier.errors import ReplicaUnavailableError, SessionNotFoundError
+from verifier.errors import ReplicaUnavailableError, ResourceExhaustedError, SessionNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +81,8 @@ MAX_CONCURRENT_DRAFTS = 64
 MAX_FAILOVERS = 4
 """Replicas one request may replace (both sides together) before it fails."""
 LOST = (ReplicaUnavailableError, SessionNotFoundError)
-"""What a replica raises when the request's session there is gone: fail over."""
+"""What a replica raises when the request's session there is gone: fail over. Never
+`DeadlineExceededError` (the request is out of time) nor `ResourceExhaustedError` (a limit)."""
 
 
 class Router:
@@ -89,10 +97,12 @@ class Router:
         pipelined: bool = True,
         ngram: NgramConfig | None = None,
         draft_length: DraftLengthConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """A router over one fixed verifier and drafter (the in-process transport)."""
+        """A router over one fixed verifier and drafter (the in-process transport). `clock`:
+        what request deadlines are instants of."""
         replicas = FixedReplicas(verifier, drafter)
-        self._init(replicas, decode, eos_token_ids, pipelined, ngram, draft_length)
+        self._init(replicas, decode, eos_token_ids, pipelined, ngram, draft_length, clock)
 
     @classmethod
     def over_pool(
@@ -103,10 +113,11 @@ class Router:
         pipelined: bool = True,
         ngram: NgramConfig | None = None,
         draft_length: DraftLengthConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> Router:
         """A router that pins each request to replicas chosen by `replicas` (distributed)."""
         router = cls.__new__(cls)
-        router._init(replicas, decode, eos_token_ids, pipelined, ngram, draft_length)
+        router._init(replicas, decode, eos_token_ids, pipelined, ngram, draft_length, clock)
         return router
 
     def _init(
@@ -117,8 +128,10 @@ class Router:
         pipelined: bool,
         ngram: NgramConfig | None,
         draft_length: DraftLengthConfig | None,
+        clock: Callable[[], float],
     ) -> None:
         self._replicas = replicas
+        self._clock = clock
         self._decode = decode
         self._eos_token_ids = eos_token_ids
         self.pipelined = pipelined
@@ -172,13 +185,20 @@ class Router:
         self, request: GenerationRequest, stats: SpeculationStats, pipelined: bool | None
     ) -> Generator[GenerationChunk, None, None]:
         speculate = request.draft_tokens > 0
-        pinned = self._replicas.pin(speculate)
+        pinned = self._replicas.pin(speculate, deadline=request.deadline)
         releases = [pinned.release]
         try:
             # With no drafter available the request runs on the target alone: lossless.
             use_pipeline = self.pipelined if pipelined is None else pipelined
             gen = Generation(
-                request, self._decode, stats, pinned, use_pipeline, self.draft_length, releases
+                request,
+                self._decode,
+                stats,
+                pinned,
+                use_pipeline,
+                self.draft_length,
+                releases,
+                self._clock,
             )
             yield from self._session(gen)
         finally:
@@ -190,6 +210,7 @@ class Router:
         prompt = request.prompt_tokens
         port = gen.drafter_port
         gen.opening_round = self.first_token_alone
+        gen.check_deadline()
         if port is not None:
             gen.drafter_opening = self._pool.submit(
                 port.open_session, gen.session_id, prompt, request.sampling, request.seed
@@ -230,13 +251,15 @@ class Router:
     def _replace(self, gen: Generation, side: str, error: Exception) -> None:
         """Pin a spare of `side` in place of the replica that raised `error`; re-raise it when
         there is none, or this request has failed over too often. A lost drafter leaves the
-        request to the target alone rather than failing it."""
+        request to the target alone rather than failing it. A request out of time does not
+        fail over (its replica may have dropped the session for that very reason)."""
+        gen.check_deadline()
         failed_id = gen.verifier_id if side == "verifier" else gen.drafter_id
         gen.failed.add(failed_id)
         logger.warning("request %s: %s %s failed: %s", gen.session_id, side, failed_id, error)
         spare = None
         if len(gen.failed) <= MAX_FAILOVERS:
-            spare = self._replicas.spare(side, frozenset(gen.failed))
+            spare = self._replicas.spare(side, frozenset(gen.failed), deadline=gen.request.deadline)
         if spare is not None:
             gen.releases.append(spare.release)
         if side == "verifier":
@@ -264,6 +287,7 @@ class Router:
         ahead: Future[Draft] | None = None
         try:
             while True:
+                gen.check_deadline()
                 remaining = gen.remaining
                 plan = gen.lengths.next_plan()
                 opening = gen.opening_round
@@ -432,8 +456,9 @@ class Router:
 
     @staticmethod
     def _close_quietly(side: str, port: DrafterPort | VerifierPort, session_id: str) -> None:
-        """Close a session; a replica that cannot be reached evicts it after its TTL."""
+        """Close a session; a replica that cannot be reached, or is too busy to take the call,
+        drops it itself after its time limit or TTL."""
         try:
             port.close_session(session_id)
-        except ReplicaUnavailableError as error:
+        except (ReplicaUnavailableError, ResourceExhaustedError) as error:
             logger.warning("could not close session %s on the %s: %s", session_id, side, error)

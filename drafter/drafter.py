@@ -106,12 +106,17 @@ class Drafter:
         prompt_tokens: Sequence[int],
         sampling: SamplingParams,
         seed: int,
+        *,
+        time_limit_s: float | None = None,
     ) -> int:
-        """Open a session and prefill its cache; returns the committed length."""
+        """Open a session and prefill its cache; returns the committed length.
+
+        `time_limit_s`: seconds the request has left; once they pass the session is dropped
+        and a call on it raises `DeadlineExceededError` (None: only the idle TTL applies)."""
         check_seed(seed)  # before salting, so the message names the caller's seed
         own_sampling = draft_sampling(sampling, self.config.top_k)
         session = self._sessions.open(
-            session_id, prompt_tokens, own_sampling, seed ^ DRAFTER_SEED_SALT
+            session_id, prompt_tokens, own_sampling, seed ^ DRAFTER_SEED_SALT, time_limit_s
         )
         return len(session.tokens)
 
@@ -176,7 +181,8 @@ class Drafter:
 
     @synchronized
     def evict_idle(self) -> int:
-        """Evict the sessions idle past the TTL (the replica host calls this every second)."""
+        """Evict the sessions past their time limit or idle past the TTL (the replica host
+        calls this every second); returns how many went."""
         return self._sessions.evict_idle()
 
     @synchronized

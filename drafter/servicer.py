@@ -12,7 +12,12 @@ import grpc
 from drafter.drafter import Drafter
 from protos import replica_pb2, replica_pb2_grpc
 from verifier import wire
-from verifier.rpc import DEFAULT_MAX_WORKERS, CallGuard, start_server
+from verifier.rpc import (
+    DEFAULT_MAX_CONCURRENT_RPCS,
+    DEFAULT_MAX_WORKERS,
+    CallGuard,
+    start_server,
+)
 
 
 class DrafterServicer(replica_pb2_grpc.DrafterServicer):
@@ -31,6 +36,7 @@ class DrafterServicer(replica_pb2_grpc.DrafterServicer):
                 tuple(request.prompt_token_ids),
                 wire.sampling_from_wire(request.sampling),
                 request.seed,
+                time_limit_s=wire.time_limit_from_wire(request),
             )
             return replica_pb2.OpenSessionResponse(committed_length=length)
 
@@ -72,6 +78,7 @@ def serve_drafter(
     port: int = 0,
     max_workers: int = DEFAULT_MAX_WORKERS,
     secret: str | None = None,
+    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
 ) -> tuple[grpc.Server, int]:
     """Start a gRPC server for `drafter`; returns it and its port (see `rpc.start_server`)."""
     servicer = DrafterServicer(drafter)
@@ -81,4 +88,5 @@ def serve_drafter(
         port,
         max_workers,
         secret,
+        max_concurrent_rpcs,
     )

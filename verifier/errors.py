@@ -26,7 +26,7 @@ class StaleBaseError(TandemError):
 
 
 class SessionNotFoundError(TandemError, KeyError):
-    """No session with this id on this replica (closed, evicted, or never opened)."""
+    """No session with this id on this replica (closed, evicted, expired, or never opened)."""
 
     status = "NOT_FOUND"
 
@@ -47,6 +47,13 @@ class ResourceExhaustedError(TandemError):
     status = "RESOURCE_EXHAUSTED"
 
 
+class DeadlineExceededError(TandemError):
+    """The request ran out of the time its caller gave it; its work stopped and its sessions
+    were freed. Not a replica failure: nothing is retried elsewhere."""
+
+    status = "DEADLINE_EXCEEDED"
+
+
 class ClusterSecretError(TandemError):
     """A replica refused a call for lack of the cluster's shared secret (UNAUTHENTICATED on the
     internal API). To a public client this is the service's own misconfiguration: INTERNAL."""
@@ -55,7 +62,8 @@ class ClusterSecretError(TandemError):
 
 
 class ReplicaUnavailableError(TandemError):
-    """A replica could not be reached or did not answer: down, restarting, past the deadline.
+    """A replica could not be reached or did not answer: down, restarting, or slower than the
+    client's own per-call timeout.
 
     Also raised for a status with no error class of its own (INTERNAL, UNIMPLEMENTED...).
     Replicas hold only soft state (DESIGN.md invariant 2), so the caller may reopen the

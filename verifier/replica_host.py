@@ -2,9 +2,10 @@
 
 Per-block traffic must not go through Serve (DESIGN.md invariant 4), so every replica serves
 the internal API on its own port (to callers holding the cluster's shared secret only), evicts
-sessions left idle past their TTL, and tells the cluster's replica registry (a named Ray actor
-that the app builder creates) where it is and how loaded it is, once per heartbeat. The
-registry forgets a replica whose heartbeats stop, so a dead replica drops out by itself.
+sessions left idle past their TTL or past their request's time limit, and tells the cluster's
+replica registry (a named Ray actor that the app builder creates) where it is and how loaded it
+is, once per heartbeat. The registry forgets a replica whose heartbeats stop, so a dead replica
+drops out by itself.
 
 The registry is reached by name through Ray, imported lazily: this module is the adapter
 layer, and the components below it never import Ray.
@@ -83,7 +84,8 @@ def place_threads(num_threads: int, cpus: Sequence[int] = ()) -> None:
 
 class ReplicaHost:
     """Runs a replica's gRPC server and its housekeeping thread: every second it evicts the
-    sessions idle past their TTL, then heartbeats to the registry (if there is one)."""
+    sessions idle past their TTL or past their time limit, then heartbeats to the registry (if
+    there is one)."""
 
     def __init__(
         self,
@@ -97,7 +99,8 @@ class ReplicaHost:
         evict_idle: Callable[[], int] = lambda: 0,
     ) -> None:
         """`secret`: the cluster's shared secret, required of every call to this replica.
-        `evict_idle`: the component's eviction of idle sessions; returns how many went."""
+        `evict_idle`: the component's eviction of idle and expired sessions; returns how many
+        went."""
         self.side = side
         self.replica_id = f"{side}-{uuid.uuid4().hex[:12]}"
         self._server, bound_port = start_server(add_servicer, host=host, port=port, secret=secret)
@@ -155,7 +158,9 @@ class ReplicaHost:
                 logger.exception("evicting idle sessions failed")
             else:
                 if evicted:
-                    logger.info("%s evicted %d idle session(s)", self.replica_id, evicted)
+                    logger.info(
+                        "%s evicted %d idle or expired session(s)", self.replica_id, evicted
+                    )
             if self._registry_name is not None:
                 self._beat()
 

@@ -4,11 +4,13 @@
 - `CallGuard` runs a servicer's handlers one at a time and turns what they raise into a gRPC
   status: a `TandemError` becomes its own code with its message; anything else becomes
   INTERNAL with a fixed message, its traceback logged here and never sent to the client.
-- `start_server` starts a sync gRPC server on a thread pool and returns the port it bound;
-  given the cluster's shared secret, it answers UNAUTHENTICATED to every call that does not
-  carry it (`SecretCheck`), so nothing but the router can drive a replica; and it parses each
-  request itself (`ParseCheck`), so bytes that are not the method's message get
-  INVALID_ARGUMENT rather than gRPC's own INTERNAL.
+- `start_server` starts a sync gRPC server on a thread pool and returns the port it bound. It
+  holds at most `max_concurrent_rpcs` calls at once, running or queued, and answers
+  RESOURCE_EXHAUSTED to one more, so a replica's queue never grows without bound. Given the
+  cluster's shared secret, it answers UNAUTHENTICATED to every call that does not carry it
+  (`SecretCheck`), so nothing but the router can drive a replica; and it parses each request
+  itself (`ParseCheck`), so bytes that are not the method's message get INVALID_ARGUMENT
+  rather than gRPC's own INTERNAL.
 
 Both servicers are thin adapters over a plain component (STYLE.md, three layers): they convert
 with `verifier.wire`, call the component inside `CallGuard.run`, and convert the result back.
@@ -43,6 +45,13 @@ INTERNAL_ERROR_MESSAGE = "internal error; see the replica's log"
 """The only details a client gets for an unexpected server-side exception."""
 
 DEFAULT_MAX_WORKERS = 8
+
+DEFAULT_MAX_CONCURRENT_RPCS = 512
+"""Calls a server holds at once, running or waiting for a worker; one more is answered
+RESOURCE_EXHAUSTED. A router has at most one call in flight per session on each side (a
+verify, or a draft or an open), and a replica holds at most 256 sessions by default
+(`max_sessions`), so twice that leaves room for closes and stats under full load; a flood
+beyond it is refused at once instead of queueing without bound."""
 
 SECRET_METADATA_KEY = "x-tandem-cluster-secret"
 """gRPC metadata key that carries the cluster's shared secret on internal calls."""
@@ -168,18 +177,24 @@ def start_server(
     port: int = 0,
     max_workers: int = DEFAULT_MAX_WORKERS,
     secret: str | None = None,
+    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
 ) -> tuple[grpc.Server, int]:
     """Start an insecure gRPC server with the servicers `add_servicer` registers on it.
 
-    `port` 0 picks a free port. Returns the running server and the port it bound; raises
-    RuntimeError if the address cannot be bound (a port in use is not shared: SO_REUSEPORT is
-    off, so two replicas can never silently split one port's traffic). Stop it with
-    `server.stop(grace_s)`. With `secret`, only calls that carry it are served (`SecretCheck`).
+    `port` 0 picks a free port. `max_concurrent_rpcs`: calls held at once, running or queued;
+    one more is answered RESOURCE_EXHAUSTED (a stream counts until it ends). Returns the
+    running server and the port it bound; raises RuntimeError if the address cannot be bound
+    (a port in use is not shared: SO_REUSEPORT is off, so two replicas can never silently split
+    one port's traffic). Stop it with `server.stop(grace_s)`. With `secret`, only calls that
+    carry it are served (`SecretCheck`).
     """
+    if max_concurrent_rpcs < 1:
+        raise ValueError(f"max_concurrent_rpcs must be >= 1, got {max_concurrent_rpcs}")
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="replica-rpc"),
         interceptors=[*([SecretCheck(secret)] if secret is not None else []), ParseCheck()],
         options=[*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)],
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
     add_servicer(server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

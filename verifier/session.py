@@ -3,7 +3,9 @@
 A replica's session is soft state (DESIGN.md invariant 2): the committed tokens as this
 replica last heard them, a KV cache over them, the sampling settings and a seeded generator.
 Everything here can be rebuilt from the router's token history. A session nobody has used for
-`session_ttl_s` (its client gone, its router restarted) is evicted, KV cache and all.
+`session_ttl_s` (its client gone, its router restarted) is evicted, KV cache and all. A session
+opened with a time limit (what its request had left) is dropped once that passes, even if its
+router is gone: by `evict_idle`, or by the first call that finds it (DEADLINE_EXCEEDED).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Concatenate, ParamSpec, Protocol, TypeVar
 import torch
 
 from verifier.errors import (
+    DeadlineExceededError,
     InvalidArgumentError,
     ResourceExhaustedError,
     SessionExistsError,
@@ -91,6 +94,8 @@ class ReplicaSession:
     deferred its bonus token (`[vocab]`); the cache then holds every committed token."""
     last_used: float = 0.0
     """When a call last found this session (the table's clock)."""
+    expires_at: float | None = None
+    """When its request's time runs out (the table's clock); None: no limit."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,8 @@ class SessionTable:
         self._sessions: dict[str, ReplicaSession] = {}
         self.num_evicted = 0
         """Sessions evicted for idling since the table was made."""
+        self.num_expired = 0
+        """Sessions dropped past their time limit since the table was made."""
 
     def open(
         self,
@@ -148,17 +155,25 @@ class SessionTable:
         prompt_tokens: Sequence[int],
         sampling: SamplingParams,
         seed: int,
+        time_limit_s: float | None = None,
     ) -> ReplicaSession:
-        """Check, create and prefill a session; nothing is kept if a check fails."""
+        """Check, create and prefill a session; nothing is kept if a check fails.
+
+        `time_limit_s`: seconds its request has left, from now; past them the session is
+        dropped (None: no limit, only the idle TTL)."""
+        if time_limit_s is not None and not time_limit_s > 0:
+            raise InvalidArgumentError(f"time_limit_s must be > 0, got {time_limit_s}")
         self._check_new(session_id, prompt_tokens)
         check_token_ids(prompt_tokens, self.model.vocab_size, "prompt_tokens")
         check_seed(seed)
+        now = self._clock()
         session = ReplicaSession(
             tokens=list(prompt_tokens),
             kv=KVSession(self.model.model, self.model.device),
             sampling=sampling,
             generator=make_generator(seed, self.model.device),
-            last_used=self._clock(),
+            last_used=now,
+            expires_at=None if time_limit_s is None else now + time_limit_s,
         )
         # The last committed token is fed with the next forward, whose logits need it.
         session.kv.prefill(prompt_tokens[:-1])
@@ -171,7 +186,7 @@ class SessionTable:
         if session_id in self._sessions:
             raise SessionExistsError(f"session {session_id!r} is already open")
         if len(self._sessions) >= self.max_sessions:
-            self.evict_idle()  # abandoned sessions give up their places first
+            self.evict_idle()  # abandoned and expired sessions give up their places first
         if len(self._sessions) >= self.max_sessions:
             raise ResourceExhaustedError(
                 f"replica holds its maximum of {self.max_sessions} sessions"
@@ -191,21 +206,35 @@ class SessionTable:
             session = self._sessions[session_id]
         except KeyError:
             raise SessionNotFoundError(
-                f"no open session {session_id!r} (closed, evicted after idling, or never opened)"
+                f"no open session {session_id!r} "
+                "(closed, evicted after idling or past its deadline, or never opened)"
             ) from None
-        session.last_used = self._clock()
+        now = self._clock()
+        if self._expired(session, now):
+            del self._sessions[session_id]
+            self.num_expired += 1
+            raise DeadlineExceededError(f"session {session_id!r} passed its deadline")
+        session.last_used = now
         return session
 
     def evict_idle(self) -> int:
-        """Drop every session unused for longer than the TTL; returns how many went."""
-        if self.session_ttl_s is None:
-            return 0
-        oldest = self._clock() - self.session_ttl_s
+        """Drop every session past its time limit or unused for longer than the TTL; returns
+        how many went."""
+        now = self._clock()
+        oldest = -float("inf") if self.session_ttl_s is None else now - self.session_ttl_s
+        expired = [sid for sid, s in self._sessions.items() if self._expired(s, now)]
+        for session_id in expired:
+            del self._sessions[session_id]
         idle = [sid for sid, s in self._sessions.items() if s.last_used < oldest]
         for session_id in idle:
             del self._sessions[session_id]
+        self.num_expired += len(expired)
         self.num_evicted += len(idle)
-        return len(idle)
+        return len(expired) + len(idle)
+
+    @staticmethod
+    def _expired(session: ReplicaSession, now: float) -> bool:
+        return session.expires_at is not None and now >= session.expires_at
 
     def get_at(self, session_id: str, base_length: int) -> ReplicaSession:
         """The session, provided its committed length is `base_length` (invariant 3)."""

@@ -77,9 +77,15 @@ class Verifier:
         prompt_tokens: Sequence[int],
         sampling: SamplingParams,
         seed: int,
+        *,
+        time_limit_s: float | None = None,
     ) -> int:
-        """Open a session and prefill its cache; returns the committed length."""
-        return len(self._sessions.open(session_id, prompt_tokens, sampling, seed).tokens)
+        """Open a session and prefill its cache; returns the committed length.
+
+        `time_limit_s`: seconds the request has left; once they pass the session is dropped
+        and a call on it raises `DeadlineExceededError` (None: only the idle TTL applies)."""
+        session = self._sessions.open(session_id, prompt_tokens, sampling, seed, time_limit_s)
+        return len(session.tokens)
 
     @synchronized
     def verify(self, session_id: str, block: DraftBlock, defer_bonus: bool = False) -> Verdict:
@@ -145,7 +151,8 @@ class Verifier:
 
     @synchronized
     def evict_idle(self) -> int:
-        """Evict the sessions idle past the TTL (the replica host calls this every second)."""
+        """Evict the sessions past their time limit or idle past the TTL (the replica host
+        calls this every second); returns how many went."""
         return self._sessions.evict_idle()
 
     @synchronized

@@ -6,11 +6,11 @@ with these functions and nothing else. `*_to_wire` builds a message from a plain
 
 What comes off the wire is checked only as far as the wire format can tell: counts that must
 agree (a sparse row's ids and probabilities, a block's tokens and distributions), a non-empty
-session id, and the checks the plain types make when built (`SamplingParams` rejects a NaN
-temperature or `top_p = 0`). Everything else needs the replica's own state and is checked
-there: token ids against the vocabulary, lengths against the session, and a sparse row's
-contents (empty, repeated ids, negative or NaN probabilities) by `sampling.to_dense`. Each
-failure is an `InvalidArgumentError` naming the field.
+session id, a set time limit that is not zero, and the checks the plain types make when built
+(`SamplingParams` rejects a NaN temperature or `top_p = 0`). Everything else needs the
+replica's own state and is checked there: token ids against the vocabulary, lengths against
+the session, and a sparse row's contents (empty, repeated ids, negative or NaN probabilities)
+by `sampling.to_dense`. Each failure is an `InvalidArgumentError` naming the field.
 
 Exactness: sparse probabilities travel as float32 and `SparseDistribution.probs` is float32,
 so q round-trips bit for bit (DESIGN.md invariant 1). `SamplingParams.temperature` and `top_p`
@@ -20,6 +20,7 @@ nearest one; the sampling code computes in float32, so the distribution is the s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -58,6 +59,22 @@ def uint_to_wire(value: int, what: str, max_value: int = MAX_UINT64) -> int:
     if isinstance(value, bool) or not 0 <= value <= max_value:
         raise InvalidArgumentError(f"{what} must be in 0..{max_value}, got {value!r}")
     return int(value)
+
+
+def time_limit_to_wire(time_left_s: float) -> int:
+    """Seconds a request has left as `OpenSessionRequest.time_limit_ms`: rounded up, so the
+    replica never drops a session before its request's deadline; at least 1 (0 is refused on
+    the wire) and at most what the field holds (a longer limit is no limit in practice)."""
+    return min(max(math.ceil(time_left_s * 1000), 1), MAX_UINT32)
+
+
+def time_limit_from_wire(request: replica_pb2.OpenSessionRequest) -> float | None:
+    """The session's time limit in seconds; None when unset (no limit, only the idle TTL)."""
+    if not request.HasField("time_limit_ms"):
+        return None
+    if request.time_limit_ms == 0:
+        raise InvalidArgumentError("time_limit_ms must be >= 1 when set (unset: no limit)")
+    return request.time_limit_ms / 1000
 
 
 def sampling_to_wire(params: SamplingParams) -> sampling_pb2.SamplingParams:

@@ -13,7 +13,13 @@ from cluster.request import GenerationRequest
 from cluster.router import Router
 from drafter.drafter import Drafter
 from tests.conftest import encode
-from verifier.errors import ReplicaUnavailableError
+from verifier.errors import (
+    DeadlineExceededError,
+    ReplicaUnavailableError,
+    ResourceExhaustedError,
+    SessionNotFoundError,
+    TandemError,
+)
 from verifier.models import LoadedModel
 from verifier.sampling import SamplingParams
 from verifier.verifier import Verifier
@@ -43,13 +49,35 @@ class Dying:
         return call
 
 
+class Refusing:
+    """A verifier that answers `calls` verify calls, then refuses each later one with `error`;
+    its other calls go through."""
+
+    def __init__(self, verifier: Verifier, calls: int, error: TandemError) -> None:
+        self._verifier = verifier
+        self._calls_left = calls
+        self._error = error
+        self.refused = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._verifier, name)
+
+    def verify(self, *args: Any, **kwargs: Any) -> Any:
+        if self._calls_left <= 0:
+            self.refused += 1
+            raise self._error
+        self._calls_left -= 1
+        return self._verifier.verify(*args, **kwargs)
+
+
 class Pool:
     """A first replica of each side, and spares in order."""
 
     def __init__(self, verifiers: list[Any], drafters: list[Any]) -> None:
         self._replicas = {"verifier": verifiers, "drafter": drafters}
+        self.spares_given: list[str] = []
 
-    def pin(self, speculate: bool) -> Pinned:
+    def pin(self, speculate: bool, deadline: float | None = None) -> Pinned:
         drafters = self._replicas["drafter"]
         return Pinned(
             self._replicas["verifier"][0],
@@ -58,9 +86,12 @@ class Pool:
             drafter_id="drafter-0",
         )
 
-    def spare(self, side: str, avoid: frozenset[str]) -> Spare | None:
+    def spare(
+        self, side: str, avoid: frozenset[str], deadline: float | None = None
+    ) -> Spare | None:
         for i, port in enumerate(self._replicas[side]):
             if f"{side}-{i}" not in avoid:
+                self.spares_given.append(f"{side}-{i}")
                 return Spare(port, f"{side}-{i}")
         return None
 
@@ -172,3 +203,49 @@ def test_sampled_requests_complete_across_a_failover(
         router.close()
     assert len(result.tokens) == MAX_TOKENS
     assert spare_verifier.stats().num_sessions == spare_drafter.stats().num_sessions == 0
+
+
+@pytest.mark.parametrize(
+    "error",
+    [DeadlineExceededError("out of time"), ResourceExhaustedError("replica full")],
+    ids=["deadline", "full"],
+)
+def test_a_deadline_or_a_full_replica_ends_the_request_without_failing_over(
+    local_tandem: LocalTandem,
+    spares: tuple[Verifier, Drafter],
+    tiny_target: LoadedModel,
+    error: TandemError,
+) -> None:
+    spare_verifier, _ = spares
+    first = Refusing(Verifier(tiny_target), calls=2, error=error)
+    pool = Pool([first, spare_verifier], [local_tandem.drafter])
+    router = _router(local_tandem, pool, pipelined=True)
+    try:
+        request = GenerationRequest(encode(local_tandem, "def add(a, b):"), MAX_TOKENS)
+        with pytest.raises(type(error), match=str(error)):
+            router.generate(request)
+    finally:
+        router.close()
+    assert first.refused == 1
+    assert pool.spares_given == []  # no failover
+    assert first.stats().num_sessions == local_tandem.drafter.stats().num_sessions == 0
+
+
+def test_a_session_lost_past_the_deadline_is_not_failed_over(
+    local_tandem: LocalTandem, spares: tuple[Verifier, Drafter], tiny_target: LoadedModel
+) -> None:
+    # The replica dropped the session because its time was up: the call finds it gone, and
+    # the deadline has passed by the time the router hears of it.
+    first = Refusing(Verifier(tiny_target), calls=2, error=SessionNotFoundError("no session"))
+    pool = Pool([first, spares[0]], [local_tandem.drafter])
+    decode, eos = local_tandem.router._decode, local_tandem.router._eos_token_ids
+    router = Router.over_pool(pool, decode, eos, clock=lambda: 100.0 if first.refused else 0.0)
+    request = GenerationRequest(encode(local_tandem, "x"), MAX_TOKENS, deadline=100.0)
+    try:
+        with pytest.raises(DeadlineExceededError):
+            router.generate(request)
+    finally:
+        router.close()
+    assert first.refused == 1
+    assert pool.spares_given == []
+    assert first.stats().num_sessions == local_tandem.drafter.stats().num_sessions == 0

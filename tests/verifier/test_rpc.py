@@ -132,7 +132,8 @@ def test_unknown_session_is_not_found(replicas: Replicas) -> None:
     )
     assert error.code() == grpc.StatusCode.NOT_FOUND
     assert error.details() == (
-        "no open session 'nobody' (closed, evicted after idling, or never opened)"
+        "no open session 'nobody' "
+        "(closed, evicted after idling or past its deadline, or never opened)"
     )
     error = rpc_error(
         replicas.drafter_stub.Draft,
