@@ -31,6 +31,7 @@ GRACEFUL_SHUTDOWN_S = 30.0
 
 def build_app(config: TandemConfig) -> Application:
     """Bind the three deployments of `config` into one application (needs a Ray connection)."""
+    config.auth.check_usable()
     ensure_registry(config.app_name)
     registry = registry_name(config.app_name)
     pair = config.models.pair()

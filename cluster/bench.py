@@ -123,8 +123,9 @@ def _service_runner(client: Any, max_tokens: int, draft_tokens: int, pipelined: 
 
 
 @contextmanager
-def _service(preset: str, flags: list[str]) -> Iterator[str]:
-    """A `tandem serve` of `preset` in a private home; yields its address."""
+def _service(preset: str, flags: list[str]) -> Iterator[tuple[str, str]]:
+    """A `tandem serve` of `preset` in a private home; yields its address and the API key it
+    made for its local tenant."""
     from cluster.local_cluster import free_port
 
     home = tempfile.mkdtemp(prefix="tandem-bench-", dir="/tmp")
@@ -138,7 +139,7 @@ def _service(preset: str, flags: list[str]) -> Iterator[str]:
     try:
         if started.returncode != 0:
             raise InvalidArgumentError(f"tandem serve failed:\n{started.stderr[-2000:]}")
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", (Path(home) / "api_key").read_text()
     finally:
         subprocess.run([tandem, "shutdown"], env=env, capture_output=True, check=False)
 
@@ -288,8 +289,8 @@ def _maybe_service(args: Any, progress: Callable[[str], None]) -> Iterator[Any]:
 
     progress(f"starting tandem serve --preset {args.preset} (takes a minute)")
     with (
-        _service(args.preset, _serve_flags(args)) as address,
-        TandemClient(address, timeout_s=3600) as client,
+        _service(args.preset, _serve_flags(args)) as (address, api_key),
+        TandemClient(address, timeout_s=3600, api_key=api_key) as client,
     ):
         yield client
 

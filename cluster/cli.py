@@ -21,7 +21,15 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cluster import cli_bench, cli_demo, cli_generate, cli_loadtest, cli_models, cli_service
+from cluster import (
+    cli_bench,
+    cli_demo,
+    cli_generate,
+    cli_keys,
+    cli_loadtest,
+    cli_models,
+    cli_service,
+)
 from cluster.client_types import TandemClientError
 from verifier.errors import TandemError
 
@@ -52,6 +60,7 @@ REGISTRARS: tuple[Registrar, ...] = (
     cli_bench.add_to,
     cli_demo.add_to,
     cli_loadtest.add_to,
+    cli_keys.add_to,
 )
 
 

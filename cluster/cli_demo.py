@@ -21,6 +21,7 @@ def add_to(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cluster import local_cluster
     from cluster.client import TandemClient
     from cluster.demo import format_report, run_demo
 
@@ -29,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     write(args.prompt)
-    with TandemClient(args.address) as client:
+    with TandemClient(args.address, api_key=local_cluster.api_key()) as client:
         report = run_demo(client, args.prompt, args.max_tokens, write)
     print("\n")
     print(format_report(report), flush=True)

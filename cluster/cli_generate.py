@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from cluster import local_cluster
 from cluster.client import TandemClient
 from cluster.client_types import (
     GenerateResult,
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         pipelined=args.pipelined,
     )
     if args.address is not None:
-        with TandemClient(args.address) as client:
+        with TandemClient(args.address, api_key=local_cluster.api_key()) as client:
             return _output(
                 args.json,
                 lambda: client.generate_request(request),
@@ -149,6 +150,7 @@ def _run_local(args: argparse.Namespace, request: generate_pb2.GenerateRequest) 
     from cluster.local import build_local
     from cluster.presets import DEFAULT_PRESET, resolve_pair
     from cluster.service import TandemService
+    from cluster.tenants import Tenants
     from drafter.ngram import NgramConfig
 
     preset = args.preset if args.preset is not None else DEFAULT_PRESET
@@ -158,7 +160,8 @@ def _run_local(args: argparse.Namespace, request: generate_pb2.GenerateRequest) 
         prompt_lookup=NgramConfig(enabled=bool(args.prompt_lookup)),
         draft_length=DraftLengthConfig(enabled=bool(args.adaptive_draft)),
     )
-    service = TandemService(tandem.router, tandem.tokenizer)
+    # In-process: this process owns the models and listens on nothing, so no one else can call.
+    service = TandemService(tandem.router, tandem.tokenizer, tenants=Tenants.unauthenticated())
     try:
         return _output(
             args.json,

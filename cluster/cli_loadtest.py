@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from cluster import faults
+from cluster import faults, local_cluster
 from verifier.errors import InvalidArgumentError
 
 MAX_CONCURRENCY = 256
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     replicas = _local_replicas(args.kill is not None)
     kills: list[dict[str, Any]] = []
     memory_before = faults.memory(replicas) if replicas is not None else None
-    with TandemClient(args.address, timeout_s=600) as client:
+    with TandemClient(args.address, timeout_s=600, api_key=local_cluster.api_key()) as client:
         reference = None
         if args.temperature == 0:
             reference = {

@@ -1,10 +1,11 @@
 """`tandem serve`, `tandem status` and `tandem shutdown`: the service on a local Ray cluster.
 
 `serve` joins the cluster recorded under TANDEM_HOME, or starts one on loopback, deploys the
-three deployments and prints the gRPC address; `--detach` leaves it running, otherwise Ctrl-C
-stops it. `status` shows deployments, replicas and their sessions; `shutdown` removes the
-application and stops the cluster if Tandem started it. Ray is imported only after the cluster
-environment is set (see `cluster.local_cluster`).
+three deployments and prints the gRPC address (a config with no tenants is served to one
+tenant, `local`, whose key the home keeps and the command line sends); `--detach` leaves it
+running, otherwise Ctrl-C stops it. `status` shows deployments, replicas and their sessions;
+`shutdown` removes the application and stops the cluster if Tandem started it. Ray is imported
+only after the cluster environment is set (see `cluster.local_cluster`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 DEFAULT_NUM_CPUS = 8
 """Logical CPUs the local cluster advertises (replicas reserve none by default)."""
+LOCAL_CONCURRENT = 256
+"""Concurrent requests of the `local` tenant: the router's whole capacity (the owner's)."""
 
 
 def add_to(commands: Any) -> None:
@@ -82,6 +85,22 @@ def _config(args: argparse.Namespace) -> TandemConfig:
     return dataclasses.replace(config, **changes) if changes else config
 
 
+def _with_local_tenant(config: TandemConfig) -> TandemConfig:
+    """With authentication on and no tenants configured, serve one tenant, `local`, whose key
+    this home keeps (mode 0600) and the command line's clients send."""
+    from cluster.tenants import AuthConfig, TenantConfig, hash_api_key
+
+    if not config.auth.enabled or config.auth.tenants:
+        return config
+    key_hash = hash_api_key(local_cluster.local_api_key())
+    local = TenantConfig(local_cluster.LOCAL_TENANT, key_hash, max_concurrent=LOCAL_CONCURRENT)
+    _say(
+        f"no tenants configured: serving tenant '{local.name}', API key in "
+        f"{local_cluster.home() / 'api_key'}"
+    )
+    return dataclasses.replace(config, auth=AuthConfig(tenants=(local,)))
+
+
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -109,6 +128,7 @@ def serve_command(args: argparse.Namespace) -> int:
     config = _config(args)
     if config.cluster_secret is None:
         config = dataclasses.replace(config, cluster_secret=local_cluster.cluster_secret())
+    config = _with_local_tenant(config)
     started = time.monotonic()
     state = _live_state()
     if state is None:

@@ -13,7 +13,12 @@ overrides it. Leaving a stream early (break, or an exception in the loop) cancel
 the server frees the request's sessions; for the async stream, close the iterator (e.g. with
 `contextlib.aclosing`) to cancel at once.
 
-Metadata: `metadata` pairs go with every call (for tenants and auth). Ray Serve's gRPC proxy
+Auth: `api_key` is sent as `authorization: Bearer <key>` metadata with every call; a
+RESOURCE_EXHAUSTED error carries the server's `retry_after_s` when it said when to retry (the
+`retry-after-ms` trailer of a plain gRPC server; through Ray Serve's proxy, which drops trailers
+from failed calls, the "retry in N s" its message ends with).
+
+Metadata: `metadata` pairs go with every call. Ray Serve's gRPC proxy
 routes by the `application` metadata entry when several Serve applications run; pass
 `application="<app name>"` then, and it is sent as `("application", name)`.
 
@@ -22,6 +27,7 @@ This module needs only grpcio and the generated protos, not torch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncGenerator, Generator, Sequence
 from types import TracebackType
 
@@ -51,17 +57,40 @@ APPLICATION_METADATA_KEY = "application"
 """The metadata key Ray Serve's gRPC proxy routes by."""
 
 
+RETRY_AFTER_METADATA_KEY = "retry-after-ms"
+"""Trailing metadata of a RESOURCE_EXHAUSTED answer: when to retry (cluster.grpc_status)."""
+
+
 def _call_metadata(
-    metadata: Sequence[tuple[str, str]], application: str | None
+    metadata: Sequence[tuple[str, str]], application: str | None, api_key: str | None
 ) -> tuple[tuple[str, str], ...]:
     pairs = tuple(metadata)
     if application is not None:
         pairs += ((APPLICATION_METADATA_KEY, application),)
+    if api_key is not None:
+        pairs += (("authorization", f"Bearer {api_key}"),)
     return pairs
 
 
+RETRY_IN_MESSAGE = re.compile(r"; retry in (\d+(?:\.\d+)?) s$")
+"""How the server's message ends when it says when to retry (cluster.tenants)."""
+
+
+def _retry_after_s(error: grpc.RpcError) -> float | None:
+    """When the server said to retry: its `retry-after-ms` trailer, else the end of its message
+    (Ray Serve's gRPC proxy drops trailing metadata from failed calls)."""
+    trailers = getattr(error, "trailing_metadata", lambda: None)() or ()
+    for key, value in trailers:
+        if key == RETRY_AFTER_METADATA_KEY and str(value).isdigit():
+            return int(value) / 1000
+    if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    said = RETRY_IN_MESSAGE.search(error.details() or "")
+    return float(said.group(1)) if said else None
+
+
 def _client_error(error: grpc.RpcError) -> TandemClientError:
-    return TandemClientError(error.code(), error.details() or "")
+    return TandemClientError(error.code(), error.details() or "", _retry_after_s(error))
 
 
 class TandemClient:
@@ -74,9 +103,10 @@ class TandemClient:
         *,
         metadata: Sequence[tuple[str, str]] = (),
         application: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         self._timeout_s = timeout_s
-        self._metadata = _call_metadata(metadata, application)
+        self._metadata = _call_metadata(metadata, application, api_key)
         self._channel = grpc.insecure_channel(address)
         self._stub = generate_pb2_grpc.TandemStub(self._channel)
 
@@ -163,6 +193,29 @@ class TandemClient:
         finally:
             call.cancel()
 
+    def cancel(self, request_id: str, *, timeout_s: float | None = None) -> None:
+        """Cancel one of this tenant's running requests: its stream ends CANCELLED."""
+        try:
+            self._stub.Cancel(
+                generate_pb2.CancelRequest(request_id=request_id),
+                timeout=self._timeout(timeout_s),
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as error:
+            raise _client_error(error) from None
+
+    def usage(self, *, timeout_s: float | None = None) -> dict[str, int | str]:
+        """This tenant's usage counters on the router replica that answers."""
+        try:
+            usage = self._stub.GetUsage(
+                generate_pb2.UsageRequest(),
+                timeout=self._timeout(timeout_s),
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as error:
+            raise _client_error(error) from None
+        return {field.name: value for field, value in usage.ListFields()} | {"tenant": usage.tenant}
+
     def close(self) -> None:
         self._channel.close()
 
@@ -191,9 +244,10 @@ class AsyncTandemClient:
         *,
         metadata: Sequence[tuple[str, str]] = (),
         application: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         self._timeout_s = timeout_s
-        self._metadata = _call_metadata(metadata, application)
+        self._metadata = _call_metadata(metadata, application, api_key)
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = generate_pb2_grpc.TandemStub(self._channel)
 

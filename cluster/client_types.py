@@ -27,12 +27,16 @@ _FINISH_REASON_PREFIX = "FINISH_REASON_"
 
 
 class TandemClientError(Exception):
-    """A failed call: the gRPC status code and the server's message."""
+    """A failed call: the gRPC status code, the server's message, and for a limit that frees up
+    with time, how many seconds to wait before retrying (None if the server did not say)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)

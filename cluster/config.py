@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 from cluster.draft_length import DraftLengthConfig
 from cluster.presets import DEFAULT_PRESET, ModelPair, resolve_pair
 from cluster.service import ServiceConfig
+from cluster.tenants import AuthConfig
 from drafter.drafter import DrafterConfig
 from drafter.ngram import NgramConfig
 from verifier.errors import InvalidArgumentError
@@ -106,6 +108,9 @@ class TandemConfig:
     """The router's adaptive plan per request and round: block length up to the request's
     draft_tokens, serial or pipelined, 0 when speculation does not pay. On by default: it is
     what keeps speculation from running slower than the target alone on a busy cluster."""
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    """Tenants, their hashed API keys and limits. On by default: with no tenants the
+    application refuses to build, unless `enabled: false` says so (local development)."""
     replica_rpc_timeout_s: float | None = 60.0
     """Deadline of each router -> replica call (None: no deadline)."""
     cluster_secret: str | None = field(default=None, repr=False)
@@ -173,14 +178,31 @@ def _build(cls: type[T], data: Any, path: str) -> T:
             f"known: {', '.join(sorted(fields))}"
         )
     values: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
     for name, value in data.items():
+        where = f"{path}.{name}" if path else name
         default = fields[name].default_factory
         nested = default() if callable(default) else None
+        items = _dataclass_items(hints[name])
         if dataclasses.is_dataclass(nested) and not isinstance(nested, type):
-            values[name] = _build(type(nested), value, f"{path}.{name}" if path else name)
+            values[name] = _build(type(nested), value, where)
+        elif items is not None:
+            if not isinstance(value, list | tuple):
+                raise InvalidArgumentError(f"{where} must be a list, got {value!r}")
+            values[name] = tuple(
+                _build(items, item, f"{where}[{i}]") for i, item in enumerate(value)
+            )
         else:
             values[name] = value
     try:
         return cls(**values)
     except TypeError as error:
         raise InvalidArgumentError(f"{path or 'config'}: {error}") from error
+
+
+def _dataclass_items(hint: Any) -> type | None:
+    """The item class of a `tuple[SomeDataclass, ...]` field, else None."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and args and dataclasses.is_dataclass(args[0]):
+        return args[0] if isinstance(args[0], type) else None
+    return None

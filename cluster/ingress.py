@@ -1,5 +1,8 @@
 """The router as Serve's gRPC ingress: the public `tandem.v1.Tandem` API and gRPC health.
 
+Every call is authenticated by its `authorization` metadata against the config's tenants
+(`cluster.tenants`); health checks are open, so that probes need no key.
+
 A thin shell (the app builder applies `serve.deployment`): Serve's gRPC proxy calls the method
 named like the RPC. The router loop is synchronous and blocks on replica calls, so each request
 runs on a thread of this replica while the event loop stays free; a stream is bridged chunk by
@@ -20,11 +23,12 @@ from grpc_health.v1 import health_pb2
 
 from cluster.config import TandemConfig
 from cluster.directory import RegistryPool, from_registry_actor
-from cluster.grpc_status import status_of
+from cluster.grpc_status import status_of, trailers_of
 from cluster.local import text_decoder
 from cluster.registry import get_registry
 from cluster.router import Router
-from cluster.service import TandemService
+from cluster.service import Caller, TandemService
+from cluster.tenants import Tenants, bearer_key
 from protos import generate_pb2
 from verifier.models import load_tokenizer
 
@@ -80,7 +84,9 @@ class RouterIngress:
             config.prompt_lookup,
             config.draft_length,
         )
-        self._service = TandemService(self._router, loaded.tokenizer, config.api)
+        self._service = TandemService(
+            self._router, loaded.tokenizer, config.api, tenants=Tenants(config.auth)
+        )
         self._threads = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="request")
 
     async def Generate(
@@ -89,7 +95,9 @@ class RouterIngress:
         active = threading.Event()
         active.set()
         try:
-            future = self._threads.submit(self._service.generate, request, active.is_set)
+            future = self._threads.submit(
+                self._service.generate, request, active.is_set, _caller(grpc_context)
+            )
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             active.clear()
@@ -101,11 +109,28 @@ class RouterIngress:
         self, request: generate_pb2.GenerateRequest, grpc_context: Any = None
     ) -> AsyncIterator[generate_pb2.GenerateChunk]:
         try:
-            chunks = self._service.stream(request)
+            chunks = self._service.stream(request, _caller(grpc_context))
             async for chunk in iterate_in_thread(chunks, self._threads):
                 yield chunk
         except asyncio.CancelledError:
             raise
+        except Exception as error:
+            _fail(grpc_context, error)
+
+    async def Cancel(
+        self, request: generate_pb2.CancelRequest, grpc_context: Any = None
+    ) -> generate_pb2.CancelResponse:
+        try:
+            self._service.cancel(request, _caller(grpc_context))
+            return generate_pb2.CancelResponse()
+        except Exception as error:
+            _fail(grpc_context, error)
+
+    async def GetUsage(
+        self, request: generate_pb2.UsageRequest, grpc_context: Any = None
+    ) -> generate_pb2.TenantUsage:
+        try:
+            return self._service.usage(_caller(grpc_context))
         except Exception as error:
             _fail(grpc_context, error)
 
@@ -144,10 +169,20 @@ class RouterIngress:
             pool.close()
 
 
+def _caller(grpc_context: Any) -> Caller:
+    """The call's `authorization` metadata. Serve's proxy does not pass the client's deadline
+    on; when it passes, the client cancels, and the cancellation stops the request."""
+    metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
+    return Caller(bearer_key(metadata))
+
+
 def _fail(grpc_context: Any, error: Exception) -> NoReturn:
-    """Give the client the error's status and message, then end the call."""
+    """Give the client the error's status, message and trailers, then end the call."""
     code, message = status_of(error)
     if grpc_context is not None:
         grpc_context.set_code(code)
         grpc_context.set_details(message)
+        trailers = trailers_of(error)
+        if trailers:
+            grpc_context.set_trailing_metadata(list(trailers))
     raise error

@@ -109,6 +109,27 @@ def cluster_secret() -> str:
     return os.environ.get(CLUSTER_SECRET_ENV) or _private_token("cluster_secret").read_text()
 
 
+API_KEY_ENV = "TANDEM_API_KEY"
+"""Environment variable holding the API key the command line's clients send."""
+LOCAL_TENANT = "local"
+
+
+def local_api_key() -> str:
+    """The key of the `local` tenant that `tandem serve` adds when its config names no
+    tenants: made once per home (`api_key`, mode 0600)."""
+    return _private_token("api_key").read_text()
+
+
+def api_key() -> str | None:
+    """The API key the command line sends: $TANDEM_API_KEY, else this home's local key (if
+    `tandem serve` made one), else None."""
+    key = os.environ.get(API_KEY_ENV)
+    if key:
+        return key
+    path = home() / "api_key"
+    return path.read_text() if path.exists() else None
+
+
 def ray_environment() -> dict[str, str]:
     """Environment for every Ray process of this home's cluster (token created if missing)."""
     token = _private_token("auth_token")

@@ -16,21 +16,33 @@ random one (as generate.proto promises; send a seed to make sampling repeatable)
 `draft_tokens` and `pipelined` from `ServiceConfig`. Token ids are checked
 against the vocabulary by the verifier when the request starts.
 
-Every request gets a fresh request id (uuid4 hex) on its response and on every chunk. The last
-chunk of a stream carries the finish reason, usage and speculation counters. Closing a stream
+Tenants (`cluster.tenants`): every call is authenticated first (UNAUTHENTICATED), then the
+request is validated and checked against what its tenant may ask (PERMISSION_DENIED). When
+the first chunk is asked for, the tenant's concurrency and token-rate quotas and the router's
+bounded queue (`cluster.admission`) admit it or refuse it (RESOURCE_EXHAUSTED, with when to
+retry); it may wait in the queue until its deadline. The tenant's usage counters grow as
+tokens are committed.
+
+Every request gets a fresh request id (uuid4 hex) on its response and on every chunk; its
+tenant, and only its tenant, can cancel it by that id (`cancel`): its stream then ends with
+FINISH_REASON_CANCELLED after the round in flight. The last chunk of a stream carries the
+finish reason, usage and speculation counters. Closing a stream
 early (the client went away) closes the router's stream, which frees the request's sessions on
 both replicas; `generate` stops the same way once its `is_active` callback returns False.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
+import threading
 import uuid
 from collections.abc import Callable, Generator, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cluster.admission import Admission
 from cluster.request import (
     DEFAULT_DRAFT_TOKENS,
     MAX_DRAFT_TOKENS,
@@ -40,6 +52,8 @@ from cluster.request import (
     SpeculationStats,
 )
 from cluster.router import Router
+from cluster.running import RunningRequests
+from cluster.tenants import Tenant, Tenants
 from protos import generate_pb2
 from verifier.errors import InvalidArgumentError, TandemError
 from verifier.wire import sampling_from_wire
@@ -47,9 +61,11 @@ from verifier.wire import sampling_from_wire
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-"""Seed of a request that sets none: the same request gives the same output."""
 DEFAULT_MAX_TOKENS_LIMIT = 4096
 """Default ceiling on `max_tokens`: the verifier's default context is 4096 tokens."""
+DEFAULT_MAX_RUNNING = 64
+DEFAULT_MAX_QUEUED = 128
+"""Together within the Serve ingress's 256 request threads: a queued request holds one."""
 _FINISH_REASON_PREFIX = "FINISH_REASON_"
 
 
@@ -63,6 +79,10 @@ class ServiceConfig:
     """Whether a request that does not say drafts the next block during verification."""
     max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
     """Largest `max_tokens` a request may ask for."""
+    max_running_requests: int = DEFAULT_MAX_RUNNING
+    """Requests one router replica generates at once; more wait in its queue."""
+    max_queued_requests: int = DEFAULT_MAX_QUEUED
+    """Requests that may wait; beyond them a request is refused (RESOURCE_EXHAUSTED)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.default_draft_tokens <= MAX_DRAFT_TOKENS:
@@ -73,6 +93,11 @@ class ServiceConfig:
         if self.max_tokens_limit < 1:
             raise InvalidArgumentError(
                 f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}"
+            )
+        if self.max_running_requests < 1 or self.max_queued_requests < 0:
+            raise InvalidArgumentError(
+                "max_running_requests must be >= 1 and max_queued_requests >= 0, got "
+                f"{self.max_running_requests} and {self.max_queued_requests}"
             )
 
 
@@ -122,20 +147,45 @@ def _new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a call, and until when it may run: what the gRPC adapters read off the call."""
+
+    authorization: str | None = None
+    """The `authorization` metadata ("Bearer <key>"), if sent."""
+    deadline: float | None = None
+    """The client's deadline as a `time.monotonic()` instant, if it set one."""
+
+
+ANONYMOUS_CALL = Caller()
+"""A call with no metadata and no deadline (in-process callers, tests)."""
+
+
 class TandemService:
-    """Serves `Generate` and `GenerateStream` on one router."""
+    """Serves the public API on one router, for the tenants of `tenants`."""
 
     def __init__(
         self,
         router: Router,
         tokenizer: PreTrainedTokenizerBase,
         config: ServiceConfig | None = None,
+        *,
+        tenants: Tenants,
     ) -> None:
+        """`tenants`: who may call and their limits; `Tenants.unauthenticated()` lets every
+        call in as one anonymous tenant (local development only)."""
         self._router = router
         self._tokenizer = tokenizer
         self.config = config if config is not None else ServiceConfig()
+        self.tenants = tenants
+        self.admission = Admission(
+            self.config.max_running_requests, self.config.max_queued_requests
+        )
+        self.requests = RunningRequests()
 
-    def to_request(self, message: generate_pb2.GenerateRequest) -> tuple[GenerationRequest, bool]:
+    def to_request(
+        self, message: generate_pb2.GenerateRequest, deadline: float | None = None
+    ) -> tuple[GenerationRequest, bool]:
         """The router's request for `message`, and whether to pipeline it; validated."""
         max_tokens = message.max_tokens
         if max_tokens < 1:
@@ -158,6 +208,7 @@ class TandemService:
                 if speculation.HasField("draft_tokens")
                 else self.config.default_draft_tokens
             ),
+            deadline=deadline,
         )
         pipelined = (
             speculation.pipelined
@@ -170,6 +221,7 @@ class TandemService:
         self,
         message: generate_pb2.GenerateRequest,
         is_active: Callable[[], bool] | None = None,
+        caller: Caller = ANONYMOUS_CALL,
     ) -> generate_pb2.GenerateResponse:
         """Run a request to completion.
 
@@ -178,7 +230,7 @@ class TandemService:
         """
         response = generate_pb2.GenerateResponse()
         text: list[str] = []
-        with closing(self.stream(message)) as chunks:
+        with closing(self.stream(message, caller)) as chunks:
             for chunk in chunks:
                 response.request_id = chunk.request_id
                 response.token_ids.extend(chunk.token_ids)
@@ -193,15 +245,29 @@ class TandemService:
         return response
 
     def stream(
-        self, message: generate_pb2.GenerateRequest
+        self, message: generate_pb2.GenerateRequest, caller: Caller = ANONYMOUS_CALL
     ) -> Generator[generate_pb2.GenerateChunk, None, None]:
         """Chunks as tokens are committed; the last one has finish reason, usage and stats.
 
-        The request is validated here, before the first chunk is asked for. Closing the
-        returned generator early frees the request's sessions.
+        The caller is authenticated and the request validated here, before the first chunk is
+        asked for; limits that free up with time (the tenant's quotas, the router's queue) are
+        checked when the first chunk is. Closing the returned generator early frees the
+        request's sessions.
         """
-        request, pipelined = self.to_request(message)
-        return self._chunks(request, pipelined, _new_request_id())
+        tenant = self.tenants.authenticate(caller.authorization)
+        request, pipelined = self.to_request(message, caller.deadline)
+        self.tenants.check(tenant, request.max_tokens)
+        return self._admitted(tenant, request, pipelined, _new_request_id())
+
+    def cancel(self, message: generate_pb2.CancelRequest, caller: Caller = ANONYMOUS_CALL) -> None:
+        """Cancel one of the caller's running requests (NOT_FOUND for anyone else's)."""
+        tenant = self.tenants.authenticate(caller.authorization)
+        self.requests.cancel(message.request_id, tenant.name)
+
+    def usage(self, caller: Caller = ANONYMOUS_CALL) -> generate_pb2.TenantUsage:
+        """The caller's own usage counters."""
+        tenant = self.tenants.authenticate(caller.authorization)
+        return generate_pb2.TenantUsage(tenant=tenant.name, **vars(self.tenants.usage(tenant)))
 
     def _prompt_tokens(self, message: generate_pb2.GenerateRequest) -> tuple[int, ...]:
         which = message.WhichOneof("prompt")
@@ -218,8 +284,33 @@ class TandemService:
             return tuple(message.token_ids.ids)
         raise InvalidArgumentError("prompt is missing: set text or token_ids")
 
+    def _admitted(
+        self, tenant: Tenant, request: GenerationRequest, pipelined: bool, request_id: str
+    ) -> Generator[generate_pb2.GenerateChunk, None, None]:
+        """The request's chunks once its tenant's limits and the router's queue let it run."""
+        self.tenants.start(tenant)
+        try:
+            try:
+                self.admission.enter(tenant.name, tenant.config.weight, request.deadline)
+            except TandemError:
+                self.tenants.refused(tenant)
+                raise
+            try:
+                with self.requests.running(request_id, tenant.name) as cancelled:
+                    self.tenants.charge(tenant, prompt=len(request.prompt_tokens))
+                    yield from self._chunks(tenant, request, pipelined, request_id, cancelled)
+            finally:
+                self.admission.leave(tenant.name)
+        finally:
+            self.tenants.finish(tenant)
+
     def _chunks(
-        self, request: GenerationRequest, pipelined: bool, request_id: str
+        self,
+        tenant: Tenant,
+        request: GenerationRequest,
+        pipelined: bool,
+        request_id: str,
+        cancelled: threading.Event,
     ) -> Generator[generate_pb2.GenerateChunk, None, None]:
         stats = SpeculationStats()
         chunks = self._router.stream(request, stats, pipelined=pipelined)
@@ -227,9 +318,15 @@ class TandemService:
         try:
             for chunk in chunks:
                 num_generated += len(chunk.tokens)
+                self.tenants.charge(tenant, generated=len(chunk.tokens))
+                if cancelled.is_set() and chunk.finish_reason is None:
+                    chunk = dataclasses.replace(chunk, finish_reason=FinishReason.CANCELLED)
                 yield self._chunk_to_proto(chunk, request, request_id, stats, num_generated)
+                if chunk.finish_reason is not None:
+                    return
         finally:
             _close(chunks)
+            self.tenants.charge(tenant, drafted=stats.num_drafted, accepted=stats.num_accepted)
 
     @staticmethod
     def _chunk_to_proto(

@@ -44,6 +44,16 @@ class TandemStub:
                 request_serializer=protos_dot_generate__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_generate__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/tandem.v1.Tandem/Cancel',
+                request_serializer=protos_dot_generate__pb2.CancelRequest.SerializeToString,
+                response_deserializer=protos_dot_generate__pb2.CancelResponse.FromString,
+                _registered_method=True)
+        self.GetUsage = channel.unary_unary(
+                '/tandem.v1.Tandem/GetUsage',
+                request_serializer=protos_dot_generate__pb2.UsageRequest.SerializeToString,
+                response_deserializer=protos_dot_generate__pb2.TenantUsage.FromString,
+                _registered_method=True)
 
 
 class TandemServicer:
@@ -63,6 +73,22 @@ class TandemServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Cancel(self, request, context):
+        """Cancels one of the caller's running requests: its stream ends with
+        FINISH_REASON_CANCELLED. Another tenant's request id is NOT_FOUND, exactly
+        like an unknown one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetUsage(self, request, context):
+        """The caller's own usage counters (never another tenant's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TandemServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +101,16 @@ def add_TandemServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=protos_dot_generate__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_generate__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=protos_dot_generate__pb2.CancelRequest.FromString,
+                    response_serializer=protos_dot_generate__pb2.CancelResponse.SerializeToString,
+            ),
+            'GetUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUsage,
+                    request_deserializer=protos_dot_generate__pb2.UsageRequest.FromString,
+                    response_serializer=protos_dot_generate__pb2.TenantUsage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +167,60 @@ class Tandem:
             '/tandem.v1.Tandem/GenerateStream',
             protos_dot_generate__pb2.GenerateRequest.SerializeToString,
             protos_dot_generate__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Tandem/Cancel',
+            protos_dot_generate__pb2.CancelRequest.SerializeToString,
+            protos_dot_generate__pb2.CancelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Tandem/GetUsage',
+            protos_dot_generate__pb2.UsageRequest.SerializeToString,
+            protos_dot_generate__pb2.TenantUsage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,6 +18,7 @@ from cluster.cli_generate import JSON_KEYS
 from cluster.grpc_ingress import serve_local
 from cluster.local import LocalTandem
 from cluster.service import TandemService
+from cluster.tenants import Tenants
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BASE = ["generate", "--local", "--preset", "tiny", "--max-tokens", "24"]
@@ -31,7 +32,11 @@ def run_json(capsys: pytest.CaptureFixture[str], *flags: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def address(local_tandem: LocalTandem) -> Iterator[str]:
-    server, port = serve_local(TandemService(local_tandem.router, local_tandem.tokenizer))
+    server, port = serve_local(
+        TandemService(
+            local_tandem.router, local_tandem.tokenizer, tenants=Tenants.unauthenticated()
+        )
+    )
     yield f"127.0.0.1:{port}"
     server.stop(None)
 

@@ -23,6 +23,7 @@ from cluster.grpc_ingress import TandemServicer, serve_local
 from cluster.local import LocalTandem
 from cluster.request import GenerationRequest
 from cluster.service import TandemService
+from cluster.tenants import Tenants
 from protos import generate_pb2_grpc
 from tests.conftest import CODE_PROMPT
 
@@ -36,7 +37,9 @@ than a long request's full run, so freeing in time means the server stopped earl
 
 @pytest.fixture(scope="module")
 def address(local_tandem: LocalTandem) -> Iterator[str]:
-    service = TandemService(local_tandem.router, local_tandem.tokenizer)
+    service = TandemService(
+        local_tandem.router, local_tandem.tokenizer, tenants=Tenants.unauthenticated()
+    )
     server, port = serve_local(service)
     yield f"127.0.0.1:{port}"
     server.stop(None)
@@ -240,7 +243,9 @@ class _MetadataRecorder(grpc.ServerInterceptor):  # type: ignore[misc]
 def test_metadata_and_application_go_with_every_call(local_tandem: LocalTandem) -> None:
     recorder = _MetadataRecorder()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), interceptors=[recorder])
-    service = TandemService(local_tandem.router, local_tandem.tokenizer)
+    service = TandemService(
+        local_tandem.router, local_tandem.tokenizer, tenants=Tenants.unauthenticated()
+    )
     generate_pb2_grpc.add_TandemServicer_to_server(TandemServicer(service), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

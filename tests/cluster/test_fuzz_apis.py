@@ -3,7 +3,8 @@ garbage bytes gets a precise status (never INTERNAL or UNKNOWN), and the servers
 
 Over real loopback gRPC: a drafter and a verifier replica server (with the cluster secret,
 and calls that carry it, so the fuzz reaches the handlers) and the public API on a plain gRPC
-server over the in-process router. Counts per status are printed (`pytest -s`) for the record.
+server over the in-process router, with one tenant whose key most calls carry (the rest carry
+none, or a made-up one). Counts per status are printed (`pytest -s`) for the record.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from cluster.grpc_ingress import serve_local
 from cluster.local import LocalTandem
 from cluster.service import ServiceConfig, TandemService
+from cluster.tenants import AuthConfig, TenantConfig, Tenants, hash_api_key, new_api_key
 from drafter.drafter import Drafter
 from drafter.servicer import serve_drafter
 from protos import generate_pb2, generate_pb2_grpc, replica_pb2, replica_pb2_grpc, sampling_pb2
@@ -32,8 +34,11 @@ from verifier.verifier import Verifier
 
 SECRET = "fuzz-secret-0123456789"
 AUTH = ((SECRET_METADATA_KEY, SECRET),)
-EXAMPLES = 700  # per test; six tests
+EXAMPLES = 700  # per test; seven tests
+KEY = new_api_key()
 PRECISE = {
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.OK,
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.NOT_FOUND,
@@ -59,6 +64,18 @@ token_lists = st.one_of(
     st.just([1] * 5000),  # past every context limit
 )
 garbage = st.binary(min_size=1, max_size=200)
+printable = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=60)
+authorizations = st.one_of(
+    st.just(f"Bearer {KEY}"),
+    st.just(f"Bearer {KEY}"),
+    st.none(),
+    printable,
+    printable.map(lambda key: f"Bearer {key}"),
+)
+
+
+def _metadata(authorization: str | None) -> tuple[tuple[str, str], ...]:
+    return () if authorization is None else (("authorization", authorization),)
 
 
 @st.composite
@@ -75,12 +92,15 @@ def samplings(draw: st.DrawFn) -> sampling_pb2.SamplingParams:
 
 @st.composite
 def open_requests(draw: st.DrawFn) -> replica_pb2.OpenSessionRequest:
-    return replica_pb2.OpenSessionRequest(
+    message = replica_pb2.OpenSessionRequest(
         session_id=draw(session_ids),
         prompt_token_ids=draw(token_lists),
         sampling=draw(samplings()),
         seed=draw(uint64s),
     )
+    if draw(st.booleans()):
+        message.time_limit_ms = draw(uint32s)
+    return message
 
 
 @st.composite
@@ -154,7 +174,12 @@ def servers(
     drafter_server, drafter_port = serve_drafter(Drafter(tiny_draft), secret=SECRET)
     verifier_server, verifier_port = serve_verifier(Verifier(tiny_target), secret=SECRET)
     service = TandemService(
-        local_tandem.router, tiny_target.tokenizer, ServiceConfig(max_tokens_limit=8)
+        local_tandem.router,
+        tiny_target.tokenizer,
+        ServiceConfig(max_tokens_limit=10),
+        tenants=Tenants(
+            AuthConfig(tenants=(TenantConfig("fuzz", hash_api_key(KEY), max_tokens_per_request=8),))
+        ),
     )
     public_server, public_port = serve_local(service)
     channels = [
@@ -242,24 +267,51 @@ def test_replicas_answer_garbage_bytes_precisely(
 
 
 @FUZZ
-@given(request=generate_requests(), streaming=st.booleans())
+@given(request=generate_requests(), streaming=st.booleans(), authorization=authorizations)
 def test_public_api_answers_malformed_requests_precisely(
-    servers: Servers, request: generate_pb2.GenerateRequest, streaming: bool
+    servers: Servers,
+    request: generate_pb2.GenerateRequest,
+    streaming: bool,
+    authorization: str | None,
 ) -> None:
     stub = generate_pb2_grpc.TandemStub(servers.public)
+    metadata = _metadata(authorization)
     if streaming:
-        _record("public.GenerateStream", lambda: stub.GenerateStream(request, timeout=60))
+        _record(
+            "public.GenerateStream",
+            lambda: stub.GenerateStream(request, timeout=60, metadata=metadata),
+        )
     else:
-        _record("public.Generate", lambda: stub.Generate(request, timeout=60))
+        _record("public.Generate", lambda: stub.Generate(request, timeout=60, metadata=metadata))
 
 
 @FUZZ
-@given(streaming=st.booleans(), payload=garbage)
-def test_public_api_answers_garbage_bytes_precisely(
-    servers: Servers, streaming: bool, payload: bytes
+@given(request_id=st.one_of(st.text(max_size=40), printable), authorization=authorizations)
+def test_cancel_and_usage_answer_anything_precisely(
+    servers: Servers, request_id: str, authorization: str | None
 ) -> None:
-    method = "/tandem.v1.Tandem/" + ("GenerateStream" if streaming else "Generate")
-    _record("public bytes", lambda: _raw(servers.public, method, streaming)(payload, timeout=60))
+    stub = generate_pb2_grpc.TandemStub(servers.public)
+    metadata = _metadata(authorization)
+    cancel = generate_pb2.CancelRequest(request_id=request_id)
+    _record("public.Cancel", lambda: stub.Cancel(cancel, timeout=30, metadata=metadata))
+    usage = generate_pb2.UsageRequest()
+    _record("public.GetUsage", lambda: stub.GetUsage(usage, timeout=30, metadata=metadata))
+
+
+PUBLIC_METHODS = [
+    ("/tandem.v1.Tandem/" + method, method == "GenerateStream")
+    for method in ("Generate", "GenerateStream", "Cancel", "GetUsage")
+]
+
+
+@FUZZ
+@given(method=st.sampled_from(PUBLIC_METHODS), payload=garbage, authorization=authorizations)
+def test_public_api_answers_garbage_bytes_precisely(
+    servers: Servers, method: tuple[str, bool], payload: bytes, authorization: str | None
+) -> None:
+    call = _raw(servers.public, *method)
+    metadata = _metadata(authorization)
+    _record("public bytes", lambda: call(payload, timeout=60, metadata=metadata))
 
 
 def test_after_the_fuzz_everything_still_serves_exactly(
@@ -268,7 +320,9 @@ def test_after_the_fuzz_everything_still_serves_exactly(
     prompt, expected = next(iter(target_only.items()))
     request = generate_pb2.GenerateRequest(max_tokens=8)
     request.token_ids.ids.extend(encode(local_tandem, prompt))
-    response = generate_pb2_grpc.TandemStub(servers.public).Generate(request, timeout=60)
+    response = generate_pb2_grpc.TandemStub(servers.public).Generate(
+        request, timeout=60, metadata=_metadata(f"Bearer {KEY}")
+    )
     assert tuple(response.token_ids) == expected[:8]
     for channel, stub_class in (
         (servers.drafter, replica_pb2_grpc.DrafterStub),

@@ -1,7 +1,7 @@
 """The disaggregated service on a real local Ray cluster, started as a user starts it.
 
-One service per test session: `tandem serve --preset tiny --drafters 2 --verifiers 2 --detach`
-in its own TANDEM_HOME and on free ports, stopped by `tandem shutdown` at the end. Requests go
+The session's one service (`service`, tests/cluster/conftest.py): `tandem serve --preset tiny
+--drafters 2 --verifiers 2 --detach` in its own TANDEM_HOME and on free ports. Requests go
 through Serve's gRPC proxy to the Router deployment, and blocks over direct gRPC to the
 drafter and verifier replicas. Replica session counts are read straight from the replicas'
 Stats RPC (exact, no heartbeat lag), at the addresses `tandem status --json` reports, with
@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,86 +26,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.client import TandemClient
 from cluster.client_types import TandemClientError
-from cluster.config import CLUSTER_SECRET_ENV
 from cluster.demo import format_report, run_demo
 from cluster.local import LocalTandem
-from cluster.local_cluster import cluster_processes, free_port
+from cluster.local_cluster import cluster_processes
 from cluster.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.request import GenerationRequest
+from tests.cluster.conftest import (
+    MAX_TOKENS,
+    TANDEM,
+    live_replicas,
+    replica_sessions,
+    wait_until_no_sessions,
+)
 from tests.conftest import PROMPTS
 from verifier.errors import ClusterSecretError
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-TANDEM = str(Path(sys.executable).with_name("tandem"))
-SERVE_TIMEOUT_S = 300
-MAX_TOKENS = 32
-
-
-@pytest.fixture(scope="session")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
-    home = Path("/tmp") / f"tandem-test-{os.getpid()}"  # short: Ray's socket paths are limited
-    # The service settles its own cluster secret in its home (none from the environment).
-    env = {k: v for k, v in os.environ.items() if k != CLUSTER_SECRET_ENV}
-    env["TANDEM_HOME"] = str(home)
-    port = free_port()
-    started = time.monotonic()
-    serve = subprocess.run(
-        # Fixed rounds (no adaptive plan, no lookup): the tests count blocks and pipeline hits.
-        [TANDEM, "serve", "--preset", "tiny", "--drafters", "2", "--verifiers", "2",
-         "--no-adaptive-draft", "--no-prompt-lookup", "--port", str(port), "--detach"],
-        env=env, capture_output=True, text=True, timeout=SERVE_TIMEOUT_S, check=False,
-    )  # fmt: skip
-    cold_start_s = time.monotonic() - started
-    try:
-        assert serve.returncode == 0, serve.stderr[-3000:]
-        address = f"127.0.0.1:{port}"
-        assert f"serving tandem.v1.Tandem on {address}" in serve.stdout
-        status = subprocess.run(
-            [TANDEM, "status", "--json"], env=env, capture_output=True, text=True,
-            timeout=120, check=True,
-        )  # fmt: skip
-        yield {
-            "address": address,
-            "env": env,
-            "home": home,
-            "status": json.loads(status.stdout),
-            "cold_start_s": cold_start_s,
-            "secret": (home / "cluster_secret").read_text(),
-        }
-    finally:
-        down = subprocess.run(
-            [TANDEM, "shutdown"], env=env, capture_output=True, text=True, timeout=180,
-            check=False,
-        )  # fmt: skip
-        assert down.returncode == 0, down.stderr[-3000:]
-        # Every process of the cluster is gone, Ray's retitled agents included.
-        assert cluster_processes(str(home / "ray")) == []
-
-
-@pytest.fixture(scope="session")
-def client(service: dict[str, object]) -> Iterator[TandemClient]:
-    with TandemClient(str(service["address"]), timeout_s=120) as c:
-        yield c
-
-
-def replica_sessions(service: dict[str, object]) -> dict[str, int]:
-    """Open sessions per replica, asked of each replica directly."""
-    counts = {}
-    for replica in service["status"]["replicas"]:  # type: ignore[index]
-        kind = GrpcDrafter if replica["side"] == "drafter" else GrpcVerifier
-        with kind(replica["address"], timeout_s=10, secret=service["secret"]) as port:
-            counts[replica["replica_id"]] = port.stats().num_sessions
-    return counts
-
-
-def wait_until_no_sessions(service: dict[str, object], timeout_s: float = 30) -> dict[str, int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        counts = replica_sessions(service)
-        if not any(counts.values()) or time.monotonic() > deadline:
-            return counts
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -359,16 +294,6 @@ def test_loadtest_compares_speculation_with_the_target_alone(
 # Last in this module: they kill replica processes (Serve starts new ones).
 
 KILL_TOKENS = 400
-
-
-def live_replicas(service: dict[str, object], side: str) -> list[dict[str, object]]:
-    """The registry's live replicas of `side` now (not the fixture's first reading)."""
-    status = subprocess.run(
-        [TANDEM, "status", "--json"], env=service["env"], capture_output=True, text=True,  # type: ignore[arg-type]
-        timeout=120, check=True,
-    )  # fmt: skip
-    replicas: list[dict[str, object]] = json.loads(status.stdout)["replicas"]
-    return [r for r in replicas if r["side"] == side]
 
 
 def sessions_on(service: dict[str, object], replica: dict[str, object]) -> int:

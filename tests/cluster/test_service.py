@@ -22,6 +22,7 @@ from cluster.service import (
     stats_from_proto,
     stats_to_proto,
 )
+from cluster.tenants import Tenants
 from protos import generate_pb2, sampling_pb2
 from tests.conftest import CODE_PROMPT
 from verifier.errors import (
@@ -38,7 +39,9 @@ LIMIT = 100
 @pytest.fixture(scope="module")
 def service(local_tandem: LocalTandem) -> TandemService:
     config = ServiceConfig(default_draft_tokens=3, default_pipelined=False, max_tokens_limit=LIMIT)
-    return TandemService(local_tandem.router, local_tandem.tokenizer, config)
+    return TandemService(
+        local_tandem.router, local_tandem.tokenizer, config, tenants=Tenants.unauthenticated()
+    )
 
 
 def request(

@@ -179,7 +179,12 @@ def _method_names(descriptor_file: FileDescriptor, service: str) -> list[str]:
 
 
 def test_services_have_expected_methods() -> None:
-    assert _method_names(generate_pb2.DESCRIPTOR, "Tandem") == ["Generate", "GenerateStream"]
+    assert _method_names(generate_pb2.DESCRIPTOR, "Tandem") == [
+        "Generate",
+        "GenerateStream",
+        "Cancel",
+        "GetUsage",
+    ]
     assert _method_names(replica_pb2.DESCRIPTOR, "Drafter") == [
         "OpenSession",
         "Draft",
