@@ -2,8 +2,10 @@
 
 Drafter, Verifier and Router (the ingress) are separate deployments, each with its own replica
 count and `ray_actor_options`, so the two sides can land on different node types and scale
-apart. The deployments are thin shells over plain classes; `serve.deployment` is applied here,
-from outside. `app_builder` is the import path for Serve config files (`serve deploy`).
+apart: with `autoscaling.enabled`, Serve scales a side on the load its replicas report, by the
+policy in cluster/autoscaling.py. The deployments are thin shells over plain classes;
+`serve.deployment` is applied here, from outside. `app_builder` is the import path for Serve
+config files (`serve deploy`).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from cluster.config import TandemConfig
+from cluster.config import ReplicaGroupConfig, TandemConfig
 from cluster.ingress import MAX_CONCURRENT_REQUESTS, RouterIngress
 from cluster.registry import ensure_registry, registry_name
 from drafter.deployment import DrafterReplica
 from verifier.deployment import VerifierReplica
+from verifier.errors import InvalidArgumentError
+from verifier.replica_host import DEREGISTER_TIMEOUT_S, DRAIN_TIMEOUT_S, SHUTDOWN_GRACE_S
 
 GRPC_SERVICER_FUNCTIONS = (
     "protos.generate_pb2_grpc.add_TandemServicer_to_server",
@@ -25,13 +29,27 @@ GRPC_SERVICER_FUNCTIONS = (
 )
 """What Serve's gRPC proxy must serve: the public API and the standard health service."""
 HEALTH_CHECK_PERIOD_S = 5.0
-# Sessions pinned to a replica that is shutting down get this long to finish.
-GRACEFUL_SHUTDOWN_S = 30.0
+GRACEFUL_SHUTDOWN_S = DEREGISTER_TIMEOUT_S + DRAIN_TIMEOUT_S + SHUTDOWN_GRACE_S + 3.0
+"""How long Serve lets a stopping replica take: to leave the registry, let its sessions end
+(drain), and stop its server, with a margin; then Serve kills it."""
+
+
+def replica_count(group: ReplicaGroupConfig) -> dict[str, Any]:
+    """`serve.deployment` options that set a drafter or verifier group's size: fixed, or scaled
+    on load (Serve then forbids `num_replicas`)."""
+    if group.autoscaling.enabled:
+        return {"autoscaling_config": group.autoscaling.serve_options()}
+    return {"num_replicas": group.num_replicas}
 
 
 def build_app(config: TandemConfig) -> Application:
     """Bind the three deployments of `config` into one application (needs a Ray connection)."""
     config.auth.check_usable()
+    if config.router.autoscaling.enabled:
+        raise InvalidArgumentError(
+            "router.autoscaling: only drafters and verifiers scale on load; size the router "
+            "with router.num_replicas"
+        )
     ensure_registry(config.app_name)
     registry = registry_name(config.app_name)
     pair = config.models.pair()
@@ -39,7 +57,7 @@ def build_app(config: TandemConfig) -> Application:
     config = config.with_cluster_secret()
     drafter = serve.deployment(
         name="Drafter",
-        num_replicas=config.drafter.num_replicas,
+        **replica_count(config.drafter),
         ray_actor_options=config.drafter.ray_actor_options(),
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
@@ -53,7 +71,7 @@ def build_app(config: TandemConfig) -> Application:
     )
     verifier = serve.deployment(
         name="Verifier",
-        num_replicas=config.verifier.num_replicas,
+        **replica_count(config.verifier),
         ray_actor_options=config.verifier.ray_actor_options(),
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,

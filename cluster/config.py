@@ -15,6 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from cluster.autoscaling import (
+    DEFAULT_TARGET_BUSY,
+    DEFAULT_TARGET_SESSIONS,
+    POLICY_PATH,
+    check_targets,
+)
 from cluster.draft_length import DraftLengthConfig
 from cluster.presets import DEFAULT_PRESET, ModelPair, resolve_pair
 from cluster.service import ServiceConfig
@@ -26,6 +32,80 @@ from verifier.verifier import VerifierConfig
 
 DEFAULT_APP_NAME = "tandem"
 DEFAULT_GRPC_PORT = 9000
+
+
+@dataclass(frozen=True)
+class AutoscalingConfig:
+    """Serve autoscaling of one side on the load its replicas report (cluster/autoscaling.py):
+    enough replicas that neither open sessions nor busy fraction per replica exceeds its
+    target. Off by default: the group runs `num_replicas`. On, Serve starts `min_replicas` and
+    `num_replicas` is not used."""
+
+    enabled: bool = False
+    min_replicas: int = 1
+    """At least 1: a side with no replica has no load to report, so nothing would scale it up."""
+    max_replicas: int = 4
+    target_sessions: float = DEFAULT_TARGET_SESSIONS
+    """Open sessions per replica (each holds a KV cache)."""
+    target_busy: float = DEFAULT_TARGET_BUSY
+    """Share of time each replica's model spends computing, in (0, 1]."""
+    upscale_delay_s: float = 10.0
+    """How long more replicas must be wanted before they are started."""
+    downscale_delay_s: float = 120.0
+    """How long fewer replicas must be wanted before one is stopped (it drains first)."""
+    look_back_period_s: float = 30.0
+    """Window over which Serve averages each replica's reported load (Serve's default)."""
+    metrics_interval_s: float = 10.0
+    """How often replicas push their load to Serve's controller, less than look_back_period_s
+    (Serve's default; lower both for a faster reaction)."""
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 1:
+            raise InvalidArgumentError(
+                f"autoscaling.min_replicas must be >= 1, got {self.min_replicas}"
+            )
+        if self.max_replicas < self.min_replicas:
+            raise InvalidArgumentError(
+                f"autoscaling.max_replicas ({self.max_replicas}) must be >= min_replicas "
+                f"({self.min_replicas})"
+            )
+        try:
+            check_targets(self.target_sessions, self.target_busy)
+        except ValueError as error:
+            raise InvalidArgumentError(f"autoscaling.{error}") from error
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            if not getattr(self, name) >= 0:
+                raise InvalidArgumentError(
+                    f"autoscaling.{name} must be >= 0, got {getattr(self, name)}"
+                )
+        for name in ("look_back_period_s", "metrics_interval_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgumentError(
+                    f"autoscaling.{name} must be > 0, got {getattr(self, name)}"
+                )
+        if not self.look_back_period_s > self.metrics_interval_s:
+            raise InvalidArgumentError(
+                f"autoscaling.look_back_period_s ({self.look_back_period_s}) must be greater "
+                f"than metrics_interval_s ({self.metrics_interval_s})"
+            )
+
+    def serve_options(self) -> dict[str, Any]:
+        """Serve's `autoscaling_config` for the deployment."""
+        return {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+            "look_back_period_s": self.look_back_period_s,
+            "metrics_interval_s": self.metrics_interval_s,
+            "policy": {
+                "policy_function": POLICY_PATH,
+                "policy_kwargs": {
+                    "target_sessions": self.target_sessions,
+                    "target_busy": self.target_busy,
+                },
+            },
+        }
 
 
 @dataclass(frozen=True)
@@ -46,6 +126,8 @@ class ReplicaGroupConfig:
     cpus: list[int] = field(default_factory=list)
     """CPU ids every replica of this group is pinned to (empty: not pinned). On one machine,
     e.g. [0] for drafters and [1] for verifiers gives each side a core of its own."""
+    autoscaling: AutoscalingConfig = field(default_factory=AutoscalingConfig)
+    """Drafters and verifiers only: scale this group on its replicas' load."""
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:

@@ -1,7 +1,8 @@
 """The drafter replica as a Serve deployment body (the app builder applies `serve.deployment`).
 
 A thin shell: load the draft model, build the `Drafter`, serve it over gRPC on its own port and
-heartbeat to the registry. Serve only places it, restarts it and checks its health.
+heartbeat to the registry. Serve places it, restarts it, checks its health, scales it on
+the load it reports (`record_autoscaling_stats`) and, when it stops it, lets it drain.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from drafter.drafter import Drafter, DrafterConfig
 from drafter.servicer import DrafterServicer
 from protos import replica_pb2_grpc
 from verifier.models import ModelSpec, load_model
-from verifier.replica_host import ReplicaShell, place_threads
+from verifier.replica_host import ReplicaShell, kv_cache_bytes_per_token, place_threads
 
 
 class DrafterReplica(ReplicaShell):
@@ -28,7 +29,8 @@ class DrafterReplica(ReplicaShell):
     ) -> None:
         """`secret`: the cluster's shared secret; the replica serves only calls carrying it."""
         place_threads(torch_threads, cpus)
-        self.drafter = Drafter(load_model(model), config)
+        loaded = load_model(model)
+        self.drafter = Drafter(loaded, config)
         servicer = DrafterServicer(self.drafter)
         self._serve(
             "drafter",
@@ -38,4 +40,5 @@ class DrafterReplica(ReplicaShell):
             bind_host,
             secret,
             self.drafter.evict_idle,
+            kv_cache_bytes_per_token(loaded.model),
         )

@@ -1,7 +1,8 @@
 """The verifier replica as a Serve deployment body (the app builder applies `serve.deployment`).
 
 A thin shell: load the target, build the `Verifier`, serve it over gRPC on its own port and
-heartbeat to the registry. Serve only places it, restarts it and checks its health.
+heartbeat to the registry. Serve places it, restarts it, checks its health, scales it on
+the load it reports (`record_autoscaling_stats`) and, when it stops it, lets it drain.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 
 from protos import replica_pb2_grpc
 from verifier.models import ModelSpec, load_model
-from verifier.replica_host import ReplicaShell, place_threads
+from verifier.replica_host import ReplicaShell, kv_cache_bytes_per_token, place_threads
 from verifier.servicer import VerifierServicer
 from verifier.verifier import Verifier, VerifierConfig
 
@@ -28,7 +29,8 @@ class VerifierReplica(ReplicaShell):
     ) -> None:
         """`secret`: the cluster's shared secret; the replica serves only calls carrying it."""
         place_threads(torch_threads, cpus)
-        self.verifier = Verifier(load_model(model), config)
+        loaded = load_model(model)
+        self.verifier = Verifier(loaded, config)
         servicer = VerifierServicer(self.verifier)
         self._serve(
             "verifier",
@@ -38,4 +40,5 @@ class VerifierReplica(ReplicaShell):
             bind_host,
             secret,
             self.verifier.evict_idle,
+            kv_cache_bytes_per_token(loaded.model),
         )

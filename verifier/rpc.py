@@ -21,7 +21,7 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any, NoReturn, TypeVar
 
@@ -178,6 +178,7 @@ def start_server(
     max_workers: int = DEFAULT_MAX_WORKERS,
     secret: str | None = None,
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> tuple[grpc.Server, int]:
     """Start an insecure gRPC server with the servicers `add_servicer` registers on it.
 
@@ -192,7 +193,11 @@ def start_server(
         raise ValueError(f"max_concurrent_rpcs must be >= 1, got {max_concurrent_rpcs}")
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="replica-rpc"),
-        interceptors=[*([SecretCheck(secret)] if secret is not None else []), ParseCheck()],
+        interceptors=[
+            *([SecretCheck(secret)] if secret is not None else []),
+            ParseCheck(),
+            *interceptors,
+        ],
         options=[*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)],
         maximum_concurrent_rpcs=max_concurrent_rpcs,
     )

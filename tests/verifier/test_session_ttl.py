@@ -12,7 +12,7 @@ from verifier.errors import InvalidArgumentError, ResourceExhaustedError, Sessio
 from verifier.models import LoadedModel
 from verifier.replica_host import ReplicaHost
 from verifier.sampling import SamplingParams
-from verifier.session import SessionTable
+from verifier.session import ReplicaStats, SessionTable
 from verifier.verifier import Verifier, VerifierConfig
 
 PROMPT = [5, 6, 7, 8]
@@ -105,8 +105,8 @@ def test_the_replica_host_sweeps_every_second_without_a_registry() -> None:
     host = ReplicaHost(
         side="verifier",
         add_servicer=lambda server: None,
-        stats=lambda: None,  # type: ignore[arg-type,return-value]
-        registry_name=None,
+        stats=lambda: ReplicaStats(num_sessions=0, num_cached_tokens=0),
+        registry=None,
         host="127.0.0.1",
         secret="0123456789abcdef",
         evict_idle=evict_idle,
