@@ -1,0 +1,297 @@
+"""The Kubernetes deployment, checked without Kubernetes or Docker: the RayService manifest
+(deploy/kuberay/rayservice.yaml), the local Serve config (deploy/serve-local.yaml) and the
+Dockerfile every pod runs.
+
+Each check uses the parser the real system runs, where one is importable: Ray's
+`ServeDeploySchema` (what `serve deploy` and KubeRay's operator hand to Serve), Serve's
+`AutoscalingConfig` (which imports the policy), `TandemConfig.from_dict` (what `app_builder`
+does with `args`), and the Ray autoscaler's own reading of a KubeRay worker group (its Ray
+resources, from rayStartParams and the container limits). KubeRay's CRD is not available here:
+the manifest's field names are checked against KubeRay's API reference (v1.6), copied below.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import shlex
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import yaml
+from ray.autoscaler._private.kuberay.autoscaling_config import _get_ray_resources_from_group_spec
+from ray.serve.config import AutoscalingConfig
+from ray.serve.schema import ServeDeploySchema
+from ray.util import accelerators
+
+from cluster.app import GRPC_SERVICER_FUNCTIONS, app_builder
+from cluster.config import CLUSTER_SECRET_ENV, TandemConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RAYSERVICE = REPO_ROOT / "deploy" / "kuberay" / "rayservice.yaml"
+SERVE_LOCAL = REPO_ROOT / "deploy" / "serve-local.yaml"
+DOCKERFILE = REPO_ROOT / "Dockerfile"
+DOCKERIGNORE = REPO_ROOT / ".dockerignore"
+GRPC_PORT = 9000
+SIDES = ("router", "drafter", "verifier")
+DEPLOYMENTS = {"router": "Router", "drafter": "Drafter", "verifier": "Verifier"}
+POLICY_PATH = "cluster.autoscaling:scale_on_load"
+
+# Field names of KubeRay's ray.io/v1 types (API reference, v1.6), for the fields this manifest
+# may use: a misspelt or invented field is dropped by the API server without a word.
+RAYSERVICE_SPEC_FIELDS = {
+    "serveConfigV2", "rayClusterConfig", "serveService", "upgradeStrategy",
+    "excludeHeadPodFromServeSvc", "rayClusterDeletionDelaySeconds",
+}  # fmt: skip
+RAYCLUSTER_SPEC_FIELDS = {
+    "rayVersion", "enableInTreeAutoscaling", "autoscalerOptions", "authOptions",
+    "gcsFaultToleranceOptions", "headGroupSpec", "workerGroupSpecs", "headServiceAnnotations",
+    "suspend", "managedBy",
+}  # fmt: skip
+HEAD_GROUP_FIELDS = {"template", "headService", "enableIngress", "rayStartParams", "serviceType"}
+WORKER_GROUP_FIELDS = {
+    "groupName", "replicas", "minReplicas", "maxReplicas", "idleTimeoutSeconds",
+    "rayStartParams", "template", "scaleStrategy", "numOfHosts", "suspend",
+}  # fmt: skip
+AUTH_OPTIONS_FIELDS = {"mode", "secretName", "enableK8sTokenAuth"}
+GCS_FT_FIELDS = {"redisAddress", "redisPassword", "redisUsername", "externalStorageNamespace"}
+AUTOSCALER_OPTIONS_FIELDS = {
+    "resources", "image", "imagePullPolicy", "securityContext", "idleTimeoutSeconds",
+    "upscalingMode", "env", "envFrom", "volumeMounts",
+}  # fmt: skip
+DEPRECATED_THRESHOLDS = {"serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"}
+
+
+def load_rayservice() -> dict[str, Any]:
+    documents = [d for d in yaml.safe_load_all(RAYSERVICE.read_text()) if d]
+    assert len(documents) == 1, "secrets are created apart (see the file's header)"
+    return dict(documents[0])
+
+
+def serve_config(rayservice: dict[str, Any]) -> dict[str, Any]:
+    return dict(yaml.safe_load(rayservice["spec"]["serveConfigV2"]))
+
+
+def the_app(config: dict[str, Any]) -> dict[str, Any]:
+    (app,) = config["applications"]
+    return dict(app)
+
+
+def groups(rayservice: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    return {group["groupName"]: group for group in cluster["workerGroupSpecs"]}
+
+
+def pod_specs(rayservice: dict[str, Any]) -> list[dict[str, Any]]:
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    heads = [cluster["headGroupSpec"]["template"]["spec"]]
+    return heads + [g["template"]["spec"] for g in cluster["workerGroupSpecs"]]
+
+
+@pytest.mark.parametrize("source", ["rayservice", "serve-local"])
+def test_serve_configs_pass_serves_schema_and_build_a_usable_tandem_config(source: str) -> None:
+    data = (
+        serve_config(load_rayservice())
+        if source == "rayservice"
+        else yaml.safe_load(SERVE_LOCAL.read_text())
+    )
+    schema = ServeDeploySchema.model_validate(data)
+    assert schema.grpc_options.port == GRPC_PORT
+    assert schema.grpc_options.grpc_servicer_functions == list(GRPC_SERVICER_FUNCTIONS)
+    app = the_app(data)
+    assert app["import_path"] == "cluster.app:app_builder" and callable(app_builder)
+    config = TandemConfig.from_dict(app["args"])
+    config.auth.check_usable()  # what build_app does first: someone can call the service
+    assert config.app_name == app["name"], "the registry is named after the Serve app"
+    assert config.grpc_port == schema.grpc_options.port
+    assert set(DEPLOYMENTS.values()) >= {d["name"] for d in app.get("deployments", [])}
+
+
+def test_the_local_config_says_that_authentication_is_off_and_why() -> None:
+    args = the_app(yaml.safe_load(SERVE_LOCAL.read_text()))["args"]
+    assert args["auth"] == {"enabled": False}
+    assert "local development only" in SERVE_LOCAL.read_text().lower()
+    assert TandemConfig.from_dict(args).models.preset == "tiny"
+
+
+def test_the_rayservice_serves_tenants_and_keeps_the_cluster_secret_out_of_the_manifest() -> None:
+    rayservice = load_rayservice()
+    args = the_app(serve_config(rayservice))["args"]
+    config = TandemConfig.from_dict(args)
+    assert config.auth.enabled and config.auth.tenants
+    assert "cluster_secret" not in args
+    for pod in pod_specs(rayservice):
+        env = {e["name"]: e for e in pod["containers"][0].get("env", [])}
+        assert env[CLUSTER_SECRET_ENV]["valueFrom"]["secretKeyRef"]["name"] == "tandem-secrets"
+    images = {pod["containers"][0]["image"] for pod in pod_specs(rayservice)}
+    assert len(images) == 1, "every group must run the same code and model paths"
+
+
+def test_drafters_and_verifiers_scale_on_load_with_a_policy_serve_can_instantiate() -> None:
+    app = the_app(serve_config(load_rayservice()))
+    overrides = {d["name"]: d for d in app["deployments"]}
+    for name in ("Drafter", "Verifier"):
+        autoscaling = AutoscalingConfig(**overrides[name]["autoscaling_config"])
+        assert autoscaling.policy.policy_function == POLICY_PATH
+        # Serve passes policy_kwargs only to a class, instantiated once (Ray 2.60's
+        # autoscaling_state._resolve_policy_callable): do what it does.
+        policy = autoscaling.policy.get_policy()
+        assert inspect.isclass(policy)
+        policy(**autoscaling.policy.policy_kwargs)
+        assert 1 <= autoscaling.min_replicas <= autoscaling.max_replicas
+    router = AutoscalingConfig(**overrides["Router"]["autoscaling_config"])
+    assert router.policy.is_default_policy_function()  # request-based: it is the ingress
+    assert (
+        router.get_target_ongoing_requests()
+        <= TandemConfig.from_dict(app["args"]).api.max_running_requests
+    )
+
+
+def test_each_side_fits_exactly_one_worker_group_with_its_own_accelerator() -> None:
+    rayservice = load_rayservice()
+    app = the_app(serve_config(rayservice))
+    config = TandemConfig.from_dict(app["args"])
+    overrides = {d["name"]: d for d in app["deployments"]}
+    resources = {
+        name: _get_ray_resources_from_group_spec(group, is_head=False)
+        for name, group in groups(rayservice).items()
+    }
+    head = _get_ray_resources_from_group_spec(
+        rayservice["spec"]["rayClusterConfig"]["headGroupSpec"], is_head=True
+    )
+    assert head["CPU"] == 0, "no replica on the head"
+    homes: dict[str, str] = {}
+    for side in SIDES:
+        options = getattr(config, side).ray_actor_options()
+        fits = [name for name, offered in resources.items() if _fits(options, offered)]
+        assert len(fits) == 1, f"{side} fits {fits}"
+        homes[side] = fits[0]
+        group = groups(rayservice)[fits[0]]
+        per_pod = min(resources[fits[0]][key] // amount for key, amount in _demand(options).items())
+        limits = AutoscalingConfig(**overrides[DEPLOYMENTS[side]]["autoscaling_config"])
+        assert limits.max_replicas <= group["maxReplicas"] * per_pod
+        assert limits.min_replicas <= group["minReplicas"] * per_pod
+    assert len(set(homes.values())) == len(SIDES)
+    gpu_sides = {side: getattr(config, side) for side in ("drafter", "verifier")}
+    known = {v for k, v in vars(accelerators).items() if k.startswith("NVIDIA_")}
+    assert {g.accelerator_type for g in gpu_sides.values()} <= known
+    assert gpu_sides["drafter"].accelerator_type != gpu_sides["verifier"].accelerator_type
+    selectors = [
+        groups(rayservice)[homes[side]]["template"]["spec"]["nodeSelector"] for side in gpu_sides
+    ]
+    assert selectors[0] != selectors[1]
+    for side in gpu_sides:
+        spec = groups(rayservice)[homes[side]]["template"]["spec"]
+        assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
+
+
+def _demand(options: dict[str, Any]) -> dict[str, float]:
+    """What one replica asks Ray for, as resource names (accelerator_type: as Ray spells it)."""
+    demand = {
+        "CPU": options["num_cpus"],
+        "GPU": options["num_gpus"],
+        **options.get("resources", {}),
+    }
+    if options.get("accelerator_type"):
+        demand[f"accelerator_type:{options['accelerator_type']}"] = 0.001
+    return {key: amount for key, amount in demand.items() if amount > 0}
+
+
+def _fits(options: dict[str, Any], offered: Mapping[str, float]) -> bool:
+    return all(offered.get(key, 0) >= amount for key, amount in _demand(options).items())
+
+
+def test_the_grpc_api_is_a_service_on_port_9000() -> None:
+    spec = load_rayservice()["spec"]
+    ports = spec["serveService"]["spec"]["ports"]
+    assert [(p["port"], p["targetPort"]) for p in ports] == [(GRPC_PORT, GRPC_PORT)]
+    head = spec["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert GRPC_PORT in {p["containerPort"] for p in head["ports"]}
+
+
+def test_ray_token_auth_gcs_fault_tolerance_and_the_ray_version() -> None:
+    cluster = load_rayservice()["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token", "secretName": "tandem-ray-token"}
+    ft = cluster["gcsFaultToleranceOptions"]
+    assert ft["redisAddress"].startswith("redis://")
+    assert ft["redisPassword"]["valueFrom"]["secretKeyRef"]["name"] == "tandem-redis"
+    assert cluster["rayVersion"] == ray.__version__
+    assert cluster["enableInTreeAutoscaling"] is True
+
+
+def test_the_manifest_uses_only_kuberay_fields() -> None:
+    rayservice = load_rayservice()
+    assert (rayservice["apiVersion"], rayservice["kind"]) == ("ray.io/v1", "RayService")
+    spec = rayservice["spec"]
+    assert set(spec) <= RAYSERVICE_SPEC_FIELDS and not set(spec) & DEPRECATED_THRESHOLDS
+    cluster = spec["rayClusterConfig"]
+    assert set(cluster) <= RAYCLUSTER_SPEC_FIELDS
+    assert set(cluster["headGroupSpec"]) <= HEAD_GROUP_FIELDS
+    assert all(set(group) <= WORKER_GROUP_FIELDS for group in cluster["workerGroupSpecs"])
+    assert set(cluster["authOptions"]) <= AUTH_OPTIONS_FIELDS
+    assert set(cluster["gcsFaultToleranceOptions"]) <= GCS_FT_FIELDS
+    assert set(cluster["autoscalerOptions"]) <= AUTOSCALER_OPTIONS_FIELDS
+
+
+# --- The image -----------------------------------------------------------------------------
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) per instruction, continuation lines joined, comments dropped."""
+    logical, current = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if not current and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        current += line.rstrip().removesuffix("\\") + " "
+        if not line.rstrip().endswith("\\"):
+            logical.append(current.strip())
+            current = ""
+    return [(text.split(None, 1)[0].upper(), text.split(None, 1)[1]) for text in logical]
+
+
+def dockerfile_args() -> dict[str, str]:
+    return dict(args.split("=", 1) for kind, args in dockerfile_instructions() if kind == "ARG")
+
+
+def copy_sources(args: str) -> list[str]:
+    """The sources of a COPY (its flags and destination dropped)."""
+    return [word for word in shlex.split(args) if not word.startswith("--")][:-1]
+
+
+def pyproject_pin(name: str) -> str:
+    dependencies = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    pins = [d for d in dependencies["dependencies"] if re.match(rf"{re.escape(name)}(\[|==)", d)]
+    return pins[0].split("==")[1]
+
+
+def test_the_image_is_built_on_the_pinned_ray_and_python() -> None:
+    (base,) = [args for kind, args in dockerfile_instructions() if kind == "FROM"]
+    image = dockerfile_args()["RAY_IMAGE"] if base == "${RAY_IMAGE}" else base
+    repository, tag = image.split(":")
+    assert repository == "rayproject/ray"
+    version, python, flavour = tag.split("-")
+    assert version == ray.__version__ == pyproject_pin("ray")
+    target = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["ruff"]
+    assert python == target["target-version"] and flavour == "gpu"
+
+
+def test_the_image_checks_the_protos_and_installs_the_project() -> None:
+    instructions = dockerfile_instructions()
+    sources = {
+        source for kind, args in instructions if kind == "COPY" for source in copy_sources(args)
+    }
+    assert {"pyproject.toml", "protos", "cluster", "drafter", "verifier"} <= sources
+    runs = [args for kind, args in instructions if kind == "RUN"]
+    check = next(i for i, run in enumerate(runs) if "python -m protos.build --check" in run)
+    install = next(i for i, run in enumerate(runs) if re.search(r"pip install \.( |$)", run))
+    assert check < install, "drift fails the build before anything is installed"
+    assert any("ray.__version__" in run for run in runs[install:]), "the Ray version is asserted"
+    assert any(kind == "WORKDIR" for kind, _ in instructions)
+    # The build context is an allowlist: whatever the COPYs take must be allowed into it.
+    ignore = DOCKERIGNORE.read_text().splitlines()
+    assert "*" in ignore and "!.venv" not in ignore
+    assert {f"!{source}" for source in sources} <= set(ignore)
