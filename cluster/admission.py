@@ -39,8 +39,14 @@ class Admission:
     """Admits requests to the router in weighted fair order; thread-safe."""
 
     def __init__(
-        self, max_running: int, max_queued: int, clock: Callable[[], float] = time.monotonic
+        self,
+        max_running: int,
+        max_queued: int,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[int, int], None] | None = None,
     ) -> None:
+        """`on_change(running, queued)` is called, under the queue's lock, whenever either
+        changes (the metrics' queue gauges): it must be quick and must not call back."""
         if max_running < 1 or max_queued < 0:
             raise InvalidArgumentError(
                 f"need max_running >= 1 and max_queued >= 0, got {max_running}, {max_queued}"
@@ -52,6 +58,7 @@ class Admission:
         self._running: Counter[str] = Counter()
         self._waiting: list[_Waiter] = []
         self._order = itertools.count()
+        self._on_change = on_change
 
     def enter(
         self,
@@ -64,6 +71,7 @@ class Admission:
         with self._cond:
             if not self._waiting and self.running < self.max_running:
                 self._running[tenant] += 1
+                self._changed()
                 return
             if len(self._waiting) >= self.max_queued:
                 raise QuotaExceededError(
@@ -73,11 +81,13 @@ class Admission:
                 )
             waiter = _Waiter(tenant, weight, next(self._order))
             self._waiting.append(waiter)
+            self._changed()
             while not waiter.granted:
                 left = None if deadline is None else deadline - self._clock()
                 if left is not None and left <= 0:
                     self._waiting.remove(waiter)
                     self._grant()
+                    self._changed()
                     raise DeadlineExceededError(
                         "the request's deadline passed while it waited in the router's queue"
                     )
@@ -90,6 +100,7 @@ class Admission:
             if self._running[tenant] <= 0:
                 del self._running[tenant]
             self._grant()
+            self._changed()
 
     @property
     def running(self) -> int:
@@ -99,6 +110,11 @@ class Admission:
     def queued(self) -> int:
         with self._cond:
             return len(self._waiting)
+
+    def _changed(self) -> None:
+        """Tell `on_change` the counts now (lock held)."""
+        if self._on_change is not None:
+            self._on_change(self.running, len(self._waiting))
 
     def _grant(self) -> None:
         """Let waiting requests in while there is room, fairest first (lock held)."""

@@ -3,9 +3,11 @@
 `serve` joins the cluster recorded under TANDEM_HOME, or starts one on loopback, deploys the
 three deployments and prints the gRPC address (a config with no tenants is served to one
 tenant, `local`, whose key the home keeps and the command line sends); `--detach` leaves it
-running, otherwise Ctrl-C stops it. `status` shows deployments, replicas and their sessions;
-`shutdown` removes the application and stops the cluster if Tandem started it. Ray is imported
-only after the cluster environment is set (see `cluster.local_cluster`).
+running, otherwise Ctrl-C stops it. `status` shows deployments, replicas with their sessions
+and load, and a summary of the metrics every node's metrics agent serves (`cluster.metrics`):
+acceptance, tokens per verify pass, pipeline hit rate, tokens generated, the queue, usage per
+tenant. `shutdown` removes the application and stops the cluster if Tandem started it. Ray is
+imported only after the cluster environment is set (see `cluster.local_cluster`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import json
 import socket
 import sys
 import time
+import urllib.request
 from typing import TYPE_CHECKING, Any
 
 from cluster import local_cluster
+from cluster.metrics import parse_prometheus, replica_numbers, summarize
 from verifier.errors import InvalidArgumentError, TandemError
 
 if TYPE_CHECKING:
@@ -29,6 +33,7 @@ DEFAULT_NUM_CPUS = 8
 """Logical CPUs the local cluster advertises (replicas reserve none by default)."""
 LOCAL_CONCURRENT = 256
 """Concurrent requests of the `local` tenant: the router's whole capacity (the owner's)."""
+SCRAPE_TIMEOUT_S = 5.0
 
 
 def add_to(commands: Any) -> None:
@@ -52,7 +57,7 @@ def add_to(commands: Any) -> None:
     serve.add_argument("--detach", action="store_true", help="return once the service is up")
     serve.set_defaults(handler=serve_command)
 
-    status = commands.add_parser("status", help="deployments, replicas and sessions")
+    status = commands.add_parser("status", help="deployments, replicas, load and metrics")
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.set_defaults(handler=status_command)
 
@@ -194,13 +199,49 @@ def status_command(args: argparse.Namespace) -> int:
     for name, deployment in summary["deployments"].items():
         replicas = ", ".join(f"{n} {s}" for s, n in deployment["replicas"].items())
         print(f"  {name:<9} {deployment['status']:<10} {replicas}")
-    print(f"  {'replica':<22} {'address':<17} {'sessions':>8} {'cached tokens':>14}")
-    for replica in summary["replicas"]:
-        print(
-            f"  {replica['replica_id']:<22} {replica['address']:<17} "
-            f"{replica['num_sessions']:>8} {replica['num_cached_tokens']:>14}"
-        )
+    _print_replicas(summary["replicas"])
+    if summary["metrics"] is not None:
+        _print_metrics(summary["metrics"])
     return 0
+
+
+def _print_replicas(replicas: list[dict[str, Any]]) -> None:
+    shown = {"num_sessions", "num_cached_tokens"}
+    load = sorted({f for r in replicas for f in replica_numbers(r)} - shown)
+    print(
+        f"  {'replica':<22} {'side':<8} {'address':<17} {'sessions':>8} {'cached tokens':>14}"
+        + "".join(f" {field:>{max(len(field), 12)}}" for field in load)
+    )
+    for replica in replicas:
+        print(
+            f"  {replica['replica_id']:<22} {replica['side']:<8} {replica['address']:<17} "
+            f"{replica['num_sessions']:>8} {replica['num_cached_tokens']:>14}"
+            + "".join(f" {_number(replica.get(f)):>{max(len(f), 12)}}" for f in load)
+        )
+
+
+def _number(value: Any) -> str:
+    if value is None:
+        return "-"
+    return (
+        f"{value:.2f}" if isinstance(value, float) and not value.is_integer() else str(int(value))
+    )
+
+
+def _print_metrics(metrics: dict[str, Any]) -> None:
+    by_position = " ".join(_number(a) for a in metrics["acceptance_by_position"])
+    print(
+        f"  metrics: {metrics['requests']} requests, {metrics['generated_tokens']} tokens "
+        f"generated; acceptance {_number(metrics['acceptance_rate'])} (by position: "
+        f"{by_position or '-'}); {_number(metrics['tokens_per_verify_pass'])} tokens per "
+        f"verify pass; pipeline hit rate {_number(metrics['pipeline_hit_rate'])}; "
+        f"{metrics['running_requests']} running, {metrics['queued_requests']} queued"
+    )
+    columns = ("requests", "refused", "prompt_tokens", "generated_tokens", "drafted_tokens",
+               "accepted_tokens")  # fmt: skip
+    print(f"  {'tenant':<16}" + "".join(f" {c.removesuffix('_tokens'):>10}" for c in columns))
+    for tenant, usage in metrics["tenants"].items():
+        print(f"  {tenant:<16}" + "".join(f" {usage[c]:>10}" for c in columns))
 
 
 def _status(state: local_cluster.ClusterState) -> dict[str, Any]:
@@ -217,6 +258,7 @@ def _status(state: local_cluster.ClusterState) -> dict[str, Any]:
         replicas = ray.get(get_registry(app_name).replicas.remote(), timeout=10)
     except ValueError:
         replicas = []
+    endpoints = _metrics_endpoints()
     return {
         "app": app_name,
         "address": f"{local_cluster.LOOPBACK}:{state.grpc_port}",
@@ -229,7 +271,36 @@ def _status(state: local_cluster.ClusterState) -> dict[str, Any]:
             for name, d in application.deployments.items()
         },
         "replicas": replicas,
+        "metrics_endpoints": endpoints,
+        "metrics": _scrape(endpoints),
     }
+
+
+def _metrics_endpoints() -> list[str]:
+    """host:port of every live node's metrics agent (on a local cluster, the `metrics_port`
+    of cluster.json)."""
+    import ray
+
+    return sorted(
+        f"{node['NodeManagerAddress']}:{node['MetricsExportPort']}"
+        for node in ray.nodes()
+        if node.get("Alive") and node.get("MetricsExportPort")
+    )
+
+
+def _scrape(endpoints: list[str]) -> dict[str, Any] | None:
+    """The metrics summary of every endpoint that answers; None if none does."""
+    samples = []
+    answered = False
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # cluster-internal
+    for endpoint in endpoints:
+        try:
+            with direct.open(f"http://{endpoint}/metrics", timeout=SCRAPE_TIMEOUT_S) as page:
+                samples.extend(parse_prometheus(page.read().decode()))
+            answered = True
+        except OSError as error:
+            _say(f"metrics at {endpoint} did not answer: {error}")
+    return summarize(samples) if answered else None
 
 
 def _name(value: Any) -> str:

@@ -1,7 +1,9 @@
 """A local Ray cluster for `tandem serve`: find it, start it on loopback, stop only it.
 
 State lives under `TANDEM_HOME` (default /tmp/tandem): the Ray temp dir and `cluster.json`,
-which records the cluster's address, whether Tandem started it, and the ports it serves on.
+which records the cluster's address, whether Tandem started it, and the ports it serves on
+(the public API's; the metrics agent's, `metrics_port`, whose `/metrics` page Prometheus
+scrapes for Tandem's metrics, `cluster.metrics`, beside Ray's own).
 Separate homes never collide, so tests and a user's cluster can run side by side.
 
 The cluster is started with `ray start --head` bound to 127.0.0.1 so that it outlives the
@@ -54,6 +56,9 @@ class ClusterState:
     grpc_port: int | None = None
     http_port: int | None = None
     app_name: str | None = None
+    metrics_port: int | None = None
+    """Where the head node's metrics agent serves Prometheus (`/metrics`); None: unknown (a
+    cluster Tandem did not start, or one started before Tandem recorded it)."""
 
 
 def home() -> Path:
@@ -156,10 +161,12 @@ def start_cluster(num_cpus: int) -> ClusterState:
     temp_dir = home() / "ray"
     temp_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    metrics_port = free_port()
     command = [
         _ray_bin(), "start", "--head",
         f"--node-ip-address={LOOPBACK}", f"--port={port}", f"--temp-dir={temp_dir}",
         f"--num-cpus={num_cpus}", "--include-dashboard=false", "--disable-usage-stats",
+        f"--metrics-export-port={metrics_port}",
     ]  # fmt: skip
     result = subprocess.run(
         command,
@@ -172,7 +179,10 @@ def start_cluster(num_cpus: int) -> ClusterState:
     if result.returncode != 0:
         raise ClusterError(f"ray start failed:\n{result.stdout}{result.stderr}")
     state = ClusterState(
-        address=f"{LOOPBACK}:{port}", temp_dir=str(temp_dir), started_by_tandem=True
+        address=f"{LOOPBACK}:{port}",
+        temp_dir=str(temp_dir),
+        started_by_tandem=True,
+        metrics_port=metrics_port,
     )
     save_state(state)
     return state

@@ -48,6 +48,9 @@ too (over gRPC a call stops when the time runs out, and each replica is told how
 session may live, so it drops the session itself should the router die). A deadline is the
 caller's limit, not a replica failure: it never fails over.
 
+Metrics (`cluster.metrics`): the time of every drafter call and of every verify pass after the
+opening one (the times the adaptive plan measures) go to two histograms.
+
 The router depends only on the `DrafterPort` and `VerifierPort` protocols, so it runs the
 same in-process and across the network.
 """
@@ -61,6 +64,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from cluster.draft_length import DraftLengthConfig
 from cluster.generation import Decode, Draft, DrafterView, Generation
+from cluster.metrics import TandemMetrics
 from cluster.ports import DrafterPort, FixedReplicas, ReplicaPool, VerifierPort
 from cluster.request import (
     FinishReason,
@@ -98,11 +102,13 @@ class Router:
         ngram: NgramConfig | None = None,
         draft_length: DraftLengthConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        metrics: TandemMetrics | None = None,
     ) -> None:
         """A router over one fixed verifier and drafter (the in-process transport). `clock`:
-        what request deadlines are instants of."""
+        what request deadlines are instants of. `metrics`: where draft and verify latencies
+        go (default: Ray's metrics, if in a Ray worker)."""
         replicas = FixedReplicas(verifier, drafter)
-        self._init(replicas, decode, eos_token_ids, pipelined, ngram, draft_length, clock)
+        self._init(replicas, decode, eos_token_ids, pipelined, ngram, draft_length, clock, metrics)
 
     @classmethod
     def over_pool(
@@ -114,10 +120,13 @@ class Router:
         ngram: NgramConfig | None = None,
         draft_length: DraftLengthConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        metrics: TandemMetrics | None = None,
     ) -> Router:
         """A router that pins each request to replicas chosen by `replicas` (distributed)."""
         router = cls.__new__(cls)
-        router._init(replicas, decode, eos_token_ids, pipelined, ngram, draft_length, clock)
+        router._init(
+            replicas, decode, eos_token_ids, pipelined, ngram, draft_length, clock, metrics
+        )
         return router
 
     def _init(
@@ -129,9 +138,11 @@ class Router:
         ngram: NgramConfig | None,
         draft_length: DraftLengthConfig | None,
         clock: Callable[[], float],
+        metrics: TandemMetrics | None,
     ) -> None:
         self._replicas = replicas
         self._clock = clock
+        self.metrics = metrics if metrics is not None else TandemMetrics()
         self._decode = decode
         self._eos_token_ids = eos_token_ids
         self.pipelined = pipelined
@@ -305,7 +316,9 @@ class Router:
                 started = time.perf_counter()
                 verdict = self._verify(gen, block, defer_bonus=ahead is not None)
                 if not opening:  # the opening pass runs beside the drafter's prefill
-                    gen.lengths.observe_verify(time.perf_counter() - started, overlapped)
+                    verify_s = time.perf_counter() - started
+                    gen.lengths.observe_verify(verify_s, overlapped)
+                    self.metrics.verified(verify_s)
                 gen.lengths.observe(len(block.tokens), verdict.num_accepted)
                 lost: Exception | None = None
                 try:
@@ -353,7 +366,9 @@ class Router:
         except LOST as error:
             self._replace(gen, "drafter", error)
             return self._draft_now(gen, num_tokens, by_drafter)
-        gen.lengths.observe_draft(len(block.tokens), time.perf_counter() - started)
+        draft_s = time.perf_counter() - started
+        gen.lengths.observe_draft(len(block.tokens), draft_s)
+        self.metrics.drafted(draft_s)
         gen.drafter = DrafterView(base_length=block.base_length)
         return Draft(block, by_drafter=True)
 
@@ -386,6 +401,7 @@ class Router:
             )
             elapsed = time.perf_counter() - started
             gen.lengths.observe_draft(len(next_block.tokens), elapsed, overlapped=True)
+            self.metrics.drafted(elapsed)
             return Draft(next_block, by_drafter=True)
 
         return self._pool.submit(draft)

@@ -21,7 +21,8 @@ request is validated and checked against what its tenant may ask (PERMISSION_DEN
 the first chunk is asked for, the tenant's concurrency and token-rate quotas and the router's
 bounded queue (`cluster.admission`) admit it or refuse it (RESOURCE_EXHAUSTED, with when to
 retry); it may wait in the queue until its deadline. The tenant's usage counters grow as
-tokens are committed.
+tokens are committed. Metrics (`cluster.metrics`): a request's counters are recorded when it
+ends, by tenant and outcome; a refusal by tenant and status; the queue's depth as it changes.
 
 Every request gets a fresh request id (uuid4 hex) on its response and on every chunk; its
 tenant, and only its tenant, can cancel it by that id (`cancel`): its stream then ends with
@@ -33,6 +34,7 @@ both replicas; `generate` stops the same way once its `is_active` callback retur
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import secrets
 import threading
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cluster.admission import Admission
+from cluster.metrics import TandemMetrics
 from cluster.request import (
     DEFAULT_DRAFT_TOKENS,
     MAX_DRAFT_TOKENS,
@@ -171,15 +174,20 @@ class TandemService:
         config: ServiceConfig | None = None,
         *,
         tenants: Tenants,
+        metrics: TandemMetrics | None = None,
     ) -> None:
         """`tenants`: who may call and their limits; `Tenants.unauthenticated()` lets every
-        call in as one anonymous tenant (local development only)."""
+        call in as one anonymous tenant (local development only). `metrics`: where each
+        request's counters go when it ends (default: Ray's metrics, if in a Ray worker)."""
         self._router = router
         self._tokenizer = tokenizer
         self.config = config if config is not None else ServiceConfig()
         self.tenants = tenants
+        self.metrics = metrics if metrics is not None else TandemMetrics()
         self.admission = Admission(
-            self.config.max_running_requests, self.config.max_queued_requests
+            self.config.max_running_requests,
+            self.config.max_queued_requests,
+            on_change=self.metrics.queue,
         )
         self.requests = RunningRequests()
 
@@ -256,7 +264,8 @@ class TandemService:
         """
         tenant = self.tenants.authenticate(caller.authorization)
         request, pipelined = self.to_request(message, caller.deadline)
-        self.tenants.check(tenant, request.max_tokens)
+        with self._counting_refusal(tenant):
+            self.tenants.check(tenant, request.max_tokens)
         return self._admitted(tenant, request, pipelined, _new_request_id())
 
     def cancel(self, message: generate_pb2.CancelRequest, caller: Caller = ANONYMOUS_CALL) -> None:
@@ -288,12 +297,14 @@ class TandemService:
         self, tenant: Tenant, request: GenerationRequest, pipelined: bool, request_id: str
     ) -> Generator[generate_pb2.GenerateChunk, None, None]:
         """The request's chunks once its tenant's limits and the router's queue let it run."""
-        self.tenants.start(tenant)
+        with self._counting_refusal(tenant):
+            self.tenants.start(tenant)
         try:
             try:
                 self.admission.enter(tenant.name, tenant.config.weight, request.deadline)
-            except TandemError:
+            except TandemError as error:
                 self.tenants.refused(tenant)
+                self.metrics.request_refused(tenant.name, error.status)
                 raise
             try:
                 with self.requests.running(request_id, tenant.name) as cancelled:
@@ -315,18 +326,36 @@ class TandemService:
         stats = SpeculationStats()
         chunks = self._router.stream(request, stats, pipelined=pipelined)
         num_generated = 0
+        outcome = FinishReason.CANCELLED.value  # unless it finishes or fails: the caller left
         try:
             for chunk in chunks:
                 num_generated += len(chunk.tokens)
                 self.tenants.charge(tenant, generated=len(chunk.tokens))
                 if cancelled.is_set() and chunk.finish_reason is None:
                     chunk = dataclasses.replace(chunk, finish_reason=FinishReason.CANCELLED)
+                if chunk.finish_reason is not None:
+                    outcome = chunk.finish_reason.value
                 yield self._chunk_to_proto(chunk, request, request_id, stats, num_generated)
                 if chunk.finish_reason is not None:
                     return
+        except Exception as error:
+            outcome = (error.status if isinstance(error, TandemError) else "INTERNAL").lower()
+            raise
         finally:
             _close(chunks)
             self.tenants.charge(tenant, drafted=stats.num_drafted, accepted=stats.num_accepted)
+            self.metrics.request_ended(
+                tenant.name, outcome, stats, len(request.prompt_tokens), num_generated
+            )
+
+    @contextlib.contextmanager
+    def _counting_refusal(self, tenant: Tenant) -> Iterator[None]:
+        """Count a refusal (a limit's error) in the metrics, by its status."""
+        try:
+            yield
+        except TandemError as error:
+            self.metrics.request_refused(tenant.name, error.status)
+            raise
 
     @staticmethod
     def _chunk_to_proto(
