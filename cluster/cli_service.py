@@ -27,7 +27,7 @@ from cluster.metrics import parse_prometheus, replica_numbers, summarize
 from verifier.errors import InvalidArgumentError, TandemError
 
 if TYPE_CHECKING:
-    from cluster.config import TandemConfig
+    from cluster.config import ReplicaGroupConfig, TandemConfig
 
 DEFAULT_NUM_CPUS = 8
 """Logical CPUs the local cluster advertises (replicas reserve none by default)."""
@@ -106,6 +106,14 @@ def _with_local_tenant(config: TandemConfig) -> TandemConfig:
     return dataclasses.replace(config, auth=AuthConfig(tenants=(local,)))
 
 
+def _replicas(group: ReplicaGroupConfig) -> str:
+    """A group's replica count as deployed: fixed, or the bounds it autoscales within."""
+    scaling = group.autoscaling
+    if scaling.enabled:
+        return f"{scaling.min_replicas}-{scaling.max_replicas} (autoscaled)"
+    return str(group.num_replicas)
+
+
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -156,8 +164,8 @@ def serve_command(args: argparse.Namespace) -> int:
     )
     pair = config.models.pair()
     _say(
-        f"deploying {config.drafter.num_replicas} drafter(s) [{pair.draft.source}], "
-        f"{config.verifier.num_replicas} verifier(s) [{pair.target.source}] and "
+        f"deploying {_replicas(config.drafter)} drafter(s) [{pair.draft.source}], "
+        f"{_replicas(config.verifier)} verifier(s) [{pair.target.source}] and "
         f"{config.router.num_replicas} router(s) ..."
     )
     serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")

@@ -234,8 +234,10 @@ class Router:
         try:
             yield from self._loop(gen)
         finally:
-            self._close_quietly("verifier", gen.verifier, gen.session_id)
-            self._close_drafter(gen)
+            try:
+                self._close_quietly("verifier", gen.verifier, gen.session_id)
+            finally:
+                self._close_drafter(gen)
 
     def _open_verifier(self, gen: Generation) -> None:
         """Open the request's session on its verifier, over the whole history (the prompt at

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -213,6 +214,10 @@ def test_closing_a_stream_early_frees_the_sessions(
     chunks = service.stream(request(max_tokens=LIMIT))
     next(chunks)
     assert local_tandem.verifier.stats().num_sessions == 1
+    # The drafter opens its session in the background while the first token comes.
+    opened_by = time.monotonic() + 30
+    while local_tandem.drafter.stats().num_sessions == 0 and time.monotonic() < opened_by:
+        time.sleep(0.01)
     assert local_tandem.drafter.stats().num_sessions == 1
     chunks.close()
     assert_sessions_closed(local_tandem)
