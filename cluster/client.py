@@ -214,7 +214,8 @@ class TandemClient:
             )
         except grpc.RpcError as error:
             raise _client_error(error) from None
-        return {field.name: value for field, value in usage.ListFields()} | {"tenant": usage.tenant}
+        # Every counter, zeros included (ListFields would leave those out).
+        return {field.name: getattr(usage, field.name) for field in usage.DESCRIPTOR.fields}
 
     def close(self) -> None:
         self._channel.close()

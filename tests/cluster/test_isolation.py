@@ -22,6 +22,7 @@ from cluster.local import LocalTandem, text_decoder
 from cluster.router import Router
 from cluster.service import ServiceConfig, TandemService
 from cluster.tenants import AuthConfig, TenantConfig, Tenants, hash_api_key, new_api_key
+from protos import generate_pb2
 from tests.conftest import CODE_PROMPT
 from verifier.block import DraftBlock, Verdict
 from verifier.verifier import Verifier
@@ -154,6 +155,8 @@ def test_usage_counts_match_what_each_tenant_got(address: str) -> None:
         after = bob.usage()
         assert alice.usage() == alice_before  # bob's traffic is not alice's
     assert after["tenant"] == "bob"
+    assert set(after) == {field.name for field in generate_pb2.TenantUsage.DESCRIPTOR.fields}
+    assert after["running"] == 0  # zero counters are there too
 
     def grew(field: str) -> int:
         return int(after.get(field, 0)) - int(before.get(field, 0))
