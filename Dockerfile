@@ -47,11 +47,11 @@ RUN tools_pin="$(python -c 'import tomllib; deps = tomllib.load(open("pyproject.
  && pip uninstall -y grpcio-tools
 
 # The project (non-editable: the packages land in site-packages, so every Ray worker imports
-# `cluster.app:app_builder` whatever its working directory), then proof that the image's Ray is
+# `cluster.serve.app:app_builder` whatever its working directory), then proof that the image's Ray is
 # the pinned one and that the Serve entry points import.
 RUN pip install . \
  && python -c "import ray, tomllib; pins = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; want = next(d for d in pins if d.startswith('ray[')).split('==')[1]; assert ray.__version__ == want, f'base image has Ray {ray.__version__}, pyproject pins {want}'" \
- && python -c "import cluster.app, protos.generate_pb2_grpc, grpc_health.v1.health_pb2_grpc"
+ && python -c "import cluster.serve.app, protos.generate_pb2_grpc, grpc_health.v1.health_pb2_grpc"
 
 # Model packs: fetched, checked (size, sha256) and converted once, here; the downloaded parts
 # and assembled GGUF files are dropped, only the converted folders stay.

@@ -1,5 +1,9 @@
-"""The router side: requests, the draft/verify loop, presets, in-process wiring and the CLI.
+"""The router side: routing, the public API, the Serve application, the CLI and the tools.
 
-`router.Router` owns each request's committed tokens and drives a drafter and a verifier through
-the protocols in `ports`; `local` wires the plain components in one process; `cli` is `tandem`.
+Subpackages, imported in this order only (upward imports are refused by `make lint`):
+`routing` (the draft/verify loop over pinned replicas) -> `api` (the public API as a plain
+class, tenants, clients) -> `serve` (Ray Serve deployments, ingress, autoscaling, the local
+cluster) -> `tools` (bench, loadtest, profile...) -> `cli` (`tandem`). At the top: `config`
+(the one `TandemConfig`), `presets` (named model pairs), `metrics` (names and recording),
+`local` (the plain components wired in one process).
 """

@@ -15,19 +15,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from cluster.autoscaling import (
+from cluster.api.service import ServiceConfig
+from cluster.api.tenants import AuthConfig
+from cluster.presets import DEFAULT_PRESET, ModelPair, resolve_pair
+from cluster.routing.draft_length import DraftLengthConfig
+from cluster.serve.autoscaling import (
     DEFAULT_TARGET_BUSY,
     DEFAULT_TARGET_SESSIONS,
     POLICY_PATH,
     check_targets,
 )
-from cluster.draft_length import DraftLengthConfig
-from cluster.presets import DEFAULT_PRESET, ModelPair, resolve_pair
-from cluster.service import ServiceConfig
-from cluster.tenants import AuthConfig
 from drafter.drafter import DrafterConfig
 from drafter.ngram import NgramConfig
-from verifier.errors import InvalidArgumentError
+from verifier.runtime.errors import InvalidArgumentError
 from verifier.verifier import VerifierConfig
 
 DEFAULT_APP_NAME = "tandem"
@@ -36,7 +36,7 @@ DEFAULT_GRPC_PORT = 9000
 
 @dataclass(frozen=True)
 class AutoscalingConfig:
-    """Serve autoscaling of one side on the load its replicas report (cluster/autoscaling.py):
+    """Serve autoscaling of one side on the load its replicas report (cluster/serve/autoscaling.py):
     enough replicas that neither open sessions nor busy fraction per replica exceeds its
     target. Off by default: the group runs `num_replicas`. On, Serve starts `min_replicas` and
     `num_replicas` is not used."""

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from cluster.draft_length import DraftLengthConfig
-from cluster.generation import Decode
 from cluster.presets import ModelPair
-from cluster.router import Router
+from cluster.routing.draft_length import DraftLengthConfig
+from cluster.routing.generation import Decode
+from cluster.routing.router import Router
 from drafter.drafter import Drafter, DrafterConfig
 from drafter.ngram import NgramConfig
-from verifier.errors import InvalidArgumentError
-from verifier.models import LoadedModel, load_model
+from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.models import LoadedModel, load_model
 from verifier.verifier import Verifier, VerifierConfig
 
 

@@ -1,7 +1,7 @@
 """Tandem's metrics: their names and labels, what a request, a round or a heartbeat adds to them,
 and how `tandem status` reads them back.
 
-Glossary (the words of `cluster.request.SpeculationStats`): a verify pass checks one drafted
+Glossary (the words of `cluster.routing.request.SpeculationStats`): a verify pass checks one drafted
 block; of its drafted tokens the first `accepted` are kept, and the pass commits those plus one
 token of the target's own. Acceptance at draft position i is accepted_by_position[i] over
 drafted_by_position[i]; tokens per verify pass is generated tokens over verify passes.
@@ -35,8 +35,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-if TYPE_CHECKING:  # importing cluster.request would pull in torch for `tandem status`
-    from cluster.request import SpeculationStats
+if TYPE_CHECKING:  # importing cluster.routing.request would pull in torch for `tandem status`
+    from cluster.routing.request import SpeculationStats
 
 RAY_PREFIX = "ray_"
 """What Ray's metrics agent puts before every application metric's name."""

@@ -1,19 +1,20 @@
 """Named target/draft model pairs, and how flags override them.
 
 A preset names the pair; `--target`, `--draft`, `--dtype` and `--device` override parts of it.
-Any Hugging Face hub id, local folder or GGUF file works as a source (see `verifier.models`).
-`qwen-coder` is a model pack (`verifier.packs`): its sources are the converted folders in the
-pack cache, the one of the requested dtype (bf16 by default; float16 loads the fp32 folder and
-casts). Building a pair does no I/O; loading an unfetched pack says how to fetch it.
+Any Hugging Face hub id, local folder or GGUF file works as a source (see
+`verifier.runtime.models`). `qwen-coder` is a model pack (`verifier.runtime.packs`): its sources
+are the converted folders in the pack cache, the one of the requested dtype (bf16 by default;
+float16 loads the fp32 folder and casts). Building a pair does no I/O; loading an unfetched pack
+says how to fetch it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from verifier.errors import InvalidArgumentError
-from verifier.models import TINY_DRAFT, TINY_TARGET, ModelSpec
-from verifier.packs import PACK_DTYPES, PACKS, model_dir
+from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.models import TINY_DRAFT, TINY_TARGET, ModelSpec
+from verifier.runtime.packs import PACK_DTYPES, PACKS, model_dir
 
 DEFAULT_PRESET = "tiny"
 

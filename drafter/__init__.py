@@ -1,5 +1,7 @@
 """The drafter side: proposers that draft blocks of tokens for a session.
 
-Component: `drafter.Drafter` (a small causal LM with a per-session KV cache). It builds on the
-shared runtime in `verifier` (models, KV cache, sampling) and never imports `cluster`.
+Core: `ngram` (prompt lookup, no model) and `drafter.Drafter` (a small causal LM with a
+per-session KV cache; a plain class). Shell: `servicer` (gRPC) and `deployment` (Serve body).
+It builds on the shared runtime (`verifier.runtime`, `verifier.replica`), never on the
+verifier's own modules, and never imports `cluster`.
 """

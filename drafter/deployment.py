@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from drafter.drafter import Drafter, DrafterConfig
 from drafter.servicer import DrafterServicer
 from protos import replica_pb2_grpc
-from verifier.models import ModelSpec, load_model
-from verifier.replica_host import ReplicaShell, kv_cache_bytes_per_token, place_threads
+from verifier.replica.host import ReplicaShell, kv_cache_bytes_per_token, place_threads
+from verifier.runtime.models import ModelSpec, load_model
 
 
 class DrafterReplica(ReplicaShell):

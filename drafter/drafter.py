@@ -19,11 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier.block import DraftBlock
-from verifier.errors import InvalidArgumentError
-from verifier.models import LoadedModel
-from verifier.sampling import SamplingParams, SparseDistribution, logits_to_probs, sample, to_sparse
-from verifier.session import (
+from verifier.runtime.block import DraftBlock
+from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.models import LoadedModel
+from verifier.runtime.sampling import (
+    SamplingParams,
+    SparseDistribution,
+    logits_to_probs,
+    sample,
+    to_sparse,
+)
+from verifier.runtime.session import (
     BusyLock,
     ReplicaStats,
     SessionTable,

@@ -6,8 +6,8 @@ Pure: token ids in, token ids out. `propose` looks for the longest suffix of `to
 `max_ngram` down to `min_ngram` tokens) that also occurs earlier in `tokens`, takes its most
 recent earlier occurrence, and proposes up to `num_tokens` of the tokens that followed it. A
 proposal is deterministic, so its q is one-hot: the verifier's acceptance rule stays exact
-for sampled requests too (DESIGN.md invariant 1). Code and answers that quote their prompt
-repeat long runs of tokens, which is where this pays.
+for sampled requests too (docs/architecture.md, invariant 1). Code and answers that quote their
+prompt repeat long runs of tokens, which is where this pays.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier.errors import InvalidArgumentError
+from verifier.runtime.errors import InvalidArgumentError
 
 
 @dataclass(frozen=True)

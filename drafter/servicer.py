@@ -1,6 +1,6 @@
 """The drafter's gRPC servicer: `tandem.v1.Drafter` over a plain `Drafter`.
 
-A thin adapter: each handler converts the request with `verifier.wire`, calls the component
+A thin adapter: each handler converts the request with `verifier.replica.wire`, calls the component
 under the servicer's `CallGuard` (one call at a time; errors become gRPC statuses), and
 converts the result back. `serve_drafter` starts a server with just this servicer.
 """
@@ -11,8 +11,8 @@ import grpc
 
 from drafter.drafter import Drafter
 from protos import replica_pb2, replica_pb2_grpc
-from verifier import wire
-from verifier.rpc import (
+from verifier.replica import wire
+from verifier.replica.rpc import (
     DEFAULT_MAX_CONCURRENT_RPCS,
     DEFAULT_MAX_WORKERS,
     CallGuard,

@@ -7,8 +7,8 @@ import torch
 
 from cluster.local import LocalTandem, build_local
 from cluster.presets import resolve_pair
-from cluster.request import GenerationRequest
-from verifier.models import TINY_DRAFT, TINY_TARGET, LoadedModel, ModelSpec, load_model
+from cluster.routing.request import GenerationRequest
+from verifier.runtime.models import TINY_DRAFT, TINY_TARGET, LoadedModel, ModelSpec, load_model
 
 # The tiny models are far too small to gain from intra-op threads, and pipelined tests run
 # drafter and verifier at once: one thread each keeps 2 cores from being oversubscribed.

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from protos import replica_pb2_grpc
-from verifier.models import ModelSpec, load_model
-from verifier.replica_host import ReplicaShell, kv_cache_bytes_per_token, place_threads
+from verifier.replica.host import ReplicaShell, kv_cache_bytes_per_token, place_threads
+from verifier.runtime.models import ModelSpec, load_model
 from verifier.servicer import VerifierServicer
 from verifier.verifier import Verifier, VerifierConfig
 

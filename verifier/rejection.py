@@ -3,7 +3,7 @@
 Contract: a pure function of tensors and an explicit `torch.Generator`; no model, no I/O. Given
 the target's distributions p and the drafter's distributions q (both *as actually used*, after
 temperature / top-k / top-p), the emitted tokens are distributed exactly as tokens sampled from
-the target alone (DESIGN.md, invariant 1). With one-hot (greedy) target rows and a
+the target alone (docs/architecture.md, invariant 1). With one-hot (greedy) target rows and a
 deterministic drafter it reduces to the classic greedy rule: keep the longest prefix that
 matches the target's argmax, then emit the argmax.
 
@@ -27,7 +27,7 @@ import math
 import torch
 from torch import Tensor
 
-from verifier.errors import InvalidArgumentError
+from verifier.runtime.errors import InvalidArgumentError
 
 
 def _rows_are_distributions(probs: Tensor) -> bool:  # probs: [rows, vocab]
@@ -109,7 +109,7 @@ def rejection_sample(
     (one-hot rows for a greedy target). `draft_probs[i]` is the q that draft token i was
     sampled from; None means the drafter chose deterministically, so q is one-hot at each
     draft token. A drafter that sent a sparse (truncated) q is expanded by the caller with
-    `verifier.sampling.to_dense` first: this function takes dense rows only, so there is one
+    `verifier.runtime.sampling.to_dense` first: this function takes dense rows only, so there is one
     code path and the residual max(0, p - q) is a plain vector difference. p and q are
     compared in float32 whatever their dtype.
 

@@ -1,6 +1,6 @@
 """The verifier's gRPC servicer: `tandem.v1.Verifier` over a plain `Verifier`.
 
-A thin adapter: each handler converts the request with `verifier.wire`, calls the component
+A thin adapter: each handler converts the request with `verifier.replica.wire`, calls the component
 under the servicer's `CallGuard` (one call at a time; errors become gRPC statuses), and
 converts the result back. `serve_verifier` starts a server with just this servicer.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import grpc
 
 from protos import replica_pb2, replica_pb2_grpc
-from verifier import wire
-from verifier.rpc import (
+from verifier.replica import wire
+from verifier.replica.rpc import (
     DEFAULT_MAX_CONCURRENT_RPCS,
     DEFAULT_MAX_WORKERS,
     CallGuard,

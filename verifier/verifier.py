@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier.block import DraftBlock, Verdict
-from verifier.errors import InvalidArgumentError
-from verifier.models import LoadedModel
 from verifier.rejection import rejection_sample
-from verifier.sampling import SamplingParams, logits_to_probs, to_dense
-from verifier.session import (
+from verifier.runtime.block import DraftBlock, Verdict
+from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.models import LoadedModel
+from verifier.runtime.sampling import SamplingParams, logits_to_probs, to_dense
+from verifier.runtime.session import (
     BusyLock,
     ReplicaSession,
     ReplicaStats,

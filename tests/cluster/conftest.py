@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.client import TandemClient
+from cluster.api.client import TandemClient
+from cluster.api.tenants import hash_api_key, new_api_key
 from cluster.config import CLUSTER_SECRET_ENV
-from cluster.local_cluster import API_KEY_ENV, cluster_processes, free_port
-from cluster.replica_client import GrpcDrafter, GrpcVerifier
-from cluster.tenants import hash_api_key, new_api_key
+from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.serve.local_cluster import API_KEY_ENV, cluster_processes, free_port
 
 TENANT_KEYS = {"main": new_api_key(), "small": new_api_key()}
 SMALL_LIMITS = {"max_concurrent": 1, "max_tokens_per_request": 400}

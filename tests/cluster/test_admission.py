@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from cluster.admission import Admission
-from cluster.tenants import QuotaExceededError
-from verifier.errors import DeadlineExceededError, InvalidArgumentError
+from cluster.api.admission import Admission
+from cluster.api.tenants import QuotaExceededError
+from verifier.runtime.errors import DeadlineExceededError, InvalidArgumentError
 
 
 def wait_for(condition: object, timeout_s: float = 10.0) -> None:

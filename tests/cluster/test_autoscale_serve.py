@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.client import TandemClient
+from cluster.api.client import TandemClient
 from cluster.config import CLUSTER_SECRET_ENV
 from cluster.local import LocalTandem
-from cluster.local_cluster import API_KEY_ENV, cluster_processes, free_port
-from cluster.request import GenerationRequest
+from cluster.routing.request import GenerationRequest
+from cluster.serve.local_cluster import API_KEY_ENV, cluster_processes, free_port
 from tests.cluster.conftest import SERVE_TIMEOUT_S, TANDEM
 from tests.conftest import PROMPTS, encode
 

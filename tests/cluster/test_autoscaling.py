@@ -22,16 +22,14 @@ import grpc
 import pytest
 import torch
 
-from cluster import autoscaling
-from cluster.app import GRACEFUL_SHUTDOWN_S, replica_count
-from cluster.autoscaling import Load, ScaleOnLoad, desired_replicas, scale_on_load
+from cluster.api.tenants import AuthConfig
 from cluster.config import AutoscalingConfig, ReplicaGroupConfig, TandemConfig
-from cluster.replica_client import GrpcVerifier
-from cluster.tenants import AuthConfig
+from cluster.routing.replica_client import GrpcVerifier
+from cluster.serve import autoscaling
+from cluster.serve.app import GRACEFUL_SHUTDOWN_S, replica_count
+from cluster.serve.autoscaling import Load, ScaleOnLoad, desired_replicas, scale_on_load
 from protos import replica_pb2_grpc
-from verifier.errors import InvalidArgumentError, ReplicaUnavailableError
-from verifier.models import LoadedModel
-from verifier.replica_host import (
+from verifier.replica.host import (
     DEREGISTER_TIMEOUT_S,
     DRAIN_TIMEOUT_S,
     SHUTDOWN_GRACE_S,
@@ -40,10 +38,12 @@ from verifier.replica_host import (
     ReplicaShell,
     kv_cache_bytes_per_token,
 )
-from verifier.rpc import SECRET_METADATA_KEY
-from verifier.sampling import SamplingParams
+from verifier.replica.rpc import SECRET_METADATA_KEY
+from verifier.runtime.errors import InvalidArgumentError, ReplicaUnavailableError
+from verifier.runtime.models import LoadedModel
+from verifier.runtime.sampling import SamplingParams
+from verifier.runtime.session import ReplicaStats
 from verifier.servicer import VerifierServicer
-from verifier.session import ReplicaStats
 from verifier.verifier import Verifier
 
 SECRET = "0123456789abcdef"
@@ -190,7 +190,7 @@ def test_autoscaling_is_off_by_default_and_parses_per_side() -> None:
     drafter = replica_count(config.drafter)["autoscaling_config"]
     verifier = replica_count(config.verifier)["autoscaling_config"]
     assert drafter["max_replicas"] == 3 and verifier["max_replicas"] == 4
-    assert drafter["policy"]["policy_function"] == "cluster.autoscaling:scale_on_load"
+    assert drafter["policy"]["policy_function"] == "cluster.serve.autoscaling:scale_on_load"
     assert verifier["policy"]["policy_kwargs"] == {"target_sessions": 4, "target_busy": 0.7}
 
 
@@ -222,7 +222,7 @@ def test_bad_autoscaling_configs(autoscaling: dict[str, Any], message: str) -> N
 
 
 def test_the_router_does_not_scale_on_replica_load() -> None:
-    from cluster.app import build_app
+    from cluster.serve.app import build_app
 
     router = ReplicaGroupConfig(autoscaling=AutoscalingConfig(enabled=True))
     with pytest.raises(InvalidArgumentError, match=r"router\.autoscaling"):

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster import cli_service
-from cluster.bench import RUNS, _serve_flags, load_prompts
-from cluster.cli import main
+from cluster.cli import service as cli_service
+from cluster.cli.main import main
+from cluster.tools.bench import RUNS, _serve_flags, load_prompts
 
 PROMPTS = [
     {"prompt": "def add(a, b):", "category": "code"},
@@ -28,13 +28,13 @@ def test_default_prompts_cover_the_categories() -> None:
 @pytest.mark.parametrize("subset", ["code-and-prose", "one-per-category"])
 def test_prompt_subsets_are_taken_from_the_default_set(subset: str) -> None:
     """The quicker sets the speed measurements use are prompts of the default set."""
-    folder = Path(__file__).resolve().parents[2] / "cluster" / "prompts"
+    folder = Path(__file__).resolve().parents[2] / "cluster" / "tools" / "prompts"
     chosen = load_prompts(str(folder / f"{subset}.jsonl"))
     assert chosen and set(chosen) <= set(load_prompts(None))
 
 
 def test_bad_prompt_files(tmp_path: Path) -> None:
-    from verifier.errors import InvalidArgumentError
+    from verifier.runtime.errors import InvalidArgumentError
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"category": "code"}\n')

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cluster.bench_report import MISSING, format_table, plot
+from cluster.tools.bench_report import MISSING, format_table, plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RUN_NAMES = ["hf_target", "hf_assisted", "tandem_target", "tandem_serial", "tandem_pipelined"]

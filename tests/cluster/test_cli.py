@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from cluster.cli import main
-from cluster.cli_generate import JSON_KEYS
-from cluster.grpc_ingress import serve_local
+from cluster.api.service import TandemService
+from cluster.api.tenants import Tenants
+from cluster.cli.generate import JSON_KEYS
+from cluster.cli.main import main
 from cluster.local import LocalTandem
-from cluster.service import TandemService
-from cluster.tenants import Tenants
+from tests.cluster.grpc_front import serve_local
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BASE = ["generate", "--local", "--preset", "tiny", "--max-tokens", "24"]
@@ -161,7 +161,7 @@ def test_unreachable_server_is_a_failure(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_address_mode_needs_no_torch() -> None:
     """A remote `tandem generate` must start fast: importing the CLI loads no torch."""
-    check = "import sys, cluster.cli; sys.exit('torch' in sys.modules)"
+    check = "import sys, cluster.cli.main; sys.exit('torch' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     done = subprocess.run([sys.executable, "-c", check], env=env, timeout=120, check=False)
     assert done.returncode == 0

@@ -17,14 +17,14 @@ from typing import Any
 import grpc
 import pytest
 
-from cluster.client import AsyncTandemClient, TandemClient, TandemClientError
-from cluster.client_types import GenerateResult, StreamChunk
-from cluster.grpc_ingress import TandemServicer, serve_local
+from cluster.api.client import AsyncTandemClient, TandemClient, TandemClientError
+from cluster.api.client_types import GenerateResult, StreamChunk
+from cluster.api.service import TandemService
+from cluster.api.tenants import Tenants
 from cluster.local import LocalTandem
-from cluster.request import GenerationRequest
-from cluster.service import TandemService
-from cluster.tenants import Tenants
+from cluster.routing.request import GenerationRequest
 from protos import generate_pb2_grpc
+from tests.cluster.grpc_front import TandemServicer, serve_local
 from tests.conftest import CODE_PROMPT
 
 MAX_TOKENS = 24

@@ -10,15 +10,15 @@ import pytest
 
 from cluster.config import CLUSTER_SECRET_ENV, TandemConfig
 from cluster.local import LocalTandem, text_decoder
-from cluster.replica_client import GrpcDrafter, GrpcVerifier
-from cluster.request import GenerationRequest
-from cluster.router import Router
+from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.routing.request import GenerationRequest
+from cluster.routing.router import Router
 from drafter.drafter import Drafter
 from drafter.servicer import serve_drafter
 from tests.conftest import encode
-from verifier.errors import ClusterSecretError, InvalidArgumentError
-from verifier.models import LoadedModel
-from verifier.sampling import SamplingParams
+from verifier.runtime.errors import ClusterSecretError, InvalidArgumentError
+from verifier.runtime.models import LoadedModel
+from verifier.runtime.sampling import SamplingParams
 from verifier.servicer import serve_verifier
 from verifier.verifier import Verifier
 

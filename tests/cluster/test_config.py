@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster import cli_service
+from cluster.cli import service as cli_service
 from cluster.config import TandemConfig
-from verifier.errors import InvalidArgumentError
+from verifier.runtime.errors import InvalidArgumentError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,19 +11,19 @@ from typing import Any
 
 import pytest
 
-from cluster.directory import RegistryPool
 from cluster.local import LocalTandem
-from cluster.replica_client import GrpcDrafter, GrpcVerifier
-from cluster.request import GenerationRequest
-from cluster.router import Router
+from cluster.routing.directory import RegistryPool
+from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.routing.request import GenerationRequest
+from cluster.routing.router import Router
 from drafter.drafter import Drafter
 from drafter.servicer import serve_drafter
 from tests.conftest import CODE_PROMPT, encode
-from verifier.block import DraftBlock
-from verifier.errors import DeadlineExceededError, ReplicaUnavailableError
-from verifier.models import LoadedModel
-from verifier.replica_host import ReplicaInfo
-from verifier.sampling import SamplingParams
+from verifier.replica.host import ReplicaInfo
+from verifier.runtime.block import DraftBlock
+from verifier.runtime.errors import DeadlineExceededError, ReplicaUnavailableError
+from verifier.runtime.models import LoadedModel
+from verifier.runtime.sampling import SamplingParams
 from verifier.servicer import serve_verifier
 from verifier.verifier import Verifier
 

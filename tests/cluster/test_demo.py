@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from cluster.client_types import GenerateResult, RequestStats, StreamChunk
-from cluster.demo import WARMUP_TOKENS, format_report, run_demo
+from cluster.api.client_types import GenerateResult, RequestStats, StreamChunk
+from cluster.tools.demo import WARMUP_TOKENS, format_report, run_demo
 
 STATS = RequestStats(
     num_prompt_tokens=3,

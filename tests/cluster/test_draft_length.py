@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from cluster.draft_length import (
+from cluster.local import LocalTandem, text_decoder
+from cluster.routing.draft_length import (
     DraftLength,
     DraftLengthConfig,
     Plan,
@@ -17,11 +18,10 @@ from cluster.draft_length import (
     pass_seconds,
     rate,
 )
-from cluster.local import LocalTandem, text_decoder
-from cluster.request import GenerationRequest
-from cluster.router import Router
+from cluster.routing.request import GenerationRequest
+from cluster.routing.router import Router
 from tests.conftest import CODE_PROMPT
-from verifier.errors import InvalidArgumentError
+from verifier.runtime.errors import InvalidArgumentError
 
 ON = DraftLengthConfig(enabled=True)
 

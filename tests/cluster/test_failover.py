@@ -8,20 +8,20 @@ from typing import Any
 import pytest
 
 from cluster.local import LocalTandem
-from cluster.ports import Pinned, Spare
-from cluster.request import GenerationRequest
-from cluster.router import Router
+from cluster.routing.ports import Pinned, Spare
+from cluster.routing.request import GenerationRequest
+from cluster.routing.router import Router
 from drafter.drafter import Drafter
 from tests.conftest import encode
-from verifier.errors import (
+from verifier.runtime.errors import (
     DeadlineExceededError,
     ReplicaUnavailableError,
     ResourceExhaustedError,
     SessionNotFoundError,
     TandemError,
 )
-from verifier.models import LoadedModel
-from verifier.sampling import SamplingParams
+from verifier.runtime.models import LoadedModel
+from verifier.runtime.sampling import SamplingParams
 from verifier.verifier import Verifier
 
 MAX_TOKENS = 24

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from cluster import faults
-from cluster.loadtest import run_load
-from verifier.errors import InvalidArgumentError
+from cluster.tools import faults
+from cluster.tools.loadtest import run_load
+from verifier.runtime.errors import InvalidArgumentError
 
 
 def _replica(replica_id: str, side: str, sessions: int, pid: int) -> dict[str, Any]:
@@ -59,7 +59,7 @@ class _Client:
     """Streams fixed tokens; the prompt "fail" raises as a lost request does."""
 
     def stream(self, prompt: str, **settings: Any) -> Any:
-        from cluster.client_types import StreamChunk, TandemClientError
+        from cluster.api.client_types import StreamChunk, TandemClientError
 
         if prompt == "fail":
             import grpc

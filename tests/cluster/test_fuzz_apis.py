@@ -19,16 +19,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.grpc_ingress import serve_local
+from cluster.api.service import ServiceConfig, TandemService
+from cluster.api.tenants import AuthConfig, TenantConfig, Tenants, hash_api_key, new_api_key
 from cluster.local import LocalTandem
-from cluster.service import ServiceConfig, TandemService
-from cluster.tenants import AuthConfig, TenantConfig, Tenants, hash_api_key, new_api_key
 from drafter.drafter import Drafter
 from drafter.servicer import serve_drafter
 from protos import generate_pb2, generate_pb2_grpc, replica_pb2, replica_pb2_grpc, sampling_pb2
+from tests.cluster.grpc_front import serve_local
 from tests.conftest import encode
-from verifier.models import LoadedModel
-from verifier.rpc import SECRET_METADATA_KEY
+from verifier.replica.rpc import SECRET_METADATA_KEY
+from verifier.runtime.models import LoadedModel
 from verifier.servicer import serve_verifier
 from verifier.verifier import Verifier
 

@@ -16,15 +16,15 @@ from typing import Any
 import grpc
 import pytest
 
-from cluster.client import TandemClient, TandemClientError
-from cluster.grpc_ingress import serve_local
+from cluster.api.client import TandemClient, TandemClientError
+from cluster.api.service import ServiceConfig, TandemService
+from cluster.api.tenants import AuthConfig, TenantConfig, Tenants, hash_api_key, new_api_key
 from cluster.local import LocalTandem, text_decoder
-from cluster.router import Router
-from cluster.service import ServiceConfig, TandemService
-from cluster.tenants import AuthConfig, TenantConfig, Tenants, hash_api_key, new_api_key
+from cluster.routing.router import Router
 from protos import generate_pb2
+from tests.cluster.grpc_front import serve_local
 from tests.conftest import CODE_PROMPT
-from verifier.block import DraftBlock, Verdict
+from verifier.runtime.block import DraftBlock, Verdict
 from verifier.verifier import Verifier
 
 LONG = 400

@@ -9,9 +9,9 @@ from typing import Any
 import grpc
 import pytest
 
-from cluster.cli import main
-from cluster.client_types import StreamChunk, TandemClientError
-from cluster.loadtest import run_load
+from cluster.api.client_types import StreamChunk, TandemClientError
+from cluster.cli.main import main
+from cluster.tools.loadtest import run_load
 
 CHUNK_GAP_S = 0.01
 

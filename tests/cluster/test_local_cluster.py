@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import local_cluster
+from cluster.serve import local_cluster
 
 
 def test_replica_addresses_without_a_service_says_how_to_start_one(

@@ -22,9 +22,9 @@ import torch
 from scipy import stats
 
 from cluster.local import LocalTandem
-from cluster.request import GenerationRequest
-from verifier.models import LoadedModel
-from verifier.sampling import SamplingParams, logits_to_probs
+from cluster.routing.request import GenerationRequest
+from verifier.runtime.models import LoadedModel
+from verifier.runtime.sampling import SamplingParams, logits_to_probs
 
 ALPHA = 1e-4
 NUM_SEEDS = 2000

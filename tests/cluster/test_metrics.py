@@ -13,8 +13,15 @@ from typing import Any
 
 import pytest
 
-from cluster import local_cluster
-from cluster.admission import Admission
+from cluster.api.admission import Admission
+from cluster.api.service import Caller, RequestCancelledError, TandemService
+from cluster.api.tenants import (
+    AuthConfig,
+    PermissionDeniedError,
+    TenantConfig,
+    Tenants,
+    hash_api_key,
+)
 from cluster.local import LocalTandem
 from cluster.metrics import (
     ACCEPTED_BY_POSITION,
@@ -46,13 +53,12 @@ from cluster.metrics import (
     series,
     summarize,
 )
-from cluster.registry import ReplicaRegistry
-from cluster.request import SpeculationStats
-from cluster.service import Caller, RequestCancelledError, TandemService
-from cluster.tenants import AuthConfig, PermissionDeniedError, TenantConfig, Tenants, hash_api_key
+from cluster.routing.registry import ReplicaRegistry
+from cluster.routing.request import SpeculationStats
+from cluster.serve import local_cluster
 from protos import generate_pb2
 from tests.conftest import CODE_PROMPT
-from verifier.replica_host import ReplicaInfo
+from verifier.replica.host import ReplicaInfo
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "tandem-dashboard.json"
 KEYS = {"main": "tdm_main-key", "small": "tdm_small-key"}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.client import TandemClient, TandemClientError
+from cluster.api.client import TandemClient, TandemClientError
 from cluster.metrics import Sample, parse_prometheus, replica_numbers
 from tests.cluster.conftest import SMALL_LIMITS, TANDEM, TENANT_KEYS, live_replicas
 from tests.conftest import CODE_PROMPT

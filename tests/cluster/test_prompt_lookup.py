@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from cluster.local import LocalTandem, text_decoder
-from cluster.request import GenerationRequest
-from cluster.router import Router
+from cluster.routing.request import GenerationRequest
+from cluster.routing.router import Router
 from drafter.drafter import Drafter
 from drafter.ngram import NgramConfig
 from tests.cluster.test_lossless_sampling import ALPHA, chi_square_p_value
 from tests.conftest import MAX_TOKENS, encode
-from verifier.models import LoadedModel
-from verifier.sampling import SamplingParams, logits_to_probs
+from verifier.runtime.models import LoadedModel
+from verifier.runtime.sampling import SamplingParams, logits_to_probs
 
 LOOKUP = NgramConfig(enabled=True, max_ngram=4, min_ngram=2)
 

@@ -15,23 +15,23 @@ import grpc
 import pytest
 
 from cluster.local import LocalTandem, text_decoder
-from cluster.ports import DrafterPort, VerifierPort
-from cluster.replica_client import GrpcDrafter, GrpcVerifier
-from cluster.request import GenerationRequest
-from cluster.router import Router
+from cluster.routing.ports import DrafterPort, VerifierPort
+from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.routing.request import GenerationRequest
+from cluster.routing.router import Router
 from drafter.drafter import Drafter
 from drafter.servicer import serve_drafter
 from tests.conftest import PROMPTS
-from verifier.block import DraftBlock
-from verifier.errors import (
+from verifier.runtime.block import DraftBlock
+from verifier.runtime.errors import (
     InvalidArgumentError,
     ReplicaUnavailableError,
     SessionExistsError,
     SessionNotFoundError,
     StaleBaseError,
 )
-from verifier.models import LoadedModel
-from verifier.sampling import SamplingParams
+from verifier.runtime.models import LoadedModel
+from verifier.runtime.sampling import SamplingParams
 from verifier.servicer import serve_verifier
 from verifier.verifier import Verifier
 

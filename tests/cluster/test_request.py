@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from cluster.request import GenerationRequest, SpeculationStats
-from verifier.errors import InvalidArgumentError
-from verifier.sampling import SamplingParams
+from cluster.routing.request import GenerationRequest, SpeculationStats
+from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.sampling import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from cluster.local import LocalTandem
-from cluster.ports import DrafterPort
-from cluster.request import FinishReason, GenerationRequest
-from cluster.router import Router
+from cluster.routing.ports import DrafterPort
+from cluster.routing.request import FinishReason, GenerationRequest
+from cluster.routing.router import Router
 from tests.conftest import CODE_PROMPT, MAX_TOKENS, PROMPTS, encode
-from verifier import tiny
-from verifier.block import DraftBlock
-from verifier.models import LoadedModel
-from verifier.sampling import SamplingParams
+from verifier.runtime import tiny
+from verifier.runtime.block import DraftBlock
+from verifier.runtime.models import LoadedModel
+from verifier.runtime.sampling import SamplingParams
 
 
 def test_target_only_equals_hugging_face_generate(
@@ -170,7 +170,7 @@ def test_drafts_cut_short_by_confidence_stay_exact(
     pipelined: bool,
 ) -> None:
     from cluster.local import text_decoder
-    from cluster.router import Router
+    from cluster.routing.router import Router
     from drafter.drafter import Drafter, DrafterConfig
 
     unsure = Drafter(tiny_draft, DrafterConfig(min_confidence=0.5))

@@ -24,13 +24,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.client import TandemClient
-from cluster.client_types import TandemClientError
-from cluster.demo import format_report, run_demo
+from cluster.api.client import TandemClient
+from cluster.api.client_types import TandemClientError
 from cluster.local import LocalTandem
-from cluster.local_cluster import cluster_processes
-from cluster.replica_client import GrpcDrafter, GrpcVerifier
-from cluster.request import GenerationRequest
+from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.routing.request import GenerationRequest
+from cluster.serve.local_cluster import cluster_processes
+from cluster.tools.demo import format_report, run_demo
 from tests.cluster.conftest import (
     MAX_TOKENS,
     TANDEM,
@@ -39,7 +39,7 @@ from tests.cluster.conftest import (
     wait_until_no_sessions,
 )
 from tests.conftest import PROMPTS
-from verifier.errors import ClusterSecretError
+from verifier.runtime.errors import ClusterSecretError
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -249,7 +249,7 @@ def test_profile_splits_rounds_into_compute_and_transport(
     prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
     out = tmp_path / "profile.json"
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.profile", "--preset", "tiny", "--max-tokens", "12",
+        [sys.executable, "-m", "cluster.tools.profile", "--preset", "tiny", "--max-tokens", "12",
          "--repeats", "1", "--prompts", str(prompts), "--json", str(out),
          "--draft-tokens", "2", "4", "--plot", str(tmp_path / "profile.png")],
         capture_output=True, text=True, timeout=180, check=False, env=service["env"],  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
-from cluster.client import TandemClient, TandemClientError
+from cluster.api.client import TandemClient, TandemClientError
 from tests.cluster.conftest import SMALL_LIMITS, TENANT_KEYS, wait_until_no_sessions
 from tests.conftest import CODE_PROMPT
 

@@ -11,10 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from cluster.grpc_status import INTERNAL_ERROR_MESSAGE, status_of
-from cluster.local import LocalTandem
-from cluster.request import FinishReason, GenerationRequest, SpeculationStats
-from cluster.service import (
+from cluster.api.service import (
     RequestCancelledError,
     ServiceConfig,
     TandemService,
@@ -23,16 +20,19 @@ from cluster.service import (
     stats_from_proto,
     stats_to_proto,
 )
-from cluster.tenants import Tenants
+from cluster.api.status import INTERNAL_ERROR_MESSAGE, status_of
+from cluster.api.tenants import Tenants
+from cluster.local import LocalTandem
+from cluster.routing.request import FinishReason, GenerationRequest, SpeculationStats
 from protos import generate_pb2, sampling_pb2
 from tests.conftest import CODE_PROMPT
-from verifier.errors import (
+from verifier.runtime.errors import (
     InvalidArgumentError,
     ReplicaUnavailableError,
     ResourceExhaustedError,
     SessionNotFoundError,
 )
-from verifier.sampling import SamplingParams
+from verifier.runtime.sampling import SamplingParams
 
 LIMIT = 100
 
@@ -257,7 +257,7 @@ def test_unexpected_errors_are_internal_and_never_leak(caplog: pytest.LogCapture
     try:
         math.sqrt(-1)
     except ValueError as error:
-        with caplog.at_level(logging.ERROR, logger="cluster.grpc_status"):
+        with caplog.at_level(logging.ERROR, logger="cluster.api.status"):
             code, message = status_of(error)
     assert (code, message) == (grpc.StatusCode.INTERNAL, INTERNAL_ERROR_MESSAGE)
     assert "math domain error" in caplog.text  # the traceback is logged, not sent

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import TandemConfig
-from cluster.tenants import (
+from cluster.api.tenants import (
     ANONYMOUS,
     AuthConfig,
     PermissionDeniedError,
@@ -21,7 +20,8 @@ from cluster.tenants import (
     hash_api_key,
     new_api_key,
 )
-from verifier.errors import InvalidArgumentError
+from cluster.config import TandemConfig
+from verifier.runtime.errors import InvalidArgumentError
 
 
 class Clock:
@@ -186,7 +186,8 @@ def test_quota_errors_survive_pickling() -> None:
 def test_serve_without_tenants_serves_a_local_tenant_whose_key_the_home_keeps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cluster import cli_service, local_cluster
+    from cluster.cli import service as cli_service
+    from cluster.serve import local_cluster
 
     monkeypatch.setenv(local_cluster.HOME_ENV, str(tmp_path))
     monkeypatch.delenv(local_cluster.API_KEY_ENV, raising=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cluster.text import TextAssembler
+from cluster.routing.text import TextAssembler
 
 
 def byte_decode(ids: Sequence[int]) -> str:

@@ -28,8 +28,8 @@ from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 from ray.util import accelerators
 
-from cluster.app import GRPC_SERVICER_FUNCTIONS, app_builder
 from cluster.config import CLUSTER_SECRET_ENV, TandemConfig
+from cluster.serve.app import GRPC_SERVICER_FUNCTIONS, app_builder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RAYSERVICE = REPO_ROOT / "deploy" / "kuberay" / "rayservice.yaml"
@@ -39,7 +39,7 @@ DOCKERIGNORE = REPO_ROOT / ".dockerignore"
 GRPC_PORT = 9000
 SIDES = ("router", "drafter", "verifier")
 DEPLOYMENTS = {"router": "Router", "drafter": "Drafter", "verifier": "Verifier"}
-POLICY_PATH = "cluster.autoscaling:scale_on_load"
+POLICY_PATH = "cluster.serve.autoscaling:scale_on_load"
 
 # Field names of KubeRay's ray.io/v1 types (API reference, v1.6), for the fields this manifest
 # may use: a misspelt or invented field is dropped by the API server without a word.
@@ -103,7 +103,7 @@ def test_serve_configs_pass_serves_schema_and_build_a_usable_tandem_config(sourc
     assert schema.grpc_options.port == GRPC_PORT
     assert schema.grpc_options.grpc_servicer_functions == list(GRPC_SERVICER_FUNCTIONS)
     app = the_app(data)
-    assert app["import_path"] == "cluster.app:app_builder" and callable(app_builder)
+    assert app["import_path"] == "cluster.serve.app:app_builder" and callable(app_builder)
     config = TandemConfig.from_dict(app["args"])
     config.auth.check_usable()  # what build_app does first: someone can call the service
     assert config.app_name == app["name"], "the registry is named after the Serve app"

@@ -3,7 +3,7 @@ token authentication, then `serve deploy` (Serve's own CLI, through the dashboar
 with the token, then generation through Serve's gRPC proxy.
 
 The cluster is this test's own: its own TANDEM_HOME (Ray temp dir and token, as
-`cluster.local_cluster` keeps them), free ports for everything Ray would otherwise put on a
+`cluster.serve.local_cluster` keeps them), free ports for everything Ray would otherwise put on a
 fixed one (GCS, dashboard, dashboard agent, client server) and for Serve's proxies (the config
 is copied with its ports rewritten), so it runs beside the session's `tandem serve` cluster
 (tests/cluster/conftest.py). It is stopped by signalling exactly its own processes.
@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster.client import TandemClient
+from cluster.api.client import TandemClient
 from cluster.config import CLUSTER_SECRET_ENV
-from cluster.local_cluster import (
+from cluster.serve.local_cluster import (
     API_KEY_ENV,
     HOME_ENV,
     LOOPBACK,

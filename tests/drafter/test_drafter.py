@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from drafter.drafter import Drafter, DrafterConfig, draft_sampling
-from verifier.errors import InvalidArgumentError, StaleBaseError
-from verifier.models import LoadedModel
-from verifier.sampling import SamplingParams, logits_to_probs, to_dense
+from verifier.runtime.errors import InvalidArgumentError, StaleBaseError
+from verifier.runtime.models import LoadedModel
+from verifier.runtime.sampling import SamplingParams, logits_to_probs, to_dense
 
 PROMPT = tuple(b"def add(a, b):")
 GREEDY = SamplingParams()

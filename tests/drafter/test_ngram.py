@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from drafter.ngram import NgramConfig, propose
-from verifier.errors import InvalidArgumentError
+from verifier.runtime.errors import InvalidArgumentError
 
 CONFIG = NgramConfig(max_ngram=3, min_ngram=2)
 

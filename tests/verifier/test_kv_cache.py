@@ -7,9 +7,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verifier.errors import InvalidArgumentError
-from verifier.kv_cache import KVSession, common_prefix_length
-from verifier.models import LoadedModel
+from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.kv_cache import KVSession, common_prefix_length
+from verifier.runtime.models import LoadedModel
 
 # fp32 on the CPU: a cached forward and a full forward differ only by summation order.
 ATOL = 1e-4

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from verifier import tiny
-from verifier.errors import InvalidArgumentError
-from verifier.models import (
+from verifier.runtime import tiny
+from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.models import (
     TINY_DRAFT,
     TINY_TARGET,
     LoadedModel,

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from cluster.presets import resolve_pair
-from verifier import packs
-from verifier.errors import InvalidArgumentError
-from verifier.models import ModelSpec, load_model
+from verifier.runtime import packs
+from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.models import ModelSpec, load_model
 
 PARTS = [b"first part|", b"second|", b"third and last"]
 
@@ -108,7 +108,7 @@ def test_real_pair_greedy_equals_the_target_alone() -> None:
     from cluster.local import build_local
 
     tandem = build_local(resolve_pair("qwen-coder", dtype="float32", device="cpu"))
-    from cluster.request import GenerationRequest
+    from cluster.routing.request import GenerationRequest
 
     ids = tuple(tandem.tokenizer.encode("def fibonacci(n):", add_special_tokens=False))
     result = tandem.router.generate(GenerationRequest(ids, 16, draft_tokens=4))

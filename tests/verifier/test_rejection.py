@@ -1,4 +1,4 @@
-"""Tests for verifier.rejection, in the four kinds of STYLE.md.
+"""Tests for verifier.rejection, in the four kinds of docs/architecture.md, "Tests".
 
 1. Exact greedy cases: one-hot targets give the classic longest-matching-prefix rule.
 2. Seeded determinism: the generator is the only source of randomness.
@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from tests.verifier.rejection_reference import reference_rejection_sample, seeded, token_ids
-from verifier.errors import InvalidArgumentError
 from verifier.rejection import rejection_sample
-from verifier.sampling import SamplingParams, logits_to_probs, to_dense, to_sparse
+from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.sampling import SamplingParams, logits_to_probs, to_dense, to_sparse
 
 
 def _one_hot(token_ids: list[int], vocab: int) -> Tensor:

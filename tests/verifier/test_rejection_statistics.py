@@ -1,5 +1,6 @@
-"""Tests for verifier.rejection, kind 4 of STYLE.md: statistics. Emitted tokens are distributed
-as the target over many seeded trials, and the same statistic catches a wrong sampler (exact
+"""Tests for verifier.rejection, kind 4 of docs/architecture.md, "Tests": statistics. Emitted
+tokens are distributed as the target over many seeded trials, and the same statistic catches a
+wrong sampler (exact
 cases, determinism and the loop reference are in test_rejection.py)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tests.verifier.rejection_reference import (
     seeded,
 )
 from verifier.rejection import rejection_sample
-from verifier.sampling import SamplingParams, logits_to_probs
+from verifier.runtime.sampling import SamplingParams, logits_to_probs
 
 NUM_TRIALS = 15_000  # about 2.5 s per case on a 2-core box
 STAT_VOCAB = 6

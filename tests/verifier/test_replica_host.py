@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from verifier.errors import InvalidArgumentError
-from verifier.replica_host import place_threads
+from verifier.replica.host import place_threads
+from verifier.runtime.errors import InvalidArgumentError
 
 
 def test_pins_the_process_and_sets_threads() -> None:
     # In a child process: pinning this one would slow the rest of the suite.
     code = (
-        "import os, torch; from verifier.replica_host import place_threads; "
+        "import os, torch; from verifier.replica.host import place_threads; "
         "place_threads(1, [0]); print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())"
     )
     out = subprocess.run(

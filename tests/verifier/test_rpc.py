@@ -20,9 +20,9 @@ import pytest
 from drafter.drafter import Drafter
 from drafter.servicer import serve_drafter
 from protos import replica_pb2, replica_pb2_grpc, sampling_pb2
-from verifier import errors
-from verifier.models import LoadedModel
-from verifier.rpc import INTERNAL_ERROR_MESSAGE, CallGuard, start_server, status_code
+from verifier.replica.rpc import INTERNAL_ERROR_MESSAGE, CallGuard, start_server, status_code
+from verifier.runtime import errors
+from verifier.runtime.models import LoadedModel
 from verifier.servicer import serve_verifier
 from verifier.verifier import Verifier, VerifierConfig
 
@@ -292,7 +292,7 @@ def test_unexpected_exception_is_internal_without_traceback(
         raise RuntimeError("secret detail from deep inside")
 
     monkeypatch.setattr(replicas.drafter, "draft", broken_draft)
-    with caplog.at_level(logging.ERROR, logger="verifier.rpc"):
+    with caplog.at_level(logging.ERROR, logger="verifier.replica.rpc"):
         error = rpc_error(
             replicas.drafter_stub.Draft,
             replica_pb2.DraftRequest(session_id=session, base_length=len(PROMPT), num_tokens=1),
@@ -300,7 +300,7 @@ def test_unexpected_exception_is_internal_without_traceback(
     assert error.code() == grpc.StatusCode.INTERNAL
     assert error.details() == INTERNAL_ERROR_MESSAGE
     # The traceback is in the replica's log, and only there.
-    [record] = [r for r in caplog.records if r.name == "verifier.rpc"]
+    [record] = [r for r in caplog.records if r.name == "verifier.replica.rpc"]
     assert record.getMessage() == "Drafter.Draft failed unexpectedly"
     assert record.exc_info is not None and "secret detail" in str(record.exc_info[1])
 

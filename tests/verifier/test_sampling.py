@@ -1,4 +1,5 @@
-"""Tests for verifier.sampling: the distribution actually used, sampling, and sparse rows."""
+"""Tests for verifier.runtime.sampling: the distribution actually used, sampling, and sparse
+rows."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verifier.errors import InvalidArgumentError
-from verifier.sampling import (
+from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.sampling import (
     SamplingParams,
     SparseDistribution,
     logits_to_probs,

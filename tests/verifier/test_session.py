@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from verifier.session import BusyLock
+from verifier.runtime.session import BusyLock
 
 HOLD_S = 0.2
 

@@ -9,17 +9,17 @@ import pytest
 
 from drafter.drafter import Drafter
 from protos import replica_pb2
-from verifier import wire
-from verifier.block import DraftBlock
-from verifier.errors import (
+from verifier.replica import wire
+from verifier.runtime.block import DraftBlock
+from verifier.runtime.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     ResourceExhaustedError,
     SessionNotFoundError,
 )
-from verifier.models import LoadedModel
-from verifier.sampling import SamplingParams
-from verifier.session import SessionTable
+from verifier.runtime.models import LoadedModel
+from verifier.runtime.sampling import SamplingParams
+from verifier.runtime.session import SessionTable
 from verifier.verifier import Verifier
 
 PROMPT = [5, 6, 7, 8]

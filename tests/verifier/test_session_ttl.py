@@ -8,11 +8,15 @@ import time
 import pytest
 
 from drafter.drafter import Drafter, DrafterConfig
-from verifier.errors import InvalidArgumentError, ResourceExhaustedError, SessionNotFoundError
-from verifier.models import LoadedModel
-from verifier.replica_host import ReplicaHost
-from verifier.sampling import SamplingParams
-from verifier.session import ReplicaStats, SessionTable
+from verifier.replica.host import ReplicaHost
+from verifier.runtime.errors import (
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    SessionNotFoundError,
+)
+from verifier.runtime.models import LoadedModel
+from verifier.runtime.sampling import SamplingParams
+from verifier.runtime.session import ReplicaStats, SessionTable
 from verifier.verifier import Verifier, VerifierConfig
 
 PROMPT = [5, 6, 7, 8]

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verifier.block import DraftBlock
-from verifier.errors import (
+from verifier.runtime.block import DraftBlock
+from verifier.runtime.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
     SessionExistsError,
     SessionNotFoundError,
     StaleBaseError,
 )
-from verifier.models import LoadedModel
-from verifier.sampling import SamplingParams, SparseDistribution
+from verifier.runtime.models import LoadedModel
+from verifier.runtime.sampling import SamplingParams, SparseDistribution
 from verifier.verifier import Verifier, VerifierConfig
 
 GREEDY = SamplingParams()

@@ -1,4 +1,5 @@
-"""verifier.wire: every plain value survives a trip through serialised replica.proto bytes."""
+"""verifier.replica.wire: every plain value survives a trip through serialised replica.proto
+bytes."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import torch
 from google.protobuf.message import Message
 
 from protos import replica_pb2, sampling_pb2
-from verifier import wire
-from verifier.block import DraftBlock, Verdict
-from verifier.errors import InvalidArgumentError
-from verifier.sampling import SamplingParams, SparseDistribution, to_dense
-from verifier.session import ReplicaStats
+from verifier.replica import wire
+from verifier.runtime.block import DraftBlock, Verdict
+from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.sampling import SamplingParams, SparseDistribution, to_dense
+from verifier.runtime.session import ReplicaStats
 
 M = TypeVar("M", bound=Message)
 
@@ -39,7 +40,7 @@ def assert_same_rows(
     for got_row, want_row in zip(got or (), want or (), strict=True):
         assert got_row.token_ids.dtype == torch.int64 and got_row.probs.dtype == torch.float32
         assert torch.equal(got_row.token_ids, want_row.token_ids)
-        # Bitwise: q must arrive exactly as sampled from (DESIGN.md invariant 1).
+        # Bitwise: q must arrive exactly as sampled from (docs/architecture.md, invariant 1).
         assert torch.equal(got_row.probs.view(torch.int32), want_row.probs.view(torch.int32))
 
 

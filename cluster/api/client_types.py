@@ -1,0 +1,200 @@
+"""What the Tandem clients hand back, and the one place they convert to and from the wire.
+
+`build_request` turns a prompt and settings into a `GenerateRequest`; `result_from_response`
+and `chunk_from_proto` turn the server's messages into frozen dataclasses. The finish reason is
+a plain string derived from the proto enum's name ("length", "stop", "cancelled"), the same
+strings as `cluster.routing.request.FinishReason` values, so this module needs no torch.
+
+The client checks only what the wire cannot carry (a negative seed, a count past int32): the
+server owns every other rule, so the two can never disagree. Such a value raises
+`TandemClientError` with INVALID_ARGUMENT, as the server would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from protos import generate_pb2, sampling_pb2
+
+MIN_INT32 = -(2**31)
+MAX_INT32 = 2**31 - 1
+MAX_UINT64 = 2**64 - 1
+_FINISH_REASON_PREFIX = "FINISH_REASON_"
+
+
+class TandemClientError(Exception):
+    """A failed call: the gRPC status code, the server's message, and for a limit that frees up
+    with time, how many seconds to wait before retrying (None if the server did not say)."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None
+    ) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """Token counts and speculation counters of one request."""
+
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_drafted: int
+    num_accepted: int
+    num_verify_passes: int
+    pipeline_hits: int
+    pipeline_misses: int
+    drafted_by_position: tuple[int, ...] = ()
+    accepted_by_position: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """A whole generation and its counters."""
+
+    request_id: str
+    tokens: tuple[int, ...]
+    text: str
+    finish_reason: str
+    """"length" (max_tokens reached), "stop" (end of sequence or a stop string), "cancelled"."""
+    num_prompt_tokens: int
+    num_drafted: int
+    num_accepted: int
+    num_verify_passes: int
+    pipeline_hits: int
+    pipeline_misses: int
+    drafted_by_position: tuple[int, ...] = ()
+    """Per draft position i: verify passes whose block had a token at position i."""
+    accepted_by_position: tuple[int, ...] = ()
+    """Per draft position i: verify passes that accepted the block's first i + 1 tokens."""
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over drafted draft tokens; None when nothing was drafted."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else None
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """Tokens new in this chunk and their text; the last chunk has finish reason and stats."""
+
+    request_id: str
+    tokens: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+    stats: RequestStats | None = None
+
+
+def _check_int(name: str, value: int, low: int, high: int, range_text: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise TandemClientError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be in {range_text}, got {value!r}"
+        )
+    return value
+
+
+def _int32(name: str, value: int) -> int:
+    return _check_int(name, value, MIN_INT32, MAX_INT32, "-2**31..2**31-1")
+
+
+def build_request(
+    prompt: str | Sequence[int],
+    *,
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    draft_tokens: int | None = None,
+    pipelined: bool | None = None,
+) -> generate_pb2.GenerateRequest:
+    """The request message; None for seed, draft_tokens or pipelined leaves the field unset,
+    which means the server's default."""
+    request = generate_pb2.GenerateRequest(
+        max_tokens=_int32("max_tokens", max_tokens),
+        sampling=sampling_pb2.SamplingParams(
+            temperature=temperature, top_p=top_p, top_k=_int32("top_k", top_k)
+        ),
+        stop=list(stop),
+    )
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(
+            _int32(f"token_ids[{i}]", token) for i, token in enumerate(prompt)
+        )
+        # An empty list must still select `token_ids`, so the server names the right error.
+        request.token_ids.SetInParent()
+    if seed is not None:
+        # Worded as the server words it.
+        request.seed = _check_int("seed", seed, 0, MAX_UINT64, "0..2**64-1")
+    if draft_tokens is not None:
+        request.speculation.draft_tokens = _int32("draft_tokens", draft_tokens)
+    if pipelined is not None:
+        request.speculation.pipelined = pipelined
+    return request
+
+
+def finish_reason_name(value: generate_pb2.FinishReason) -> str | None:
+    """ "length", "stop" or "cancelled"; None for FINISH_REASON_UNSPECIFIED (not finished)."""
+    if value == generate_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return generate_pb2.FinishReason.Name(value).removeprefix(_FINISH_REASON_PREFIX).lower()
+
+
+def _speculation_fields(stats: generate_pb2.SpeculationStats) -> dict[str, Any]:
+    """The speculation counters that `GenerateResult` and `RequestStats` both carry."""
+    return {
+        "num_drafted": stats.num_drafted,
+        "num_accepted": stats.num_accepted,
+        "num_verify_passes": stats.num_verify_passes,
+        "pipeline_hits": stats.pipeline_hits,
+        "pipeline_misses": stats.pipeline_misses,
+        "drafted_by_position": tuple(stats.drafted_by_position),
+        "accepted_by_position": tuple(stats.accepted_by_position),
+    }
+
+
+def result_from_response(response: generate_pb2.GenerateResponse) -> GenerateResult:
+    finish_reason = finish_reason_name(response.finish_reason)
+    if finish_reason is None:
+        raise TandemClientError(
+            grpc.StatusCode.UNKNOWN, "the server's response has no finish reason"
+        )
+    return GenerateResult(
+        request_id=response.request_id,
+        tokens=tuple(response.token_ids),
+        text=response.text,
+        finish_reason=finish_reason,
+        num_prompt_tokens=response.usage.prompt_tokens,
+        **_speculation_fields(response.speculation),
+    )
+
+
+def chunk_from_proto(chunk: generate_pb2.GenerateChunk) -> StreamChunk:
+    finish_reason = finish_reason_name(chunk.finish_reason)
+    stats = None
+    if finish_reason is not None:
+        stats = RequestStats(
+            num_prompt_tokens=chunk.usage.prompt_tokens,
+            num_generated_tokens=chunk.usage.completion_tokens,
+            **_speculation_fields(chunk.speculation),
+        )
+    return StreamChunk(
+        request_id=chunk.request_id,
+        tokens=tuple(chunk.token_ids),
+        text=chunk.text,
+        finish_reason=finish_reason,
+        stats=stats,
+    )

@@ -1,0 +1,383 @@
+"""The public API as a plain class: `tandem.v1.Tandem` requests in, responses and chunks out.
+
+`TandemService` turns a `GenerateRequest` into the router's `GenerationRequest` (a text prompt
+is tokenized with the target's tokenizer, `add_special_tokens=False`, so the ids are exactly
+the text's), runs it on the router, and turns what comes back into `GenerateResponse` /
+`GenerateChunk` messages. It knows nothing of gRPC servers or Ray: `tests.cluster.grpc_front` and
+the Serve ingress are thin adapters over it, and tests call it directly.
+
+Validation: every bad field raises `InvalidArgumentError` (INVALID_ARGUMENT) naming the field.
+Proto3 cannot tell a plain scalar's 0 from unset, so `max_tokens` 0 is an error like any value
+below 1, never a silent default. `max_tokens` above `ServiceConfig.max_tokens_limit` is
+INVALID_ARGUMENT too, not RESOURCE_EXHAUSTED: the limit is fixed configuration, so the same
+request can never succeed on this server, while RESOURCE_EXHAUSTED tells a client to back off
+and retry. Unset optional fields take defaults: `top_p` 1.0 (no nucleus cut), `seed` a fresh
+random one (as generate.proto promises; send a seed to make sampling repeatable),
+`draft_tokens` and `pipelined` from `ServiceConfig`. Token ids are checked
+against the vocabulary by the verifier when the request starts.
+
+Tenants (`cluster.api.tenants`): every call is authenticated first (UNAUTHENTICATED), then the
+request is validated and checked against what its tenant may ask (PERMISSION_DENIED). When
+the first chunk is asked for, the tenant's concurrency and token-rate quotas and the router's
+bounded queue (`cluster.api.admission`) admit it or refuse it (RESOURCE_EXHAUSTED, with when to
+retry); it may wait in the queue until its deadline. The tenant's usage counters grow as
+tokens are committed. Metrics (`cluster.metrics`): a request's counters are recorded when it
+ends, by tenant and outcome; a refusal by tenant and status; the queue's depth as it changes.
+
+Every request gets a fresh request id (uuid4 hex) on its response and on every chunk; its
+tenant, and only its tenant, can cancel it by that id (`cancel`): its stream then ends with
+FINISH_REASON_CANCELLED after the round in flight. The last chunk of a stream carries the
+finish reason, usage and speculation counters. Closing a stream
+early (the client went away) closes the router's stream, which frees the request's sessions on
+both replicas; `generate` stops the same way once its `is_active` callback returns False.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import secrets
+import threading
+import uuid
+from collections.abc import Callable, Generator, Iterator
+from contextlib import closing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cluster.api.admission import Admission
+from cluster.api.running import RunningRequests
+from cluster.api.tenants import Tenant, Tenants
+from cluster.metrics import TandemMetrics
+from cluster.routing.request import (
+    DEFAULT_DRAFT_TOKENS,
+    MAX_DRAFT_TOKENS,
+    FinishReason,
+    GenerationChunk,
+    GenerationRequest,
+    SpeculationStats,
+)
+from cluster.routing.router import Router
+from protos import generate_pb2
+from verifier.replica.wire import sampling_from_wire
+from verifier.runtime.errors import InvalidArgumentError, TandemError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+DEFAULT_MAX_TOKENS_LIMIT = 4096
+"""Default ceiling on `max_tokens`: the verifier's default context is 4096 tokens."""
+DEFAULT_MAX_RUNNING = 64
+DEFAULT_MAX_QUEUED = 128
+"""Together within the Serve ingress's 256 request threads: a queued request holds one."""
+_FINISH_REASON_PREFIX = "FINISH_REASON_"
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Server-side defaults and limits of the public API."""
+
+    default_draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    """Draft block length of a request that sets none; 0 means no speculation."""
+    default_pipelined: bool = True
+    """Whether a request that does not say drafts the next block during verification."""
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
+    """Largest `max_tokens` a request may ask for."""
+    max_running_requests: int = DEFAULT_MAX_RUNNING
+    """Requests one router replica generates at once; more wait in its queue."""
+    max_queued_requests: int = DEFAULT_MAX_QUEUED
+    """Requests that may wait; beyond them a request is refused (RESOURCE_EXHAUSTED)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.default_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidArgumentError(
+                f"default_draft_tokens must be in 0..{MAX_DRAFT_TOKENS}, "
+                f"got {self.default_draft_tokens}"
+            )
+        if self.max_tokens_limit < 1:
+            raise InvalidArgumentError(
+                f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}"
+            )
+        if self.max_running_requests < 1 or self.max_queued_requests < 0:
+            raise InvalidArgumentError(
+                "max_running_requests must be >= 1 and max_queued_requests >= 0, got "
+                f"{self.max_running_requests} and {self.max_queued_requests}"
+            )
+
+
+class RequestCancelledError(TandemError):
+    """The caller went away (cancelled, or past its deadline) before the request finished."""
+
+    status = "CANCELLED"
+
+
+def finish_reason_to_proto(reason: FinishReason) -> generate_pb2.FinishReason:
+    # The proto enum names are the Python enum's names with a prefix: one list of reasons.
+    return generate_pb2.FinishReason.Value(_FINISH_REASON_PREFIX + reason.name)
+
+
+def finish_reason_from_proto(value: generate_pb2.FinishReason) -> FinishReason | None:
+    """None for FINISH_REASON_UNSPECIFIED (not finished)."""
+    if value == generate_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return FinishReason[generate_pb2.FinishReason.Name(value).removeprefix(_FINISH_REASON_PREFIX)]
+
+
+def stats_to_proto(stats: SpeculationStats) -> generate_pb2.SpeculationStats:
+    return generate_pb2.SpeculationStats(
+        num_drafted=stats.num_drafted,
+        num_accepted=stats.num_accepted,
+        num_verify_passes=stats.num_verify_passes,
+        pipeline_hits=stats.pipeline_hits,
+        pipeline_misses=stats.pipeline_misses,
+        drafted_by_position=stats.drafted_by_position,
+        accepted_by_position=stats.accepted_by_position,
+    )
+
+
+def stats_from_proto(message: generate_pb2.SpeculationStats) -> SpeculationStats:
+    return SpeculationStats(
+        num_drafted=message.num_drafted,
+        num_accepted=message.num_accepted,
+        num_verify_passes=message.num_verify_passes,
+        pipeline_hits=message.pipeline_hits,
+        pipeline_misses=message.pipeline_misses,
+        drafted_by_position=list(message.drafted_by_position),
+        accepted_by_position=list(message.accepted_by_position),
+    )
+
+
+def _new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a call, and until when it may run: what the gRPC adapters read off the call."""
+
+    authorization: str | None = None
+    """The `authorization` metadata ("Bearer <key>"), if sent."""
+    deadline: float | None = None
+    """The client's deadline as a `time.monotonic()` instant, if it set one."""
+
+
+ANONYMOUS_CALL = Caller()
+"""A call with no metadata and no deadline (in-process callers, tests)."""
+
+
+class TandemService:
+    """Serves the public API on one router, for the tenants of `tenants`."""
+
+    def __init__(
+        self,
+        router: Router,
+        tokenizer: PreTrainedTokenizerBase,
+        config: ServiceConfig | None = None,
+        *,
+        tenants: Tenants,
+        metrics: TandemMetrics | None = None,
+    ) -> None:
+        """`tenants`: who may call and their limits; `Tenants.unauthenticated()` lets every
+        call in as one anonymous tenant (local development only). `metrics`: where each
+        request's counters go when it ends (default: Ray's metrics, if in a Ray worker)."""
+        self._router = router
+        self._tokenizer = tokenizer
+        self.config = config if config is not None else ServiceConfig()
+        self.tenants = tenants
+        self.metrics = metrics if metrics is not None else TandemMetrics()
+        self.admission = Admission(
+            self.config.max_running_requests,
+            self.config.max_queued_requests,
+            on_change=self.metrics.queue,
+        )
+        self.requests = RunningRequests()
+
+    def to_request(
+        self, message: generate_pb2.GenerateRequest, deadline: float | None = None
+    ) -> tuple[GenerationRequest, bool]:
+        """The router's request for `message`, and whether to pipeline it; validated."""
+        max_tokens = message.max_tokens
+        if max_tokens < 1:
+            raise InvalidArgumentError(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_tokens > self.config.max_tokens_limit:
+            raise InvalidArgumentError(
+                f"max_tokens must be <= {self.config.max_tokens_limit} on this server, "
+                f"got {max_tokens}"
+            )
+        sampling = sampling_from_wire(message.sampling)
+        speculation = message.speculation
+        request = GenerationRequest(
+            prompt_tokens=self._prompt_tokens(message),
+            max_tokens=max_tokens,
+            sampling=sampling,
+            seed=message.seed if message.HasField("seed") else secrets.randbits(64),
+            stop=tuple(message.stop),
+            draft_tokens=(
+                speculation.draft_tokens
+                if speculation.HasField("draft_tokens")
+                else self.config.default_draft_tokens
+            ),
+            deadline=deadline,
+        )
+        pipelined = (
+            speculation.pipelined
+            if speculation.HasField("pipelined")
+            else self.config.default_pipelined
+        )
+        return request, pipelined
+
+    def generate(
+        self,
+        message: generate_pb2.GenerateRequest,
+        is_active: Callable[[], bool] | None = None,
+        caller: Caller = ANONYMOUS_CALL,
+    ) -> generate_pb2.GenerateResponse:
+        """Run a request to completion.
+
+        `is_active`, when given, is asked after every verify pass; once it returns False the
+        request stops, its sessions are freed, and `RequestCancelledError` is raised.
+        """
+        response = generate_pb2.GenerateResponse()
+        text: list[str] = []
+        with closing(self.stream(message, caller)) as chunks:
+            for chunk in chunks:
+                response.request_id = chunk.request_id
+                response.token_ids.extend(chunk.token_ids)
+                text.append(chunk.text)
+                if chunk.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
+                    response.finish_reason = chunk.finish_reason
+                    response.usage.CopyFrom(chunk.usage)
+                    response.speculation.CopyFrom(chunk.speculation)
+                elif is_active is not None and not is_active():
+                    raise RequestCancelledError("the request was cancelled by its caller")
+        response.text = "".join(text)
+        return response
+
+    def stream(
+        self, message: generate_pb2.GenerateRequest, caller: Caller = ANONYMOUS_CALL
+    ) -> Generator[generate_pb2.GenerateChunk, None, None]:
+        """Chunks as tokens are committed; the last one has finish reason, usage and stats.
+
+        The caller is authenticated and the request validated here, before the first chunk is
+        asked for; limits that free up with time (the tenant's quotas, the router's queue) are
+        checked when the first chunk is. Closing the returned generator early frees the
+        request's sessions.
+        """
+        tenant = self.tenants.authenticate(caller.authorization)
+        request, pipelined = self.to_request(message, caller.deadline)
+        with self._counting_refusal(tenant):
+            self.tenants.check(tenant, request.max_tokens)
+        return self._admitted(tenant, request, pipelined, _new_request_id())
+
+    def cancel(self, message: generate_pb2.CancelRequest, caller: Caller = ANONYMOUS_CALL) -> None:
+        """Cancel one of the caller's running requests (NOT_FOUND for anyone else's)."""
+        tenant = self.tenants.authenticate(caller.authorization)
+        self.requests.cancel(message.request_id, tenant.name)
+
+    def usage(self, caller: Caller = ANONYMOUS_CALL) -> generate_pb2.TenantUsage:
+        """The caller's own usage counters."""
+        tenant = self.tenants.authenticate(caller.authorization)
+        return generate_pb2.TenantUsage(tenant=tenant.name, **vars(self.tenants.usage(tenant)))
+
+    def _prompt_tokens(self, message: generate_pb2.GenerateRequest) -> tuple[int, ...]:
+        which = message.WhichOneof("prompt")
+        if which == "text":
+            if message.text == "":
+                raise InvalidArgumentError("prompt text must not be empty")
+            ids = self._tokenizer.encode(message.text, add_special_tokens=False)
+            if not ids:
+                raise InvalidArgumentError("prompt text encodes to no tokens")
+            return tuple(int(token) for token in ids)
+        if which == "token_ids":
+            if not message.token_ids.ids:
+                raise InvalidArgumentError("prompt token_ids must not be empty")
+            return tuple(message.token_ids.ids)
+        raise InvalidArgumentError("prompt is missing: set text or token_ids")
+
+    def _admitted(
+        self, tenant: Tenant, request: GenerationRequest, pipelined: bool, request_id: str
+    ) -> Generator[generate_pb2.GenerateChunk, None, None]:
+        """The request's chunks once its tenant's limits and the router's queue let it run."""
+        with self._counting_refusal(tenant):
+            self.tenants.start(tenant)
+        try:
+            try:
+                self.admission.enter(tenant.name, tenant.config.weight, request.deadline)
+            except TandemError as error:
+                self.tenants.refused(tenant)
+                self.metrics.request_refused(tenant.name, error.status)
+                raise
+            try:
+                with self.requests.running(request_id, tenant.name) as cancelled:
+                    self.tenants.charge(tenant, prompt=len(request.prompt_tokens))
+                    yield from self._chunks(tenant, request, pipelined, request_id, cancelled)
+            finally:
+                self.admission.leave(tenant.name)
+        finally:
+            self.tenants.finish(tenant)
+
+    def _chunks(
+        self,
+        tenant: Tenant,
+        request: GenerationRequest,
+        pipelined: bool,
+        request_id: str,
+        cancelled: threading.Event,
+    ) -> Generator[generate_pb2.GenerateChunk, None, None]:
+        stats = SpeculationStats()
+        chunks = self._router.stream(request, stats, pipelined=pipelined)
+        num_generated = 0
+        outcome = FinishReason.CANCELLED.value  # unless it finishes or fails: the caller left
+        try:
+            for chunk in chunks:
+                num_generated += len(chunk.tokens)
+                self.tenants.charge(tenant, generated=len(chunk.tokens))
+                if cancelled.is_set() and chunk.finish_reason is None:
+                    chunk = dataclasses.replace(chunk, finish_reason=FinishReason.CANCELLED)
+                if chunk.finish_reason is not None:
+                    outcome = chunk.finish_reason.value
+                yield self._chunk_to_proto(chunk, request, request_id, stats, num_generated)
+                if chunk.finish_reason is not None:
+                    return
+        except Exception as error:
+            outcome = (error.status if isinstance(error, TandemError) else "INTERNAL").lower()
+            raise
+        finally:
+            _close(chunks)
+            self.tenants.charge(tenant, drafted=stats.num_drafted, accepted=stats.num_accepted)
+            self.metrics.request_ended(
+                tenant.name, outcome, stats, len(request.prompt_tokens), num_generated
+            )
+
+    @contextlib.contextmanager
+    def _counting_refusal(self, tenant: Tenant) -> Iterator[None]:
+        """Count a refusal (a limit's error) in the metrics, by its status."""
+        try:
+            yield
+        except TandemError as error:
+            self.metrics.request_refused(tenant.name, error.status)
+            raise
+
+    @staticmethod
+    def _chunk_to_proto(
+        chunk: GenerationChunk,
+        request: GenerationRequest,
+        request_id: str,
+        stats: SpeculationStats,
+        num_generated: int,
+    ) -> generate_pb2.GenerateChunk:
+        message = generate_pb2.GenerateChunk(
+            request_id=request_id, token_ids=chunk.tokens, text=chunk.text
+        )
+        if chunk.finish_reason is not None:
+            message.finish_reason = finish_reason_to_proto(chunk.finish_reason)
+            message.usage.prompt_tokens = len(request.prompt_tokens)
+            message.usage.completion_tokens = num_generated
+            message.speculation.CopyFrom(stats_to_proto(stats))
+        return message
+
+
+def _close(chunks: Iterator[GenerationChunk]) -> None:
+    # `Router.stream` is typed as an Iterator but is a generator, and closing it is what frees
+    # the sessions; an iterator that is not a generator holds nothing to free.
+    if isinstance(chunks, Generator):
+        chunks.close()

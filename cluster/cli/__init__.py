@@ -1,0 +1,1 @@
+"""The `tandem` command line: `main` parses and dispatches; one module per subcommand."""

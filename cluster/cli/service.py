@@ -1,0 +1,343 @@
+"""`tandem serve`, `tandem status` and `tandem shutdown`: the service on a local Ray cluster.
+
+`serve` joins the cluster recorded under TANDEM_HOME, or starts one on loopback, deploys the
+three deployments and prints the gRPC address (a config with no tenants is served to one
+tenant, `local`, whose key the home keeps and the command line sends); `--detach` leaves it
+running, otherwise Ctrl-C stops it. `status` shows deployments, replicas with their sessions
+and load, and a summary of the metrics every node's metrics agent serves (`cluster.metrics`):
+acceptance, tokens per verify pass, pipeline hit rate, tokens generated, the queue, usage per
+tenant. `shutdown` removes the application and stops the cluster if Tandem started it. Ray is
+imported only after the cluster environment is set (see `cluster.serve.local_cluster`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import socket
+import sys
+import time
+import urllib.request
+from typing import TYPE_CHECKING, Any
+
+from cluster.metrics import parse_prometheus, replica_numbers, summarize
+from cluster.serve import local_cluster
+from verifier.runtime.errors import InvalidArgumentError, TandemError
+
+if TYPE_CHECKING:
+    from cluster.config import ReplicaGroupConfig, TandemConfig
+
+DEFAULT_NUM_CPUS = 8
+"""Logical CPUs the local cluster advertises (replicas reserve none by default)."""
+LOCAL_CONCURRENT = 256
+"""Concurrent requests of the `local` tenant: the router's whole capacity (the owner's)."""
+SCRAPE_TIMEOUT_S = 5.0
+
+
+def add_to(commands: Any) -> None:
+    serve = commands.add_parser("serve", help="start the service on a local Ray cluster")
+    serve.add_argument("--preset", help="model pair (default: tiny)")
+    serve.add_argument("--config", help="YAML file with a TandemConfig")
+    serve.add_argument("--drafters", type=int, help="drafter replicas")
+    serve.add_argument("--verifiers", type=int, help="verifier replicas")
+    serve.add_argument("--port", type=int, help="gRPC port of the public API (default 9000)")
+    serve.add_argument(
+        "--prompt-lookup",
+        action=argparse.BooleanOptionalAction,
+        help="copy recurring text before drafting (default: the config's, on)",
+    )
+    serve.add_argument(
+        "--adaptive-draft",
+        action=argparse.BooleanOptionalAction,
+        help="choose each round's length and pipelining per request (default: the config's, on)",
+    )
+    serve.add_argument("--num-cpus", type=int, default=DEFAULT_NUM_CPUS, help="for a new cluster")
+    serve.add_argument("--detach", action="store_true", help="return once the service is up")
+    serve.set_defaults(handler=serve_command)
+
+    status = commands.add_parser("status", help="deployments, replicas, load and metrics")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.set_defaults(handler=status_command)
+
+    shutdown = commands.add_parser("shutdown", help="stop the service (and its local cluster)")
+    shutdown.set_defaults(handler=shutdown_command)
+
+
+def _config(args: argparse.Namespace) -> TandemConfig:
+    # Imported here: it pulls in torch, which `tandem generate --address` must not wait for.
+    from cluster.config import TandemConfig
+
+    config = TandemConfig.from_yaml(args.config) if args.config else TandemConfig()
+    changes: dict[str, Any] = {}
+    if args.preset:
+        changes["models"] = dataclasses.replace(config.models, preset=args.preset)
+    if args.drafters is not None:
+        changes["drafter"] = dataclasses.replace(config.drafter, num_replicas=args.drafters)
+    if args.verifiers is not None:
+        changes["verifier"] = dataclasses.replace(config.verifier, num_replicas=args.verifiers)
+    if args.port is not None:
+        changes["grpc_port"] = args.port
+    if args.prompt_lookup is not None:
+        changes["prompt_lookup"] = dataclasses.replace(
+            config.prompt_lookup, enabled=args.prompt_lookup
+        )
+    if args.adaptive_draft is not None:
+        changes["draft_length"] = dataclasses.replace(
+            config.draft_length, enabled=args.adaptive_draft
+        )
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def _with_local_tenant(config: TandemConfig) -> TandemConfig:
+    """With authentication on and no tenants configured, serve one tenant, `local`, whose key
+    this home keeps (mode 0600) and the command line's clients send."""
+    from cluster.api.tenants import AuthConfig, TenantConfig, hash_api_key
+
+    if not config.auth.enabled or config.auth.tenants:
+        return config
+    key_hash = hash_api_key(local_cluster.local_api_key())
+    local = TenantConfig(local_cluster.LOCAL_TENANT, key_hash, max_concurrent=LOCAL_CONCURRENT)
+    _say(
+        f"no tenants configured: serving tenant '{local.name}', API key in "
+        f"{local_cluster.home() / 'api_key'}"
+    )
+    return dataclasses.replace(config, auth=AuthConfig(tenants=(local,)))
+
+
+def _replicas(group: ReplicaGroupConfig) -> str:
+    """A group's replica count as deployed: fixed, or the bounds it autoscales within."""
+    scaling = group.autoscaling
+    if scaling.enabled:
+        return f"{scaling.min_replicas}-{scaling.max_replicas} (autoscaled)"
+    return str(group.num_replicas)
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _check_port_free(port: int) -> None:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError as error:
+            raise InvalidArgumentError(
+                f"port {port} is in use ({error.strerror}); choose another with --port"
+            ) from error
+
+
+def _live_state() -> local_cluster.ClusterState | None:
+    state = local_cluster.load_state()
+    gone = state is not None and not local_cluster.cluster_processes(state.temp_dir)
+    if state is not None and gone and state.started_by_tandem:
+        local_cluster.clear_state()  # that cluster is gone; start afresh
+        return None
+    return state
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    config = _config(args)
+    if config.cluster_secret is None:
+        config = dataclasses.replace(config, cluster_secret=local_cluster.cluster_secret())
+    config = _with_local_tenant(config)
+    started = time.monotonic()
+    state = _live_state()
+    if state is None:
+        _check_port_free(config.grpc_port)
+        _say(f"starting a local Ray cluster in {local_cluster.home()} ...")
+        state = local_cluster.start_cluster(args.num_cpus)
+    local_cluster.connect(state)
+
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from cluster.serve.app import GRPC_SERVICER_FUNCTIONS, build_app
+
+    http_port = state.http_port or local_cluster.free_port()
+    serve.start(
+        grpc_options=gRPCOptions(
+            port=config.grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)
+        ),
+        http_options={"host": local_cluster.LOOPBACK, "port": http_port},
+    )
+    pair = config.models.pair()
+    _say(
+        f"deploying {_replicas(config.drafter)} drafter(s) [{pair.draft.source}], "
+        f"{_replicas(config.verifier)} verifier(s) [{pair.target.source}] and "
+        f"{config.router.num_replicas} router(s) ..."
+    )
+    serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
+    state = dataclasses.replace(
+        state, grpc_port=config.grpc_port, http_port=http_port, app_name=config.app_name
+    )
+    local_cluster.save_state(state)
+    address = f"{local_cluster.LOOPBACK}:{config.grpc_port}"
+    _say(f"ready in {time.monotonic() - started:.1f} s")
+    print(f"Tandem is serving tandem.v1.Tandem on {address} (gRPC)", flush=True)
+    if args.detach:
+        return 0
+    _say("press Ctrl-C to stop")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        _say("stopping ...")
+        return _shutdown(state)
+
+
+def _require_state() -> local_cluster.ClusterState:
+    state = local_cluster.load_state()
+    if state is None:
+        raise local_cluster.ClusterError(
+            f"no Tandem service recorded in {local_cluster.home()}; start one with tandem serve"
+        )
+    return state
+
+
+def status_command(args: argparse.Namespace) -> int:
+    state = _require_state()
+    local_cluster.connect(state)
+    summary = _status(state)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"Tandem app {summary['app']!r} at {summary['address']} (gRPC): {summary['status']}")
+    for name, deployment in summary["deployments"].items():
+        replicas = ", ".join(f"{n} {s}" for s, n in deployment["replicas"].items())
+        print(f"  {name:<9} {deployment['status']:<10} {replicas}")
+    _print_replicas(summary["replicas"])
+    if summary["metrics"] is not None:
+        _print_metrics(summary["metrics"])
+    return 0
+
+
+def _print_replicas(replicas: list[dict[str, Any]]) -> None:
+    shown = {"num_sessions", "num_cached_tokens"}
+    load = sorted({f for r in replicas for f in replica_numbers(r)} - shown)
+    print(
+        f"  {'replica':<22} {'side':<8} {'address':<17} {'sessions':>8} {'cached tokens':>14}"
+        + "".join(f" {field:>{max(len(field), 12)}}" for field in load)
+    )
+    for replica in replicas:
+        print(
+            f"  {replica['replica_id']:<22} {replica['side']:<8} {replica['address']:<17} "
+            f"{replica['num_sessions']:>8} {replica['num_cached_tokens']:>14}"
+            + "".join(f" {_number(replica.get(f)):>{max(len(f), 12)}}" for f in load)
+        )
+
+
+def _number(value: Any) -> str:
+    if value is None:
+        return "-"
+    return (
+        f"{value:.2f}" if isinstance(value, float) and not value.is_integer() else str(int(value))
+    )
+
+
+def _print_metrics(metrics: dict[str, Any]) -> None:
+    by_position = " ".join(_number(a) for a in metrics["acceptance_by_position"])
+    print(
+        f"  metrics: {metrics['requests']} requests, {metrics['generated_tokens']} tokens "
+        f"generated; acceptance {_number(metrics['acceptance_rate'])} (by position: "
+        f"{by_position or '-'}); {_number(metrics['tokens_per_verify_pass'])} tokens per "
+        f"verify pass; pipeline hit rate {_number(metrics['pipeline_hit_rate'])}; "
+        f"{metrics['running_requests']} running, {metrics['queued_requests']} queued"
+    )
+    columns = ("requests", "refused", "prompt_tokens", "generated_tokens", "drafted_tokens",
+               "accepted_tokens")  # fmt: skip
+    print(f"  {'tenant':<16}" + "".join(f" {c.removesuffix('_tokens'):>10}" for c in columns))
+    for tenant, usage in metrics["tenants"].items():
+        print(f"  {tenant:<16}" + "".join(f" {usage[c]:>10}" for c in columns))
+
+
+def _status(state: local_cluster.ClusterState) -> dict[str, Any]:
+    import ray
+    from ray import serve
+
+    from cluster.routing.registry import get_registry
+
+    app_name = state.app_name or "tandem"
+    application = serve.status().applications.get(app_name)
+    if application is None:
+        raise local_cluster.ClusterError(f"no application {app_name!r} is deployed")
+    try:
+        replicas = ray.get(get_registry(app_name).replicas.remote(), timeout=10)
+    except ValueError:
+        replicas = []
+    endpoints = _metrics_endpoints()
+    return {
+        "app": app_name,
+        "address": f"{local_cluster.LOOPBACK}:{state.grpc_port}",
+        "status": _name(application.status),
+        "deployments": {
+            name: {
+                "status": _name(d.status),
+                "replicas": {_name(s): n for s, n in d.replica_states.items()},
+            }
+            for name, d in application.deployments.items()
+        },
+        "replicas": replicas,
+        "metrics_endpoints": endpoints,
+        "metrics": _scrape(endpoints),
+    }
+
+
+def _metrics_endpoints() -> list[str]:
+    """host:port of every live node's metrics agent (on a local cluster, the `metrics_port`
+    of cluster.json)."""
+    import ray
+
+    return sorted(
+        f"{node['NodeManagerAddress']}:{node['MetricsExportPort']}"
+        for node in ray.nodes()
+        if node.get("Alive") and node.get("MetricsExportPort")
+    )
+
+
+def _scrape(endpoints: list[str]) -> dict[str, Any] | None:
+    """The metrics summary of every endpoint that answers; None if none does."""
+    samples = []
+    answered = False
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # cluster-internal
+    for endpoint in endpoints:
+        try:
+            with direct.open(f"http://{endpoint}/metrics", timeout=SCRAPE_TIMEOUT_S) as page:
+                samples.extend(parse_prometheus(page.read().decode()))
+            answered = True
+        except OSError as error:
+            _say(f"metrics at {endpoint} did not answer: {error}")
+    return summarize(samples) if answered else None
+
+
+def _name(value: Any) -> str:
+    """A Serve status enum as its plain value (RUNNING, HEALTHY...)."""
+    return str(getattr(value, "value", value))
+
+
+def shutdown_command(args: argparse.Namespace) -> int:
+    return _shutdown(_require_state())
+
+
+def _shutdown(state: local_cluster.ClusterState) -> int:
+    try:
+        local_cluster.connect(state)
+        import ray
+        from ray import serve
+
+        from cluster.routing.registry import get_registry
+
+        serve.shutdown()
+        with contextlib.suppress(ValueError):  # no registry: nothing to remove
+            ray.kill(get_registry(state.app_name or "tandem"))
+        ray.shutdown()
+    except TandemError as error:
+        _say(f"the cluster did not answer ({error}); stopping its processes")
+    if state.started_by_tandem:
+        count = local_cluster.stop_cluster(state)
+        _say(f"stopped the local Ray cluster ({count} processes)")
+    else:
+        local_cluster.clear_state()
+    print("Tandem is shut down", flush=True)
+    return 0

@@ -1,0 +1,7 @@
+"""Routing: a request's committed tokens and the draft/verify loop over pinned replicas.
+
+`router` (the loop), `generation` (one request's state), `request` (request, chunk and stats
+types), `text` (tokens to streamed text, stop sequences), `draft_length` (the adaptive plan,
+pure arithmetic), `ports` (the drafter and verifier interfaces), `replica_client` (those ports
+over gRPC), `registry` (where the replicas are), `directory` (pinning requests to replicas).
+"""

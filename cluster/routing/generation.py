@@ -1,0 +1,111 @@
+"""One request's state inside the router: what is committed, where its sessions are, and
+what the drafter's session holds as far as the router knows.
+
+Plain data and bookkeeping, no I/O: `cluster.routing.router` drives it. `history` is the single
+source of truth of the request's tokens (docs/architecture.md): the replicas' sessions are caches
+of it, which is why a failed replica can be replaced by a spare opened on `history`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from cluster.routing.draft_length import DraftLength, DraftLengthConfig
+from cluster.routing.ports import DrafterPort, Pinned
+from cluster.routing.request import GenerationRequest, SpeculationStats
+from cluster.routing.text import TextAssembler
+from verifier.runtime.block import DraftBlock
+from verifier.runtime.errors import DeadlineExceededError
+
+Decode = Callable[[Sequence[int]], str]
+"""Token ids to text, special tokens left out."""
+
+
+@dataclass
+class DrafterView:
+    """What the drafter's session holds, as far as the router knows, and what it must be told
+    before its next draft."""
+
+    base_length: int
+    """The drafter session's committed length."""
+    truncate_to: int | None = None
+    """Drop the session's tokens from here on first (a rejected block it assumed accepted)."""
+    behind: list[int] = field(default_factory=list)
+    """Tokens committed since, not yet sent to the drafter."""
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposed block and where it came from."""
+
+    block: DraftBlock
+    by_drafter: bool
+    """False for a looked-up block: the drafter's session never saw it."""
+
+
+class Generation:
+    """The state of one request inside the router."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        decode: Decode,
+        stats: SpeculationStats,
+        pinned: Pinned,
+        pipelined: bool,
+        draft_length: DraftLengthConfig,
+        releases: list[Callable[[], None]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`clock`: what `request.deadline` is an instant of."""
+        self.request = request
+        self._clock = clock
+        self.verifier = pinned.verifier
+        self.verifier_id = pinned.verifier_id
+        self.drafter_port = pinned.drafter
+        self.drafter_id = pinned.drafter_id
+        self.failed: set[str] = set()
+        """Replicas that failed this request: never pinned to it again."""
+        self.releases = releases
+        """Pool releases to call when the request ends: the first pin's, then each spare's."""
+        self.pipelined = pipelined
+        self.session_id = uuid.uuid4().hex
+        self.stats = stats
+        self.text = TextAssembler(decode, request.stop)
+        self.lengths = DraftLength(draft_length, request.draft_tokens, pipelined)
+        self.history = list(request.prompt_tokens)
+        """Every committed token: what prompt lookup searches."""
+        self.drafter = DrafterView(base_length=len(self.history))
+        self.drafter_opening: Future[int] | None = None
+        """The drafter's session being opened in the background; None once known open."""
+        self.opening_round = False
+        """The coming round is the first and does not wait for the drafter."""
+
+    def check_deadline(self) -> None:
+        """Raise `DeadlineExceededError` once the request's deadline has passed."""
+        deadline = self.request.deadline
+        if deadline is not None and self._clock() >= deadline:
+            raise DeadlineExceededError(
+                f"the request's deadline passed after {len(self.text.tokens)} of its "
+                f"{self.request.max_tokens} tokens"
+            )
+
+    def ready_drafter(self) -> DrafterPort:
+        """The drafter, once its session is open (waits for it; raises what opening raised)."""
+        assert self.drafter_port is not None
+        if self.drafter_opening is not None:
+            self.drafter_opening.result()
+            self.drafter_opening = None
+        return self.drafter_port
+
+    @property
+    def committed(self) -> int:
+        return len(self.history)
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_tokens - len(self.text.tokens)

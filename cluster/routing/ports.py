@@ -1,0 +1,119 @@
+"""The interfaces through which the router drives a drafter and a verifier.
+
+The plain `drafter.Drafter` and `verifier.Verifier` satisfy them directly (the in-process
+transport); the gRPC transport implements them with a client per replica. The router depends on
+these protocols only, so the same router code runs in-process and distributed.
+
+Deadlines: a pool hands each request ports bound to its deadline where it can (the gRPC
+clients' `bounded` views stop a call when the request's time runs out, and tell the replica
+how long the session may live); in-process ports are not interrupted, and the router itself
+checks the deadline before every round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from verifier.runtime.block import DraftBlock, Verdict
+from verifier.runtime.sampling import SamplingParams
+
+
+class DrafterPort(Protocol):
+    def open_session(
+        self, session_id: str, prompt_tokens: Sequence[int], sampling: SamplingParams, seed: int
+    ) -> int:
+        """Open a session; returns its committed length."""
+        ...
+
+    def draft(
+        self,
+        session_id: str,
+        base_length: int,
+        appended_tokens: Sequence[int],
+        num_tokens: int,
+        truncate_to: int | None = None,
+    ) -> DraftBlock:
+        """Check the session is at `base_length`; drop its tokens from `truncate_to` on (a
+        speculative block the verdict rejected); append `appended_tokens`; draft
+        `num_tokens`."""
+        ...
+
+    def close_session(self, session_id: str) -> bool:
+        """Free the session; True if it existed."""
+        ...
+
+
+class VerifierPort(Protocol):
+    def open_session(
+        self, session_id: str, prompt_tokens: Sequence[int], sampling: SamplingParams, seed: int
+    ) -> int:
+        """Open a session; returns its committed length."""
+        ...
+
+    def verify(self, session_id: str, block: DraftBlock, defer_bonus: bool = False) -> Verdict:
+        """Verify `block` and commit the emitted tokens; with `defer_bonus`, an all-accepted
+        block emits no bonus token and the next block is verified against the kept p."""
+        ...
+
+    def close_session(self, session_id: str) -> bool:
+        """Free the session; True if it existed."""
+        ...
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """The replicas one request is pinned to (they hold its KV caches), until one fails."""
+
+    verifier: VerifierPort
+    drafter: DrafterPort | None
+    release: Callable[[], None] = field(default=_nothing)
+    """Called once when the request ends, whatever the outcome (load accounting)."""
+    verifier_id: str = "verifier"
+    drafter_id: str = "drafter"
+
+
+@dataclass(frozen=True)
+class Spare:
+    """A replica pinned in place of one that failed a request's call."""
+
+    port: Any
+    """A `VerifierPort` or a `DrafterPort`, as asked."""
+    replica_id: str
+    release: Callable[[], None] = field(default=_nothing)
+
+
+class ReplicaPool(Protocol):
+    def pin(self, speculate: bool, deadline: float | None = None) -> Pinned:
+        """Choose the replicas for a new request; `speculate` says whether it needs a drafter.
+        `deadline`: the request's `time.monotonic()` deadline, which the ports may honour."""
+        ...
+
+    def spare(
+        self, side: str, avoid: frozenset[str], deadline: float | None = None
+    ) -> Spare | None:
+        """Another live replica of `side` ("verifier" or "drafter"), none of `avoid` (the ids
+        that failed this request); None if there is none. `deadline` as for `pin`."""
+        ...
+
+
+@dataclass(frozen=True)
+class FixedReplicas:
+    """One verifier and one drafter for every request: the in-process transport."""
+
+    verifier: VerifierPort
+    drafter: DrafterPort | None
+
+    def pin(self, speculate: bool, deadline: float | None = None) -> Pinned:
+        # In-process calls cannot be cut short: the router checks `deadline` between rounds.
+        return Pinned(self.verifier, self.drafter if speculate else None)
+
+    def spare(
+        self, side: str, avoid: frozenset[str], deadline: float | None = None
+    ) -> Spare | None:
+        return None  # one replica per side: nothing to fail over to

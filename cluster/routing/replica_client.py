@@ -1,0 +1,285 @@
+"""gRPC clients for drafter and verifier replicas: the router's ports over the network.
+
+`GrpcDrafter` implements `DrafterPort` and `GrpcVerifier` implements `VerifierPort`, so the
+router runs unchanged over replicas in other processes (docs/architecture.md, invariant 4: direct
+gRPC to the pinned replica, no Serve hop). Each wraps one `grpc.Channel`, given or opened from a
+"host:port" address, and converts values with `verifier.replica.wire`.
+
+Errors: a failed call raises the `TandemError` subclass the replica raised (matched by status
+code, with the replica's message), so callers handle a remote replica as they would a local
+one. Codes with no class of their own (UNAVAILABLE, INTERNAL, ...) raise
+`ReplicaUnavailableError`. Every call has an optional timeout, `timeout_s`: the client's
+default, or the one passed to the call; a call that outlasts it raises
+`ReplicaUnavailableError` too (the replica is too slow: fail over). Every call carries the
+cluster's shared secret when the client has one (replicas refuse calls without it:
+UNAUTHENTICATED, raised as `ClusterSecretError`).
+
+Deadlines: `bounded(deadline)` gives one request's view of a client, sharing its channel. Its
+calls wait no longer than the request has left, raise `DeadlineExceededError` without calling
+once nothing is left (or when the time runs out during the call), and its `open_session` sends
+the time left (`time_limit_ms`), so the replica drops the session itself even if the router
+dies. Closing a session ignores the deadline: freeing it after the deadline is the point.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+
+from protos import replica_pb2, replica_pb2_grpc
+from verifier.replica import wire
+from verifier.replica.rpc import MESSAGE_SIZE_OPTIONS, SECRET_METADATA_KEY
+from verifier.runtime.block import DraftBlock, Verdict
+from verifier.runtime.errors import (
+    ClusterSecretError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    ReplicaUnavailableError,
+    ResourceExhaustedError,
+    SessionExistsError,
+    SessionNotFoundError,
+    StaleBaseError,
+    TandemError,
+)
+from verifier.runtime.sampling import SamplingParams
+from verifier.runtime.session import ReplicaStats
+
+ERRORS_BY_CODE: Mapping[grpc.StatusCode, type[TandemError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.FAILED_PRECONDITION: StaleBaseError,
+    grpc.StatusCode.NOT_FOUND: SessionNotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: SessionExistsError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAUTHENTICATED: ClusterSecretError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+}
+"""The error a replica raised, by the status code it sent; any other code means the replica
+itself failed: `ReplicaUnavailableError`. RESOURCE_EXHAUSTED (a replica full of sessions, or
+of calls) and DEADLINE_EXCEEDED (the request's time ran out) end the request: neither is a
+reason to fail over."""
+
+NO_TIMEOUT = None
+"""`timeout_s` value that waits for an answer as long as it takes."""
+
+
+def error_from_rpc(error: grpc.RpcError, replica: str, timed_out: bool = False) -> TandemError:
+    """The `TandemError` for a failed call to `replica` (named in unavailability messages).
+
+    `timed_out`: the call ran out the client's own timeout, so a DEADLINE_EXCEEDED is that
+    timeout (the replica was too slow to answer), not the replica's: `ReplicaUnavailableError`.
+    """
+    code = error.code()
+    details = error.details() or ""
+    slow = timed_out and code == grpc.StatusCode.DEADLINE_EXCEEDED
+    error_class = None if slow else ERRORS_BY_CODE.get(code)
+    if error_class is not None:
+        return error_class(details)
+    name = code.name if isinstance(code, grpc.StatusCode) else str(code)
+    return ReplicaUnavailableError(f"{replica}: {name}: {details}")
+
+
+class _ReplicaClient:
+    """The channel, timeouts and error handling both clients share, and the common calls.
+
+    `timeout_s` is every call's timeout in seconds (`NO_TIMEOUT`: none); a call's own
+    `timeout_s` keyword, when given, replaces it for that call. A view made by `bounded` also
+    holds its request's deadline.
+    """
+
+    _kind = "replica"
+
+    def __init__(
+        self,
+        target: grpc.Channel | str,
+        timeout_s: float | None = NO_TIMEOUT,
+        secret: str | None = None,
+    ) -> None:
+        """`target`: an open channel (still the caller's to close) or a "host:port" address
+        (its channel is opened here and closed by `close`). `secret`: the cluster's shared
+        secret, sent with every call."""
+        if isinstance(target, str):
+            self._channel = grpc.insecure_channel(target, options=list(MESSAGE_SIZE_OPTIONS))
+            self._owns_channel = True
+            self._replica = f"{self._kind} at {target}"
+        else:
+            self._channel = target
+            self._owns_channel = False
+            self._replica = self._kind
+        self.timeout_s = timeout_s
+        self._metadata = ((SECRET_METADATA_KEY, secret),) if secret is not None else None
+        self._stub = self._make_stub(self._channel)
+        self._deadline: float | None = None
+        """The request's `time.monotonic()` deadline, on a view made by `bounded`."""
+
+    def bounded(self, deadline: float | None) -> Self:
+        """This client as seen by one request that must end by `deadline` (a
+        `time.monotonic()` instant; None: no deadline, and this client itself is returned).
+
+        A cheap view sharing the channel and stub: each call waits at most
+        min(`timeout_s`, the time left) and raises `DeadlineExceededError` without calling
+        when none is left; `open_session` sends the time left to the replica. `close_session`
+        and `stats` ignore the deadline. Closing the view leaves the channel open.
+        """
+        if deadline is None:
+            return self
+        view = copy.copy(self)
+        view._deadline = deadline
+        view._owns_channel = False
+        return view
+
+    def _time_left(self) -> float | None:
+        """Seconds the request has left (None: no deadline); raises `DeadlineExceededError`
+        when there are none."""
+        if self._deadline is None:
+            return None
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceededError(
+                f"the request's deadline passed before its call to the {self._replica}"
+            )
+        return left
+
+    def _make_stub(self, channel: grpc.Channel) -> Any:
+        """The service's stub on `channel`; each subclass names its service."""
+        raise NotImplementedError
+
+    def _call(
+        self,
+        method: Callable[..., Any],
+        request: Any,
+        timeout_s: float | None,
+        bounded: bool = True,
+    ) -> Any:
+        """`method(request)` on the stub; a failed call raises the matching `TandemError`.
+
+        `bounded`: the call stops at the request's deadline (a view's; see `bounded`).
+        """
+        own_timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        left = self._time_left() if bounded else None
+        wait_s = min((t for t in (own_timeout_s, left) if t is not None), default=None)
+        started = time.monotonic()
+        try:
+            return method(request, timeout=wait_s, metadata=self._metadata)
+        except grpc.RpcError as error:
+            now = time.monotonic()
+            out_of_time = left is not None and self._deadline is not None and now >= self._deadline
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and out_of_time:
+                # Whichever timer fired, the request has no time left: nothing to fail over.
+                raise DeadlineExceededError(
+                    f"the request's deadline passed while waiting for the {self._replica}"
+                ) from error
+            timed_out = own_timeout_s is not None and now - started >= own_timeout_s
+            raise error_from_rpc(error, self._replica, timed_out) from error
+
+    def open_session(
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+        *,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Open a session; returns its committed length."""
+        request = replica_pb2.OpenSessionRequest(
+            session_id=session_id,
+            prompt_token_ids=wire.token_ids_to_wire(prompt_tokens, "prompt_tokens"),
+            sampling=wire.sampling_to_wire(sampling),
+            seed=wire.uint_to_wire(seed, "seed"),
+        )
+        left = self._time_left()
+        if left is not None:
+            request.time_limit_ms = wire.time_limit_to_wire(left)
+        response: replica_pb2.OpenSessionResponse = self._call(
+            self._stub.OpenSession, request, timeout_s
+        )
+        return response.committed_length
+
+    def close_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
+        """Free the session; True if it existed."""
+        request = replica_pb2.CloseSessionRequest(session_id=session_id)
+        # Not bounded: a session is freed even after its request's deadline.
+        response: replica_pb2.CloseSessionResponse = self._call(
+            self._stub.CloseSession, request, timeout_s, bounded=False
+        )
+        return response.existed
+
+    def stats(self, *, timeout_s: float | None = None) -> ReplicaStats:
+        """What the replica holds right now."""
+        return wire.stats_from_wire(
+            self._call(self._stub.Stats, replica_pb2.StatsRequest(), timeout_s, bounded=False)
+        )
+
+    def close(self) -> None:
+        """Close the channel if this client opened it; a channel passed in stays open."""
+        if self._owns_channel:
+            self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class GrpcDrafter(_ReplicaClient):
+    """A drafter replica over gRPC; a `DrafterPort`."""
+
+    _kind = "drafter"
+
+    def _make_stub(self, channel: grpc.Channel) -> Any:
+        return replica_pb2_grpc.DrafterStub(channel)
+
+    def draft(
+        self,
+        session_id: str,
+        base_length: int,
+        appended_tokens: Sequence[int],
+        num_tokens: int,
+        truncate_to: int | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> DraftBlock:
+        """See `DrafterPort.draft`."""
+        request = replica_pb2.DraftRequest(
+            session_id=session_id,
+            base_length=wire.uint_to_wire(base_length, "base_length"),
+            appended_token_ids=wire.token_ids_to_wire(appended_tokens, "appended_tokens"),
+            num_tokens=wire.uint_to_wire(num_tokens, "num_tokens", wire.MAX_UINT32),
+        )
+        if truncate_to is not None:
+            request.truncate_to = wire.uint_to_wire(truncate_to, "truncate_to")
+        return wire.block_from_wire(self._call(self._stub.Draft, request, timeout_s))
+
+
+class GrpcVerifier(_ReplicaClient):
+    """A verifier replica over gRPC; a `VerifierPort`."""
+
+    _kind = "verifier"
+
+    def _make_stub(self, channel: grpc.Channel) -> Any:
+        return replica_pb2_grpc.VerifierStub(channel)
+
+    def verify(
+        self,
+        session_id: str,
+        block: DraftBlock,
+        defer_bonus: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> Verdict:
+        """See `VerifierPort.verify`."""
+        request = replica_pb2.VerifyRequest(
+            session_id=session_id, block=wire.block_to_wire(block), defer_bonus=defer_bonus
+        )
+        return wire.verdict_from_wire(self._call(self._stub.Verify, request, timeout_s))

@@ -1,0 +1,114 @@
+"""A generation request as the router sees it, and what comes back: chunks, stats, the result.
+
+Plain frozen dataclasses, validated when built, so that the CLI, the local mode and the gRPC
+ingress all reject the same bad input with the same message.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.sampling import SamplingParams
+from verifier.runtime.session import MAX_SEED
+
+MAX_DRAFT_TOKENS = 32
+"""Longest draft block a request may ask for."""
+DEFAULT_DRAFT_TOKENS = 4
+MAX_STOP_SEQUENCES = 16
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    """max_tokens reached."""
+    STOP = "stop"
+    """An end-of-sequence token or a stop sequence."""
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request: prompt token ids, limits, sampling and speculation settings."""
+
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    """Seeds every random draw of the request (drafter and verifier each derive their own)."""
+    stop: tuple[str, ...] = ()
+    """Generation ends before the first occurrence of any of these strings."""
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    """Draft block length; 0 decodes with the target alone through the same path."""
+    deadline: float | None = None
+    """A `time.monotonic()` instant after which the request must stop (DEADLINE_EXCEEDED) and
+    free its sessions; None: no deadline."""
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_tokens) == 0:
+            raise InvalidArgumentError("prompt must not be empty")
+        if isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise InvalidArgumentError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise InvalidArgumentError(f"seed must be in 0..2**64-1, got {self.seed}")
+        if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidArgumentError(
+                f"draft_tokens must be in 0..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}"
+            )
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            raise InvalidArgumentError(
+                f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(self.stop)}"
+            )
+        if any(s == "" for s in self.stop):
+            raise InvalidArgumentError("stop sequences must not be empty strings")
+        if self.deadline is not None and math.isnan(self.deadline):
+            raise InvalidArgumentError("deadline must be a time.monotonic() instant, got NaN")
+
+
+@dataclass
+class SpeculationStats:
+    """Counters of one request's speculation."""
+
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verify_passes: int = 0
+    pipeline_hits: int = 0
+    pipeline_misses: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)
+    """Per draft position i: verify passes whose block had a token at position i."""
+    accepted_by_position: list[int] = field(default_factory=list)
+    """Per draft position i: verify passes that accepted the block's first i + 1 tokens."""
+
+    def record_block(self, num_drafted: int, num_accepted: int) -> None:
+        """Count one verify pass of a block of `num_drafted` tokens, `num_accepted` accepted."""
+        for counts, n in ((self.drafted_by_position, num_drafted),
+                          (self.accepted_by_position, num_accepted)):  # fmt: skip
+            counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over drafted draft tokens; NaN when nothing was drafted."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else math.nan
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """Tokens newly committed, and their text; the last chunk carries the finish reason."""
+
+    tokens: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """A whole generation."""
+
+    tokens: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    stats: SpeculationStats

@@ -1,0 +1,97 @@
+"""The application builder: three Serve deployments from one config.
+
+Drafter, Verifier and Router (the ingress) are separate deployments, each with its own replica
+count and `ray_actor_options`, so the two sides can land on different node types and scale
+apart: with `autoscaling.enabled`, Serve scales a side on the load its replicas report, by the
+policy in cluster/serve/autoscaling.py. The deployments are thin shells over plain classes;
+`serve.deployment` is applied here, from outside. `app_builder` is the import path for Serve
+config files (`serve deploy`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from cluster.config import ReplicaGroupConfig, TandemConfig
+from cluster.routing.registry import ensure_registry, registry_name
+from cluster.serve.ingress import MAX_CONCURRENT_REQUESTS, RouterIngress
+from drafter.deployment import DrafterReplica
+from verifier.deployment import VerifierReplica
+from verifier.replica.host import DEREGISTER_TIMEOUT_S, DRAIN_TIMEOUT_S, SHUTDOWN_GRACE_S
+from verifier.runtime.errors import InvalidArgumentError
+
+GRPC_SERVICER_FUNCTIONS = (
+    "protos.generate_pb2_grpc.add_TandemServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+)
+"""What Serve's gRPC proxy must serve: the public API and the standard health service."""
+HEALTH_CHECK_PERIOD_S = 5.0
+GRACEFUL_SHUTDOWN_S = DEREGISTER_TIMEOUT_S + DRAIN_TIMEOUT_S + SHUTDOWN_GRACE_S + 3.0
+"""How long Serve lets a stopping replica take: to leave the registry, let its sessions end
+(drain), and stop its server, with a margin; then Serve kills it."""
+
+
+def replica_count(group: ReplicaGroupConfig) -> dict[str, Any]:
+    """`serve.deployment` options that set a drafter or verifier group's size: fixed, or scaled
+    on load (Serve then forbids `num_replicas`)."""
+    if group.autoscaling.enabled:
+        return {"autoscaling_config": group.autoscaling.serve_options()}
+    return {"num_replicas": group.num_replicas}
+
+
+def build_app(config: TandemConfig) -> Application:
+    """Bind the three deployments of `config` into one application (needs a Ray connection)."""
+    config.auth.check_usable()
+    if config.router.autoscaling.enabled:
+        raise InvalidArgumentError(
+            "router.autoscaling: only drafters and verifiers scale on load; size the router "
+            "with router.num_replicas"
+        )
+    ensure_registry(config.app_name)
+    registry = registry_name(config.app_name)
+    pair = config.models.pair()
+    # One secret for the whole application: the router carries it, the replicas demand it.
+    config = config.with_cluster_secret()
+    drafter = serve.deployment(
+        name="Drafter",
+        **replica_count(config.drafter),
+        ray_actor_options=config.drafter.ray_actor_options(),
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
+    )(DrafterReplica).bind(
+        pair.draft,
+        config.drafter_limits,
+        registry,
+        config.cluster_secret,
+        config.drafter.torch_threads,
+        cpus=tuple(config.drafter.cpus),
+    )
+    verifier = serve.deployment(
+        name="Verifier",
+        **replica_count(config.verifier),
+        ray_actor_options=config.verifier.ray_actor_options(),
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
+    )(VerifierReplica).bind(
+        pair.target,
+        config.verifier_limits,
+        registry,
+        config.cluster_secret,
+        config.verifier.torch_threads,
+        cpus=tuple(config.verifier.cpus),
+    )
+    return serve.deployment(
+        name="Router",
+        num_replicas=config.router.num_replicas,
+        ray_actor_options=config.router.ray_actor_options(),
+        max_ongoing_requests=MAX_CONCURRENT_REQUESTS,
+    )(RouterIngress).bind(config, drafter, verifier)
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """Serve config entry point: `import_path: cluster.serve.app:app_builder`, `args:` a
+    TandemConfig."""
+    return build_app(TandemConfig.from_dict(args))

@@ -1,0 +1,110 @@
+"""Scaling drafters and verifiers on their real load: open sessions and busy time.
+
+Blocks bypass Serve (docs/architecture.md, invariant 4), so Serve's request counts see no load on
+the Drafter and Verifier deployments. Each replica reports its own instead, through Serve's custom
+metrics hook (`ReplicaShell.record_autoscaling_stats`, verifier/replica/host.py): `sessions`
+open, `busy` (the share of the last second its model spent computing) and `queue` (calls
+waiting for it). Serve averages each per replica over `look_back_period_s` and calls the
+deployment's policy, `scale_on_load`, every control-loop tick. Each side is its own deployment
+with its own policy instance and limits, so drafters and verifiers scale apart.
+
+The rule (`desired_replicas`): enough replicas that neither the sessions per replica nor the
+busy fraction per replica exceeds its target,
+
+    replicas = ceil(max(total sessions / target_sessions, total busy / target_busy)),
+
+clamped to [min, max]. Sessions measure memory and pinning (each holds a KV cache); busy time
+measures compute, which sessions alone miss (long prompts, long blocks, a slow model).
+
+Contract with Ray Serve (2.60, read from `ray/serve/_private/autoscaling_state.py`):
+`policy_function` is an import path; when it names a class, Serve instantiates it once with
+`policy_kwargs` and calls the instance with an `AutoscalingContext` on every tick, expecting
+`(replicas, policy_state)`. Serve ignores `policy_kwargs` for a plain function, which is why
+`scale_on_load` is a class. Serve wraps every custom policy: a decision must hold for
+`upscale_delay_s` / `downscale_delay_s` before it is acted on (so a dip in load does not stop
+replicas at once), and the result is clamped to the deployment's bounds.
+
+No Ray, torch or project import here: Serve pickles this module by value into its controller.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ray.serve.config import AutoscalingContext
+
+POLICY_PATH = "cluster.serve.autoscaling:scale_on_load"
+"""What a deployment's `autoscaling_config.policy.policy_function` names."""
+# Metric names, as `ReplicaInfo.autoscaling_stats` reports them.
+SESSIONS = "sessions"
+BUSY = "busy"
+QUEUE = "queue"
+DEFAULT_TARGET_SESSIONS = 16.0
+DEFAULT_TARGET_BUSY = 0.7
+ROUNDING_SLACK = 1e-6
+"""Averaged loads carry float noise: 4 sessions over a target of 2 must ask for 2 replicas,
+not 3 because the average came out 4.0000001."""
+
+
+@dataclass(frozen=True)
+class Load:
+    """A deployment's load, summed over its replicas."""
+
+    sessions: float
+    """Open sessions."""
+    busy: float
+    """Busy fractions (1.0: one replica's worth of compute, busy all the time)."""
+
+
+def desired_replicas(
+    load: Load, target_sessions: float, target_busy: float, min_replicas: int, max_replicas: int
+) -> int:
+    """Replicas needed to keep sessions and busy fraction per replica at their targets or
+    below, within [min_replicas, max_replicas]."""
+    need = max(load.sessions / target_sessions, load.busy / target_busy)
+    return max(min_replicas, min(max_replicas, math.ceil(need - ROUNDING_SLACK)))
+
+
+def check_targets(target_sessions: float, target_busy: float) -> None:
+    """Raise ValueError unless the targets can be used (Serve's controller reports it)."""
+    if not target_sessions > 0:
+        raise ValueError(f"target_sessions must be > 0, got {target_sessions}")
+    if not 0 < target_busy <= 1:
+        raise ValueError(f"target_busy must be in (0, 1], got {target_busy}")
+
+
+class ScaleOnLoad:
+    """Serve's autoscaling policy for one deployment of replicas that report `sessions` and
+    `busy` (see the module's docstring for the contract)."""
+
+    def __init__(
+        self,
+        target_sessions: float = DEFAULT_TARGET_SESSIONS,
+        target_busy: float = DEFAULT_TARGET_BUSY,
+    ) -> None:
+        check_targets(target_sessions, target_busy)
+        self.target_sessions = target_sessions
+        self.target_busy = target_busy
+
+    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
+        metrics = ctx.aggregated_metrics or {}
+        sessions, busy = metrics.get(SESSIONS, {}), metrics.get(BUSY, {})
+        if not sessions and not busy:
+            # No replica has reported yet (just deployed): hold.
+            return ctx.target_num_replicas, dict(ctx.policy_state)
+        load = Load(sessions=sum(sessions.values()), busy=sum(busy.values()))
+        replicas = desired_replicas(
+            load,
+            self.target_sessions,
+            self.target_busy,
+            ctx.capacity_adjusted_min_replicas,
+            ctx.capacity_adjusted_max_replicas,
+        )
+        return replicas, dict(ctx.policy_state)
+
+
+scale_on_load = ScaleOnLoad
+"""The name deployment configs use (`POLICY_PATH`): Serve instantiates it with policy_kwargs."""

@@ -1,0 +1,188 @@
+"""The router as Serve's gRPC ingress: the public `tandem.v1.Tandem` API and gRPC health.
+
+Every call is authenticated by its `authorization` metadata against the config's tenants
+(`cluster.api.tenants`); health checks are open, so that probes need no key.
+
+A thin shell (the app builder applies `serve.deployment`): Serve's gRPC proxy calls the method
+named like the RPC. The router loop is synchronous and blocks on replica calls, so each request
+runs on a thread of this replica while the event loop stays free; a stream is bridged chunk by
+chunk. When Serve cancels a request (the client cancelled or its deadline passed), the thread
+finishes the step it is in and then closes the generation, which frees the sessions on both
+replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Generator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NoReturn, TypeVar
+
+from grpc_health.v1 import health_pb2
+
+from cluster.api.service import Caller, TandemService
+from cluster.api.status import status_of, trailers_of
+from cluster.api.tenants import Tenants, bearer_key
+from cluster.config import TandemConfig
+from cluster.local import text_decoder
+from cluster.routing.directory import RegistryPool, from_registry_actor
+from cluster.routing.registry import get_registry
+from cluster.routing.router import Router
+from protos import generate_pb2
+from verifier.runtime.models import load_tokenizer
+
+MAX_CONCURRENT_REQUESTS = 256
+HEALTH_WATCH_PERIOD_S = 1.0
+
+T = TypeVar("T")
+_DONE = object()
+
+
+async def iterate_in_thread(
+    items: Generator[T, None, None], threads: ThreadPoolExecutor
+) -> AsyncIterator[T]:
+    """Yield from a blocking generator, each step on `threads`; closing this closes it there."""
+    step: Future[Any] | None = None
+    try:
+        while True:
+            step = threads.submit(next, items, _DONE)
+            item = await asyncio.wrap_future(step)
+            step = None
+            if item is _DONE:
+                return
+            yield item
+    finally:
+        in_flight = step
+
+        def close() -> None:
+            if in_flight is not None:
+                in_flight.exception()  # a generator cannot be closed while it runs
+            items.close()
+
+        threads.submit(close)
+
+
+class RouterIngress:
+    """Serve ingress body: the public API over a router whose replicas come from the registry."""
+
+    def __init__(self, config: TandemConfig, drafters: Any = None, verifiers: Any = None) -> None:
+        # `drafters` and `verifiers` are the two sides' deployment handles: bound so that Serve
+        # deploys them with this application. Blocks never go through them.
+        self._config = config
+        loaded = load_tokenizer(config.models.pair().target)
+        self._pool = RegistryPool(
+            from_registry_actor(get_registry(config.app_name)),
+            rpc_timeout_s=config.replica_rpc_timeout_s,
+            secret=config.cluster_secret,
+        )
+        self._router = Router.over_pool(
+            self._pool,
+            text_decoder(loaded.tokenizer),
+            loaded.eos_token_ids,
+            config.api.default_pipelined,
+            config.prompt_lookup,
+            config.draft_length,
+        )
+        self._service = TandemService(
+            self._router, loaded.tokenizer, config.api, tenants=Tenants(config.auth)
+        )
+        self._threads = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="request")
+
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, grpc_context: Any = None
+    ) -> generate_pb2.GenerateResponse:
+        active = threading.Event()
+        active.set()
+        try:
+            future = self._threads.submit(
+                self._service.generate, request, active.is_set, _caller(grpc_context)
+            )
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            active.clear()
+            raise
+        except Exception as error:
+            _fail(grpc_context, error)
+
+    async def GenerateStream(
+        self, request: generate_pb2.GenerateRequest, grpc_context: Any = None
+    ) -> AsyncIterator[generate_pb2.GenerateChunk]:
+        try:
+            chunks = self._service.stream(request, _caller(grpc_context))
+            async for chunk in iterate_in_thread(chunks, self._threads):
+                yield chunk
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            _fail(grpc_context, error)
+
+    async def Cancel(
+        self, request: generate_pb2.CancelRequest, grpc_context: Any = None
+    ) -> generate_pb2.CancelResponse:
+        try:
+            self._service.cancel(request, _caller(grpc_context))
+            return generate_pb2.CancelResponse()
+        except Exception as error:
+            _fail(grpc_context, error)
+
+    async def GetUsage(
+        self, request: generate_pb2.UsageRequest, grpc_context: Any = None
+    ) -> generate_pb2.TenantUsage:
+        try:
+            return self._service.usage(_caller(grpc_context))
+        except Exception as error:
+            _fail(grpc_context, error)
+
+    def _health(self) -> int:
+        try:
+            live = any(r.side == "verifier" for r in self._pool.replicas())
+        except Exception:
+            live = False
+        return (
+            health_pb2.HealthCheckResponse.SERVING
+            if live
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, grpc_context: Any = None
+    ) -> health_pb2.HealthCheckResponse:
+        """SERVING while at least one verifier replica is live."""
+        status = await asyncio.to_thread(self._health)
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, grpc_context: Any = None
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        last = None
+        while True:
+            status = await asyncio.to_thread(self._health)
+            if status != last:
+                last = status
+                yield health_pb2.HealthCheckResponse(status=status)
+            await asyncio.sleep(HEALTH_WATCH_PERIOD_S)
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.close()
+
+
+def _caller(grpc_context: Any) -> Caller:
+    """The call's `authorization` metadata. Serve's proxy does not pass the client's deadline
+    on; when it passes, the client cancels, and the cancellation stops the request."""
+    metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
+    return Caller(bearer_key(metadata))
+
+
+def _fail(grpc_context: Any, error: Exception) -> NoReturn:
+    """Give the client the error's status, message and trailers, then end the call."""
+    code, message = status_of(error)
+    if grpc_context is not None:
+        grpc_context.set_code(code)
+        grpc_context.set_details(message)
+        trailers = trailers_of(error)
+        if trailers:
+            grpc_context.set_trailing_metadata(list(trailers))
+    raise error

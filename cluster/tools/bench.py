@@ -1,0 +1,341 @@
+"""`tandem bench`: Tandem against Hugging Face on the same prompts, in one run.
+
+Five configurations, interleaved per prompt and repeated (the order rotates each time):
+`hf_target` (HF `generate`, target alone), `hf_assisted` (HF assisted generation with the same
+draft), `tandem_target` (Tandem with draft length 0: the same path, no speculation),
+`tandem_serial` and `tandem_pipelined`. All greedy, so every repeat does identical work; each
+prompt's time is the median over repeats. `--mode local` runs Tandem in-process; `--mode
+service` through a `tandem serve` it starts in a private TANDEM_HOME and stops afterwards (HF
+runs always in this process). `greedy_match` compares Tandem's tokens with HF's target alone in
+float32 (loading float32 copies when the timed runs used another dtype).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from verifier.runtime.errors import InvalidArgumentError
+
+RUNS = ("hf_target", "hf_assisted", "tandem_target", "tandem_serial", "tandem_pipelined")
+TANDEM_RUNS = RUNS[2:]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    category: str
+
+
+@dataclass
+class Sample:
+    """One configuration on one prompt: its repeats' times and its tokens and counters."""
+
+    seconds: list[float] = field(default_factory=list)
+    tokens: tuple[int, ...] = ()
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def load_prompts(path: str | None) -> list[Prompt]:
+    if path is None:
+        text = resources.files("cluster.tools").joinpath("prompts/default.jsonl").read_text()
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as error:
+            raise InvalidArgumentError(f"cannot read prompts {path}: {error}") from error
+    prompts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompts.append(Prompt(str(row["prompt"]), str(row.get("category", "default"))))
+        except (ValueError, KeyError, TypeError) as error:
+            raise InvalidArgumentError(f"prompts line {number}: {error}") from error
+    if not prompts:
+        raise InvalidArgumentError("no prompts to run")
+    return prompts
+
+
+Runner = Callable[[tuple[int, ...]], tuple[tuple[int, ...], dict[str, Any]]]
+
+
+def _hf_runner(model: Any, max_tokens: int, assistant: Any = None) -> Runner:
+    import torch
+
+    def run(ids: tuple[int, ...]) -> tuple[tuple[int, ...], dict[str, Any]]:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([ids], device=model.device),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                assistant_model=assistant,
+            )
+        return tuple(out[0, len(ids) :].tolist()), {}
+
+    return run
+
+
+def _stats(result: Any) -> dict[str, Any]:
+    """Counters of a client `GenerateResult` or a router `SpeculationStats` (same names)."""
+    return {
+        "drafted": result.num_drafted,
+        "accepted": result.num_accepted,
+        "passes": result.num_verify_passes,
+        "hits": result.pipeline_hits,
+        "misses": result.pipeline_misses,
+        "drafted_by_position": list(result.drafted_by_position),
+        "accepted_by_position": list(result.accepted_by_position),
+    }
+
+
+def _local_runner(tandem: Any, max_tokens: int, draft_tokens: int, pipelined: bool) -> Runner:
+    from cluster.routing.request import GenerationRequest
+
+    def run(ids: tuple[int, ...]) -> tuple[tuple[int, ...], dict[str, Any]]:
+        request = GenerationRequest(ids, max_tokens, draft_tokens=draft_tokens)
+        result = tandem.router.generate(request, pipelined=pipelined)
+        return result.tokens, _stats(result.stats)
+
+    return run
+
+
+def _service_runner(client: Any, max_tokens: int, draft_tokens: int, pipelined: bool) -> Runner:
+    def run(ids: tuple[int, ...]) -> tuple[tuple[int, ...], dict[str, Any]]:
+        result = client.generate(
+            list(ids), max_tokens=max_tokens, draft_tokens=draft_tokens, pipelined=pipelined
+        )
+        return result.tokens, _stats(result)
+
+    return run
+
+
+@contextmanager
+def _service(preset: str, flags: list[str]) -> Iterator[tuple[str, str]]:
+    """A `tandem serve` of `preset` in a private home; yields its address and the API key it
+    made for its local tenant."""
+    from cluster.serve.local_cluster import free_port
+
+    home = tempfile.mkdtemp(prefix="tandem-bench-", dir="/tmp")
+    env = {**os.environ, "TANDEM_HOME": home}
+    tandem = str(Path(sys.executable).with_name("tandem"))
+    port = free_port()
+    started = subprocess.run(
+        [tandem, "serve", "--preset", preset, "--port", str(port), "--detach", *flags],
+        env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    try:
+        if started.returncode != 0:
+            raise InvalidArgumentError(f"tandem serve failed:\n{started.stderr[-2000:]}")
+        yield f"127.0.0.1:{port}", (Path(home) / "api_key").read_text()
+    finally:
+        subprocess.run([tandem, "shutdown"], env=env, capture_output=True, check=False)
+
+
+def _measure(
+    runners: dict[str, Runner],
+    prompt_ids: list[tuple[int, ...]],
+    repeats: int,
+    progress: Callable[[str], None],
+) -> dict[str, list[Sample]]:
+    samples = {name: [Sample() for _ in prompt_ids] for name in runners}
+    names = list(runners)
+    total, done = repeats * len(prompt_ids) * len(names), 0
+    for repeat in range(repeats):
+        for index, ids in enumerate(prompt_ids):
+            shift = (repeat + index) % len(names)
+            for name in names[shift:] + names[:shift]:
+                start = time.perf_counter()
+                tokens, stats = runners[name](ids)
+                seconds = time.perf_counter() - start
+                sample = samples[name][index]
+                sample.seconds.append(seconds)
+                sample.tokens, sample.stats = tokens, stats
+                done += 1
+                progress(
+                    f"[{done}/{total}] repeat {repeat + 1} prompt {index + 1} {name}: "
+                    f"{len(tokens)} tokens in {seconds:.2f} s"
+                )
+    return samples
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def summarize_run(samples: list[Sample], tandem: bool, pipelined: bool) -> dict[str, Any]:
+    tokens = sum(len(s.tokens) for s in samples)
+    seconds = sum(statistics.median(s.seconds) for s in samples)
+    run: dict[str, Any] = {
+        "tokens_per_s": tokens / seconds,
+        "ms_per_token": 1000 * seconds / tokens,
+        "num_tokens": tokens,
+    }
+    if tandem:
+        run.update(speculation_summary(samples))
+        if not pipelined:
+            run.pop("pipeline_hit_rate")
+    return run
+
+
+def speculation_summary(samples: list[Sample]) -> dict[str, Any]:
+    def total(key: str) -> int:
+        return sum(int(s.stats[key]) for s in samples)
+
+    width = max((len(s.stats["drafted_by_position"]) for s in samples), default=0)
+    drafted = [sum(s.stats["drafted_by_position"][i] for s in samples
+                   if i < len(s.stats["drafted_by_position"])) for i in range(width)]  # fmt: skip
+    accepted = [sum(s.stats["accepted_by_position"][i] for s in samples
+                    if i < len(s.stats["accepted_by_position"])) for i in range(width)]  # fmt: skip
+    tokens = sum(len(s.tokens) for s in samples)
+    return {
+        "acceptance_rate": _ratio(total("accepted"), total("drafted")),
+        "mean_tokens_per_verify": tokens / total("passes"),
+        "acceptance_by_position": [a / d for a, d in zip(accepted, drafted, strict=True) if d],
+        # Free drafting and a block verified at the cost of one target step would give
+        # exactly this many tokens per target step.
+        "ideal_speedup": tokens / total("passes"),
+        "pipeline_hit_rate": _ratio(total("hits"), total("hits") + total("misses")),
+    }
+
+
+def run_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
+    from cluster.local import build_local
+    from cluster.presets import PRESETS, resolve_pair
+
+    prompts = load_prompts(args.prompts)
+    dtype = args.dtype or PRESETS[args.preset].default_dtype if args.preset in PRESETS else None
+    progress(f"loading the {args.preset} pair ({dtype})")
+    tandem = build_local(resolve_pair(args.preset, dtype=dtype), **_router_settings(args))
+    ids = [tuple(tandem.tokenizer.encode(p.text, add_special_tokens=False)) for p in prompts]
+    target, draft = tandem.target.model, tandem.draft.model
+    runners: dict[str, Runner] = {
+        "hf_target": _hf_runner(target, args.max_tokens),
+        "hf_assisted": _hf_runner(target, args.max_tokens, assistant=draft),
+    }
+    with _maybe_service(args, progress) as client:
+        for name, k, pipelined in (("tandem_target", 0, False),
+                                   ("tandem_serial", args.draft_tokens, False),
+                                   ("tandem_pipelined", args.draft_tokens, True)):  # fmt: skip
+            runners[name] = (
+                _local_runner(tandem, args.max_tokens, k, pipelined)
+                if client is None
+                else _service_runner(client, args.max_tokens, k, pipelined)
+            )
+        samples = _measure(runners, ids, args.repeats, progress)
+    runs = {
+        name: summarize_run(samples[name], name in TANDEM_RUNS, name == "tandem_pipelined")
+        for name in RUNS
+    }
+    best = runs["tandem_pipelined"]["tokens_per_s"]
+    result = {
+        "config": {
+            "preset": args.preset, "mode": args.mode, "max_tokens": args.max_tokens,
+            "draft_tokens": args.draft_tokens, "dtype": dtype, "repeats": args.repeats,
+            "num_prompts": len(prompts), "prompts": args.prompts or "default",
+            "prompt_lookup": args.prompt_lookup, "adaptive_draft": args.adaptive_draft,
+            "serve_config": args.serve_config,
+        },
+        "runs": runs,
+        "speedup": {
+            "vs_hf_target": best / runs["hf_target"]["tokens_per_s"],
+            "vs_hf_assisted": best / runs["hf_assisted"]["tokens_per_s"],
+            "vs_tandem_target": best / runs["tandem_target"]["tokens_per_s"],
+            "pipelining": best / runs["tandem_serial"]["tokens_per_s"],
+        },
+        "by_category": _by_category(prompts, samples),
+    }  # fmt: skip
+    result["greedy_match"] = _greedy_match(args, dtype, tandem, ids, samples, progress)
+    return result
+
+
+def _router_settings(args: Any) -> dict[str, Any]:
+    """`build_local` arguments for the router features the bench turns on."""
+    from cluster.routing.draft_length import DraftLengthConfig
+    from drafter.ngram import NgramConfig
+
+    return {
+        "prompt_lookup": NgramConfig(enabled=args.prompt_lookup),
+        "draft_length": DraftLengthConfig(enabled=args.adaptive_draft),
+    }
+
+
+def _serve_flags(args: Any) -> list[str]:
+    """`tandem serve` flags: the same router features, on or off either way (the service's
+    defaults differ from the bench's), and the service's config file."""
+    flags = {"prompt-lookup": args.prompt_lookup, "adaptive-draft": args.adaptive_draft}
+    config = ["--config", args.serve_config] if args.serve_config else []
+    return [f"--{name}" if on else f"--no-{name}" for name, on in flags.items()] + config
+
+
+@contextmanager
+def _maybe_service(args: Any, progress: Callable[[str], None]) -> Iterator[Any]:
+    if args.mode == "local":
+        yield None
+        return
+    from cluster.api.client import TandemClient
+
+    progress(f"starting tandem serve --preset {args.preset} (takes a minute)")
+    with (
+        _service(args.preset, _serve_flags(args)) as (address, api_key),
+        TandemClient(address, timeout_s=3600, api_key=api_key) as client,
+    ):
+        yield client
+
+
+def _by_category(prompts: list[Prompt], samples: dict[str, list[Sample]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for category in dict.fromkeys(p.category for p in prompts):
+        members = [i for i, p in enumerate(prompts) if p.category == category]
+        pipelined = [samples["tandem_pipelined"][i] for i in members]
+        summary = speculation_summary(pipelined)
+        out[category] = {
+            "acceptance_rate": summary["acceptance_rate"],
+            "acceptance_by_position": summary["acceptance_by_position"],
+            "tokens_per_s": {
+                name: summarize_run([samples[name][i] for i in members], False, False)[
+                    "tokens_per_s"
+                ]
+                for name in RUNS
+            },
+        }
+    return out
+
+
+def _greedy_match(
+    args: Any,
+    dtype: str | None,
+    tandem: Any,
+    ids: list[tuple[int, ...]],
+    samples: dict[str, list[Sample]],
+    progress: Callable[[str], None],
+) -> dict[str, int]:
+    if dtype == "float32":
+        pairs = zip(samples["tandem_pipelined"], samples["hf_target"], strict=True)
+        return {"matched": sum(a.tokens == b.tokens for a, b in pairs), "total": len(ids)}
+    from cluster.local import build_local
+    from cluster.presets import resolve_pair
+
+    progress("checking greedy output against HF target-only in float32")
+    del tandem
+    exact = build_local(resolve_pair(args.preset, dtype="float32"), **_router_settings(args))
+    hf = _hf_runner(exact.target.model, args.max_tokens)
+    ours = _local_runner(exact, args.max_tokens, args.draft_tokens, True)
+    matched = 0
+    for index, prompt in enumerate(ids):
+        same = hf(prompt)[0] == ours(prompt)[0]
+        matched += same
+        progress(f"greedy match {index + 1}/{len(ids)}: {'same' if same else 'DIFFERENT'}")
+    return {"matched": matched, "total": len(ids)}

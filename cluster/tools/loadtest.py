@@ -1,0 +1,139 @@
+"""Concurrent streaming load against a running service: throughput and latency under load.
+
+`run_load` keeps `concurrency` streams busy for `duration_s` seconds: each worker streams one
+request after another (prompts taken round-robin), then the run waits for the requests still in
+flight, so every request counts whole. It records time to first token, inter-token latency
+(a chunk's gap split evenly over its tokens: speculation commits several tokens at once) and
+failures by gRPC status name. The loop is bounded in time and count and talks only to the
+address it is given. The client is injected (a `TandemClient`, thread-safe), so the same loop
+runs against any server.
+
+Fault injection: `midway` is called once, half way through the duration (`tandem loadtest
+--kill` kills a replica there). Every request that started and did not complete is `lost`
+(whatever its status); with `reference` (a fault-free greedy output per prompt), a completed
+request whose tokens differ from it is `corrupted`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.api.client_types import TandemClientError
+
+MAX_REQUESTS_PER_WORKER = 10_000
+"""A hard bound on one worker's requests, whatever the duration."""
+
+
+@dataclass
+class LoadLog:
+    """What the workers saw; appended to under a lock."""
+
+    tokens: int = 0
+    requests: int = 0
+    first_token_s: list[float] = field(default_factory=list)
+    inter_token_s: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    corrupted: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _one_request(
+    client: Any,
+    prompt: str,
+    settings: dict[str, Any],
+    log: LoadLog,
+    expected: tuple[int, ...] | None,
+) -> None:
+    started = last = time.perf_counter()
+    first: float | None = None
+    gaps: list[float] = []
+    received: list[int] = []
+    try:
+        for chunk in client.stream(prompt, **settings):
+            now = time.perf_counter()
+            if chunk.tokens:
+                if first is None:
+                    first = now - started
+                else:
+                    gaps.extend([(now - last) / len(chunk.tokens)] * len(chunk.tokens))
+                last = now
+                received.extend(chunk.tokens)
+    except TandemClientError as error:
+        with log.lock:
+            log.errors[error.code.name] += 1
+        return
+    with log.lock:
+        log.requests += 1
+        log.tokens += len(received)
+        log.corrupted += expected is not None and tuple(received) != expected
+        if first is not None:
+            log.first_token_s.append(first)
+        log.inter_token_s.extend(gaps)
+
+
+def run_load(
+    client: Any,
+    prompts: Sequence[str],
+    concurrency: int,
+    duration_s: float,
+    settings: dict[str, Any],
+    midway: Callable[[], None] | None = None,
+    reference: Mapping[str, tuple[int, ...]] | None = None,
+) -> dict[str, Any]:
+    """Drive `concurrency` streams for `duration_s`; `settings` go to every `client.stream`;
+    `midway`, if given, runs once half way through; `reference` counts corrupted outputs."""
+    log = LoadLog()
+    deadline = time.perf_counter() + duration_s
+    counter = iter(range(10**9))
+    counter_lock = threading.Lock()
+
+    def worker() -> None:
+        for _ in range(MAX_REQUESTS_PER_WORKER):
+            if time.perf_counter() >= deadline:
+                return
+            with counter_lock:
+                index = next(counter)
+            prompt = prompts[index % len(prompts)]
+            expected = reference.get(prompt) if reference is not None else None
+            _one_request(client, prompt, settings, log, expected)
+
+    started = time.perf_counter()
+    workers = [threading.Thread(target=worker, name=f"load-{i}") for i in range(concurrency)]
+    if midway is not None:
+        workers.append(threading.Timer(duration_s / 2, midway))
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    seconds = time.perf_counter() - started
+    return {
+        "concurrency": concurrency,
+        "seconds": seconds,
+        "requests": log.requests,
+        "tokens": log.tokens,
+        "tokens_per_s": log.tokens / seconds,
+        "ttft_ms": _millis(log.first_token_s),
+        "itl_ms": _millis(log.inter_token_s),
+        "errors": dict(log.errors),
+        "lost": sum(log.errors.values()),
+        "corrupted": log.corrupted if reference is not None else None,
+    }
+
+
+def _millis(values: Sequence[float]) -> dict[str, float | None]:
+    return {
+        name: None if (v := percentile(values, q)) is None else 1000 * v
+        for name, q in (("p50", 0.5), ("p99", 0.99))
+    }

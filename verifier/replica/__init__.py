@@ -1,0 +1,6 @@
+"""Hosting a drafter or verifier replica: the gRPC server, the wire, heartbeats.
+
+`rpc` (status codes, the call guard, the server), `wire` (protos <-> plain types, the one place
+that knows the layout), `host` (a replica's own server, registry heartbeats, load, draining).
+Imports the runtime, never a side's component.
+"""

@@ -1,0 +1,213 @@
+"""What the drafter and verifier gRPC servicers share: status codes, call handling, the server.
+
+- `status_code` maps a `TandemError.status` name to its `grpc.StatusCode`.
+- `CallGuard` runs a servicer's handlers one at a time and turns what they raise into a gRPC
+  status: a `TandemError` becomes its own code with its message; anything else becomes
+  INTERNAL with a fixed message, its traceback logged here and never sent to the client.
+- `start_server` starts a sync gRPC server on a thread pool and returns the port it bound. It
+  holds at most `max_concurrent_rpcs` calls at once, running or queued, and answers
+  RESOURCE_EXHAUSTED to one more, so a replica's queue never grows without bound. Given the
+  cluster's shared secret, it answers UNAUTHENTICATED to every call that does not carry it
+  (`SecretCheck`), so nothing but the router can drive a replica; and it parses each request
+  itself (`ParseCheck`), so bytes that are not the method's message get INVALID_ARGUMENT
+  rather than gRPC's own INTERNAL.
+
+Both servicers are thin adapters over a plain component (docs/architecture.md, "Layers"): they
+convert with `verifier.replica.wire`, call the component inside `CallGuard.run`, and convert the
+result back.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from verifier.runtime.errors import TandemError
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""Largest message a replica server or client sends or accepts. A block of 32 tokens, each with
+an untruncated q over a 150k vocabulary, is over 30 MiB; gRPC's default limit is 4 MiB."""
+
+MESSAGE_SIZE_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+"""Channel and server options that apply `MAX_MESSAGE_BYTES`."""
+
+INTERNAL_ERROR_MESSAGE = "internal error; see the replica's log"
+"""The only details a client gets for an unexpected server-side exception."""
+
+DEFAULT_MAX_WORKERS = 8
+
+DEFAULT_MAX_CONCURRENT_RPCS = 512
+"""Calls a server holds at once, running or waiting for a worker; one more is answered
+RESOURCE_EXHAUSTED. A router has at most one call in flight per session on each side (a
+verify, or a draft or an open), and a replica holds at most 256 sessions by default
+(`max_sessions`), so twice that leaves room for closes and stats under full load; a flood
+beyond it is refused at once instead of queueing without bound."""
+
+SECRET_METADATA_KEY = "x-tandem-cluster-secret"
+"""gRPC metadata key that carries the cluster's shared secret on internal calls."""
+
+R = TypeVar("R")
+
+
+def status_code(status: str) -> grpc.StatusCode:
+    """The code named by a `TandemError.status` (a `grpc.StatusCode` member name).
+
+    An unknown name maps to INTERNAL: a typo in an error class must not become a wrong but
+    plausible code.
+    """
+    return grpc.StatusCode.__members__.get(status, grpc.StatusCode.INTERNAL)
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+    context.abort(code, details)
+    # context.abort always raises; this line only tells the type checker so.
+    raise AssertionError("grpc.ServicerContext.abort returned")
+
+
+class CallGuard:
+    """Runs one servicer's handlers one at a time, turning exceptions into gRPC statuses.
+
+    The components (`Drafter`, `Verifier`) are not thread-safe: a call mutates a session's
+    tokens, KV cache and generator, and the session table itself. A sync gRPC server runs
+    handlers on a thread pool, so every call into the component, conversions included, holds
+    this guard's lock. One lock per component is enough: its calls are compute-bound on one
+    model, so running two at once would not make either faster.
+    """
+
+    def __init__(self, component_name: str) -> None:
+        self._component_name = component_name
+        self._lock = threading.Lock()
+
+    def run(self, context: grpc.ServicerContext, method: str, call: Callable[[], R]) -> R:
+        """Return `call()`; abort the RPC with the matching status if it raises."""
+        try:
+            with self._lock:
+                return call()
+        except TandemError as error:
+            _abort(context, status_code(error.status), str(error))
+        except Exception:
+            logger.exception("%s.%s failed unexpectedly", self._component_name, method)
+            _abort(context, grpc.StatusCode.INTERNAL, INTERNAL_ERROR_MESSAGE)
+
+
+class SecretCheck(grpc.ServerInterceptor):
+    """Lets a call through only if its metadata carries the shared secret (compared in
+    constant time); every other call is answered UNAUTHENTICATED before any handler runs, its
+    payload never parsed. The secret itself is never logged or echoed."""
+
+    def __init__(self, secret: str) -> None:
+        if not secret:
+            raise ValueError("the cluster secret must not be empty")
+        self._secret = secret.encode()
+        self._refuse = grpc.unary_unary_rpc_method_handler(self._unauthenticated)
+
+    @staticmethod
+    def _unauthenticated(request: Any, context: grpc.ServicerContext) -> NoReturn:
+        _abort(
+            context,
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"internal API: missing or wrong {SECRET_METADATA_KEY}",
+        )
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == SECRET_METADATA_KEY:
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(given, self._secret):
+                    return continuation(handler_call_details)
+        return self._refuse
+
+
+class ParseCheck(grpc.ServerInterceptor):
+    """Parses each unary request in the handler instead of in gRPC: a payload that is not the
+    method's message is answered INVALID_ARGUMENT (gRPC itself would answer INTERNAL, "Exception
+    deserializing request!"), and the servicer sees only parsed messages."""
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        method = handler_call_details.method
+
+        def parsed(raw: bytes, context: grpc.ServicerContext) -> Any:
+            try:
+                return parse(raw)
+            except Exception:
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{method}: the payload is not a valid request message",
+                )
+
+        if handler.response_streaming:
+            stream = handler.unary_stream
+            return grpc.unary_stream_rpc_method_handler(
+                lambda raw, context: stream(parsed(raw, context), context),
+                response_serializer=handler.response_serializer,
+            )
+        unary = handler.unary_unary
+        return grpc.unary_unary_rpc_method_handler(
+            lambda raw, context: unary(parsed(raw, context), context),
+            response_serializer=handler.response_serializer,
+        )
+
+
+def start_server(
+    add_servicer: Callable[[grpc.Server], None],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_workers: int = DEFAULT_MAX_WORKERS,
+    secret: str | None = None,
+    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+) -> tuple[grpc.Server, int]:
+    """Start an insecure gRPC server with the servicers `add_servicer` registers on it.
+
+    `port` 0 picks a free port. `max_concurrent_rpcs`: calls held at once, running or queued;
+    one more is answered RESOURCE_EXHAUSTED (a stream counts until it ends). Returns the
+    running server and the port it bound; raises RuntimeError if the address cannot be bound
+    (a port in use is not shared: SO_REUSEPORT is off, so two replicas can never silently split
+    one port's traffic). Stop it with `server.stop(grace_s)`. With `secret`, only calls that
+    carry it are served (`SecretCheck`).
+    """
+    if max_concurrent_rpcs < 1:
+        raise ValueError(f"max_concurrent_rpcs must be >= 1, got {max_concurrent_rpcs}")
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="replica-rpc"),
+        interceptors=[
+            *([SecretCheck(secret)] if secret is not None else []),
+            ParseCheck(),
+            *interceptors,
+        ],
+        options=[*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)],
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
+    )
+    add_servicer(server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound_port = server.add_insecure_port(address)
+    except RuntimeError as error:
+        server.stop(None)
+        raise RuntimeError(f"cannot bind a gRPC server to {address}: {error}") from error
+    server.start()
+    return server, int(bound_port)

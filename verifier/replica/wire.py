@@ -1,0 +1,177 @@
+"""Conversions between `protos/replica.proto` messages and Tandem's plain types.
+
+The one place that knows how each value is laid out on the wire; servicers and clients convert
+with these functions and nothing else. `*_to_wire` builds a message from a plain value,
+`*_from_wire` reads one back.
+
+What comes off the wire is checked only as far as the wire format can tell: counts that must
+agree (a sparse row's ids and probabilities, a block's tokens and distributions), a non-empty
+session id, a set time limit that is not zero, and the checks the plain types make when built
+(`SamplingParams` rejects a NaN temperature or `top_p = 0`). Everything else needs the
+replica's own state and is checked there: token ids against the vocabulary, lengths against
+the session, and a sparse row's contents (empty, repeated ids, negative or NaN probabilities)
+by `sampling.to_dense`. Each failure is an `InvalidArgumentError` naming the field.
+
+Exactness: sparse probabilities travel as float32 and `SparseDistribution.probs` is float32,
+so q round-trips bit for bit (docs/architecture.md, invariant 1). `SamplingParams.temperature` and
+`top_p` travel as float32 too, so a value that float32 cannot hold (0.7) comes back rounded to the
+nearest one; the sampling code computes in float32, so the distribution is the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from protos import replica_pb2, sampling_pb2
+from verifier.runtime.block import DraftBlock, Verdict
+from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.sampling import NO_TOP_P, SamplingParams, SparseDistribution
+from verifier.runtime.session import ReplicaStats
+
+MAX_INT32 = 2**31 - 1
+MAX_UINT32 = 2**32 - 1
+MAX_UINT64 = 2**64 - 1
+
+
+def session_id_from_wire(session_id: str) -> str:
+    """The session id of a request; empty (the proto3 default, so also "unset") is refused."""
+    if not session_id:
+        raise InvalidArgumentError("session_id must not be empty")
+    return session_id
+
+
+def token_ids_to_wire(token_ids: Sequence[int], what: str) -> list[int]:
+    """Token ids as the wire's int32s; ids it cannot hold are refused here, naming the first."""
+    ids = [int(token) for token in token_ids]
+    for position, token in enumerate(ids):
+        if not 0 <= token <= MAX_INT32:
+            raise InvalidArgumentError(
+                f"{what}[{position}] = {token} is not a token id (0..{MAX_INT32})"
+            )
+    return ids
+
+
+def uint_to_wire(value: int, what: str, max_value: int = MAX_UINT64) -> int:
+    """A count or length for an unsigned wire field, refused if the field cannot hold it."""
+    if isinstance(value, bool) or not 0 <= value <= max_value:
+        raise InvalidArgumentError(f"{what} must be in 0..{max_value}, got {value!r}")
+    return int(value)
+
+
+def time_limit_to_wire(time_left_s: float) -> int:
+    """Seconds a request has left as `OpenSessionRequest.time_limit_ms`: rounded up, so the
+    replica never drops a session before its request's deadline; at least 1 (0 is refused on
+    the wire) and at most what the field holds (a longer limit is no limit in practice)."""
+    return min(max(math.ceil(time_left_s * 1000), 1), MAX_UINT32)
+
+
+def time_limit_from_wire(request: replica_pb2.OpenSessionRequest) -> float | None:
+    """The session's time limit in seconds; None when unset (no limit, only the idle TTL)."""
+    if not request.HasField("time_limit_ms"):
+        return None
+    if request.time_limit_ms == 0:
+        raise InvalidArgumentError("time_limit_ms must be >= 1 when set (unset: no limit)")
+    return request.time_limit_ms / 1000
+
+
+def sampling_to_wire(params: SamplingParams) -> sampling_pb2.SamplingParams:
+    message = sampling_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k)
+    if params.top_p != NO_TOP_P:
+        message.top_p = params.top_p
+    return message
+
+
+def sampling_from_wire(message: sampling_pb2.SamplingParams) -> SamplingParams:
+    """Unset `top_p` means no nucleus cut (1.0); a set one, even 0.0, is taken as sent."""
+    top_p = message.top_p if message.HasField("top_p") else NO_TOP_P
+    return SamplingParams(temperature=message.temperature, top_k=message.top_k, top_p=top_p)
+
+
+def sparse_to_wire(row: SparseDistribution) -> replica_pb2.SparseDistribution:
+    return replica_pb2.SparseDistribution(
+        token_ids=token_ids_to_wire(row.token_ids.tolist(), "token_ids"),
+        probs=row.probs.tolist(),
+    )
+
+
+def sparse_from_wire(
+    message: replica_pb2.SparseDistribution, what: str = "sparse distribution"
+) -> SparseDistribution:
+    """Ids and probabilities as sent; only their counts are checked (see the module doc)."""
+    if len(message.token_ids) != len(message.probs):
+        raise InvalidArgumentError(
+            f"{what} has {len(message.token_ids)} token ids but {len(message.probs)} probabilities"
+        )
+    return SparseDistribution(
+        token_ids=torch.tensor(list(message.token_ids), dtype=torch.int64),
+        probs=torch.tensor(list(message.probs), dtype=torch.float32),
+    )
+
+
+def block_to_wire(block: DraftBlock) -> replica_pb2.DraftBlock:
+    """`draft_probs` None and () both become an empty field (see `block_from_wire`)."""
+    return replica_pb2.DraftBlock(
+        base_length=uint_to_wire(block.base_length, "base_length"),
+        token_ids=token_ids_to_wire(block.tokens, "block.tokens"),
+        draft_probs=[sparse_to_wire(row) for row in block.draft_probs or ()],
+    )
+
+
+def block_from_wire(message: replica_pb2.DraftBlock) -> DraftBlock:
+    """An empty `draft_probs` reads back as None (deterministic draft, q one-hot).
+
+    A block of zero tokens drafted by sampling had `draft_probs == ()`, which the wire cannot
+    tell from None; with no token to accept, the two mean the same to the verifier.
+    """
+    tokens = tuple(message.token_ids)
+    rows = message.draft_probs
+    if rows and len(rows) != len(tokens):
+        raise InvalidArgumentError(
+            f"block has {len(tokens)} tokens but {len(rows)} draft distributions: "
+            "send one per token, or none for a deterministic draft"
+        )
+    draft_probs = (
+        tuple(sparse_from_wire(row, f"draft_probs[{i}]") for i, row in enumerate(rows))
+        if rows
+        else None
+    )
+    return DraftBlock(base_length=message.base_length, tokens=tokens, draft_probs=draft_probs)
+
+
+def verdict_to_wire(verdict: Verdict) -> replica_pb2.Verdict:
+    return replica_pb2.Verdict(
+        base_length=verdict.base_length,
+        num_accepted=verdict.num_accepted,
+        token_ids=verdict.tokens,
+        committed_length=verdict.committed_length,
+        bonus_deferred=verdict.bonus_deferred,
+    )
+
+
+def verdict_from_wire(message: replica_pb2.Verdict) -> Verdict:
+    return Verdict(
+        base_length=message.base_length,
+        num_accepted=message.num_accepted,
+        tokens=tuple(message.token_ids),
+        committed_length=message.committed_length,
+        bonus_deferred=message.bonus_deferred,
+    )
+
+
+def stats_to_wire(stats: ReplicaStats) -> replica_pb2.ReplicaStats:
+    return replica_pb2.ReplicaStats(
+        num_sessions=stats.num_sessions,
+        num_cached_tokens=stats.num_cached_tokens,
+        busy_s=stats.busy_s,
+    )
+
+
+def stats_from_wire(message: replica_pb2.ReplicaStats) -> ReplicaStats:
+    return ReplicaStats(
+        num_sessions=message.num_sessions,
+        num_cached_tokens=message.num_cached_tokens,
+        busy_s=message.busy_s,
+    )

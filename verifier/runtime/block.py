@@ -1,0 +1,46 @@
+"""The two values that travel between drafter, router and verifier: a draft block and a verdict.
+
+Both carry the committed length they were based on (docs/architecture.md, invariant 3), so a
+replica can refuse work meant for a different state of the session. Plain frozen dataclasses; the
+gRPC transport converts them to and from `protos/replica.proto`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verifier.runtime.sampling import SparseDistribution
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """Tokens proposed to continue a session whose committed length is `base_length`."""
+
+    base_length: int
+    tokens: tuple[int, ...]
+    draft_probs: tuple[SparseDistribution, ...] | None = None
+    """The exact q each token was sampled from, one per token; None when drafted
+    deterministically (q is one-hot at the drafted token)."""
+
+    def __post_init__(self) -> None:
+        if self.draft_probs is not None and len(self.draft_probs) != len(self.tokens):
+            raise ValueError(
+                f"draft block has {len(self.tokens)} tokens but {len(self.draft_probs)} "
+                "draft distributions"
+            )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the verifier decided about a block, and the session's length after committing it."""
+
+    base_length: int
+    num_accepted: int
+    tokens: tuple[int, ...]
+    """The accepted draft tokens, then one recovered or bonus token: `num_accepted + 1` tokens;
+    only `num_accepted` when the bonus was deferred."""
+    committed_length: int
+    bonus_deferred: bool = False
+    """Every draft token was accepted and, as asked, no bonus token was sampled: the target's
+    distribution for the next position is kept and the next block's first token is verified
+    against it (pipelining: a block drafted ahead stays valid)."""

@@ -1,0 +1,187 @@
+"""Load a causal LM and its tokenizer: a Hugging Face hub id, a local folder, a GGUF file, or tiny.
+
+`ModelSpec` says what to load and how (dtype, device); `load_model` does it and returns a
+`LoadedModel`. Drafter and verifier both load through here, so a model means the same thing on
+either side. Sources:
+
+- `tiny://target`, `tiny://draft`: the random-weight test pair of `verifier.runtime.tiny` (no
+  download);
+- a path ending in `.gguf`: a GGUF file, dequantised by transformers (needs the `gguf` package);
+- an existing folder: a `save_pretrained` directory;
+- anything else: a Hugging Face hub id (needs hub access).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from verifier.runtime import tiny
+from verifier.runtime.errors import InvalidArgumentError
+
+TINY_SCHEME = "tiny://"
+TINY_TARGET = TINY_SCHEME + "target"
+TINY_DRAFT = TINY_SCHEME + "draft"
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+AUTO_DEVICE = "auto"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to load. Validated when built; loads nothing."""
+
+    source: str
+    """Hub id, local folder, `.gguf` file path, or `tiny://target` / `tiny://draft`."""
+    dtype: str = "float32"
+    """Weight and compute dtype: float32, bfloat16 or float16."""
+    device: str = AUTO_DEVICE
+    """`auto` (CUDA when present, else CPU), `cpu`, `cuda` or `cuda:N`."""
+
+    def __post_init__(self) -> None:
+        if not self.source.strip():
+            raise InvalidArgumentError("model source must not be empty")
+        if self.dtype not in DTYPES:
+            raise InvalidArgumentError(
+                f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            )
+        if self.source.startswith(TINY_SCHEME) and self.source not in (TINY_TARGET, TINY_DRAFT):
+            raise InvalidArgumentError(
+                f"unknown tiny model {self.source!r}: use {TINY_TARGET} or {TINY_DRAFT}"
+            )
+        if self.device != AUTO_DEVICE and not (
+            self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")
+        ):
+            raise InvalidArgumentError(
+                f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}"
+            )
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for inference, with what callers need to know about it."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits (may exceed the tokenizer's size: padded embeddings)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends a generation for this model."""
+        return _eos_ids(self.model.generation_config, self.tokenizer)
+
+
+@dataclass(frozen=True)
+class LoadedTokenizer:
+    """A model's tokenizer and end-of-sequence ids, without its weights (for the router)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: frozenset[int]
+
+
+def _eos_ids(
+    generation_config: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase
+) -> frozenset[int]:
+    ids: set[int] = set()
+    configured = None if generation_config is None else generation_config.eos_token_id
+    for value in (configured, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def load_tokenizer(spec: ModelSpec) -> LoadedTokenizer:
+    """The tokenizer of `spec` and the ids that end its generations; loads no weights."""
+    if spec.source.startswith(TINY_SCHEME):
+        return LoadedTokenizer(tiny.build_tokenizer(), frozenset({tiny.END_OF_TEXT_ID}))
+    _check_local_path(spec)
+    path = Path(spec.source).expanduser()
+    if spec.source.endswith(".gguf"):
+        if not path.is_file():
+            raise InvalidArgumentError(f"GGUF file not found: {path}")
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return LoadedTokenizer(tokenizer, _eos_ids(None, tokenizer))
+    source = str(path) if path.is_dir() else spec.source
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    try:
+        generation_config: GenerationConfig | None = GenerationConfig.from_pretrained(source)
+    except OSError:
+        generation_config = None  # the model ships none: the tokenizer's eos is all there is
+    return LoadedTokenizer(tokenizer, _eos_ids(generation_config, tokenizer))
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device for a spec's device string; `auto` picks CUDA when present."""
+    if name == AUTO_DEVICE:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidArgumentError(f"device {name!r} requested but CUDA is not available")
+    return torch.device(name)
+
+
+def _load_weights(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    dtype = DTYPES[spec.dtype]
+    if spec.source == TINY_TARGET:
+        return tiny.build_target(), tiny.build_tokenizer()
+    if spec.source == TINY_DRAFT:
+        return tiny.build_draft(), tiny.build_tokenizer()
+    path = Path(spec.source).expanduser()
+    if spec.source.endswith(".gguf"):
+        if not path.is_file():
+            raise InvalidArgumentError(f"GGUF file not found: {path}")
+        folder, name = str(path.parent), path.name
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+        return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    # A folder or a hub id: transformers tells the two apart itself.
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path) if path.is_dir() else spec.source, dtype=dtype
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else spec.source)
+    return model, tokenizer
+
+
+def _check_local_path(spec: ModelSpec) -> None:
+    """An absolute path that does not exist is a missing folder, never a hub id: say so."""
+    if not spec.source.startswith("/") or spec.source.endswith(".gguf"):
+        return  # hub ids are relative; a GGUF file gets its own message when loaded
+    if Path(spec.source).exists():
+        return
+    from verifier.runtime.packs import cache_root
+
+    hint = ""
+    path = Path(spec.source)
+    if path.is_relative_to(cache_root()):
+        pack = path.relative_to(cache_root()).parts[0]
+        hint = f": fetch it with `tandem models fetch {pack}`"
+    raise InvalidArgumentError(f"model folder {spec.source} does not exist{hint}")
+
+
+def load_model(spec: ModelSpec) -> LoadedModel:
+    """Load `spec` onto its device, in eval mode."""
+    _check_local_path(spec)
+    device = resolve_device(spec.device)
+    model, tokenizer = _load_weights(spec)
+    # Module.to moves and casts in place. It is called through nn.Module because transformers'
+    # decorated override of `to` is opaque to type checkers.
+    torch.nn.Module.to(model, device=device, dtype=DTYPES[spec.dtype])
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, device=device)

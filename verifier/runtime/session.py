@@ -1,0 +1,257 @@
+"""What drafter and verifier both keep per session, and the checks both apply to requests.
+
+A replica's session is soft state (docs/architecture.md, invariant 2): the committed tokens as this
+replica last heard them, a KV cache over them, the sampling settings and a seeded generator.
+Everything here can be rebuilt from the router's token history. A session nobody has used for
+`session_ttl_s` (its client gone, its router restarted) is evicted, KV cache and all. A session
+opened with a time limit (what its request had left) is dropped once that passes, even if its
+router is gone: by `evict_idle`, or by the first call that finds it (DEADLINE_EXCEEDED).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
+
+import torch
+
+from verifier.runtime.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    SessionExistsError,
+    SessionNotFoundError,
+    StaleBaseError,
+)
+from verifier.runtime.kv_cache import KVSession
+from verifier.runtime.models import LoadedModel
+from verifier.runtime.sampling import SamplingParams
+
+MAX_SEED = 2**64 - 1
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class BusyLock:
+    """A lock that adds up how long it has been held: its component's busy (computing) time,
+    which tells load apart from idle sessions and splits a call's latency into compute and
+    transport."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since = 0.0
+        self.busy_s = 0.0
+
+    def __enter__(self) -> BusyLock:
+        self._lock.acquire()
+        self._since = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.busy_s += time.perf_counter() - self._since
+        self._lock.release()
+
+
+class HasLock(Protocol):
+    _lock: BusyLock
+
+
+S = TypeVar("S", bound=HasLock)
+
+
+def synchronized(method: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
+    """Run a component method under the component's lock.
+
+    Drafter and verifier are called from several threads: a gRPC server's pool, or a router
+    serving concurrent requests in-process. Their session tables and KV caches are not
+    thread-safe, and one model forward at a time is also what a CPU or a GPU serves best.
+    """
+
+    @functools.wraps(method)
+    def locked(self: S, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
+@dataclass
+class ReplicaSession:
+    """One request's state on one replica."""
+
+    tokens: list[int]
+    """Committed token ids (prompt plus every committed generated token)."""
+    kv: KVSession
+    sampling: SamplingParams
+    generator: torch.Generator
+    next_probs: torch.Tensor | None = field(default=None)
+    """Verifier only: the target's distribution for the next position, kept when a verdict
+    deferred its bonus token (`[vocab]`); the cache then holds every committed token."""
+    last_used: float = 0.0
+    """When a call last found this session (the table's clock)."""
+    expires_at: float | None = None
+    """When its request's time runs out (the table's clock); None: no limit."""
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """What a replica holds right now."""
+
+    num_sessions: int
+    num_cached_tokens: int
+    busy_s: float = 0.0
+    """Seconds the replica's component has spent serving calls since it started."""
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:
+    """Reject ids outside the model's vocabulary, naming the first offender."""
+    for position, token in enumerate(token_ids):
+        if not 0 <= token < vocab_size:
+            raise InvalidArgumentError(
+                f"{what}[{position}] = {token} is outside the vocabulary (0..{vocab_size - 1})"
+            )
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed <= MAX_SEED:
+        raise InvalidArgumentError(f"seed must be in 0..2**64-1, got {seed}")
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+class SessionTable:
+    """Sessions of one replica by id, on one model, with the limits and lookups both sides share."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        max_sessions: int,
+        max_context_tokens: int,
+        session_ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`session_ttl_s`: evict a session idle this long (None: never)."""
+        self.model = model
+        self.max_sessions = max_sessions
+        self.max_context_tokens = max_context_tokens
+        self.session_ttl_s = session_ttl_s
+        self._clock = clock
+        self._sessions: dict[str, ReplicaSession] = {}
+        self.num_evicted = 0
+        """Sessions evicted for idling since the table was made."""
+        self.num_expired = 0
+        """Sessions dropped past their time limit since the table was made."""
+
+    def open(
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+        time_limit_s: float | None = None,
+    ) -> ReplicaSession:
+        """Check, create and prefill a session; nothing is kept if a check fails.
+
+        `time_limit_s`: seconds its request has left, from now; past them the session is
+        dropped (None: no limit, only the idle TTL)."""
+        if time_limit_s is not None and not time_limit_s > 0:
+            raise InvalidArgumentError(f"time_limit_s must be > 0, got {time_limit_s}")
+        self._check_new(session_id, prompt_tokens)
+        check_token_ids(prompt_tokens, self.model.vocab_size, "prompt_tokens")
+        check_seed(seed)
+        now = self._clock()
+        session = ReplicaSession(
+            tokens=list(prompt_tokens),
+            kv=KVSession(self.model.model, self.model.device),
+            sampling=sampling,
+            generator=make_generator(seed, self.model.device),
+            last_used=now,
+            expires_at=None if time_limit_s is None else now + time_limit_s,
+        )
+        # The last committed token is fed with the next forward, whose logits need it.
+        session.kv.prefill(prompt_tokens[:-1])
+        self._sessions[session_id] = session
+        return session
+
+    def _check_new(self, session_id: str, prompt_tokens: Sequence[int]) -> None:
+        if not session_id:
+            raise InvalidArgumentError("session_id must not be empty")
+        if session_id in self._sessions:
+            raise SessionExistsError(f"session {session_id!r} is already open")
+        if len(self._sessions) >= self.max_sessions:
+            self.evict_idle()  # abandoned and expired sessions give up their places first
+        if len(self._sessions) >= self.max_sessions:
+            raise ResourceExhaustedError(
+                f"replica holds its maximum of {self.max_sessions} sessions"
+            )
+        if len(prompt_tokens) == 0:
+            raise InvalidArgumentError("prompt must hold at least one token")
+        self.check_context(len(prompt_tokens))
+
+    def check_context(self, length: int) -> None:
+        if length > self.max_context_tokens:
+            raise ResourceExhaustedError(
+                f"context of {length} tokens exceeds the limit of {self.max_context_tokens}"
+            )
+
+    def get(self, session_id: str) -> ReplicaSession:
+        try:
+            session = self._sessions[session_id]
+        except KeyError:
+            raise SessionNotFoundError(
+                f"no open session {session_id!r} "
+                "(closed, evicted after idling or past its deadline, or never opened)"
+            ) from None
+        now = self._clock()
+        if self._expired(session, now):
+            del self._sessions[session_id]
+            self.num_expired += 1
+            raise DeadlineExceededError(f"session {session_id!r} passed its deadline")
+        session.last_used = now
+        return session
+
+    def evict_idle(self) -> int:
+        """Drop every session past its time limit or unused for longer than the TTL; returns
+        how many went."""
+        now = self._clock()
+        oldest = -float("inf") if self.session_ttl_s is None else now - self.session_ttl_s
+        expired = [sid for sid, s in self._sessions.items() if self._expired(s, now)]
+        for session_id in expired:
+            del self._sessions[session_id]
+        idle = [sid for sid, s in self._sessions.items() if s.last_used < oldest]
+        for session_id in idle:
+            del self._sessions[session_id]
+        self.num_expired += len(expired)
+        self.num_evicted += len(idle)
+        return len(expired) + len(idle)
+
+    @staticmethod
+    def _expired(session: ReplicaSession, now: float) -> bool:
+        return session.expires_at is not None and now >= session.expires_at
+
+    def get_at(self, session_id: str, base_length: int) -> ReplicaSession:
+        """The session, provided its committed length is `base_length` (invariant 3)."""
+        session = self.get(session_id)
+        if base_length != len(session.tokens):
+            raise StaleBaseError(
+                f"session {session_id!r} has committed length {len(session.tokens)}, "
+                f"but the request is based on length {base_length}"
+            )
+        return session
+
+    def remove(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None
+
+    def stats(self, busy_s: float = 0.0) -> ReplicaStats:
+        return ReplicaStats(
+            busy_s=busy_s,
+            num_sessions=len(self._sessions),
+            num_cached_tokens=sum(s.kv.num_cached_tokens for s in self._sessions.values()),
+        )
