@@ -1,8 +1,10 @@
-"""The service's configuration: one frozen dataclass per part, validated when built.
+"""The service's configuration: one frozen dataclass per part, each checking its own values.
 
-`ServiceConfig.from_dict` (and `from_yaml`) is the one place a config file is parsed: unknown
-keys are rejected with their path, so a typo never silently falls back to a default. No I/O
-happens when a config is built; models load in the replicas.
+`TandemConfig.from_dict` (and `from_yaml`) is the one place a config file is parsed
+(cluster/config_parsing.py): types are checked strictly, unknown keys are rejected, and every
+problem is reported at once with its key's path (`verifier.max_sesions: unknown key`), so a
+typo never silently falls back to a default. Configs built in Python skip the type checks, not
+the value checks. No I/O happens when a config is built; models load in the replicas.
 """
 
 from __future__ import annotations
@@ -10,13 +12,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
+
+from pydantic import with_config
 
 from cluster.api.service import ServiceConfig
 from cluster.api.tenants import AuthConfig
+from cluster.config_parsing import PARSING, load_yaml, parse
 from cluster.presets import DEFAULT_PRESET, ModelPair, resolve_pair
 from cluster.routing.draft_length import DraftLengthConfig
 from cluster.serve.autoscaling import (
@@ -61,31 +65,24 @@ class AutoscalingConfig:
 
     def __post_init__(self) -> None:
         if self.min_replicas < 1:
-            raise InvalidArgumentError(
-                f"autoscaling.min_replicas must be >= 1, got {self.min_replicas}"
-            )
+            raise InvalidArgumentError(f"min_replicas must be >= 1, got {self.min_replicas}")
         if self.max_replicas < self.min_replicas:
             raise InvalidArgumentError(
-                f"autoscaling.max_replicas ({self.max_replicas}) must be >= min_replicas "
-                f"({self.min_replicas})"
+                f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})"
             )
         try:
             check_targets(self.target_sessions, self.target_busy)
         except ValueError as error:
-            raise InvalidArgumentError(f"autoscaling.{error}") from error
+            raise InvalidArgumentError(str(error)) from error
         for name in ("upscale_delay_s", "downscale_delay_s"):
             if not getattr(self, name) >= 0:
-                raise InvalidArgumentError(
-                    f"autoscaling.{name} must be >= 0, got {getattr(self, name)}"
-                )
+                raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("look_back_period_s", "metrics_interval_s"):
             if not getattr(self, name) > 0:
-                raise InvalidArgumentError(
-                    f"autoscaling.{name} must be > 0, got {getattr(self, name)}"
-                )
+                raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.look_back_period_s > self.metrics_interval_s:
             raise InvalidArgumentError(
-                f"autoscaling.look_back_period_s ({self.look_back_period_s}) must be greater "
+                f"look_back_period_s ({self.look_back_period_s}) must be greater "
                 f"than metrics_interval_s ({self.metrics_interval_s})"
             )
 
@@ -159,6 +156,9 @@ class ModelsConfig:
     dtype: str | None = None
     device: str | None = None
 
+    def __post_init__(self) -> None:
+        self.pair()  # validates the preset and the model specs
+
     def pair(self) -> ModelPair:
         return resolve_pair(self.preset, self.target, self.draft, self.dtype, self.device)
 
@@ -168,6 +168,7 @@ CLUSTER_SECRET_ENV = "TANDEM_CLUSTER_SECRET"
 MIN_SECRET_CHARS = 16
 
 
+@with_config(PARSING)
 @dataclass(frozen=True)
 class TandemConfig:
     """Everything `tandem serve` deploys."""
@@ -208,7 +209,6 @@ class TandemConfig:
             )
         if not 0 < self.grpc_port < 65536:
             raise InvalidArgumentError(f"grpc_port must be in 1..65535, got {self.grpc_port}")
-        self.models.pair()  # validates the preset and the model specs
         if self.cluster_secret is not None and len(self.cluster_secret) < MIN_SECRET_CHARS:
             raise InvalidArgumentError(
                 f"cluster_secret must have at least {MIN_SECRET_CHARS} characters"
@@ -223,68 +223,13 @@ class TandemConfig:
         return dataclasses.replace(self, cluster_secret=secret)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TandemConfig:
-        return _build(cls, data, "")
+    def from_dict(cls, data: object) -> TandemConfig:
+        """Parse a config file's content; raises ConfigError listing every problem found."""
+        return parse(cls, data)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> TandemConfig:
-        import yaml
-
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as error:
-            raise InvalidArgumentError(f"cannot read config {path}: {error}") from error
-        except yaml.YAMLError as error:
-            raise InvalidArgumentError(f"config {path} is not valid YAML: {error}") from error
-        if not isinstance(data, dict):
-            raise InvalidArgumentError(f"config {path} must be a mapping at the top level")
-        return cls.from_dict(data)
+        return parse(cls, load_yaml(path))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-T = TypeVar("T")
-
-
-def _build(cls: type[T], data: Any, path: str) -> T:
-    """Build dataclass `cls` from a mapping, recursing into dataclass fields; unknown keys fail."""
-    if not isinstance(data, dict):
-        raise InvalidArgumentError(f"{path or 'config'} must be a mapping, got {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        where = f" in {path}" if path else ""
-        raise InvalidArgumentError(
-            f"unknown config key{'s' if len(unknown) > 1 else ''}{where}: {', '.join(unknown)}; "
-            f"known: {', '.join(sorted(fields))}"
-        )
-    values: dict[str, Any] = {}
-    hints = typing.get_type_hints(cls)
-    for name, value in data.items():
-        where = f"{path}.{name}" if path else name
-        default = fields[name].default_factory
-        nested = default() if callable(default) else None
-        items = _dataclass_items(hints[name])
-        if dataclasses.is_dataclass(nested) and not isinstance(nested, type):
-            values[name] = _build(type(nested), value, where)
-        elif items is not None:
-            if not isinstance(value, list | tuple):
-                raise InvalidArgumentError(f"{where} must be a list, got {value!r}")
-            values[name] = tuple(
-                _build(items, item, f"{where}[{i}]") for i, item in enumerate(value)
-            )
-        else:
-            values[name] = value
-    try:
-        return cls(**values)
-    except TypeError as error:
-        raise InvalidArgumentError(f"{path or 'config'}: {error}") from error
-
-
-def _dataclass_items(hint: Any) -> type | None:
-    """The item class of a `tuple[SomeDataclass, ...]` field, else None."""
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) is tuple and args and dataclasses.is_dataclass(args[0]):
-        return args[0] if isinstance(args[0], type) else None
-    return None

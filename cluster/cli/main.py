@@ -23,6 +23,7 @@ from typing import Any
 
 from cluster.api.client_types import TandemClientError
 from cluster.cli import bench as cli_bench
+from cluster.cli import config as cli_config
 from cluster.cli import demo as cli_demo
 from cluster.cli import generate as cli_generate
 from cluster.cli import keys as cli_keys
@@ -59,6 +60,7 @@ REGISTRARS: tuple[Registrar, ...] = (
     cli_demo.add_to,
     cli_loadtest.add_to,
     cli_keys.add_to,
+    cli_config.add_to,
 )
 
 

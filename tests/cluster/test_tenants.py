@@ -167,7 +167,7 @@ def test_tenants_come_from_the_config_file_shape() -> None:
         {"auth": {"tenants": [{"name": "acme", "key_sha256": digest, "weight": 2}]}}
     )
     assert config.auth.tenants == (TenantConfig("acme", digest, weight=2),)
-    with pytest.raises(InvalidArgumentError, match=r"auth.tenants\[0\]: key"):
+    with pytest.raises(InvalidArgumentError, match=r"auth\.tenants\[0\]\.key: unknown key"):
         TandemConfig.from_dict({"auth": {"tenants": [{"name": "acme", "key": "k"}]}})
     with pytest.raises(InvalidArgumentError, match=r"auth\.tenants must be a list"):
         TandemConfig.from_dict({"auth": {"tenants": {"name": "acme"}}})
