@@ -16,6 +16,17 @@ random one (as generate.proto promises; send a seed to make sampling repeatable)
 `draft_tokens` and `pipelined` from `ServiceConfig`. Token ids are checked
 against the vocabulary by the verifier when the request starts.
 
+Context limit: given the verifier replicas' `max_context_tokens` (the Serve ingress passes
+`TandemConfig.verifier_limits`), a request whose prompt plus `max_tokens` exceeds it is
+INVALID_ARGUMENT before anything runs, naming the limit and the largest `max_tokens` that
+fits: the router keeps every pass within prompt plus `max_tokens`, so a request admitted never
+meets the limit mid-stream, and one refused could never have finished. A drafter with a
+smaller context only stops drafting when it is full (`cluster.routing.router`).
+
+Deadlines: a caller's deadline (`Caller.deadline`) bounds the queue wait and every round, and
+reaches the replicas as time left; one already past when the request arrives is
+DEADLINE_EXCEEDED at once, before it is admitted.
+
 Tenants (`cluster.api.tenants`): every call is authenticated first (UNAUTHENTICATED), then the
 request is validated and checked against what its tenant may ask (PERMISSION_DENIED). When
 the first chunk is asked for, the tenant's concurrency and token-rate quotas and the router's
@@ -38,6 +49,7 @@ import contextlib
 import dataclasses
 import secrets
 import threading
+import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
 from contextlib import closing
@@ -59,13 +71,14 @@ from cluster.routing.request import (
 from cluster.routing.router import Router
 from protos import generate_pb2
 from verifier.replica.wire import sampling_from_wire
-from verifier.runtime.errors import InvalidArgumentError, TandemError
+from verifier.runtime.errors import DeadlineExceededError, InvalidArgumentError, TandemError
+from verifier.runtime.session import DEFAULT_MAX_CONTEXT_TOKENS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-DEFAULT_MAX_TOKENS_LIMIT = 4096
-"""Default ceiling on `max_tokens`: the verifier's default context is 4096 tokens."""
+DEFAULT_MAX_TOKENS_LIMIT = DEFAULT_MAX_CONTEXT_TOKENS
+"""Default ceiling on `max_tokens`: the verifier's default context."""
 DEFAULT_MAX_RUNNING = 64
 DEFAULT_MAX_QUEUED = 128
 """Together within the Serve ingress's 256 request threads: a queued request holds one."""
@@ -175,10 +188,17 @@ class TandemService:
         *,
         tenants: Tenants,
         metrics: TandemMetrics | None = None,
+        max_context_tokens: int | None = None,
     ) -> None:
         """`tenants`: who may call and their limits; `Tenants.unauthenticated()` lets every
         call in as one anonymous tenant (local development only). `metrics`: where each
-        request's counters go when it ends (default: Ray's metrics, if in a Ray worker)."""
+        request's counters go when it ends (default: Ray's metrics, if in a Ray worker).
+        `max_context_tokens`: the verifier replicas' context limit, which prompt plus
+        `max_tokens` may not exceed (None: not checked here; a verifier then refuses the
+        request only when its context is full, mid-stream)."""
+        if max_context_tokens is not None and max_context_tokens < 1:
+            raise InvalidArgumentError(f"max_context_tokens must be >= 1, got {max_context_tokens}")
+        self.max_context_tokens = max_context_tokens
         self._router = router
         self._tokenizer = tokenizer
         self.config = config if config is not None else ServiceConfig()
@@ -205,8 +225,11 @@ class TandemService:
             )
         sampling = sampling_from_wire(message.sampling)
         speculation = message.speculation
+        prompt_tokens = self._prompt_tokens(message)
+        if self.max_context_tokens is not None:
+            check_context(len(prompt_tokens), max_tokens, self.max_context_tokens)
         request = GenerationRequest(
-            prompt_tokens=self._prompt_tokens(message),
+            prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             sampling=sampling,
             seed=message.seed if message.HasField("seed") else secrets.randbits(64),
@@ -266,6 +289,10 @@ class TandemService:
         request, pipelined = self.to_request(message, caller.deadline)
         with self._counting_refusal(tenant):
             self.tenants.check(tenant, request.max_tokens)
+            if request.deadline is not None and time.monotonic() >= request.deadline:
+                raise DeadlineExceededError(
+                    "the request's deadline had passed when it arrived: nothing was run"
+                )
         return self._admitted(tenant, request, pipelined, _new_request_id())
 
     def cancel(self, message: generate_pb2.CancelRequest, caller: Caller = ANONYMOUS_CALL) -> None:
@@ -374,6 +401,24 @@ class TandemService:
             message.usage.completion_tokens = num_generated
             message.speculation.CopyFrom(stats_to_proto(stats))
         return message
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int, max_context_tokens: int) -> None:
+    """Raise `InvalidArgumentError` unless the prompt plus `max_tokens` fits the context."""
+    if num_prompt_tokens + max_tokens <= max_context_tokens:
+        return
+    exceeds = (
+        f"prompt of {num_prompt_tokens} tokens plus max_tokens {max_tokens} exceeds the context "
+        f"limit of {max_context_tokens} tokens"
+    )
+    if num_prompt_tokens >= max_context_tokens:
+        raise InvalidArgumentError(
+            f"{exceeds}; the prompt alone fills it: shorten the prompt so that prompt plus "
+            f"max_tokens is at most {max_context_tokens}"
+        )
+    raise InvalidArgumentError(
+        f"{exceeds}; lower max_tokens to at most {max_context_tokens - num_prompt_tokens}"
+    )
 
 
 def _close(chunks: Iterator[GenerationChunk]) -> None:

@@ -161,7 +161,12 @@ def _run_local(args: argparse.Namespace, request: generate_pb2.GenerateRequest) 
         draft_length=DraftLengthConfig(enabled=bool(args.adaptive_draft)),
     )
     # In-process: this process owns the models and listens on nothing, so no one else can call.
-    service = TandemService(tandem.router, tandem.tokenizer, tenants=Tenants.unauthenticated())
+    service = TandemService(
+        tandem.router,
+        tandem.tokenizer,
+        tenants=Tenants.unauthenticated(),
+        max_context_tokens=tandem.verifier.config.max_context_tokens,
+    )
     try:
         return _output(
             args.json,

@@ -9,18 +9,41 @@ runs on a thread of this replica while the event loop stays free; a stream is br
 chunk. When Serve cancels a request (the client cancelled or its deadline passed), the thread
 finishes the step it is in and then closes the generation, which frees the sessions on both
 replicas.
+
+Context limit: the service is given `verifier_limits.max_context_tokens`, so a request whose
+prompt plus `max_tokens` cannot fit is INVALID_ARGUMENT before it runs (`cluster.api.service`).
+
+Deadlines: Serve's gRPC proxy (Ray 2.60) passes this ingress the client's metadata
+(`RayServegRPCContext.invocation_metadata`) but not its gRPC deadline: `grpc-timeout` is a
+transport header that gRPC consumes, and the proxy's context keeps no `time_remaining`. So a
+client states its deadline in the `x-tandem-deadline-ms` metadata (`DEADLINE_METADATA_KEY`):
+the milliseconds it has left when it sends the call, an integer (0 or less: already passed).
+`TandemClient` and `AsyncTandemClient` send it with every Generate and GenerateStream call
+that has a timeout. On Generate and GenerateStream the deadline is then this replica's clock
+at arrival plus that many milliseconds (the time the call spent in the proxy is not counted,
+so it ends a little after the client's), and it is honoured exactly as on a plain gRPC front:
+one already passed is DEADLINE_EXCEEDED before the request is admitted; a queued request waits
+at most until it; the router checks it before every round and ends the request with
+DEADLINE_EXCEEDED (the stream's status) once it passes, closing both sessions; and each
+replica is told the time left (`time_limit_ms`), so it drops the session itself should the
+router die. A malformed value is INVALID_ARGUMENT. A client that sends only a gRPC timeout
+still has its call end on time (the proxy cancels it, which closes the generation after the
+step in flight), but its replicas learn no time limit. Serve's own `request_timeout_s` is not
+set by `tandem serve`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Generator
+import time
+from collections.abc import AsyncIterator, Callable, Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar
 
 from grpc_health.v1 import health_pb2
 
+from cluster.api.client import DEADLINE_METADATA_KEY
 from cluster.api.service import Caller, TandemService
 from cluster.api.status import status_of, trailers_of
 from cluster.api.tenants import Tenants, bearer_key
@@ -30,11 +53,11 @@ from cluster.routing.directory import RegistryPool, from_registry_actor
 from cluster.routing.registry import get_registry
 from cluster.routing.router import Router
 from protos import generate_pb2
+from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.models import load_tokenizer
 
 MAX_CONCURRENT_REQUESTS = 256
 HEALTH_WATCH_PERIOD_S = 1.0
-
 T = TypeVar("T")
 _DONE = object()
 
@@ -80,12 +103,16 @@ class RouterIngress:
             self._pool,
             text_decoder(loaded.tokenizer),
             loaded.eos_token_ids,
-            config.api.default_pipelined,
-            config.prompt_lookup,
-            config.draft_length,
+            pipelined=config.api.default_pipelined,
+            ngram=config.prompt_lookup,
+            draft_length=config.draft_length,
         )
         self._service = TandemService(
-            self._router, loaded.tokenizer, config.api, tenants=Tenants(config.auth)
+            self._router,
+            loaded.tokenizer,
+            config.api,
+            tenants=Tenants(config.auth),
+            max_context_tokens=config.verifier_limits.max_context_tokens,
         )
         self._threads = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="request")
 
@@ -96,7 +123,7 @@ class RouterIngress:
         active.set()
         try:
             future = self._threads.submit(
-                self._service.generate, request, active.is_set, _caller(grpc_context)
+                self._service.generate, request, active.is_set, _caller(grpc_context, timed=True)
             )
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -109,7 +136,7 @@ class RouterIngress:
         self, request: generate_pb2.GenerateRequest, grpc_context: Any = None
     ) -> AsyncIterator[generate_pb2.GenerateChunk]:
         try:
-            chunks = self._service.stream(request, _caller(grpc_context))
+            chunks = self._service.stream(request, _caller(grpc_context, timed=True))
             async for chunk in iterate_in_thread(chunks, self._threads):
                 yield chunk
         except asyncio.CancelledError:
@@ -169,11 +196,30 @@ class RouterIngress:
             pool.close()
 
 
-def _caller(grpc_context: Any) -> Caller:
-    """The call's `authorization` metadata. Serve's proxy does not pass the client's deadline
-    on; when it passes, the client cancels, and the cancellation stops the request."""
+def _caller(grpc_context: Any, timed: bool = False) -> Caller:
+    """The call's `authorization` metadata and, if `timed`, the deadline its
+    `x-tandem-deadline-ms` metadata states (see the module docstring)."""
     metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
-    return Caller(bearer_key(metadata))
+    return Caller(bearer_key(metadata), deadline_of(metadata) if timed else None)
+
+
+def deadline_of(
+    metadata: Iterable[tuple[str, str]], now: Callable[[], float] = time.monotonic
+) -> float | None:
+    """The `now()` instant the `x-tandem-deadline-ms` entry of `metadata` ends at; None
+    without one. Raises `InvalidArgumentError` for a value that is not an integer."""
+    values = [value for key, value in metadata if key.lower() == DEADLINE_METADATA_KEY]
+    if not values:
+        return None
+    text = str(values[-1]).strip()
+    try:
+        left_ms = int(text)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"{DEADLINE_METADATA_KEY} metadata must be an integer count of milliseconds left, "
+            f"got {text!r}"
+        ) from None
+    return now() + left_ms / 1000
 
 
 def _fail(grpc_context: Any, error: Exception) -> NoReturn:
