@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from verifier.runtime.block import DraftBlock
+from verifier.runtime.component import SessionComponent
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.models import LoadedModel
 from verifier.runtime.sampling import (
@@ -30,9 +32,8 @@ from verifier.runtime.sampling import (
     to_sparse,
 )
 from verifier.runtime.session import (
-    BusyLock,
-    ReplicaStats,
-    SessionTable,
+    MAX_BLOCK_TOKENS,
+    SessionLimits,
     check_seed,
     check_token_ids,
     synchronized,
@@ -44,17 +45,10 @@ DRAFTER_SEED_SALT = 0x9E3779B97F4A7C15
 
 
 @dataclass(frozen=True)
-class DrafterConfig:
+class DrafterConfig(SessionLimits):
     """Limits and drafting policy of one drafter replica."""
 
-    max_sessions: int = 256
-    """Sessions held at once; one more is refused with RESOURCE_EXHAUSTED."""
-    max_context_tokens: int = 4096
-    """Committed tokens plus a block may not exceed this."""
-    session_ttl_s: float = 600.0
-    """A session unused this long is evicted (its client or router is gone); requests touch
-    their sessions every round, so only abandoned ones idle this long."""
-    max_draft_tokens: int = 32
+    max_draft_tokens: int = MAX_BLOCK_TOKENS
     """Longest block one draft call may ask for."""
     top_k: int = 64
     """Sampled drafts draw from at most this many tokens (0 = the request's own top_k), which
@@ -65,12 +59,10 @@ class DrafterConfig:
     rejected, and drafting them costs time. 0 drafts every token asked for. The block length
     then depends only on the drafter, so acceptance stays exact."""
 
+    _counts: ClassVar[tuple[str, ...]] = (*SessionLimits._counts, "max_draft_tokens")
+
     def __post_init__(self) -> None:
-        for name in ("max_sessions", "max_context_tokens", "max_draft_tokens"):
-            if getattr(self, name) < 1:
-                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.session_ttl_s > 0:
-            raise InvalidArgumentError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
+        super().__post_init__()
         if self.top_k < 0:
             raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 <= self.min_confidence <= 1.0:
@@ -87,44 +79,16 @@ def draft_sampling(request: SamplingParams, top_k: int) -> SamplingParams:
     return SamplingParams(temperature=request.temperature, top_k=limit, top_p=request.top_p)
 
 
-class Drafter:
+class Drafter(SessionComponent[DrafterConfig]):
     """Proposes draft blocks with a small model, one session per request."""
 
     def __init__(self, draft: LoadedModel, config: DrafterConfig | None = None) -> None:
-        self._lock = BusyLock()
-        self.config = config or DrafterConfig()
-        self._draft = draft
-        self._sessions = SessionTable(
-            draft,
-            self.config.max_sessions,
-            self.config.max_context_tokens,
-            self.config.session_ttl_s,
-        )
+        super().__init__(draft, config or DrafterConfig())
 
-    @property
-    def vocab_size(self) -> int:
-        return self._draft.vocab_size
-
-    @synchronized
-    def open_session(
-        self,
-        session_id: str,
-        prompt_tokens: Sequence[int],
-        sampling: SamplingParams,
-        seed: int,
-        *,
-        time_limit_s: float | None = None,
-    ) -> int:
-        """Open a session and prefill its cache; returns the committed length.
-
-        `time_limit_s`: seconds the request has left; once they pass the session is dropped
-        and a call on it raises `DeadlineExceededError` (None: only the idle TTL applies)."""
+    def _session_sampling(self, sampling: SamplingParams, seed: int) -> tuple[SamplingParams, int]:
+        """The drafter's own distribution (`draft_sampling`) and its own salted seed."""
         check_seed(seed)  # before salting, so the message names the caller's seed
-        own_sampling = draft_sampling(sampling, self.config.top_k)
-        session = self._sessions.open(
-            session_id, prompt_tokens, own_sampling, seed ^ DRAFTER_SEED_SALT, time_limit_s
-        )
-        return len(session.tokens)
+        return draft_sampling(sampling, self.config.top_k), seed ^ DRAFTER_SEED_SALT
 
     @synchronized
     def draft(
@@ -179,18 +143,3 @@ class Drafter:
         if self.config.min_confidence <= 0.0:
             return False
         return float(logits.float().softmax(-1).max()) < self.config.min_confidence
-
-    @synchronized
-    def close_session(self, session_id: str) -> bool:
-        """Free the session; True if it existed."""
-        return self._sessions.remove(session_id)
-
-    @synchronized
-    def evict_idle(self) -> int:
-        """Evict the sessions past their time limit or idle past the TTL (the replica host
-        calls this every second); returns how many went."""
-        return self._sessions.evict_idle()
-
-    @synchronized
-    def stats(self) -> ReplicaStats:
-        return self._sessions.stats(busy_s=self._lock.busy_s)

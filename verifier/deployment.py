@@ -1,44 +1,19 @@
 """The verifier replica as a Serve deployment body (the app builder applies `serve.deployment`).
 
-A thin shell: load the target, build the `Verifier`, serve it over gRPC on its own port and
-heartbeat to the registry. Serve places it, restarts it, checks its health, scales it on
-the load it reports (`record_autoscaling_stats`) and, when it stops it, lets it drain.
+The shared body (`verifier.replica.deployment.ComponentReplica`) loads the target and hosts a
+`Verifier` behind its `VerifierServicer`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from protos import replica_pb2_grpc
-from verifier.replica.host import ReplicaShell, kv_cache_bytes_per_token, place_threads
-from verifier.runtime.models import ModelSpec, load_model
+from verifier.replica.deployment import ComponentReplica
+from verifier.runtime.models import LoadedModel
 from verifier.servicer import VerifierServicer
 from verifier.verifier import Verifier, VerifierConfig
 
 
-class VerifierReplica(ReplicaShell):
-    def __init__(
-        self,
-        model: ModelSpec,
-        config: VerifierConfig,
-        registry_name: str | None,
-        secret: str,
-        torch_threads: int = 0,
-        bind_host: str | None = None,
-        cpus: Sequence[int] = (),
-    ) -> None:
-        """`secret`: the cluster's shared secret; the replica serves only calls carrying it."""
-        place_threads(torch_threads, cpus)
-        loaded = load_model(model)
-        self.verifier = Verifier(loaded, config)
-        servicer = VerifierServicer(self.verifier)
-        self._serve(
-            "verifier",
-            lambda server: replica_pb2_grpc.add_VerifierServicer_to_server(servicer, server),
-            self.verifier.stats,
-            registry_name,
-            bind_host,
-            secret,
-            self.verifier.evict_idle,
-            kv_cache_bytes_per_token(loaded.model),
-        )
+class VerifierReplica(ComponentReplica[VerifierConfig]):
+    side = "verifier"
+
+    def _servicer(self, model: LoadedModel, config: VerifierConfig) -> VerifierServicer:
+        return VerifierServicer(Verifier(model, config))

@@ -12,80 +12,41 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from verifier.rejection import rejection_sample
 from verifier.runtime.block import DraftBlock, Verdict
+from verifier.runtime.component import SessionComponent
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.models import LoadedModel
-from verifier.runtime.sampling import SamplingParams, logits_to_probs, to_dense
+from verifier.runtime.sampling import logits_to_probs, to_dense
 from verifier.runtime.session import (
-    BusyLock,
+    MAX_BLOCK_TOKENS,
     ReplicaSession,
-    ReplicaStats,
-    SessionTable,
+    SessionLimits,
     check_token_ids,
     synchronized,
 )
 
 
 @dataclass(frozen=True)
-class VerifierConfig:
+class VerifierConfig(SessionLimits):
     """Limits of one verifier replica."""
 
-    max_sessions: int = 256
-    """Sessions held at once; one more is refused with RESOURCE_EXHAUSTED."""
-    max_context_tokens: int = 4096
-    """Committed tokens plus a block may not exceed this."""
-    session_ttl_s: float = 600.0
-    """A session unused this long is evicted (its client or router is gone); requests touch
-    their sessions every round, so only abandoned ones idle this long."""
-    max_block_tokens: int = 32
+    max_block_tokens: int = MAX_BLOCK_TOKENS
     """Longest draft block accepted."""
 
-    def __post_init__(self) -> None:
-        for name in ("max_sessions", "max_context_tokens", "max_block_tokens"):
-            if getattr(self, name) < 1:
-                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.session_ttl_s > 0:
-            raise InvalidArgumentError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
+    _counts: ClassVar[tuple[str, ...]] = (*SessionLimits._counts, "max_block_tokens")
 
 
-class Verifier:
+class Verifier(SessionComponent[VerifierConfig]):
     """Verifies draft blocks against the target model, one session per request."""
 
     def __init__(self, target: LoadedModel, config: VerifierConfig | None = None) -> None:
-        self._lock = BusyLock()
-        self.config = config or VerifierConfig()
+        super().__init__(target, config or VerifierConfig())
         self._target = target
-        self._sessions = SessionTable(
-            target,
-            self.config.max_sessions,
-            self.config.max_context_tokens,
-            self.config.session_ttl_s,
-        )
-
-    @property
-    def vocab_size(self) -> int:
-        return self._target.vocab_size
-
-    @synchronized
-    def open_session(
-        self,
-        session_id: str,
-        prompt_tokens: Sequence[int],
-        sampling: SamplingParams,
-        seed: int,
-        *,
-        time_limit_s: float | None = None,
-    ) -> int:
-        """Open a session and prefill its cache; returns the committed length.
-
-        `time_limit_s`: seconds the request has left; once they pass the session is dropped
-        and a call on it raises `DeadlineExceededError` (None: only the idle TTL applies)."""
-        session = self._sessions.open(session_id, prompt_tokens, sampling, seed, time_limit_s)
-        return len(session.tokens)
 
     @synchronized
     def verify(self, session_id: str, block: DraftBlock, defer_bonus: bool = False) -> Verdict:
@@ -143,18 +104,3 @@ class Verifier:
             return kept[None]
         rows = logits_to_probs(session.kv.logits(context, len(block)), session.sampling)
         return torch.cat([kept[None], rows])
-
-    @synchronized
-    def close_session(self, session_id: str) -> bool:
-        """Free the session; True if it existed."""
-        return self._sessions.remove(session_id)
-
-    @synchronized
-    def evict_idle(self) -> int:
-        """Evict the sessions past their time limit or idle past the TTL (the replica host
-        calls this every second); returns how many went."""
-        return self._sessions.evict_idle()
-
-    @synchronized
-    def stats(self) -> ReplicaStats:
-        return self._sessions.stats(busy_s=self._lock.busy_s)

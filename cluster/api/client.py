@@ -9,9 +9,12 @@ int32), with INVALID_ARGUMENT like the server. Every failure, local or from the 
 `TandemClientError` carrying the gRPC status code and the server's message.
 
 Deadlines: `timeout_s` on the client is the default for every call; a call's own `timeout_s`
-overrides it. Leaving a stream early (break, or an exception in the loop) cancels the call, and
-the server frees the request's sessions; for the async stream, close the iterator (e.g. with
-`contextlib.aclosing`) to cancel at once.
+overrides it. A Generate or GenerateStream call with a timeout also sends it as
+`x-tandem-deadline-ms` metadata (milliseconds left), which Ray Serve's gRPC proxy passes on
+where it drops the gRPC deadline: the server then ends the request and frees its sessions on
+time (see `cluster.serve.ingress`). Leaving a stream early (break, or an exception in the
+loop) cancels the call, and the server frees the request's sessions; for the async stream,
+close the iterator (e.g. with `contextlib.aclosing`) to cancel at once.
 
 Auth: `api_key` is sent as `authorization: Bearer <key>` metadata with every call; a
 RESOURCE_EXHAUSTED error carries the server's `retry_after_s` when it said when to retry (the
@@ -27,20 +30,26 @@ This module needs only grpcio and the generated protos, not torch.
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import AsyncGenerator, Generator, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
 from types import TracebackType
+from typing import Any, Generic, TypeVar, Unpack
 
 import grpc
 import grpc.aio
 
 from cluster.api.client_types import (
     GenerateResult,
+    RequestSettings,
     StreamChunk,
     TandemClientError,
     build_request,
     chunk_from_proto,
     result_from_response,
+    usage_from_proto,
 )
 from protos import generate_pb2, generate_pb2_grpc
 
@@ -59,6 +68,18 @@ APPLICATION_METADATA_KEY = "application"
 
 RETRY_AFTER_METADATA_KEY = "retry-after-ms"
 """Trailing metadata of a RESOURCE_EXHAUSTED answer: when to retry (cluster.api.status)."""
+DEADLINE_METADATA_KEY = "x-tandem-deadline-ms"
+"""Metadata a call's deadline goes in, as milliseconds left (cluster.serve.ingress)."""
+
+
+def _timed(
+    metadata: tuple[tuple[str, str], ...], timeout_s: float | None
+) -> tuple[tuple[str, str], ...]:
+    """`metadata` plus the call's deadline, if it has one; whole milliseconds, rounded down
+    so that the server never outlasts the client."""
+    if timeout_s is None:
+        return metadata
+    return (*metadata, (DEADLINE_METADATA_KEY, str(math.floor(timeout_s * 1000))))
 
 
 def _call_metadata(
@@ -93,8 +114,23 @@ def _client_error(error: grpc.RpcError) -> TandemClientError:
     return TandemClientError(error.code(), error.details() or "", _retry_after_s(error))
 
 
-class TandemClient:
-    """A blocking client; use as a context manager or call `close()`."""
+@contextmanager
+def _as_client_errors() -> Iterator[None]:
+    """Raise a failed call's `grpc.RpcError` as a `TandemClientError` (blocking or asyncio)."""
+    try:
+        yield
+    except grpc.RpcError as error:
+        raise _client_error(error) from None
+
+
+ResultT = TypeVar("ResultT")
+StreamT = TypeVar("StreamT")
+
+
+class _Client(Generic[ResultT, StreamT]):
+    """What both clients share: the call settings, the metadata and timeout of each call, and
+    turning a prompt and settings into the request (`build_request`). Each subclass makes the
+    calls, blocking or asyncio: `_generate` and `stream_request`."""
 
     def __init__(
         self,
@@ -107,115 +143,104 @@ class TandemClient:
     ) -> None:
         self._timeout_s = timeout_s
         self._metadata = _call_metadata(metadata, application, api_key)
-        self._channel = grpc.insecure_channel(address)
+        self._channel = self._open_channel(address)
         self._stub = generate_pb2_grpc.TandemStub(self._channel)
+
+    @staticmethod
+    def _open_channel(address: str) -> Any:
+        """An insecure channel to `address`, blocking or asyncio."""
+        raise NotImplementedError
 
     def generate(
         self,
         prompt: str | Sequence[int],
         *,
         max_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        draft_tokens: int | None = None,
-        pipelined: bool | None = None,
         timeout_s: float | None = None,
-    ) -> GenerateResult:
-        """Generate the whole completion; None settings mean the server's default."""
-        request = build_request(
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            draft_tokens=draft_tokens,
-            pipelined=pipelined,
-        )
-        return self.generate_request(request, timeout_s=timeout_s)
+        **settings: Unpack[RequestSettings],
+    ) -> ResultT:
+        """Generate the whole completion; settings left out, or None, mean the server's default
+        (see `build_request`)."""
+        request = partial(build_request, prompt, max_tokens=max_tokens, **settings)
+        return self._generate(request, timeout_s)
 
     def stream(
         self,
         prompt: str | Sequence[int],
         *,
         max_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        draft_tokens: int | None = None,
-        pipelined: bool | None = None,
         timeout_s: float | None = None,
-    ) -> Generator[StreamChunk, None, None]:
+        **settings: Unpack[RequestSettings],
+    ) -> StreamT:
         """Chunks as the server commits tokens; the settings are checked before the call."""
-        request = build_request(
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            draft_tokens=draft_tokens,
-            pipelined=pipelined,
-        )
+        request = build_request(prompt, max_tokens=max_tokens, **settings)
         return self.stream_request(request, timeout_s=timeout_s)
+
+    def _generate(
+        self, request: Callable[[], generate_pb2.GenerateRequest], timeout_s: float | None
+    ) -> ResultT:
+        """`generate_request` on what `request()` builds: the asyncio client builds it inside
+        its coroutine, so that a bad setting raises where the call is awaited."""
+        raise NotImplementedError
+
+    def stream_request(
+        self, request: generate_pb2.GenerateRequest, *, timeout_s: float | None = None
+    ) -> StreamT:
+        """`stream` for a request message built by the caller (see `build_request`)."""
+        raise NotImplementedError
+
+    def _call_options(self, timeout_s: float | None, deadline: bool = False) -> dict[str, Any]:
+        """A call's `timeout` (its own `timeout_s`, else the client's) and `metadata`; with
+        `deadline` (Generate, GenerateStream), the metadata carries the timeout too."""
+        timeout = timeout_s if timeout_s is not None else self._timeout_s
+        metadata = _timed(self._metadata, timeout) if deadline else self._metadata
+        return {"timeout": timeout, "metadata": metadata}
+
+
+class TandemClient(_Client[GenerateResult, Generator[StreamChunk, None, None]]):
+    """A blocking client; use as a context manager or call `close()`."""
+
+    @staticmethod
+    def _open_channel(address: str) -> Any:
+        return grpc.insecure_channel(address)
+
+    def _generate(
+        self, request: Callable[[], generate_pb2.GenerateRequest], timeout_s: float | None
+    ) -> GenerateResult:
+        return self.generate_request(request(), timeout_s=timeout_s)
 
     def generate_request(
         self, request: generate_pb2.GenerateRequest, *, timeout_s: float | None = None
     ) -> GenerateResult:
         """`generate` for a request message built by the caller (see `build_request`)."""
-        try:
-            response = self._stub.Generate(
-                request, timeout=self._timeout(timeout_s), metadata=self._metadata
-            )
-        except grpc.RpcError as error:
-            raise _client_error(error) from None
+        with _as_client_errors():
+            response = self._stub.Generate(request, **self._call_options(timeout_s, deadline=True))
         return result_from_response(response)
 
     def stream_request(
         self, request: generate_pb2.GenerateRequest, *, timeout_s: float | None = None
     ) -> Generator[StreamChunk, None, None]:
-        """`stream` for a request message built by the caller (see `build_request`)."""
-        call = self._stub.GenerateStream(
-            request, timeout=self._timeout(timeout_s), metadata=self._metadata
-        )
+        call = self._stub.GenerateStream(request, **self._call_options(timeout_s, deadline=True))
         try:
-            for chunk in call:
-                yield chunk_from_proto(chunk)
-        except grpc.RpcError as error:
-            raise _client_error(error) from None
+            with _as_client_errors():
+                for chunk in call:
+                    yield chunk_from_proto(chunk)
         finally:
             call.cancel()
 
     def cancel(self, request_id: str, *, timeout_s: float | None = None) -> None:
         """Cancel one of this tenant's running requests: its stream ends CANCELLED."""
-        try:
-            self._stub.Cancel(
-                generate_pb2.CancelRequest(request_id=request_id),
-                timeout=self._timeout(timeout_s),
-                metadata=self._metadata,
-            )
-        except grpc.RpcError as error:
-            raise _client_error(error) from None
+        request = generate_pb2.CancelRequest(request_id=request_id)
+        with _as_client_errors():
+            self._stub.Cancel(request, **self._call_options(timeout_s))
 
     def usage(self, *, timeout_s: float | None = None) -> dict[str, int | str]:
         """This tenant's usage counters on the router replica that answers."""
-        try:
+        with _as_client_errors():
             usage = self._stub.GetUsage(
-                generate_pb2.UsageRequest(),
-                timeout=self._timeout(timeout_s),
-                metadata=self._metadata,
+                generate_pb2.UsageRequest(), **self._call_options(timeout_s)
             )
-        except grpc.RpcError as error:
-            raise _client_error(error) from None
-        # Every counter, zeros included (ListFields would leave those out).
-        return {field.name: getattr(usage, field.name) for field in usage.DESCRIPTOR.fields}
+        return usage_from_proto(usage)
 
     def close(self) -> None:
         self._channel.close()
@@ -231,88 +256,41 @@ class TandemClient:
     ) -> None:
         self.close()
 
-    def _timeout(self, timeout_s: float | None) -> float | None:
-        return timeout_s if timeout_s is not None else self._timeout_s
 
-
-class AsyncTandemClient:
+class AsyncTandemClient(
+    _Client[Coroutine[Any, Any, GenerateResult], AsyncGenerator[StreamChunk, None]]
+):
     """An asyncio client; use as an async context manager or await `close()`."""
 
-    def __init__(
-        self,
-        address: str,
-        timeout_s: float | None = None,
-        *,
-        metadata: Sequence[tuple[str, str]] = (),
-        application: str | None = None,
-        api_key: str | None = None,
-    ) -> None:
-        self._timeout_s = timeout_s
-        self._metadata = _call_metadata(metadata, application, api_key)
-        self._channel = grpc.aio.insecure_channel(address)
-        self._stub = generate_pb2_grpc.TandemStub(self._channel)
+    @staticmethod
+    def _open_channel(address: str) -> Any:
+        return grpc.aio.insecure_channel(address)
 
-    async def generate(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        max_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        draft_tokens: int | None = None,
-        pipelined: bool | None = None,
-        timeout_s: float | None = None,
+    async def _generate(
+        self, request: Callable[[], generate_pb2.GenerateRequest], timeout_s: float | None
     ) -> GenerateResult:
-        """Generate the whole completion; None settings mean the server's default."""
-        request = build_request(
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            draft_tokens=draft_tokens,
-            pipelined=pipelined,
-        )
-        try:
+        return await self.generate_request(request(), timeout_s=timeout_s)
+
+    async def generate_request(
+        self, request: generate_pb2.GenerateRequest, *, timeout_s: float | None = None
+    ) -> GenerateResult:
+        """`generate` for a request message built by the caller (see `build_request`)."""
+        with _as_client_errors():
             response = await self._stub.Generate(
-                request, timeout=self._timeout(timeout_s), metadata=self._metadata
+                request, **self._call_options(timeout_s, deadline=True)
             )
-        except grpc.RpcError as error:
-            raise _client_error(error) from None
         return result_from_response(response)
 
-    def stream(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        max_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        draft_tokens: int | None = None,
-        pipelined: bool | None = None,
-        timeout_s: float | None = None,
+    async def stream_request(
+        self, request: generate_pb2.GenerateRequest, *, timeout_s: float | None = None
     ) -> AsyncGenerator[StreamChunk, None]:
-        """Chunks as the server commits tokens; the settings are checked before the call."""
-        request = build_request(
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            draft_tokens=draft_tokens,
-            pipelined=pipelined,
-        )
-        return self._stream(request, self._timeout(timeout_s))
+        call = self._stub.GenerateStream(request, **self._call_options(timeout_s, deadline=True))
+        try:
+            with _as_client_errors():
+                async for chunk in call:
+                    yield chunk_from_proto(chunk)
+        finally:
+            call.cancel()
 
     async def close(self) -> None:
         await self._channel.close()
@@ -327,18 +305,3 @@ class AsyncTandemClient:
         traceback: TracebackType | None,
     ) -> None:
         await self.close()
-
-    async def _stream(
-        self, request: generate_pb2.GenerateRequest, timeout_s: float | None
-    ) -> AsyncGenerator[StreamChunk, None]:
-        call = self._stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata)
-        try:
-            async for chunk in call:
-                yield chunk_from_proto(chunk)
-        except grpc.RpcError as error:
-            raise _client_error(error) from None
-        finally:
-            call.cancel()
-
-    def _timeout(self, timeout_s: float | None) -> float | None:
-        return timeout_s if timeout_s is not None else self._timeout_s

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import grpc
 
@@ -107,6 +107,19 @@ def _int32(name: str, value: int) -> int:
     return _check_int(name, value, MIN_INT32, MAX_INT32, "-2**31..2**31-1")
 
 
+class RequestSettings(TypedDict, total=False):
+    """The settings `build_request` takes besides the prompt and `max_tokens` (the clients'
+    `generate` and `stream` pass them on); its defaults apply to those left out."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: Sequence[str]
+    draft_tokens: int | None
+    pipelined: bool | None
+
+
 def build_request(
     prompt: str | Sequence[int],
     *,
@@ -144,6 +157,11 @@ def build_request(
     if pipelined is not None:
         request.speculation.pipelined = pipelined
     return request
+
+
+def usage_from_proto(usage: generate_pb2.TenantUsage) -> dict[str, int | str]:
+    """A tenant's usage counters by name, zeros included (ListFields would leave those out)."""
+    return {field.name: getattr(usage, field.name) for field in usage.DESCRIPTOR.fields}
 
 
 def finish_reason_name(value: generate_pb2.FinishReason) -> str | None:

@@ -92,6 +92,8 @@ class _ReplicaClient:
     """
 
     _kind = "replica"
+    _stub_class: Callable[[grpc.Channel], Any]
+    """The service's stub class; each subclass names its service."""
 
     def __init__(
         self,
@@ -112,7 +114,7 @@ class _ReplicaClient:
             self._replica = self._kind
         self.timeout_s = timeout_s
         self._metadata = ((SECRET_METADATA_KEY, secret),) if secret is not None else None
-        self._stub = self._make_stub(self._channel)
+        self._stub = self._stub_class(self._channel)
         self._deadline: float | None = None
         """The request's `time.monotonic()` deadline, on a view made by `bounded`."""
 
@@ -143,10 +145,6 @@ class _ReplicaClient:
                 f"the request's deadline passed before its call to the {self._replica}"
             )
         return left
-
-    def _make_stub(self, channel: grpc.Channel) -> Any:
-        """The service's stub on `channel`; each subclass names its service."""
-        raise NotImplementedError
 
     def _call(
         self,
@@ -237,8 +235,7 @@ class GrpcDrafter(_ReplicaClient):
 
     _kind = "drafter"
 
-    def _make_stub(self, channel: grpc.Channel) -> Any:
-        return replica_pb2_grpc.DrafterStub(channel)
+    _stub_class = replica_pb2_grpc.DrafterStub
 
     def draft(
         self,
@@ -267,8 +264,7 @@ class GrpcVerifier(_ReplicaClient):
 
     _kind = "verifier"
 
-    def _make_stub(self, channel: grpc.Channel) -> Any:
-        return replica_pb2_grpc.VerifierStub(channel)
+    _stub_class = replica_pb2_grpc.VerifierStub
 
     def verify(
         self,

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.sampling import SamplingParams
-from verifier.runtime.session import MAX_SEED
+from verifier.runtime.session import MAX_BLOCK_TOKENS, MAX_SEED
 
-MAX_DRAFT_TOKENS = 32
-"""Longest draft block a request may ask for."""
+MAX_DRAFT_TOKENS = MAX_BLOCK_TOKENS
+"""Longest draft block a request may ask for: what replicas serve by default."""
 DEFAULT_DRAFT_TOKENS = 4
 MAX_STOP_SEQUENCES = 16
 

@@ -4,9 +4,11 @@ The router is the single source of truth for a request's token history (docs/arc
 replicas hold only caches of it. Per round it asks the drafter for a block of `k` tokens based on
 the committed length, sends the block to the verifier, commits the verdict's tokens, and streams
 them. `k` never exceeds what is left of `max_tokens` minus the one token a verify pass may add
-itself, so no verified work is thrown away at the end. With `draft_tokens = 0` the drafter is
-never called: each round verifies an empty block, which is plain target decoding through the
-same path.
+itself, so no verified work is thrown away at the end, and no pass, nor a block drafted ahead,
+ever needs more context than the prompt plus `max_tokens`: a request within the verifier's
+context limit (the service refuses any other) never meets it. With `draft_tokens = 0` the
+drafter is never called: each round verifies an empty block, which is plain target decoding
+through the same path.
 
 Pipelining (docs/architecture.md): while the verifier checks block i, the drafter already drafts
 block i+1 as if all of block i were accepted. The verify call asks the verifier to defer its bonus
@@ -36,7 +38,9 @@ Failover: replicas hold only soft state and the router holds every committed tok
 a replica fails a call (unreachable, or it no longer knows the session) the request moves on.
 A verifier is replaced by a spare of the pool, whose session is opened on the whole history
 (prompt and committed tokens) before the same block is verified again; a drafter is replaced
-the same way, or, with no spare, the request goes on with the target alone. Greedy output is
+the same way, or, with no spare, the request goes on with the target alone; so it does, with no
+spare sought, when its drafter refuses at a limit of its own (RESOURCE_EXHAUSTED: a context
+smaller than the verifier's, or a full session table). Greedy output is
 the same as without the failure; sampled output keeps its distribution (the spare's generator
 starts afresh, so a seeded request is no longer repeatable across the failure). At most
 `MAX_FAILOVERS` per request, then the error goes to the caller.
@@ -61,6 +65,7 @@ import logging
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypedDict, Unpack
 
 from cluster.metrics import TandemMetrics
 from cluster.routing.draft_length import DraftLengthConfig
@@ -91,6 +96,24 @@ MAX_FAILOVERS = 4
 LOST = (ReplicaUnavailableError, SessionNotFoundError)
 """What a replica raises when the request's session there is gone: fail over. Never
 `DeadlineExceededError` (the request is out of time) nor `ResourceExhaustedError` (a limit)."""
+DRAFTER_LOST = (*LOST, ResourceExhaustedError)
+"""What ends a request's drafting: LOST (fail over), or the drafter at a limit of its own
+(its context, smaller than the verifier's, or its sessions): on with the target alone."""
+
+
+class RouterOptions(TypedDict, total=False):
+    """A router's settings besides its replicas and decoding (defaults: `Router._setup`)."""
+
+    pipelined: bool
+    """Draft the next block while the verifier checks this one (a request may override it)."""
+    ngram: NgramConfig | None
+    """Prompt lookup, tried before the drafter."""
+    draft_length: DraftLengthConfig | None
+    """Adaptive block length."""
+    clock: Callable[[], float]
+    """What request deadlines are instants of."""
+    metrics: TandemMetrics | None
+    """Where draft and verify latencies go (default: Ray's metrics, if in a Ray worker)."""
 
 
 class Router:
@@ -102,17 +125,10 @@ class Router:
         drafter: DrafterPort | None,
         decode: Decode,
         eos_token_ids: frozenset[int],
-        pipelined: bool = True,
-        ngram: NgramConfig | None = None,
-        draft_length: DraftLengthConfig | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        metrics: TandemMetrics | None = None,
+        **options: Unpack[RouterOptions],
     ) -> None:
-        """A router over one fixed verifier and drafter (the in-process transport). `clock`:
-        what request deadlines are instants of. `metrics`: where draft and verify latencies
-        go (default: Ray's metrics, if in a Ray worker)."""
-        replicas = FixedReplicas(verifier, drafter)
-        self._init(replicas, decode, eos_token_ids, pipelined, ngram, draft_length, clock, metrics)
+        """A router over one fixed verifier and drafter (the in-process transport)."""
+        self._setup(FixedReplicas(verifier, drafter), decode, eos_token_ids, **options)
 
     @classmethod
     def over_pool(
@@ -120,30 +136,26 @@ class Router:
         replicas: ReplicaPool,
         decode: Decode,
         eos_token_ids: frozenset[int],
+        **options: Unpack[RouterOptions],
+    ) -> Router:
+        """A router that pins each request to replicas chosen by `replicas` (distributed)."""
+        router = cls.__new__(cls)
+        router._setup(replicas, decode, eos_token_ids, **options)
+        return router
+
+    def _setup(
+        self,
+        replicas: ReplicaPool,
+        decode: Decode,
+        eos_token_ids: frozenset[int],
+        *,
         pipelined: bool = True,
         ngram: NgramConfig | None = None,
         draft_length: DraftLengthConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: TandemMetrics | None = None,
-    ) -> Router:
-        """A router that pins each request to replicas chosen by `replicas` (distributed)."""
-        router = cls.__new__(cls)
-        router._init(
-            replicas, decode, eos_token_ids, pipelined, ngram, draft_length, clock, metrics
-        )
-        return router
-
-    def _init(
-        self,
-        replicas: ReplicaPool,
-        decode: Decode,
-        eos_token_ids: frozenset[int],
-        pipelined: bool,
-        ngram: NgramConfig | None,
-        draft_length: DraftLengthConfig | None,
-        clock: Callable[[], float],
-        metrics: TandemMetrics | None,
     ) -> None:
+        """The one construction path; its keywords are the `RouterOptions` and their defaults."""
         self._replicas = replicas
         self._clock = clock
         self.metrics = metrics if metrics is not None else TandemMetrics()
@@ -271,6 +283,13 @@ class Router:
         request to the target alone rather than failing it. A request out of time does not
         fail over (its replica may have dropped the session for that very reason)."""
         gen.check_deadline()
+        if side == "drafter" and isinstance(error, ResourceExhaustedError):
+            # A spare would be as full: drop the drafter, go on with the target alone.
+            logger.info("request %s: drafting stops: %s", gen.session_id, error)
+            self._close_drafter(gen)
+            gen.drafter_port, gen.drafter_opening = None, None
+            gen.drafter = DrafterView(base_length=gen.committed)
+            return
         failed_id = gen.verifier_id if side == "verifier" else gen.drafter_id
         gen.failed.add(failed_id)
         logger.warning("request %s: %s %s failed: %s", gen.session_id, side, failed_id, error)
@@ -329,7 +348,7 @@ class Router:
                 lost: Exception | None = None
                 try:
                     next_draft = ahead.result() if ahead is not None else None
-                except LOST as error:  # the drafter failed while drafting ahead
+                except DRAFTER_LOST as error:  # the drafter failed while drafting ahead
                     next_draft, lost = None, error
                 ahead = None
                 gen.history.extend(verdict.tokens)
@@ -369,7 +388,7 @@ class Router:
             block = port.draft(
                 gen.session_id, view.base_length, view.behind, num_tokens, view.truncate_to
             )
-        except LOST as error:
+        except DRAFTER_LOST as error:
             self._replace(gen, "drafter", error)
             return self._draft_now(gen, num_tokens, by_drafter)
         draft_s = time.perf_counter() - started
@@ -392,7 +411,7 @@ class Router:
             return None
         try:
             port = gen.ready_drafter()
-        except LOST as error:
+        except DRAFTER_LOST as error:
             self._replace(gen, "drafter", error)
             return None
         # The drafter catches up on what its view lacks, then on `block` itself (a no-op

@@ -14,12 +14,11 @@ from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from drafter.drafter import Drafter
-from drafter.servicer import serve_drafter
 from tests.conftest import encode
+from tests.replicas import serve_drafter, serve_verifier
 from verifier.runtime.errors import ClusterSecretError, InvalidArgumentError
 from verifier.runtime.models import LoadedModel
 from verifier.runtime.sampling import SamplingParams
-from verifier.servicer import serve_verifier
 from verifier.verifier import Verifier
 
 SECRET = "0123456789abcdef" * 2

@@ -17,14 +17,13 @@ from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from drafter.drafter import Drafter
-from drafter.servicer import serve_drafter
 from tests.conftest import CODE_PROMPT, encode
+from tests.replicas import serve_drafter, serve_verifier
 from verifier.replica.host import ReplicaInfo
 from verifier.runtime.block import DraftBlock
 from verifier.runtime.errors import DeadlineExceededError, ReplicaUnavailableError
 from verifier.runtime.models import LoadedModel
 from verifier.runtime.sampling import SamplingParams
-from verifier.servicer import serve_verifier
 from verifier.verifier import Verifier
 
 PROMPT = [5, 6, 7, 8]

@@ -23,13 +23,12 @@ from cluster.api.service import ServiceConfig, TandemService
 from cluster.api.tenants import AuthConfig, TenantConfig, Tenants, hash_api_key, new_api_key
 from cluster.local import LocalTandem
 from drafter.drafter import Drafter
-from drafter.servicer import serve_drafter
 from protos import generate_pb2, generate_pb2_grpc, replica_pb2, replica_pb2_grpc, sampling_pb2
 from tests.cluster.grpc_front import serve_local
 from tests.conftest import encode
+from tests.replicas import serve_drafter, serve_verifier
 from verifier.replica.rpc import SECRET_METADATA_KEY
 from verifier.runtime.models import LoadedModel
-from verifier.servicer import serve_verifier
 from verifier.verifier import Verifier
 
 SECRET = "fuzz-secret-0123456789"

@@ -20,8 +20,8 @@ from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from drafter.drafter import Drafter
-from drafter.servicer import serve_drafter
 from tests.conftest import PROMPTS
+from tests.replicas import serve_drafter, serve_verifier
 from verifier.runtime.block import DraftBlock
 from verifier.runtime.errors import (
     InvalidArgumentError,
@@ -32,7 +32,6 @@ from verifier.runtime.errors import (
 )
 from verifier.runtime.models import LoadedModel
 from verifier.runtime.sampling import SamplingParams
-from verifier.servicer import serve_verifier
 from verifier.verifier import Verifier
 
 MAX_TOKENS = 40

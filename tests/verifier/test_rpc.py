@@ -18,12 +18,11 @@ import grpc
 import pytest
 
 from drafter.drafter import Drafter
-from drafter.servicer import serve_drafter
 from protos import replica_pb2, replica_pb2_grpc, sampling_pb2
+from tests.replicas import serve_drafter, serve_verifier
 from verifier.replica.rpc import INTERNAL_ERROR_MESSAGE, CallGuard, start_server, status_code
 from verifier.runtime import errors
 from verifier.runtime.models import LoadedModel
-from verifier.servicer import serve_verifier
 from verifier.verifier import Verifier, VerifierConfig
 
 PROMPT = list(b"def add(a, b):")

@@ -29,12 +29,14 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from verifier.runtime.errors import TandemError
+from verifier.runtime.session import DEFAULT_MAX_SESSIONS
 
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-"""Largest message a replica server or client sends or accepts. A block of 32 tokens, each with
-an untruncated q over a 150k vocabulary, is over 30 MiB; gRPC's default limit is 4 MiB."""
+"""Largest message a replica server or client sends or accepts. A block of `MAX_BLOCK_TOKENS`
+(32) tokens, each with an untruncated q over a 150k vocabulary, is over 30 MiB; gRPC's default
+limit is 4 MiB."""
 
 MESSAGE_SIZE_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -47,12 +49,12 @@ INTERNAL_ERROR_MESSAGE = "internal error; see the replica's log"
 
 DEFAULT_MAX_WORKERS = 8
 
-DEFAULT_MAX_CONCURRENT_RPCS = 512
-"""Calls a server holds at once, running or waiting for a worker; one more is answered
+DEFAULT_MAX_CONCURRENT_RPCS = 2 * DEFAULT_MAX_SESSIONS
+"""Calls a server holds at once, running or waiting for a worker (512); one more is answered
 RESOURCE_EXHAUSTED. A router has at most one call in flight per session on each side (a
-verify, or a draft or an open), and a replica holds at most 256 sessions by default
-(`max_sessions`), so twice that leaves room for closes and stats under full load; a flood
-beyond it is refused at once instead of queueing without bound."""
+verify, or a draft or an open), and a replica holds at most `DEFAULT_MAX_SESSIONS` sessions
+by default (`max_sessions`), so twice that leaves room for closes and stats under full load;
+a flood beyond it is refused at once instead of queueing without bound."""
 
 SECRET_METADATA_KEY = "x-tandem-cluster-secret"
 """gRPC metadata key that carries the cluster's shared secret on internal calls."""

@@ -6,6 +6,10 @@ Everything here can be rebuilt from the router's token history. A session nobody
 `session_ttl_s` (its client gone, its router restarted) is evicted, KV cache and all. A session
 opened with a time limit (what its request had left) is dropped once that passes, even if its
 router is gone: by `evict_idle`, or by the first call that finds it (DEADLINE_EXCEEDED).
+
+Both components are a `SessionComponent` (`verifier.runtime.component`) over a `SessionTable`.
+Their configs extend `SessionLimits`. The limits' defaults and the block limit are named here
+once, for every layer above to import.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Concatenate, ParamSpec, Protocol, TypeVar
+from typing import ClassVar, Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -32,6 +36,13 @@ from verifier.runtime.models import LoadedModel
 from verifier.runtime.sampling import SamplingParams
 
 MAX_SEED = 2**64 - 1
+
+MAX_BLOCK_TOKENS = 32
+"""Longest draft block: the most a request may ask for, and by default the most a drafter
+drafts and a verifier accepts in one call."""
+DEFAULT_MAX_SESSIONS = 256
+DEFAULT_MAX_CONTEXT_TOKENS = 4096
+DEFAULT_SESSION_TTL_S = 600.0
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -106,6 +117,29 @@ class ReplicaStats:
     num_cached_tokens: int
     busy_s: float = 0.0
     """Seconds the replica's component has spent serving calls since it started."""
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """The session limits of one replica; `DrafterConfig` and `VerifierConfig` extend it."""
+
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    """Sessions held at once; one more is refused with RESOURCE_EXHAUSTED."""
+    max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS
+    """Committed tokens plus a block may not exceed this."""
+    session_ttl_s: float = DEFAULT_SESSION_TTL_S
+    """A session unused this long is evicted (its client or router is gone); requests touch
+    their sessions every round, so only abandoned ones idle this long."""
+
+    _counts: ClassVar[tuple[str, ...]] = ("max_sessions", "max_context_tokens")
+    """Fields that must be >= 1, checked in this order (a subclass appends its own)."""
+
+    def __post_init__(self) -> None:
+        for name in self._counts:
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.session_ttl_s > 0:
+            raise InvalidArgumentError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:

@@ -1,0 +1,58 @@
+"""A drafter or verifier replica as a Serve deployment body (the app builder applies
+`serve.deployment`).
+
+A thin shell: load the model, build the side's component and its servicer, serve it over gRPC on
+its own port and heartbeat to the registry (`ReplicaShell`). Serve places it, restarts it,
+checks its health, scales it on the load it reports (`record_autoscaling_stats`) and, when it
+stops it, lets it drain. Each side's deployment module (`drafter.deployment.DrafterReplica`,
+`verifier.deployment.VerifierReplica`) names only its side and how to build its servicer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar, Generic, TypeVar
+
+from verifier.replica.host import ReplicaShell, kv_cache_bytes_per_token, place_threads
+from verifier.replica.servicer import SessionServicer
+from verifier.runtime.models import LoadedModel, ModelSpec, load_model
+from verifier.runtime.session import SessionLimits
+
+C = TypeVar("C", bound=SessionLimits)
+
+
+class ComponentReplica(ReplicaShell, Generic[C]):
+    """One replica of a side; a subclass sets `side` and builds the servicer (`_servicer`)."""
+
+    side: ClassVar[str]
+    """`drafter` or `verifier`: the registry's name for the side."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        config: C,
+        registry_name: str | None,
+        secret: str,
+        torch_threads: int = 0,
+        bind_host: str | None = None,
+        cpus: Sequence[int] = (),
+    ) -> None:
+        """`secret`: the cluster's shared secret; the replica serves only calls carrying it."""
+        place_threads(torch_threads, cpus)
+        loaded = load_model(model)
+        servicer = self._servicer(loaded, config)
+        self.component = servicer.component
+        self._serve(
+            self.side,
+            servicer.add_to_server,
+            self.component.stats,
+            registry_name,
+            bind_host,
+            secret,
+            self.component.evict_idle,
+            kv_cache_bytes_per_token(loaded.model),
+        )
+
+    def _servicer(self, model: LoadedModel, config: C) -> SessionServicer[Any]:
+        """The side's servicer over a new component on `model`."""
+        raise NotImplementedError
