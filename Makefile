@@ -1,31 +1,43 @@
 # Tandem's everyday commands. `make setup` is idempotent: it builds .venv once and reinstalls
-# only when pyproject.toml changes. PyTorch's CPU build is installed first, pinned: a looser
-# requirement would pull a multi-GB CUDA build.
+# only when pyproject.toml changes. PyTorch is installed first, pinned, from TORCH_INDEX (below).
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
+# Where torch comes from. Empty (the default): pip's configured index and find-links
+# (pip.conf, PIP_INDEX_URL, PIP_FIND_LINKS), whatever build they serve. From PyPI itself
+# `torch==2.13.0` is the CUDA build (multi-GB with its nvidia-* wheels): a CPU-only machine
+# runs `make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu`; a CUDA machine may pick its
+# CUDA version with `TORCH_INDEX=https://download.pytorch.org/whl/cu128`.
+TORCH_INDEX ?=
 PRESET ?= qwen-coder
 PACKS := qwen-coder
 PROMPT ?=
 PORT ?= 9000
 
-.PHONY: setup test lint format protos demo demo-local clean
+.PHONY: setup test test-fast lint format protos demo demo-local clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple) $(TORCH)
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# The README's test command: lint, type checks, generated-code drift, then the test suite.
+# The README's test command: lint, type checks, generated-code drift, then the test suite,
+# with its 15 slowest tests listed at the end.
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
+
+# The edit-run loop: no Ray cluster (marker `ray`) and none of the long statistical sweeps
+# and subprocess runs (marker `slow`, about 3 more minutes); about 2 minutes on 2 cores.
+# Lint is not included: `make lint` runs it.
+test-fast: setup
+	$(BIN)/python -m pytest -m "not ray and not slow" --durations=10
 
 lint: setup
 	$(BIN)/ruff check .

@@ -5,9 +5,10 @@ Five configurations, interleaved per prompt and repeated (the order rotates each
 draft), `tandem_target` (Tandem with draft length 0: the same path, no speculation),
 `tandem_serial` and `tandem_pipelined`. All greedy, so every repeat does identical work; each
 prompt's time is the median over repeats. `--mode local` runs Tandem in-process; `--mode
-service` through a `tandem serve` it starts in a private TANDEM_HOME and stops afterwards (HF
-runs always in this process). `greedy_match` compares Tandem's tokens with HF's target alone in
-float32 (loading float32 copies when the timed runs used another dtype).
+service` through a `tandem serve` it starts in a private TANDEM_HOME and stops afterwards, also
+when the bench is interrupted (Ctrl-C) or terminated (SIGTERM); HF runs always in this process.
+`greedy_match` compares Tandem's tokens with HF's target alone in float32 (loading float32
+copies when the timed runs used another dtype).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -123,25 +123,35 @@ def _service_runner(client: Any, max_tokens: int, draft_tokens: int, pipelined: 
 
 
 @contextmanager
-def _service(preset: str, flags: list[str]) -> Iterator[tuple[str, str]]:
+def _service(
+    preset: str, flags: list[str], progress: Callable[[str], None]
+) -> Iterator[tuple[str, str]]:
     """A `tandem serve` of `preset` in a private home; yields its address and the API key it
-    made for its local tenant."""
-    from cluster.serve.local_cluster import free_port
+    made for its local tenant. Whatever ends the block (its end, an error, Ctrl-C, SIGTERM),
+    everything the service runs is stopped and the home removed (`cluster.tools.cleanup`)."""
+    from cluster.serve.local_cluster import HOME_ENV, free_port
+    from cluster.tools import cleanup
 
-    home = tempfile.mkdtemp(prefix="tandem-bench-", dir="/tmp")
-    env = {**os.environ, "TANDEM_HOME": home}
-    tandem = str(Path(sys.executable).with_name("tandem"))
-    port = free_port()
-    started = subprocess.run(
-        [tandem, "serve", "--preset", preset, "--port", str(port), "--detach", *flags],
-        env=env, capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    try:
-        if started.returncode != 0:
-            raise InvalidArgumentError(f"tandem serve failed:\n{started.stderr[-2000:]}")
-        yield f"127.0.0.1:{port}", (Path(home) / "api_key").read_text()
-    finally:
-        subprocess.run([tandem, "shutdown"], env=env, capture_output=True, check=False)
+    with cleanup.signals_raise():
+        home = Path(tempfile.mkdtemp(prefix="tandem-bench-", dir="/tmp"))  # short: Ray's sockets
+        env = {**os.environ, HOME_ENV: str(home)}
+        try:
+            port = free_port()
+            progress(f"starting tandem serve --preset {preset} in {home} (takes a minute)")
+            # Interrupted, `subprocess.run` kills `tandem serve`; what it started is stopped
+            # below all the same.
+            started = subprocess.run(
+                [cleanup.tandem_command(), "serve", "--preset", preset, "--port", str(port),
+                 "--detach", *flags],
+                env=env, capture_output=True, text=True, check=False,
+            )  # fmt: skip
+            if started.returncode != 0:
+                raise InvalidArgumentError(f"tandem serve failed:\n{started.stderr[-2000:]}")
+            yield f"127.0.0.1:{port}", (home / "api_key").read_text()
+        finally:
+            with cleanup.signals_held():
+                progress(f"stopping the service in {home}")
+                cleanup.stop_private_service(home, env)
 
 
 def _measure(
@@ -287,9 +297,8 @@ def _maybe_service(args: Any, progress: Callable[[str], None]) -> Iterator[Any]:
         return
     from cluster.api.client import TandemClient
 
-    progress(f"starting tandem serve --preset {args.preset} (takes a minute)")
     with (
-        _service(args.preset, _serve_flags(args)) as (address, api_key),
+        _service(args.preset, _serve_flags(args), progress) as (address, api_key),
         TandemClient(address, timeout_s=3600, api_key=api_key) as client,
     ):
         yield client

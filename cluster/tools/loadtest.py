@@ -6,7 +6,8 @@ flight, so every request counts whole. It records time to first token, inter-tok
 (a chunk's gap split evenly over its tokens: speculation commits several tokens at once) and
 failures by gRPC status name. The loop is bounded in time and count and talks only to the
 address it is given. The client is injected (a `TandemClient`, thread-safe), so the same loop
-runs against any server.
+runs against any server; so is the clock (`time.perf_counter` by default), which every duration,
+latency and the deadline are read from.
 
 Fault injection: `midway` is called once, half way through the duration (`tandem loadtest
 --kill` kills a replica there). Every request that started and did not complete is `lost`
@@ -55,14 +56,15 @@ def _one_request(
     settings: dict[str, Any],
     log: LoadLog,
     expected: tuple[int, ...] | None,
+    clock: Callable[[], float],
 ) -> None:
-    started = last = time.perf_counter()
+    started = last = clock()
     first: float | None = None
     gaps: list[float] = []
     received: list[int] = []
     try:
         for chunk in client.stream(prompt, **settings):
-            now = time.perf_counter()
+            now = clock()
             if chunk.tokens:
                 if first is None:
                     first = now - started
@@ -91,25 +93,27 @@ def run_load(
     settings: dict[str, Any],
     midway: Callable[[], None] | None = None,
     reference: Mapping[str, tuple[int, ...]] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Any]:
     """Drive `concurrency` streams for `duration_s`; `settings` go to every `client.stream`;
-    `midway`, if given, runs once half way through; `reference` counts corrupted outputs."""
+    `midway`, if given, runs once half way through (in real time); `reference` counts
+    corrupted outputs; `clock` (seconds) times everything else."""
     log = LoadLog()
-    deadline = time.perf_counter() + duration_s
+    deadline = clock() + duration_s
     counter = iter(range(10**9))
     counter_lock = threading.Lock()
 
     def worker() -> None:
         for _ in range(MAX_REQUESTS_PER_WORKER):
-            if time.perf_counter() >= deadline:
+            if clock() >= deadline:
                 return
             with counter_lock:
                 index = next(counter)
             prompt = prompts[index % len(prompts)]
             expected = reference.get(prompt) if reference is not None else None
-            _one_request(client, prompt, settings, log, expected)
+            _one_request(client, prompt, settings, log, expected, clock)
 
-    started = time.perf_counter()
+    started = clock()
     workers = [threading.Thread(target=worker, name=f"load-{i}") for i in range(concurrency)]
     if midway is not None:
         workers.append(threading.Timer(duration_s / 2, midway))
@@ -117,7 +121,7 @@ def run_load(
         thread.start()
     for thread in workers:
         thread.join()
-    seconds = time.perf_counter() - started
+    seconds = clock() - started
     return {
         "concurrency": concurrency,
         "seconds": seconds,

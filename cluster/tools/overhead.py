@@ -23,6 +23,7 @@ from typing import Any
 
 from cluster.routing.ports import DrafterPort, VerifierPort
 from cluster.serve import local_cluster
+from cluster.tools.cleanup import signals_raise
 from verifier.runtime.sampling import SamplingParams
 
 PROMPT = tuple(b"def add(a, b):\n    return a + b\n\n")
@@ -70,10 +71,6 @@ def measure(sessions: int, rounds: int, draft_tokens: int, threads: int) -> dict
     from cluster.presets import resolve_pair
     from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 
-    remote_drafter, remote_verifier = (
-        GrpcDrafter(address["drafter"], secret=local_cluster.cluster_secret()),
-        GrpcVerifier(address["verifier"], secret=local_cluster.cluster_secret()),
-    )
     local = build_local(resolve_pair("tiny", device="cpu"))
     import torch
 
@@ -82,17 +79,22 @@ def measure(sessions: int, rounds: int, draft_tokens: int, threads: int) -> dict
     remote: list[float] = []
     in_process: list[float] = []
     bare: list[float] = []
-    for i in range(sessions + 1):
-        r = _session_rounds(remote_drafter, remote_verifier, rounds, draft_tokens)
-        lo = _session_rounds(local.drafter, local.verifier, rounds, draft_tokens)
-        for _ in range(rounds):
-            start = time.perf_counter()
-            remote_drafter.stats()
-            remote_verifier.stats()
-            bare.append(time.perf_counter() - start)
-        if i > 0:  # the first pair warms caches and connections
-            remote.extend(r)
-            in_process.extend(lo)
+    secret = local_cluster.cluster_secret()
+    with (
+        GrpcDrafter(address["drafter"], secret=secret) as remote_drafter,
+        GrpcVerifier(address["verifier"], secret=secret) as remote_verifier,
+    ):
+        for i in range(sessions + 1):
+            r = _session_rounds(remote_drafter, remote_verifier, rounds, draft_tokens)
+            lo = _session_rounds(local.drafter, local.verifier, rounds, draft_tokens)
+            for _ in range(rounds):
+                start = time.perf_counter()
+                remote_drafter.stats()
+                remote_verifier.stats()
+                bare.append(time.perf_counter() - start)
+            if i > 0:  # the first pair warms caches and connections
+                remote.extend(r)
+                in_process.extend(lo)
     paired = [a - b for a, b in zip(remote, in_process, strict=True)]
     return {
         "config": {
@@ -115,7 +117,9 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="in-process torch threads")
     args = parser.parse_args()
-    report = measure(args.sessions, args.rounds, args.draft_tokens, args.threads)
+    # SIGTERM unwinds like Ctrl-C: each session's `finally` closes it on the replicas.
+    with signals_raise():
+        report = measure(args.sessions, args.rounds, args.draft_tokens, args.threads)
     print(json.dumps(report, indent=2))
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.tools.cleanup import signals_raise
 from cluster.tools.overhead import _percentile
 
 ROUND_PARTS = (
@@ -184,22 +185,25 @@ def measure(
     loaded = load_tokenizer(resolve_pair(preset).target)
     encode = loaded.tokenizer.encode
     prompts = [tuple(encode(p.text, add_special_tokens=False)) for p in load_prompts(prompts_path)]
-    drafter_client = GrpcDrafter(address["drafter"], secret=local_cluster.cluster_secret())
-    verifier_client = GrpcVerifier(address["verifier"], secret=local_cluster.cluster_secret())
-
-    def router_for() -> tuple[Router, Timed, Timed]:
-        drafter, verifier = Timed(drafter_client, "draft"), Timed(verifier_client, "verify")
-        decode = text_decoder(loaded.tokenizer)
-        return Router(verifier, drafter, decode, loaded.eos_token_ids), drafter, verifier
-
+    secret = local_cluster.cluster_secret()
     configs = configurations(draft_lengths)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
-    for repeat in range(repeats):
-        shift = repeat % len(configs)  # rotate the order: no configuration always runs first
-        for name, k, pipelined in configs[shift:] + configs[:shift]:
-            runs[name].append(profile_config(router_for, prompts, max_tokens, k, pipelined))
-            ms = runs[name][-1]["ms_per_token"]
-            print(f"repeat {repeat + 1}/{repeats} {name}: {ms:.0f} ms/token", file=sys.stderr)
+    with (
+        GrpcDrafter(address["drafter"], secret=secret) as drafter_client,
+        GrpcVerifier(address["verifier"], secret=secret) as verifier_client,
+    ):
+
+        def router_for() -> tuple[Router, Timed, Timed]:
+            drafter, verifier = Timed(drafter_client, "draft"), Timed(verifier_client, "verify")
+            decode = text_decoder(loaded.tokenizer)
+            return Router(verifier, drafter, decode, loaded.eos_token_ids), drafter, verifier
+
+        for repeat in range(repeats):
+            shift = repeat % len(configs)  # rotate the order: no configuration always runs first
+            for name, k, pipelined in configs[shift:] + configs[:shift]:
+                runs[name].append(profile_config(router_for, prompts, max_tokens, k, pipelined))
+                ms = runs[name][-1]["ms_per_token"]
+                print(f"repeat {repeat + 1}/{repeats} {name}: {ms:.0f} ms/token", file=sys.stderr)
     return {
         "config": {"preset": preset, "max_tokens": max_tokens,
                    "draft_lengths": list(draft_lengths),
@@ -219,7 +223,12 @@ def main() -> None:
     parser.add_argument("--json", dest="json_out", help="write the report here")
     parser.add_argument("--plot", help="tokens/s by draft length and round parts (PNG)")
     args = parser.parse_args()
-    report = measure(args.preset, args.max_tokens, args.draft_tokens, args.repeats, args.prompts)
+    # SIGTERM unwinds like Ctrl-C: the router's `finally` closes the sessions it has open on
+    # the replicas, instead of leaving them to the replicas' idle sweep.
+    with signals_raise():
+        report = measure(
+            args.preset, args.max_tokens, args.draft_tokens, args.repeats, args.prompts
+        )
     text = json.dumps(report, indent=2)
     print(text)
     if args.json_out:

@@ -24,12 +24,15 @@ from cluster.routing.router import Router
 from protos import generate_pb2
 from tests.cluster.grpc_front import serve_local
 from tests.conftest import CODE_PROMPT
+from tests.polling import wait_until
 from verifier.runtime.block import DraftBlock, Verdict
 from verifier.verifier import Verifier
 
 LONG = 400
 """Tokens of a request that must still be running when the test acts (~0.01 s per token)."""
 KEYS = {name: new_api_key() for name in ("alice", "bob", "small", "metered")}
+SERVICES: dict[str, TandemService] = {}
+"""The service behind each address `serve` yields: tests that must see its queue look here."""
 
 
 class SlowVerifier:
@@ -72,7 +75,9 @@ def serve(local_tandem: LocalTandem, config: ServiceConfig) -> Iterator[str]:
     )
     service = TandemService(router, local_tandem.tokenizer, config, tenants=Tenants(auth))
     server, port = serve_local(service)
-    yield f"127.0.0.1:{port}"
+    address = f"127.0.0.1:{port}"
+    SERVICES[address] = service
+    yield address
     server.stop(None)
     router.close()
 
@@ -213,7 +218,8 @@ def test_a_full_router_queue_refuses_at_once(one_at_a_time: str, local_tandem: L
             target=lambda: queued.append(bob.generate("x", max_tokens=4, draft_tokens=0).tokens)
         )
         waiter.start()
-        time.sleep(1.0)  # bob's request is now waiting in the queue's one place
+        queue = SERVICES[one_at_a_time].admission
+        wait_until(lambda: queue.queued == 1, what="bob's request waiting in the queue")
         code, message, retry = code_of(lambda: bob.generate("x", max_tokens=4))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "at capacity" in message
         assert retry is not None and retry > 0

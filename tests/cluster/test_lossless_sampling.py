@@ -12,10 +12,14 @@ sampler the chi-square p-value is (asymptotically) uniform on [0, 1], so it fall
 ALPHA = 1e-4 with probability 1e-4. Cells whose expected count is below 5 are pooled into one
 cell, which keeps the chi-square approximation sound. Power: the negative control below runs the
 same statistic on pairs drawn from the draft model alone (what a pipeline that emitted drafts
-unchecked would produce) and needs the p-value far below ALPHA, so the test can fail.
+unchecked would produce) and needs the p-value far below ALPHA, so the test can fail; and
+`test_negative_controls.py` drives verifiers with a deliberately broken acceptance rule through
+the same router and helpers, and each must fail it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -23,6 +27,7 @@ from scipy import stats
 
 from cluster.local import LocalTandem
 from cluster.routing.request import GenerationRequest
+from cluster.routing.router import Router
 from verifier.runtime.models import LoadedModel
 from verifier.runtime.sampling import SamplingParams, logits_to_probs
 
@@ -32,8 +37,9 @@ MIN_EXPECTED = 5.0
 PROMPT = tuple(b"def add(a, b):")
 
 
-def joint_first_two(model: LoadedModel, sampling: SamplingParams) -> torch.Tensor:
-    """Exact P(t1, t2) of sampling `model` alone: `[vocab, vocab]`."""
+def first_two(model: LoadedModel, sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """`model`'s distributions of the first two tokens, as sampled with `sampling`:
+    p(t1 | prompt) `[vocab]` and p(t2 | prompt, t1) `[vocab, vocab]` (row t1)."""
     vocab = model.vocab_size
     with torch.inference_mode():
         first = model.model(torch.tensor([PROMPT])).logits[:, -1]  # [1, vocab]
@@ -41,23 +47,72 @@ def joint_first_two(model: LoadedModel, sampling: SamplingParams) -> torch.Tenso
         contexts = torch.tensor([[*PROMPT, t] for t in range(vocab)])  # [vocab, len + 1]
         second = model.model(contexts).logits[:, -1]  # [vocab, vocab]
         p2 = logits_to_probs(second, sampling)  # [vocab, vocab], row t1
+    return p1, p2
+
+
+def joint_first_two(model: LoadedModel, sampling: SamplingParams) -> torch.Tensor:
+    """Exact P(t1, t2) of sampling `model` alone: `[vocab, vocab]`."""
+    p1, p2 = first_two(model, sampling)
     return p1[:, None] * p2
+
+
+@dataclass
+class Tally:
+    """Speculation counters summed over the seeded requests."""
+
+    drafted: int = 0
+    accepted: int = 0
+    pipeline_hits: int = 0
+
+
+def sample_first_two(
+    router: Router,
+    vocab: int,
+    sampling: SamplingParams,
+    draft_tokens: int,
+    max_tokens: int,
+    pipelined: bool,
+) -> tuple[torch.Tensor, Tally]:
+    """Counts `[vocab, vocab]` of the first two tokens `router` emits for PROMPT over
+    NUM_SEEDS seeded requests, and their speculation counters."""
+    counts = torch.zeros(vocab, vocab)
+    tally = Tally()
+    for seed in range(NUM_SEEDS):
+        request = GenerationRequest(
+            PROMPT, max_tokens, sampling, seed=seed, draft_tokens=draft_tokens
+        )
+        result = router.generate(request, pipelined=pipelined)
+        counts[result.tokens[0], result.tokens[1]] += 1
+        tally.drafted += result.stats.num_drafted
+        tally.accepted += result.stats.num_accepted
+        tally.pipeline_hits += result.stats.pipeline_hits
+    return counts, tally
+
+
+def pooled_cells(values: torch.Tensor, probs: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """`values` (shaped like `probs`) summed into the test's cells: one per outcome whose
+    expected count under `probs` is at least MIN_EXPECTED, then one for the other outcomes
+    `probs` allows; outcomes it excludes are left out."""
+    values, probs = values.flatten().double(), probs.flatten().double()
+    allowed = probs > 0
+    values, expected = values[allowed], probs[allowed] * num_samples
+    big = expected >= MIN_EXPECTED
+    cells = values[big]
+    if (~big).any():
+        cells = torch.cat([cells, values[~big].sum()[None]])
+    return cells
 
 
 def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
     """Pearson chi-square p-value of observed counts against probabilities (same shape)."""
-    counts, probs = counts.flatten().double(), expected_probs.flatten().double()
     # A sample outside the target's support is a hard failure, not a statistical one.
-    assert counts[probs == 0].sum() == 0, "sampled a token the target cannot produce"
-    counts, probs = counts[probs > 0], probs[probs > 0]
-    expected = probs * counts.sum()
-    big = expected >= MIN_EXPECTED
-    observed_cells, expected_cells = counts[big], expected[big]
-    if (~big).any():
-        observed_cells = torch.cat([observed_cells, counts[~big].sum()[None]])
-        expected_cells = torch.cat([expected_cells, expected[~big].sum()[None]])
-    statistic = ((observed_cells - expected_cells) ** 2 / expected_cells).sum().item()
-    return float(stats.chi2.sf(statistic, df=len(observed_cells) - 1))
+    outside = counts.flatten()[expected_probs.flatten() == 0].sum()
+    assert outside == 0, "sampled a token the target cannot produce"
+    num_samples = int(counts.sum())
+    observed = pooled_cells(counts, expected_probs, num_samples)
+    expected = pooled_cells(expected_probs, expected_probs, num_samples) * num_samples
+    statistic = ((observed - expected) ** 2 / expected).sum().item()
+    return float(stats.chi2.sf(statistic, df=len(observed) - 1))
 
 
 @pytest.mark.slow
@@ -86,22 +141,13 @@ def test_first_two_tokens_follow_the_target(
     pipelined: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    vocab = tiny_target.vocab_size
-    counts = torch.zeros(vocab, vocab)
-    drafted = accepted = hits = 0
     # The first token must come through the draft path too, not from the target alone.
     monkeypatch.setattr(local_tandem.router, "first_token_alone", False)
-    for seed in range(NUM_SEEDS):
-        request = GenerationRequest(
-            PROMPT, max_tokens, sampling, seed=seed, draft_tokens=draft_tokens
-        )
-        result = local_tandem.router.generate(request, pipelined=pipelined)
-        counts[result.tokens[0], result.tokens[1]] += 1
-        drafted += result.stats.num_drafted
-        accepted += result.stats.num_accepted
-        hits += result.stats.pipeline_hits
-    assert 0 < accepted < drafted  # both acceptance and rejection paths were taken
-    assert (hits > 0) == pipelined
+    counts, tally = sample_first_two(
+        local_tandem.router, tiny_target.vocab_size, sampling, draft_tokens, max_tokens, pipelined
+    )
+    assert 0 < tally.accepted < tally.drafted  # both acceptance and rejection paths were taken
+    assert (tally.pipeline_hits > 0) == pipelined
     assert chi_square_p_value(counts, joint_first_two(tiny_target, sampling)) > ALPHA
 
 
