@@ -22,6 +22,8 @@ from drafter.deployment import DrafterReplica
 from verifier.deployment import VerifierReplica
 from verifier.replica.host import DEREGISTER_TIMEOUT_S, DRAIN_TIMEOUT_S, SHUTDOWN_GRACE_S
 from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.models import ModelSpec
+from verifier.runtime.session import SessionLimits
 
 GRPC_SERVICER_FUNCTIONS = (
     "protos.generate_pb2_grpc.add_TandemServicer_to_server",
@@ -55,33 +57,23 @@ def build_app(config: TandemConfig) -> Application:
     pair = config.models.pair()
     # One secret for the whole application: the router carries it, the replicas demand it.
     config = config.with_cluster_secret()
-    drafter = serve.deployment(
-        name="Drafter",
-        **replica_count(config.drafter),
-        ray_actor_options=config.drafter.ray_actor_options(),
-        health_check_period_s=HEALTH_CHECK_PERIOD_S,
-        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
-    )(DrafterReplica).bind(
+    drafter = _replica_deployment(
+        "Drafter",
+        DrafterReplica,
+        config.drafter,
         pair.draft,
         config.drafter_limits,
         registry,
         config.cluster_secret,
-        config.drafter.torch_threads,
-        cpus=tuple(config.drafter.cpus),
     )
-    verifier = serve.deployment(
-        name="Verifier",
-        **replica_count(config.verifier),
-        ray_actor_options=config.verifier.ray_actor_options(),
-        health_check_period_s=HEALTH_CHECK_PERIOD_S,
-        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
-    )(VerifierReplica).bind(
+    verifier = _replica_deployment(
+        "Verifier",
+        VerifierReplica,
+        config.verifier,
         pair.target,
         config.verifier_limits,
         registry,
         config.cluster_secret,
-        config.verifier.torch_threads,
-        cpus=tuple(config.verifier.cpus),
     )
     return serve.deployment(
         name="Router",
@@ -95,3 +87,23 @@ def app_builder(args: dict[str, Any]) -> Application:
     """Serve config entry point: `import_path: cluster.serve.app:app_builder`, `args:` a
     TandemConfig."""
     return build_app(TandemConfig.from_dict(args))
+
+
+def _replica_deployment(
+    name: str,
+    body: type,
+    group: ReplicaGroupConfig,
+    model: ModelSpec,
+    limits: SessionLimits,
+    registry: str,
+    secret: str | None,
+) -> Application:
+    """One side's replicas as a bound Serve deployment: its count or autoscaling, placement,
+    health checks and drain time from `group`; the body gets its model, limits and placement."""
+    return serve.deployment(
+        name=name,
+        **replica_count(group),
+        ray_actor_options=group.ray_actor_options(),
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
+    )(body).bind(model, limits, registry, secret, group.torch_threads, cpus=tuple(group.cpus))
