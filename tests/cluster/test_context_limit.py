@@ -21,7 +21,7 @@ from cluster.routing.request import FinishReason, GenerationRequest
 from cluster.routing.router import Router
 from drafter.drafter import Drafter, DrafterConfig
 from protos import generate_pb2
-from tests.cluster.conftest import TANDEM, TENANT_KEYS, replica_sessions
+from tests.cluster.conftest import TANDEM, TENANT_KEYS, live_replicas, replica_sessions
 from tests.conftest import CODE_PROMPT, encode
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.models import LoadedModel
@@ -225,4 +225,4 @@ def test_the_cli_is_refused_at_once_through_the_service(
     # Nothing ran: the request was never admitted, so no tokens and no sessions.
     for counter in ("requests", "prompt_tokens", "generated_tokens"):
         assert after[counter] == before[counter], json.dumps([before, after])
-    assert not any(replica_sessions(service).values())
+    assert not any(replica_sessions(service, live_replicas(service)).values())

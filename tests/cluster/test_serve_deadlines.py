@@ -22,7 +22,12 @@ from cluster.api.tenants import Tenants
 from cluster.local import LocalTandem
 from cluster.serve.ingress import DEADLINE_METADATA_KEY, _caller, deadline_of
 from protos import generate_pb2
-from tests.cluster.conftest import TENANT_KEYS, replica_sessions, wait_until_no_sessions
+from tests.cluster.conftest import (
+    TENANT_KEYS,
+    live_replicas,
+    replica_sessions,
+    wait_until_no_sessions,
+)
 from tests.conftest import CODE_PROMPT
 from verifier.runtime.errors import DeadlineExceededError, InvalidArgumentError
 
@@ -169,4 +174,4 @@ def test_a_deadline_already_passed_opens_no_session(
     # Never admitted: no request counted, no prompt read, no session on any replica.
     for counter in ("requests", "prompt_tokens", "generated_tokens"):
         assert after[counter] == before[counter], (before, after)
-    assert not any(replica_sessions(service).values())
+    assert not any(replica_sessions(service, live_replicas(service)).values())
