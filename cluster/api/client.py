@@ -1,9 +1,11 @@
 """Python clients of the public `tandem.v1.Tandem` API: `TandemClient` (blocking) and
 `AsyncTandemClient` (asyncio, `grpc.aio`).
 
-Both take a prompt as text or as token ids, plus the sampling and speculation settings, and
-return plain frozen dataclasses: a `GenerateResult` for a whole generation, `StreamChunk`s for a
-stream (the last chunk has the finish reason and a `RequestStats`). The server validates every
+Both take a prompt as text or as token ids, or chat messages (`messages=[{"role": "user",
+"content": "..."}]`, rendered by the server's chat template), plus the sampling and
+speculation settings, and return plain frozen dataclasses: a `GenerateResult` for a whole
+generation, `StreamChunk`s for a stream (the last chunk has the finish reason and a
+`RequestStats`). The server validates every
 setting; the client only refuses values the wire cannot carry (a negative seed, an int past
 int32), with INVALID_ARGUMENT like the server. Every failure, local or from the server, is a
 `TandemClientError` carrying the gRPC status code and the server's message.
@@ -42,6 +44,7 @@ import grpc
 import grpc.aio
 
 from cluster.api.client_types import (
+    ChatMessages,
     GenerateResult,
     RequestSettings,
     StreamChunk,
@@ -153,27 +156,31 @@ class _Client(Generic[ResultT, StreamT]):
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | None = None,
         *,
+        messages: ChatMessages | None = None,
         max_tokens: int,
         timeout_s: float | None = None,
         **settings: Unpack[RequestSettings],
     ) -> ResultT:
         """Generate the whole completion; settings left out, or None, mean the server's default
         (see `build_request`)."""
-        request = partial(build_request, prompt, max_tokens=max_tokens, **settings)
+        request = partial(
+            build_request, prompt, messages=messages, max_tokens=max_tokens, **settings
+        )
         return self._generate(request, timeout_s)
 
     def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | None = None,
         *,
+        messages: ChatMessages | None = None,
         max_tokens: int,
         timeout_s: float | None = None,
         **settings: Unpack[RequestSettings],
     ) -> StreamT:
         """Chunks as the server commits tokens; the settings are checked before the call."""
-        request = build_request(prompt, max_tokens=max_tokens, **settings)
+        request = build_request(prompt, messages=messages, max_tokens=max_tokens, **settings)
         return self.stream_request(request, timeout_s=timeout_s)
 
     def _generate(

@@ -1,6 +1,7 @@
 """What the Tandem clients hand back, and the one place they convert to and from the wire.
 
-`build_request` turns a prompt and settings into a `GenerateRequest`; `result_from_response`
+`build_request` turns a prompt (text, token ids, or chat messages) and settings into a
+`GenerateRequest`; `result_from_response`
 and `chunk_from_proto` turn the server's messages into frozen dataclasses. The finish reason is
 a plain string derived from the proto enum's name ("length", "stop", "cancelled"), the same
 strings as `cluster.routing.request.FinishReason` values, so this module needs no torch.
@@ -12,7 +13,7 @@ server owns every other rule, so the two can never disagree. Such a value raises
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -120,9 +121,14 @@ class RequestSettings(TypedDict, total=False):
     pipelined: bool | None
 
 
+ChatMessages = Sequence[Mapping[str, str]]
+"""Chat messages as the clients take them: `[{"role": "user", "content": "..."}]`."""
+
+
 def build_request(
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | None = None,
     *,
+    messages: ChatMessages | None = None,
     max_tokens: int,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -133,7 +139,12 @@ def build_request(
     pipelined: bool | None = None,
 ) -> generate_pb2.GenerateRequest:
     """The request message; None for seed, draft_tokens or pipelined leaves the field unset,
-    which means the server's default."""
+    which means the server's default. The prompt is `prompt` (text or token ids) or `messages`
+    (role and content of each, rendered by the server's chat template), not both."""
+    if prompt is not None and messages is not None:
+        raise TandemClientError(
+            grpc.StatusCode.INVALID_ARGUMENT, "give a prompt or chat messages, not both"
+        )
     request = generate_pb2.GenerateRequest(
         max_tokens=_int32("max_tokens", max_tokens),
         sampling=sampling_pb2.SamplingParams(
@@ -143,7 +154,11 @@ def build_request(
     )
     if isinstance(prompt, str):
         request.text = prompt
-    else:
+    elif messages is not None:
+        request.chat.messages.extend(_chat_message(i, m) for i, m in enumerate(messages))
+        # An empty list must still select `chat`, so the server names the right error.
+        request.chat.SetInParent()
+    elif prompt is not None:
         request.token_ids.ids.extend(
             _int32(f"token_ids[{i}]", token) for i, token in enumerate(prompt)
         )
@@ -157,6 +172,16 @@ def build_request(
     if pipelined is not None:
         request.speculation.pipelined = pipelined
     return request
+
+
+def _chat_message(i: int, message: Mapping[str, str]) -> generate_pb2.ChatMessage:
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise TandemClientError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"messages[{i}] must have a string role and a string content",
+        )
+    return generate_pb2.ChatMessage(role=role, content=content)
 
 
 def usage_from_proto(usage: generate_pb2.TenantUsage) -> dict[str, int | str]:

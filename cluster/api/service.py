@@ -2,9 +2,11 @@
 
 `TandemService` turns a `GenerateRequest` into the router's `GenerationRequest` (a text prompt
 is tokenized with the target's tokenizer, `add_special_tokens=False`, so the ids are exactly
-the text's), runs it on the router, and turns what comes back into `GenerateResponse` /
-`GenerateChunk` messages. It knows nothing of gRPC servers or Ray: `tests.cluster.grpc_front` and
-the Serve ingress are thin adapters over it, and tests call it directly.
+the text's; chat messages are rendered by the target's chat template first, `cluster.api.chat`,
+and their text tokenized the same way), runs it on the router, and turns what comes back into
+`GenerateResponse` / `GenerateChunk` messages. It knows nothing of gRPC servers or Ray:
+`tests.cluster.grpc_front`, the Serve ingress and the OpenAI-compatible API
+(`cluster.api.openai`) are thin adapters over it, and tests call it directly.
 
 Validation: every bad field raises `InvalidArgumentError` (INVALID_ARGUMENT) naming the field.
 Proto3 cannot tell a plain scalar's 0 from unset, so `max_tokens` 0 is an error like any value
@@ -51,12 +53,13 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cluster.api.admission import Admission
+from cluster.api.chat import render_chat
 from cluster.api.running import RunningRequests
 from cluster.api.tenants import Tenant, Tenants
 from cluster.metrics import TandemMetrics
@@ -225,7 +228,7 @@ class TandemService:
             )
         sampling = sampling_from_wire(message.sampling)
         speculation = message.speculation
-        prompt_tokens = self._prompt_tokens(message)
+        prompt_tokens = self.prompt_tokens(message)
         if self.max_context_tokens is not None:
             check_context(len(prompt_tokens), max_tokens, self.max_context_tokens)
         request = GenerationRequest(
@@ -305,20 +308,33 @@ class TandemService:
         tenant = self.tenants.authenticate(caller.authorization)
         return generate_pb2.TenantUsage(tenant=tenant.name, **vars(self.tenants.usage(tenant)))
 
-    def _prompt_tokens(self, message: generate_pb2.GenerateRequest) -> tuple[int, ...]:
+    def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> str:
+        """The prompt text the target's chat template makes of (role, content) `messages`,
+        ending with the assistant's turn open (`cluster.api.chat`)."""
+        return render_chat(self._tokenizer, messages)
+
+    def prompt_tokens(self, message: generate_pb2.GenerateRequest) -> tuple[int, ...]:
+        """The prompt of `message` as token ids: text and rendered chat messages are tokenized
+        with `add_special_tokens=False`, token ids are taken as given; validated."""
         which = message.WhichOneof("prompt")
         if which == "text":
             if message.text == "":
                 raise InvalidArgumentError("prompt text must not be empty")
-            ids = self._tokenizer.encode(message.text, add_special_tokens=False)
-            if not ids:
-                raise InvalidArgumentError("prompt text encodes to no tokens")
-            return tuple(int(token) for token in ids)
+            return self._encode(message.text, "prompt text")
         if which == "token_ids":
             if not message.token_ids.ids:
                 raise InvalidArgumentError("prompt token_ids must not be empty")
             return tuple(message.token_ids.ids)
-        raise InvalidArgumentError("prompt is missing: set text or token_ids")
+        if which == "chat":
+            messages = [(m.role, m.content) for m in message.chat.messages]
+            return self._encode(self.chat_prompt(messages), "chat prompt")
+        raise InvalidArgumentError("prompt is missing: set text or token_ids, or chat")
+
+    def _encode(self, text: str, what: str) -> tuple[int, ...]:
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise InvalidArgumentError(f"{what} encodes to no tokens")
+        return tuple(int(token) for token in ids)
 
     def _admitted(
         self, tenant: Tenant, request: GenerationRequest, pipelined: bool, request_id: str

@@ -5,7 +5,8 @@ through the public API's code: `--local` hands it to a `TandemService` over an i
 router, `--address HOST:PORT` sends it to a server with `TandemClient`. So the same flags give
 the same tokens, the same JSON keys (`JSON_KEYS`) and the same error messages either way.
 `--json` prints one object when the generation ends; without it, text is written to stdout as
-it is committed.
+it is committed. `--chat` sends the prompt as one user message (the request's `chat` prompt),
+which the server renders with the target model's chat template, as an instruct model expects.
 
 `--preset`, `--target`, `--draft`, `--dtype` and `--device` pick the models, and
 `--prompt-lookup` and `--adaptive-draft` set up its router, so they belong to `--local`: a server
@@ -58,7 +59,12 @@ MODEL_FLAGS = ("preset", "target", "draft", "dtype", "device", "prompt_lookup", 
 def add_to(commands: Any) -> None:
     """Add the `generate` subcommand to the `argparse` subparsers `commands`."""
     p = commands.add_parser("generate", help="generate text for a prompt")
-    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as one user message, rendered by the model's chat template",
+    )
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--local", action="store_true", help="run drafter and verifier in-process")
     where.add_argument("--address", metavar="HOST:PORT", help="a Tandem server's gRPC address")
@@ -124,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{', '.join(given)} cannot be used with --address: the server picks its models"
             )
     request = build_request(
-        args.prompt,
+        None if args.chat else args.prompt,
+        messages=[{"role": "user", "content": args.prompt}] if args.chat else None,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,

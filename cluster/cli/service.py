@@ -1,8 +1,12 @@
 """`tandem serve`, `tandem status` and `tandem shutdown`: the service on a local Ray cluster.
 
 `serve` joins the cluster recorded under TANDEM_HOME, or starts one on loopback, deploys the
-three deployments and prints the gRPC address (a config with no tenants is served to one
-tenant, `local`, whose key the home keeps and the command line sends); `--detach` leaves it
+three deployments and prints the addresses of both public APIs: `tandem.v1.Tandem` on gRPC
+(`--port`, default 9000) and the OpenAI-compatible HTTP API (`--http-port`, default 8000, Serve's
+HTTP proxy; the application is served at the route prefix `/`, so its base URL is
+`http://127.0.0.1:<port>/v1`). A cluster already running keeps the HTTP port it was started
+with (Serve's proxy is started once per cluster). A config with no tenants is served to one
+tenant, `local`, whose key the home keeps and the command line sends; `--detach` leaves it
 running, otherwise Ctrl-C stops it. `status` shows deployments, replicas with their sessions
 and load, and a summary of the metrics every node's metrics agent serves (`cluster.metrics`):
 acceptance, tokens per verify pass, pipeline hit rate, tokens generated, the queue, usage per
@@ -34,6 +38,7 @@ DEFAULT_NUM_CPUS = 8
 LOCAL_CONCURRENT = 256
 """Concurrent requests of the `local` tenant: the router's whole capacity (the owner's)."""
 SCRAPE_TIMEOUT_S = 5.0
+DEFAULT_HTTP_PORT = 8000
 
 
 def add_to(commands: Any) -> None:
@@ -43,6 +48,12 @@ def add_to(commands: Any) -> None:
     serve.add_argument("--drafters", type=int, help="drafter replicas")
     serve.add_argument("--verifiers", type=int, help="verifier replicas")
     serve.add_argument("--port", type=int, help="gRPC port of the public API (default 9000)")
+    serve.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help=f"port of the OpenAI-compatible HTTP API (default {DEFAULT_HTTP_PORT})",
+    )
     serve.add_argument(
         "--prompt-lookup",
         action=argparse.BooleanOptionalAction,
@@ -118,13 +129,13 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _check_port_free(port: int) -> None:
+def _check_port_free(port: int, flag: str = "--port") -> None:
     with socket.socket() as probe:
         try:
             probe.bind(("0.0.0.0", port))
         except OSError as error:
             raise InvalidArgumentError(
-                f"port {port} is in use ({error.strerror}); choose another with --port"
+                f"port {port} is in use ({error.strerror}); choose another with {flag}"
             ) from error
 
 
@@ -146,6 +157,7 @@ def serve_command(args: argparse.Namespace) -> int:
     state = _live_state()
     if state is None:
         _check_port_free(config.grpc_port)
+        _check_port_free(args.http_port, "--http-port")
         _say(f"starting a local Ray cluster in {local_cluster.home()} ...")
         state = local_cluster.start_cluster(args.num_cpus)
     local_cluster.connect(state)
@@ -155,7 +167,12 @@ def serve_command(args: argparse.Namespace) -> int:
 
     from cluster.serve.app import GRPC_SERVICER_FUNCTIONS, build_app
 
-    http_port = state.http_port or local_cluster.free_port()
+    http_port = state.http_port or args.http_port
+    if http_port != args.http_port:
+        _say(
+            f"the running cluster keeps its HTTP port {http_port} "
+            f"(--http-port {args.http_port} applies to a new cluster)"
+        )
     serve.start(
         grpc_options=gRPCOptions(
             port=config.grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)
@@ -168,14 +185,16 @@ def serve_command(args: argparse.Namespace) -> int:
         f"{_replicas(config.verifier)} verifier(s) [{pair.target.source}] and "
         f"{config.router.num_replicas} router(s) ..."
     )
-    serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
+    # Route prefix `/`: OpenAI clients expect their base URL to end in /v1.
+    serve.run(build_app(config), name=config.app_name, route_prefix="/")
     state = dataclasses.replace(
         state, grpc_port=config.grpc_port, http_port=http_port, app_name=config.app_name
     )
     local_cluster.save_state(state)
     address = f"{local_cluster.LOOPBACK}:{config.grpc_port}"
     _say(f"ready in {time.monotonic() - started:.1f} s")
-    print(f"Tandem is serving tandem.v1.Tandem on {address} (gRPC)", flush=True)
+    print(f"gRPC API on {address} (tandem.v1.Tandem)", flush=True)
+    print(f"OpenAI-compatible API on {http_address(http_port)}", flush=True)
     if args.detach:
         return 0
     _say("press Ctrl-C to stop")
@@ -185,6 +204,11 @@ def serve_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         _say("stopping ...")
         return _shutdown(state)
+
+
+def http_address(port: int | None) -> str:
+    """The OpenAI-compatible API's base URL on this machine (what OpenAI clients take)."""
+    return f"http://{local_cluster.LOOPBACK}:{port}/v1"
 
 
 def _require_state() -> local_cluster.ClusterState:
@@ -203,7 +227,8 @@ def status_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"Tandem app {summary['app']!r} at {summary['address']} (gRPC): {summary['status']}")
+    print(f"Tandem app {summary['app']!r}: {summary['status']}")
+    print(f"  gRPC API on {summary['address']}; OpenAI-compatible API on {summary['http_address']}")
     for name, deployment in summary["deployments"].items():
         replicas = ", ".join(f"{n} {s}" for s, n in deployment["replicas"].items())
         print(f"  {name:<9} {deployment['status']:<10} {replicas}")
@@ -270,6 +295,7 @@ def _status(state: local_cluster.ClusterState) -> dict[str, Any]:
     return {
         "app": app_name,
         "address": f"{local_cluster.LOOPBACK}:{state.grpc_port}",
+        "http_address": http_address(state.http_port),
         "status": _name(application.status),
         "deployments": {
             name: {

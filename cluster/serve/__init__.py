@@ -1,6 +1,6 @@
 """Tandem on Ray Serve: the application builder, the ingress, autoscaling, the local cluster.
 
-`app` (three deployments from one config), `ingress` (the router as Serve's gRPC ingress),
-`autoscaling` (scaling each side on its replicas' load), `local_cluster` (the Ray cluster that
-`tandem serve` starts and stops).
+`app` (three deployments from one config), `ingress` (the router as Serve's ingress: the gRPC
+API, and HTTP through `http`, the OpenAI-compatible adapter), `autoscaling` (scaling each side
+on its replicas' load), `local_cluster` (the Ray cluster that `tandem serve` starts and stops).
 """

@@ -1,4 +1,5 @@
-"""The router as Serve's gRPC ingress: the public `tandem.v1.Tandem` API and gRPC health.
+"""The router as Serve's ingress: the public `tandem.v1.Tandem` API and gRPC health, and the
+OpenAI-compatible HTTP API (`__call__`, `cluster.serve.http`) over the same service and tenants.
 
 Every call is authenticated by its `authorization` metadata against the config's tenants
 (`cluster.api.tenants`); health checks are open, so that probes need no key.
@@ -42,8 +43,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar
 
 from grpc_health.v1 import health_pb2
+from starlette.requests import Request
+from starlette.responses import Response
 
 from cluster.api.client import DEADLINE_METADATA_KEY
+from cluster.api.openai import OpenAIService, served_model_name
 from cluster.api.service import Caller, TandemService
 from cluster.api.status import status_of, trailers_of
 from cluster.api.tenants import Tenants, bearer_key
@@ -115,6 +119,15 @@ class RouterIngress:
             max_context_tokens=config.verifier_limits.max_context_tokens,
         )
         self._threads = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="request")
+        # Imported here: cluster.serve.http builds on this module's helpers.
+        from cluster.serve.http import OpenAIHttp
+
+        openai = OpenAIService(self._service, served_model_name(config.models))
+        self._http = OpenAIHttp(openai, self._threads)
+
+    async def __call__(self, request: Request) -> Response:
+        """Serve's HTTP proxy: the OpenAI-compatible API (`cluster.serve.http`)."""
+        return await self._http(request)
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, grpc_context: Any = None

@@ -142,7 +142,7 @@ def _service(
             # below all the same.
             started = subprocess.run(
                 [cleanup.tandem_command(), "serve", "--preset", preset, "--port", str(port),
-                 "--detach", *flags],
+                 "--http-port", str(free_port()), "--detach", *flags],
                 env=env, capture_output=True, text=True, check=False,
             )  # fmt: skip
             if started.returncode != 0:

@@ -2,8 +2,8 @@
 
 `service`: `tandem serve --preset tiny --drafters 2 --verifiers 2 --detach` in its own
 TANDEM_HOME and on free ports, with a config that names its tenants (`TENANT_KEYS`: `main`,
-whose key the command line gets through $TANDEM_API_KEY, and `small`, with tight limits);
-stopped by `tandem shutdown` at the end.
+whose key the command line gets through $TANDEM_API_KEY, and `small`, with tight limits), its
+OpenAI-compatible HTTP API at `http_url`; stopped by `tandem shutdown` at the end.
 """
 
 from __future__ import annotations
@@ -45,12 +45,13 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
         {"name": "small", "key_sha256": hash_api_key(TENANT_KEYS["small"]), **SMALL_LIMITS},
     ]
     config.write_text(yaml.safe_dump({"auth": {"tenants": tenants}}))
-    port = free_port()
+    port, http_port = free_port(), free_port()
     started = time.monotonic()
     serve = subprocess.run(
         # Fixed rounds (no adaptive plan, no lookup): the tests count blocks and pipeline hits.
         [TANDEM, "serve", "--preset", "tiny", "--drafters", "2", "--verifiers", "2",
          "--no-adaptive-draft", "--no-prompt-lookup", "--port", str(port), "--detach",
+         "--http-port", str(http_port),
          "--config", str(config)],
         env=env, capture_output=True, text=True, timeout=SERVE_TIMEOUT_S, check=False,
     )  # fmt: skip
@@ -58,13 +59,16 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
     try:
         assert serve.returncode == 0, serve.stderr[-3000:]
         address = f"127.0.0.1:{port}"
-        assert f"serving tandem.v1.Tandem on {address}" in serve.stdout
+        http_url = f"http://127.0.0.1:{http_port}/v1"  # the OpenAI-compatible API's base URL
+        assert f"gRPC API on {address}" in serve.stdout
+        assert f"OpenAI-compatible API on {http_url}" in serve.stdout
         status = subprocess.run(
             [TANDEM, "status", "--json"], env=env, capture_output=True, text=True,
             timeout=120, check=True,
         )  # fmt: skip
         yield {
             "address": address,
+            "http_url": http_url,
             "env": env,
             "home": home,
             "status": json.loads(status.stdout),

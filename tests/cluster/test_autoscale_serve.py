@@ -72,7 +72,8 @@ def autoscaled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, o
     )
     port = free_port()
     serve = subprocess.run(
-        [TANDEM, "serve", "--config", str(config), "--port", str(port), "--detach"],
+        [TANDEM, "serve", "--config", str(config), "--port", str(port), "--detach",
+         "--http-port", str(free_port())],
         env=env, capture_output=True, text=True, timeout=SERVE_TIMEOUT_S, check=False,
     )  # fmt: skip
     try:

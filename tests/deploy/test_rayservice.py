@@ -37,6 +37,7 @@ SERVE_LOCAL = REPO_ROOT / "deploy" / "serve-local.yaml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
 GRPC_PORT = 9000
+HTTP_PORT = 8000
 SIDES = ("router", "drafter", "verifier")
 DEPLOYMENTS = {"router": "Router", "drafter": "Drafter", "verifier": "Verifier"}
 POLICY_PATH = "cluster.serve.autoscaling:scale_on_load"
@@ -101,9 +102,11 @@ def test_serve_configs_pass_serves_schema_and_build_a_usable_tandem_config(sourc
     )
     schema = ServeDeploySchema.model_validate(data)
     assert schema.grpc_options.port == GRPC_PORT
+    assert schema.http_options.port == HTTP_PORT  # the OpenAI-compatible API
     assert schema.grpc_options.grpc_servicer_functions == list(GRPC_SERVICER_FUNCTIONS)
     app = the_app(data)
     assert app["import_path"] == "cluster.serve.app:app_builder" and callable(app_builder)
+    assert app["route_prefix"] == "/", "OpenAI clients expect the base URL http://HOST:PORT/v1"
     config = TandemConfig.from_dict(app["args"])
     config.auth.check_usable()  # what build_app does first: someone can call the service
     assert config.app_name == app["name"], "the registry is named after the Serve app"
@@ -205,12 +208,16 @@ def _fits(options: dict[str, Any], offered: Mapping[str, float]) -> bool:
     return all(offered.get(key, 0) >= amount for key, amount in _demand(options).items())
 
 
-def test_the_grpc_api_is_a_service_on_port_9000() -> None:
+def test_the_grpc_and_http_apis_are_a_service_on_ports_9000_and_8000() -> None:
     spec = load_rayservice()["spec"]
     ports = spec["serveService"]["spec"]["ports"]
-    assert [(p["port"], p["targetPort"]) for p in ports] == [(GRPC_PORT, GRPC_PORT)]
-    head = spec["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-    assert GRPC_PORT in {p["containerPort"] for p in head["ports"]}
+    assert [(p["port"], p["targetPort"]) for p in ports] == [
+        (GRPC_PORT, GRPC_PORT),
+        (HTTP_PORT, HTTP_PORT),
+    ]
+    assert serve_config(load_rayservice())["http_options"]["host"] == "0.0.0.0"
+    for pod in pod_specs(load_rayservice()):
+        assert {GRPC_PORT, HTTP_PORT} <= {p["containerPort"] for p in pod["containers"][0]["ports"]}
 
 
 def test_ray_token_auth_gcs_fault_tolerance_and_the_ray_version() -> None:

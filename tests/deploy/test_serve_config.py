@@ -1,6 +1,7 @@
 """deploy/serve-local.yaml, deployed the way deploy/README.md says: `ray start --head` with Ray
 token authentication, then `serve deploy` (Serve's own CLI, through the dashboard's REST API)
-with the token, then generation through Serve's gRPC proxy.
+with the token, then generation through Serve's gRPC proxy and through the OpenAI-compatible API
+on its HTTP proxy.
 
 The cluster is this test's own: its own TANDEM_HOME (Ray temp dir and token, as
 `cluster.serve.local_cluster` keeps them), free ports for everything Ray would otherwise put on a
@@ -11,11 +12,13 @@ is copied with its ports rewritten), so it runs beside the session's `tandem ser
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,7 +117,7 @@ def test_serve_deploy_of_the_local_config_serves_exactly_the_target_output(
     config = yaml.safe_load(SERVE_LOCAL.read_text())
     grpc_port = free_port()
     config["grpc_options"]["port"] = grpc_port
-    config["http_options"]["port"] = free_port()
+    http_port = config["http_options"]["port"] = free_port()
     (app,) = config["applications"]
     app["args"]["grpc_port"] = grpc_port
     copy = tmp_path / "serve-local.yaml"
@@ -131,6 +134,18 @@ def test_serve_deploy_of_the_local_config_serves_exactly_the_target_output(
     # Greedy decoding is lossless: the tiny pair, fp32, same numerics on both paths.
     assert speculative.tokens == target_only.tokens
     assert len(speculative.tokens) == MAX_TOKENS and target_only.num_drafted == 0
+    # The OpenAI-compatible API on Serve's HTTP proxy, at the base URL the file promises.
+    body = {"model": "tiny", "prompt": CODE_PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback
+    completion = direct.open(
+        urllib.request.Request(
+            f"http://{LOOPBACK}:{http_port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        ),
+        timeout=120,
+    )
+    assert json.load(completion)["choices"][0]["text"] == target_only.text
 
 
 def wait_until_running(head: RayHead, app_name: str) -> dict[str, Any]:

@@ -4,7 +4,8 @@ Built from configs in well under a second with no download, so tests and quick t
 anywhere. The pair is shaped like the real one (same family, same tokenizer, the draft smaller):
 
 - tokenizer: byte-level, one token per UTF-8 byte (ids 0..255) plus `<|endoftext|>` (256),
-  a real `PreTrainedTokenizerFast`, so Hugging Face `generate` and `save_pretrained` work on it;
+  a real `PreTrainedTokenizerFast`, so Hugging Face `generate` and `save_pretrained` work on it,
+  with a minimal ChatML chat template (`CHAT_TEMPLATE`; its markers are plain bytes here);
 - target: a 4-layer Qwen2; draft: the target's embeddings, first 2 layers and head.
 
 The target's last two layers get smaller weights than its first two, so the draft (which lacks
@@ -26,6 +27,14 @@ VOCAB_SIZE = NUM_BYTES + 1
 TARGET_LAYERS = 4
 DRAFT_LAYERS = 2
 DEFAULT_SEED = 0
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+r"""ChatML, as Qwen's instruct models use it, without their default system message: each
+message is `<|im_start|>{role}\n{content}<|im_end|>\n`, then `<|im_start|>assistant\n`."""
 
 # Standard deviations of the random weights, chosen by measuring greedy agreement of the pair
 # (about 0.76 over a few code and prose prompts) and a peaked target distribution (mean top
@@ -49,16 +58,18 @@ def _byte_to_unicode() -> dict[int, str]:
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte tokenizer: token id == byte value, plus the end-of-text token."""
+    """A byte tokenizer: token id == byte value, plus the end-of-text token; ChatML template."""
     vocab = {char: byte for byte, char in _byte_to_unicode().items()}
     vocab[END_OF_TEXT] = END_OF_TEXT_ID
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([END_OF_TEXT])
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def _config(num_layers: int) -> Qwen2Config:

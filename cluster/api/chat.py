@@ -1,0 +1,72 @@
+"""Chat messages to prompt text: the target model's chat template, applied as the model expects.
+
+`render_chat(tokenizer, messages)` checks the messages (at least one; each role one of
+`CHAT_ROLES`; each content a string) and returns what the tokenizer's chat template makes of
+them with the assistant's turn opened (`add_generation_prompt=True`), as text. The caller then
+tokenizes that text like any text prompt (`add_special_tokens=False`: the template already
+wrote every special token the model wants, exactly as Hugging Face's own tokenizing path does).
+
+A tokenizer without a chat template gets `NoChatTemplateError` (FAILED_PRECONDITION: the request
+is fine, this server's model cannot take it). A template that refuses the conversation (many
+raise on roles that do not alternate) gets INVALID_ARGUMENT with the template's own words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from verifier.runtime.errors import InvalidArgumentError, TandemError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+CHAT_ROLES = ("system", "user", "assistant")
+"""The roles a chat message may have."""
+
+
+class NoChatTemplateError(TandemError):
+    """Chat messages were sent to a model whose tokenizer has no chat template."""
+
+    status = "FAILED_PRECONDITION"
+
+
+def check_messages(messages: Sequence[tuple[str, str]]) -> None:
+    """Raise `InvalidArgumentError` naming the first bad message, if any; (role, content) pairs."""
+    if not messages:
+        raise InvalidArgumentError("chat messages must not be empty")
+    for i, (role, content) in enumerate(messages):
+        if role not in CHAT_ROLES:
+            raise InvalidArgumentError(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}"
+            )
+        if not isinstance(content, str):
+            raise InvalidArgumentError(
+                f"messages[{i}].content must be a string, got {type(content).__name__}"
+            )
+
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple[str, str]]) -> str:
+    """The prompt text for (role, content) `messages`, ending with the assistant's turn open."""
+    check_messages(messages)
+    if not has_chat_template(tokenizer):
+        raise NoChatTemplateError("the model has no chat template")
+    # Imported here: jinja2 comes with transformers, which this module does not load eagerly.
+    from jinja2 import TemplateError
+
+    conversation = [{"role": role, "content": content} for role, content in messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=False
+        )
+    except TemplateError as error:
+        raise InvalidArgumentError(
+            f"the model's chat template refused the messages: {error}"
+        ) from error
+    if not isinstance(text, str):  # tokenize=False gives text; anything else is a tokenizer bug
+        raise TypeError(f"apply_chat_template returned {type(text).__name__}, not text")
+    return text

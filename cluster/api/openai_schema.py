@@ -1,0 +1,373 @@
+"""OpenAI request bodies as Tandem takes them: every field checked, every error naming its field.
+
+`parse_request(route, body)` turns the JSON body of `POST /v1/completions` ("completions") or
+`POST /v1/chat/completions` ("chat.completions") into an `OpenAIRequest`, or raises
+`OpenAIError` (INVALID_ARGUMENT) whose `param` is the field at fault, as OpenAI's `param` is.
+It is pure: the model name, limits and tokenizer are `cluster.api.openai`'s business.
+
+A JSON `null` means the same as a field left out, everywhere. Fields taken:
+- both routes: `model` (required), `max_tokens`, `temperature` (default 1.0, as OpenAI's),
+  `top_p`, `seed` (any int64 or uint64; a negative one is taken modulo 2**64), `stop` (a string
+  or a list of up to `MAX_STOP_SEQUENCES` non-empty strings), `stream`,
+  `stream_options.include_usage` (only with `stream: true`), `user` (accepted and recorded
+  nowhere: the API key says who is billed, and the string may be personal data); and Tandem's
+  own, sent as extra top-level fields as vLLM takes its extra parameters: `draft_tokens`
+  (0..`MAX_DRAFT_TOKENS`, 0 = the target alone), `pipelined` (bool), `top_k` (0 or -1 = no
+  limit, vLLM's spelling of it);
+- completions: `prompt`, a non-empty string, a list of token ids, or a one-element list of
+  either (several prompts per request are refused);
+- chat: `messages` (roles system, user, assistant; content a string or a list of text parts,
+  joined with newlines as vLLM joins them) and `max_completion_tokens` (with `max_tokens`
+  too, both must agree).
+Fields OpenAI has but Tandem cannot honour (`n` > 1, `logprobs`, `tools`, penalties...) are
+accepted only at the value that changes nothing (`NEUTRAL`); any other field is unknown.
+Either way the error names the field: nothing is silently ignored that would change the output.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from cluster.api.chat import CHAT_ROLES
+from cluster.routing.request import MAX_DRAFT_TOKENS, MAX_STOP_SEQUENCES
+from verifier.runtime.errors import InvalidArgumentError
+
+Route = Literal["completions", "chat.completions"]
+MAX_INT32 = 2**31 - 1
+DEFAULT_TEMPERATURE = 1.0
+"""OpenAI's default: a request that sets no temperature samples (send 0 for greedy)."""
+
+
+class OpenAIError(InvalidArgumentError):
+    """A bad field: INVALID_ARGUMENT whose `param` names the field (OpenAI's error `param`)."""
+
+    code: str | None = None
+    """OpenAI's error `code`, where one fits better than none."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:
+        # Ray pickles a Serve replica's exceptions: rebuild from both arguments.
+        return (type(self), (self.message, self.param))
+
+
+class ModelNotFoundError(OpenAIError):
+    """The request names a model this server does not serve (NOT_FOUND, HTTP 404)."""
+
+    status = "NOT_FOUND"
+    code = "model_not_found"
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """A checked request body; None where the body left a setting to the server."""
+
+    model: str
+    prompt: str | tuple[int, ...] | None = None
+    """Completions: the prompt text, or its token ids."""
+    messages: tuple[tuple[str, str], ...] = ()
+    """Chat: (role, content) pairs."""
+    max_tokens: int | None = None
+    max_tokens_field: str = "max_tokens"
+    """The field `max_tokens` came from (for errors about its value)."""
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    draft_tokens: int | None = None
+    pipelined: bool | None = None
+
+    @property
+    def prompt_field(self) -> str:
+        return "prompt" if self.prompt is not None else "messages"
+
+
+def _is(*values: object) -> Callable[[object], bool]:
+    # `type(v) is type(x)` keeps True from passing for 1 and 0 for False.
+    return lambda v: any(type(v) is type(x) and v == x for x in values)
+
+
+def _is_zero(value: object) -> bool:
+    return type(value) in (int, float) and value == 0
+
+
+def _any_bool(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+def _any_object(value: object) -> bool:
+    return isinstance(value, dict)
+
+
+def _never(value: object) -> bool:
+    return False
+
+
+NEUTRAL: dict[str, dict[str, tuple[str, Callable[[object], bool]]]] = {
+    "completions": {
+        "best_of": ("1", _is(1)),
+        "logprobs": ("null", _never),
+        "echo": ("false", _is(False)),
+        "suffix": ('""', _is("")),
+    },
+    "chat.completions": {
+        "logprobs": ("false", _is(False)),
+        "top_logprobs": ("0", _is(0)),
+        "tools": ("[]", _is([])),
+        "tool_choice": ('"none"', _is("none")),
+        "parallel_tool_calls": ("true or false (there are no tools)", _any_bool),
+        "functions": ("[]", _is([])),
+        "function_call": ('"none"', _is("none")),
+        "response_format": ('{"type": "text"}', _is({"type": "text"})),
+        "modalities": ('["text"]', _is(["text"])),
+        "store": ("false", _is(False)),
+        "metadata": ("an object (nothing is stored)", _any_object),
+        "audio": ("null", _never),
+        "prediction": ("null", _never),
+        "reasoning_effort": ("null", _never),
+        "web_search_options": ("null", _never),
+    },
+}
+"""Per route: OpenAI fields Tandem cannot honour -> (the values accepted, their test). Null is
+always accepted; any other value changes the output, so it is refused."""
+_NEUTRAL_COMMON: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "n": ("1", _is(1)),
+    "presence_penalty": ("0", _is_zero),
+    "frequency_penalty": ("0", _is_zero),
+    "logit_bias": ("{}", _is({})),
+    "service_tier": ('"auto" or "default"', _is("auto", "default")),
+}
+_COMMON_FIELDS = frozenset(
+    {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream"}
+    | {"stream_options", "user", "draft_tokens", "pipelined"}
+)
+_ROUTE_FIELDS: dict[str, frozenset[str]] = {
+    "completions": frozenset({"prompt"}),
+    "chat.completions": frozenset({"messages", "max_completion_tokens"}),
+}
+_NULL_MESSAGE_FIELDS = frozenset(
+    {"name", "refusal", "tool_calls", "function_call", "audio", "annotations"}
+)
+"""Message fields a client may echo back from a response, accepted when null (or empty)."""
+
+
+def body_object(body: object) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    return body
+
+
+def parse_stream(body: object) -> bool:
+    """The body's `stream` flag, checked."""
+    stream = body_object(body).get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise OpenAIError(f"stream must be true or false, got {stream!r}", "stream")
+    return bool(stream)
+
+
+def parse_request(route: Route, body: object) -> OpenAIRequest:
+    """The checked request of `body` for `route`; raises `OpenAIError` naming a bad field."""
+    fields = body_object(body)
+    neutral = {**_NEUTRAL_COMMON, **NEUTRAL[route]}
+    for name, value in fields.items():
+        if name in neutral:
+            allowed, accepts = neutral[name]
+            if value is not None and not accepts(value):
+                raise OpenAIError(
+                    f"{name} is not supported: only {allowed} is accepted, got {value!r}", name
+                )
+        elif name not in _COMMON_FIELDS | _ROUTE_FIELDS[route]:
+            raise OpenAIError(f"unknown field {name!r} for /v1/{route.replace('.', '/')}", name)
+    got = {name: value for name, value in fields.items() if value is not None}
+    model = got.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIError(
+            "model is required: a non-empty string, the name GET /v1/models lists", "model"
+        )
+    prompt: str | tuple[int, ...] | None = None
+    messages: tuple[tuple[str, str], ...] = ()
+    if route == "completions":
+        if "prompt" not in got:
+            raise OpenAIError("prompt is required", "prompt")
+        prompt = _prompt(got["prompt"])
+    else:
+        messages = _messages(got.get("messages"))
+    stream = parse_stream(fields)
+    max_tokens, max_tokens_field = _max_tokens(got)
+    top_k = _int(got, "top_k", -1, MAX_INT32)
+    seed = _int(got, "seed", -(2**63), 2**64 - 1)
+    if not isinstance(got.get("pipelined", False), bool):
+        raise OpenAIError("pipelined must be true or false", "pipelined")
+    if not isinstance(got.get("user", ""), str):
+        raise OpenAIError("user must be a string", "user")
+    return OpenAIRequest(
+        model=model,
+        prompt=prompt,
+        messages=messages,
+        max_tokens=max_tokens,
+        max_tokens_field=max_tokens_field,
+        temperature=_number(got, "temperature", DEFAULT_TEMPERATURE, "must be >= 0", 0.0),
+        top_p=_number(got, "top_p", 1.0, "must satisfy 0 < top_p <= 1", 0.0, 1.0, open_low=True),
+        top_k=0 if top_k is None or top_k == -1 else top_k,
+        seed=None if seed is None else seed % 2**64,
+        stop=_stop(got.get("stop")),
+        stream=stream,
+        include_usage=_include_usage(got, stream),
+        draft_tokens=_int(got, "draft_tokens", 0, MAX_DRAFT_TOKENS),
+        pipelined=got.get("pipelined"),
+    )
+
+
+def _include_usage(fields: Mapping[str, Any], stream: bool) -> bool:
+    if "stream_options" not in fields:
+        return False
+    options = fields["stream_options"]
+    if not stream:
+        raise OpenAIError("stream_options is only allowed with stream: true", "stream_options")
+    if not isinstance(options, dict):
+        raise OpenAIError("stream_options must be an object", "stream_options")
+    for key in options:
+        if key != "include_usage":
+            raise OpenAIError(f"unknown field {key!r} in stream_options", f"stream_options.{key}")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise OpenAIError(
+            "stream_options.include_usage must be true or false", "stream_options.include_usage"
+        )
+    return bool(include_usage)
+
+
+def _int(fields: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
+    value = fields.get(name)
+    if value is None:
+        return None
+    if type(value) is not int or not low <= value <= high:
+        raise OpenAIError(f"{name} must be an integer in {low}..{high}, got {value!r}", name)
+    return value
+
+
+def _number(
+    fields: Mapping[str, Any],
+    name: str,
+    default: float,
+    rule: str,
+    low: float,
+    high: float = math.inf,
+    open_low: bool = False,
+) -> float:
+    value = fields.get(name, default)
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise OpenAIError(f"{name} must be a finite number, got {value!r}", name)
+    if value < low or (open_low and value == low) or value > high:
+        raise OpenAIError(f"{name} {rule}, got {value!r}", name)
+    return float(value)
+
+
+def _max_tokens(fields: Mapping[str, Any]) -> tuple[int | None, str]:
+    max_tokens = _int(fields, "max_tokens", 1, MAX_INT32)
+    completion = _int(fields, "max_completion_tokens", 1, MAX_INT32)
+    if max_tokens is not None and completion is not None and max_tokens != completion:
+        raise OpenAIError(
+            f"max_tokens ({max_tokens}) and max_completion_tokens ({completion}) differ: "
+            "set one of them",
+            "max_completion_tokens",
+        )
+    if completion is not None:
+        return completion, "max_completion_tokens"
+    return max_tokens, "max_tokens"
+
+
+def _stop(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise OpenAIError("stop must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise OpenAIError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}", "stop")
+    if "" in stops:
+        raise OpenAIError("stop sequences must not be empty strings", "stop")
+    return tuple(stops)
+
+
+def _token_ids(value: list[Any]) -> tuple[int, ...] | None:
+    """`value` as token ids, or None if it is not a list of ints."""
+    if value and all(type(t) is int for t in value):
+        if not all(0 <= t <= MAX_INT32 for t in value):
+            raise OpenAIError("prompt token ids must be in 0..2**31-1", "prompt")
+        return tuple(value)
+    return None
+
+
+def _prompt(value: object) -> str | tuple[int, ...]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]  # a batch of one
+    elif isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
+        raise OpenAIError(
+            f"one prompt per request is supported, got {len(value)}: send them one by one",
+            "prompt",
+        )
+    if isinstance(value, str):
+        if not value:
+            raise OpenAIError("prompt must not be empty", "prompt")
+        return value
+    ids = _token_ids(value) if isinstance(value, list) else None
+    if ids is None:
+        raise OpenAIError(
+            "prompt must be a non-empty string, a non-empty list of token ids, or a one-element "
+            "list of either",
+            "prompt",
+        )
+    return ids
+
+
+def _messages(value: object) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, list) or not value:
+        raise OpenAIError("messages must be a non-empty list of messages", "messages")
+    return tuple(_message(i, message) for i, message in enumerate(value))
+
+
+def _message(i: int, message: object) -> tuple[str, str]:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise OpenAIError(f"{where} must be an object with role and content", where)
+    for key, value in message.items():
+        if key in _NULL_MESSAGE_FIELDS and value not in (None, []):
+            raise OpenAIError(f"{where}.{key} is not supported", f"{where}.{key}")
+        if key not in _NULL_MESSAGE_FIELDS | {"role", "content"}:
+            raise OpenAIError(f"unknown field {key!r} in {where}", f"{where}.{key}")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise OpenAIError(
+            f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role"
+        )
+    return role, _content(f"{where}.content", message.get("content"))
+
+
+def _content(where: str, content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = [
+            part.get("text")
+            for part in content
+            if isinstance(part, dict)
+            and part.get("type") == "text"
+            and set(part) <= {"type", "text"}
+        ]
+        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+            return "\n".join(texts)  # type: ignore[arg-type]
+    raise OpenAIError(
+        f"{where} must be a string or a non-empty list of text parts "
+        '({"type": "text", "text": ...})',
+        where,
+    )

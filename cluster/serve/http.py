@@ -1,0 +1,187 @@
+"""OpenAI-compatible HTTP on the router ingress: a starlette `Request` in, a response out.
+
+Serve's HTTP proxy calls the ingress deployment's `__call__` with the request; `RouterIngress`
+hands it to `OpenAIHttp`, which routes it to `cluster.api.openai.OpenAIService` (the same
+TandemService, router and tenants as the gRPC API) and frames what comes back:
+
+- `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (paths relative to the
+  application's route prefix); any other path is 404 and a known path with another method is
+  405 (with `Allow`), both in OpenAI's error shape (`{"error": {"message", "type", "param",
+  "code"}}`), as is every other error (`cluster.api.openai.error_response` picks the status).
+- The body must be a JSON object: anything else is 400 before the service sees it.
+- The caller: `Authorization: Bearer <key>` and the optional `x-tandem-deadline-ms` header,
+  read exactly as the gRPC ingress reads the same metadata (`cluster.serve.ingress`).
+- Unary: a `JSONResponse`. The router loop blocks, so the call runs on the ingress's thread
+  pool; if Serve cancels the request (the client went away) the thread stops the generation
+  after the step in flight (`is_active`).
+- `"stream": true`: server-sent events, `data: <chunk json>\\n\\n` per chunk and
+  `data: [DONE]\\n\\n` at the end (`text/event-stream`). The blocking stream is bridged chunk by
+  chunk on the thread pool (`iterate_in_thread`). The first chunk is awaited before the
+  response starts, so an error before it (authentication, validation, a quota) is an ordinary
+  error response with its status; an error after it can only be told in the stream: one
+  `data: {"error": ...}` event, and the stream ends without `[DONE]`. Ending the response in
+  any way (finished, failed, or cancelled because the client disconnected) closes the Tandem
+  stream, which frees the request's sessions on both replicas: starlette leaves an unfinished
+  body iterator open when its send is cancelled, so `_ClosingStream` closes it itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from cluster.api.openai import OpenAIService, Route, error_response
+from cluster.api.service import Caller
+from cluster.api.tenants import bearer_key
+from cluster.serve.ingress import deadline_of, iterate_in_thread
+from verifier.runtime.errors import InvalidArgumentError
+
+ROUTES: dict[str, tuple[str, Route | None]] = {
+    "/v1/models": ("GET", None),
+    "/v1/completions": ("POST", "completions"),
+    "/v1/chat/completions": ("POST", "chat.completions"),
+}
+"""Path -> (its one method, the OpenAIService route; None: the model list)."""
+DONE_EVENT = b"data: [DONE]\n\n"
+EVENT_STREAM = "text/event-stream"
+
+
+class OpenAIHttp:
+    """The HTTP face of `OpenAIService`; blocking work runs on `threads` (the ingress's)."""
+
+    def __init__(self, openai: OpenAIService, threads: ThreadPoolExecutor) -> None:
+        self._openai = openai
+        self._threads = threads
+
+    async def __call__(self, request: Request) -> Response:
+        path = _route_path(request.scope)
+        if path not in ROUTES:
+            return _error_json(404, f"unknown path {path!r}", code="unknown_url")
+        method, route = ROUTES[path]
+        if request.method != method:
+            return _error_json(
+                405,
+                f"{path} takes {method}, not {request.method}",
+                code="method_not_allowed",
+                headers={"Allow": method},
+            )
+        try:
+            caller = _caller(request)
+            if route is None:
+                return JSONResponse(self._openai.models(caller))
+            body = await _json_object(request)
+            if self._openai.wants_stream(body):
+                return await self._stream(route, body, caller)
+            return JSONResponse(await self._complete(route, body, caller))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            return _error(error)
+
+    async def _complete(self, route: Route, body: object, caller: Caller) -> dict[str, Any]:
+        active = threading.Event()
+        active.set()
+        future = self._threads.submit(self._openai.complete, route, body, caller, active.is_set)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            active.clear()  # the thread ends the generation after the step in flight
+            raise
+
+    async def _stream(self, route: Route, body: object, caller: Caller) -> Response:
+        chunks = cast(  # an async generator function's result: it has aclose
+            AsyncGenerator[dict[str, Any], None],
+            iterate_in_thread(self._openai.stream(route, body, caller), self._threads),
+        )
+        try:
+            # An error raised here is answered as a whole response; `chunks` closed itself.
+            first = await anext(chunks)
+        except StopAsyncIteration:
+            first = None
+        return _ClosingStream(_events(first, chunks))
+
+
+async def _events(
+    first: dict[str, Any] | None, chunks: AsyncGenerator[dict[str, Any], None]
+) -> AsyncGenerator[bytes, None]:
+    """The response body: `first`, then the rest of `chunks`, as events; `[DONE]` unless a
+    chunk failed, which is told as one error event. Closing this closes `chunks`."""
+    try:
+        if first is not None:
+            yield _event(first)
+            async for chunk in chunks:
+                yield _event(chunk)
+    except Exception as error:
+        _, body, _ = error_response(error)
+        yield _event(body)
+        return
+    finally:
+        await chunks.aclose()
+    yield DONE_EVENT
+
+
+class _ClosingStream(StreamingResponse):
+    """A `StreamingResponse` that closes its body iterator however the response ends: on a
+    client disconnect Serve cancels the request, possibly while starlette awaits `send` between
+    two chunks, and starlette would then leave the iterator (and the Tandem stream) open."""
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(events, media_type=EVENT_STREAM)
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+def _route_path(scope: Scope) -> str:
+    """The request's path below the application's route prefix (Serve sets `root_path`)."""
+    path = str(scope.get("path", ""))
+    root = str(scope.get("root_path", "")).rstrip("/")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    return path.rstrip("/") or "/"
+
+
+def _caller(request: Request) -> Caller:
+    headers = request.headers.items()
+    return Caller(bearer_key(headers), deadline_of(headers))
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError as error:  # UnicodeDecodeError included
+        raise InvalidArgumentError(f"the request body is not valid JSON ({error})") from None
+    if not isinstance(body, dict):
+        raise InvalidArgumentError(
+            f"the request body must be a JSON object, got {type(body).__name__}"
+        )
+    return body
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _error(error: Exception) -> JSONResponse:
+    status, body, headers = error_response(error)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _error_json(
+    status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    body = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    return JSONResponse({"error": body}, status_code=status, headers=headers)
