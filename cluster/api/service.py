@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING
 
 from cluster.api.admission import Admission
 from cluster.api.chat import render_chat
+from cluster.api.convert import finish_reason_to_proto, stats_to_proto
 from cluster.api.running import RunningRequests
 from cluster.api.tenants import Tenant, Tenants
 from cluster.metrics import TandemMetrics
@@ -85,7 +86,6 @@ DEFAULT_MAX_TOKENS_LIMIT = DEFAULT_MAX_CONTEXT_TOKENS
 DEFAULT_MAX_RUNNING = 64
 DEFAULT_MAX_QUEUED = 128
 """Together within the Serve ingress's 256 request threads: a queued request holds one."""
-_FINISH_REASON_PREFIX = "FINISH_REASON_"
 
 
 @dataclass(frozen=True)
@@ -124,42 +124,6 @@ class RequestCancelledError(TandemError):
     """The caller went away (cancelled, or past its deadline) before the request finished."""
 
     status = "CANCELLED"
-
-
-def finish_reason_to_proto(reason: FinishReason) -> generate_pb2.FinishReason:
-    # The proto enum names are the Python enum's names with a prefix: one list of reasons.
-    return generate_pb2.FinishReason.Value(_FINISH_REASON_PREFIX + reason.name)
-
-
-def finish_reason_from_proto(value: generate_pb2.FinishReason) -> FinishReason | None:
-    """None for FINISH_REASON_UNSPECIFIED (not finished)."""
-    if value == generate_pb2.FINISH_REASON_UNSPECIFIED:
-        return None
-    return FinishReason[generate_pb2.FinishReason.Name(value).removeprefix(_FINISH_REASON_PREFIX)]
-
-
-def stats_to_proto(stats: SpeculationStats) -> generate_pb2.SpeculationStats:
-    return generate_pb2.SpeculationStats(
-        num_drafted=stats.num_drafted,
-        num_accepted=stats.num_accepted,
-        num_verify_passes=stats.num_verify_passes,
-        pipeline_hits=stats.pipeline_hits,
-        pipeline_misses=stats.pipeline_misses,
-        drafted_by_position=stats.drafted_by_position,
-        accepted_by_position=stats.accepted_by_position,
-    )
-
-
-def stats_from_proto(message: generate_pb2.SpeculationStats) -> SpeculationStats:
-    return SpeculationStats(
-        num_drafted=message.num_drafted,
-        num_accepted=message.num_accepted,
-        num_verify_passes=message.num_verify_passes,
-        pipeline_hits=message.pipeline_hits,
-        pipeline_misses=message.pipeline_misses,
-        drafted_by_position=list(message.drafted_by_position),
-        accepted_by_position=list(message.accepted_by_position),
-    )
 
 
 def _new_request_id() -> str:

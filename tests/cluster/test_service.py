@@ -11,15 +11,13 @@ from typing import Any
 import grpc
 import pytest
 
-from cluster.api.service import (
-    RequestCancelledError,
-    ServiceConfig,
-    TandemService,
+from cluster.api.convert import (
     finish_reason_from_proto,
     finish_reason_to_proto,
     stats_from_proto,
     stats_to_proto,
 )
+from cluster.api.service import RequestCancelledError, ServiceConfig, TandemService
 from cluster.api.status import INTERNAL_ERROR_MESSAGE, status_of
 from cluster.api.tenants import Tenants
 from cluster.local import LocalTandem
