@@ -1,0 +1,379 @@
+"""Model runners: one forward pass for many sequences' new tokens, over block-accounted KV memory.
+
+A step is a batch of `SequenceWork` items, one per sequence: tokens appended at the sequence's
+current length (a decode, a verify block, a prefill chunk) and the indices of those tokens whose
+next-token logits are wanted. `ModelRunner.forward` returns those logits as float32 rows in batch
+order and appends the tokens; `truncate` rolls a sequence back without copying; `release` forgets
+it. KV memory is counted in blocks of `block_size` tokens out of `num_blocks`: a step whose new
+blocks do not fit raises `PoolExhaustedError` with nothing changed, so the caller can admit,
+defer or preempt by blocks whatever runner it got.
+
+- `PagedModelRunner`: every item in ONE model call, K/V in a `KVBlockPool` through the
+  `tandem_paged` attention function. It switches the model object to that attention for good;
+  plain calls of the model (`generate`, a full forward) still work, as SDPA.
+- `SerialModelRunner`: the fallback for models that cannot switch attention (remote code,
+  recurrent or hybrid models, attention sinks): a `DynamicCache` per sequence, one model call
+  per item.
+- `build_runner` sizes the memory and picks the runner with a load-time self-test.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from verifier.runtime.errors import InvalidArgumentError, ResourceExhaustedError
+from verifier.runtime.kv_pool import (
+    BlockAllocator,
+    KVBlockPool,
+    blocks_for,
+    free_memory_bytes,
+    kv_bytes_per_token,
+    num_input_ids,
+    pool_blocks,
+)
+from verifier.runtime.models import LoadedModel
+from verifier.runtime.paged_attention import ATTENTION_NAME, BATCH_KWARG, pack_step
+
+__all__ = [
+    "ModelRunner",
+    "PagedModelRunner",
+    "PoolExhaustedError",
+    "SequenceWork",
+    "SerialModelRunner",
+    "build_runner",
+    "free_memory_bytes",
+    "kv_bytes_per_token",
+    "paged_self_test",
+    "pool_blocks",
+    "split_rows",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SequenceWork:
+    """New tokens of one sequence for one step, and where their logits are wanted."""
+
+    seq_id: str
+    tokens: tuple[int, ...]
+    """Appended at the sequence's current length (>= 1 token)."""
+    logits_at: tuple[int, ...]
+    """Ascending indices into `tokens` whose next-token logits are returned (may be empty: a
+    middle prefill chunk)."""
+
+
+class PoolExhaustedError(ResourceExhaustedError):
+    """The step's new KV blocks do not fit in the free blocks; nothing was changed."""
+
+
+class ModelRunner(Protocol):
+    kind: str
+    """"paged" or "serial"."""
+    block_size: int
+    num_blocks: int
+
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    def length(self, seq_id: str) -> int: ...
+    def blocks_needed(self, seq_id: str, new_length: int) -> int: ...
+    def forward(self, batch: Sequence[SequenceWork]) -> torch.Tensor: ...
+    def truncate(self, seq_id: str, length: int) -> None: ...
+    def release(self, seq_id: str) -> None: ...
+
+
+def split_rows(batch: Sequence[SequenceWork], logits: torch.Tensor) -> list[torch.Tensor]:
+    """`forward`'s rows cut per item (views)."""
+    return list(logits.split([len(w.logits_at) for w in batch]))
+
+
+def _supports_logits_to_keep(model: PreTrainedModel) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+class _BlockAccountedRunner:
+    """What both runners share: block bookkeeping, validation, reservation for a step."""
+
+    kind = ""
+
+    def __init__(self, model: PreTrainedModel, allocator: BlockAllocator) -> None:
+        self.model = model
+        self.device = model.device
+        self.block_size = allocator.block_size
+        self.num_blocks = allocator.num_blocks
+        self._blocks = allocator
+        self._keep_rows_in_model = _supports_logits_to_keep(model)
+        output = model.get_output_embeddings()
+        self._vocab_size = int(output.weight.shape[0]) if output is not None else 0
+        self._num_input_ids = num_input_ids(model)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._blocks.num_free_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def length(self, seq_id: str) -> int:
+        return self._blocks.length(seq_id)
+
+    def blocks_needed(self, seq_id: str, new_length: int) -> int:
+        return self._blocks.blocks_needed(seq_id, new_length)
+
+    def _check(self, batch: Sequence[SequenceWork]) -> None:
+        if len({w.seq_id for w in batch}) != len(batch):
+            raise InvalidArgumentError("a step takes at most one item per sequence")
+        for w in batch:
+            if not w.tokens:
+                raise InvalidArgumentError(f"sequence {w.seq_id!r}: a step item needs tokens")
+            if min(w.tokens) < 0 or max(w.tokens) >= self._num_input_ids:
+                raise InvalidArgumentError(
+                    f"sequence {w.seq_id!r}: token ids must be in 0..{self._num_input_ids - 1}"
+                )
+            if w.logits_at and (
+                w.logits_at[0] < 0
+                or w.logits_at[-1] >= len(w.tokens)
+                or list(w.logits_at) != sorted(set(w.logits_at))
+            ):
+                raise InvalidArgumentError(
+                    f"sequence {w.seq_id!r}: logits_at must be ascending indices in "
+                    f"0..{len(w.tokens) - 1}, got {list(w.logits_at)}"
+                )
+
+    def _reserve(self, batch: Sequence[SequenceWork]) -> list[str]:
+        """Take the step's blocks (all or nothing); the ids of sequences new to the runner."""
+        self._check(batch)
+        new_ids = [w.seq_id for w in batch if w.seq_id not in self._blocks]
+        lengths = {w.seq_id: self._blocks.length(w.seq_id) + len(w.tokens) for w in batch}
+        if not self._blocks.reserve_many(lengths):
+            need = sum(self._blocks.blocks_needed(s, n) for s, n in lengths.items())
+            raise PoolExhaustedError(
+                f"KV memory full: the step needs {need} more blocks of {self.block_size} "
+                f"tokens, {self._blocks.num_free_blocks} of {self.num_blocks} are free"
+            )
+        return new_ids
+
+    def _empty_logits(self) -> torch.Tensor:
+        return torch.empty(0, self._vocab_size, dtype=torch.float32, device=self.device)
+
+
+class PagedModelRunner(_BlockAccountedRunner):
+    """All items of a step in one model call, over a `KVBlockPool`."""
+
+    kind = "paged"
+
+    def __init__(self, model: PreTrainedModel, *, num_blocks: int, block_size: int = 16) -> None:
+        model.set_attn_implementation(ATTENTION_NAME)
+        if model.config._attn_implementation != ATTENTION_NAME:
+            raise InvalidArgumentError(
+                f"{type(model).__name__} cannot switch to a custom attention function"
+            )
+        self.pool = KVBlockPool.for_model(model, num_blocks=num_blocks, block_size=block_size)
+        super().__init__(model, self.pool)
+
+    @torch.inference_mode()
+    def forward(self, batch: Sequence[SequenceWork]) -> torch.Tensor:
+        """float32 `[sum(len(w.logits_at)), vocab]`, rows in batch order; appends the tokens.
+
+        Raises `PoolExhaustedError` (nothing changed) if the new blocks do not fit; if the
+        model call fails, the reservations are undone and the error propagates.
+        """
+        if not batch:
+            return self._empty_logits()
+        pool, device = self.pool, self.device
+        pasts = [pool.length(w.seq_id) for w in batch]
+        new_ids = self._reserve(batch)
+        try:
+            q_lens = [len(w.tokens) for w in batch]
+            step = pack_step(
+                key_cache=pool.key,
+                value_cache=pool.value,
+                block_tables=pool.block_tables([w.seq_id for w in batch]),
+                block_size=pool.block_size,
+                past_lengths=pasts,
+                query_lengths=q_lens,
+            )
+            tokens = list(itertools.chain.from_iterable(w.tokens for w in batch))
+            counts = torch.tensor([len(w.logits_at) for w in batch])
+            starts = torch.cumsum(torch.tensor(q_lens), 0) - torch.tensor(q_lens)
+            rows = torch.tensor(list(itertools.chain.from_iterable(w.logits_at for w in batch)))
+            rows = (rows.long() + torch.repeat_interleave(starts, counts)).to(device)
+            keep = {"logits_to_keep": rows} if self._keep_rows_in_model else {}
+            logits = self.model(
+                input_ids=torch.tensor([tokens], device=device),
+                position_ids=step.positions[None],
+                attention_mask=None,  # our attention name has no mask function: HF builds none
+                use_cache=False,
+                **keep,
+                **{BATCH_KWARG: step},
+            ).logits[0]
+        except BaseException:
+            pool.undo_reservations([w.seq_id for w in batch], new_ids)
+            raise
+        if not self._keep_rows_in_model:
+            logits = logits[rows]
+        for w, past in zip(batch, pasts, strict=True):
+            pool.commit(w.seq_id, past + len(w.tokens))
+        return logits.float()
+
+    def truncate(self, seq_id: str, length: int) -> None:
+        """Keep positions `< length`; whole blocks past it are freed; nothing is copied."""
+        self.pool.truncate(seq_id, length)
+
+    def release(self, seq_id: str) -> None:
+        self.pool.release(seq_id)
+
+
+class SerialModelRunner(_BlockAccountedRunner):
+    """One `DynamicCache` per sequence and one model call per item, accounted in blocks."""
+
+    kind = "serial"
+
+    def __init__(self, model: PreTrainedModel, *, num_blocks: int, block_size: int = 16) -> None:
+        if model.config._attn_implementation == ATTENTION_NAME:
+            raise InvalidArgumentError("this model object belongs to a PagedModelRunner")
+        super().__init__(model, BlockAllocator(num_blocks=num_blocks, block_size=block_size))
+        self._caches: dict[str, DynamicCache] = {}
+
+    @torch.inference_mode()
+    def forward(self, batch: Sequence[SequenceWork]) -> torch.Tensor:
+        """Same contract as `PagedModelRunner.forward`, one model call per item."""
+        if not batch:
+            return self._empty_logits()
+        pasts = [self._blocks.length(w.seq_id) for w in batch]
+        new_ids = self._reserve(batch)
+        rows: list[torch.Tensor] = []
+        try:
+            for w in batch:
+                cache = self._caches.get(w.seq_id) or DynamicCache(config=self.model.config)
+                self._caches[w.seq_id] = cache
+                keep = torch.tensor(w.logits_at, dtype=torch.long, device=self.device)
+                logits = self.model(
+                    input_ids=torch.tensor([w.tokens], device=self.device),
+                    past_key_values=cache,
+                    use_cache=True,
+                    **({"logits_to_keep": keep} if self._keep_rows_in_model else {}),
+                ).logits[0]
+                rows.append(logits if self._keep_rows_in_model else logits[keep])
+        except BaseException:
+            for w, past in zip(batch, pasts, strict=True):
+                self._crop(w.seq_id, past)
+            for seq_id in new_ids:
+                self._caches.pop(seq_id, None)
+            self._blocks.undo_reservations([w.seq_id for w in batch], new_ids)
+            raise
+        for w, past in zip(batch, pasts, strict=True):
+            self._blocks.commit(w.seq_id, past + len(w.tokens))
+        return torch.cat(rows).float()
+
+    def _crop(self, seq_id: str, length: int) -> None:
+        cache = self._caches.get(seq_id)
+        if cache is None:
+            return
+        if length == 0:
+            self._caches[seq_id] = DynamicCache(config=self.model.config)
+            return
+        # Layer by layer: after a model call that failed midway, the first layers hold more
+        # positions than the last. Transformers' crop takes a negative count to remove.
+        layers: list[Any] = list(cache.layers)
+        for layer in layers:
+            held = layer.get_seq_length()
+            if held > length:
+                layer.crop(length - held)
+
+    def truncate(self, seq_id: str, length: int) -> None:
+        """Keep positions `< length` (the cache is cropped); whole blocks past it are freed."""
+        self._blocks.truncate(seq_id, length)
+        self._crop(seq_id, length)
+
+    def release(self, seq_id: str) -> None:
+        self._blocks.release(seq_id)
+        self._caches.pop(seq_id, None)
+
+
+# --------------------------------------------------------------------------------------------- #
+# Choosing and sizing a runner
+
+_SELF_TEST_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+"""Largest max|Δlogit| / max(1, max|logit|) the self-test accepts; 5e-2 for 16-bit dtypes. A
+wrong mask or ignored positions gives errors of order 1."""
+
+
+def paged_self_test(model: PreTrainedModel, block_size: int) -> str | None:
+    """Run two short sequences paged (a prefill, then a mixed step: a verify block across a
+    block boundary plus a new prefill) against a plain full forward of the same model.
+
+    Returns None when they match, the model then switched to `tandem_paged`; else the reason,
+    the model's attention put back as it was.
+    """
+    vocab = num_input_ids(model)
+    a = [(i * 7919 + 13) % vocab for i in range(block_size + 3)]
+    b = [(i * 104729 + 7) % vocab for i in range(5)]
+    original = model.config._attn_implementation
+    if original == ATTENTION_NAME:  # switched by an earlier runner: compare with plain SDPA
+        model.set_attn_implementation("sdpa")
+        original = "sdpa"
+    with torch.inference_mode():  # the reference, before the switch
+        reference = [model(torch.tensor([s], device=model.device)).logits[0] for s in (a, b)]
+    split = max(1, block_size - 2)  # the verify block then crosses into the second block
+    try:
+        blocks = blocks_for(len(a), block_size) + blocks_for(len(b), block_size)
+        runner = PagedModelRunner(model, num_blocks=blocks, block_size=block_size)
+        first = runner.forward([SequenceWork("a", tuple(a[:split]), tuple(range(split)))])
+        second = runner.forward(
+            [
+                SequenceWork("a", tuple(a[split:]), tuple(range(len(a) - split))),
+                SequenceWork("b", tuple(b), tuple(range(len(b)))),
+            ]
+        )
+        got = torch.cat([first, second])
+        want = torch.cat(reference).float()
+        tolerance = _SELF_TEST_TOLERANCE.get(model.dtype, 5e-2)
+        error = float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
+        reason = None if error <= tolerance else f"relative logit error {error:.2e} > {tolerance}"
+    except Exception as exc:  # any failure means: not this runner
+        reason = f"{type(exc).__name__}: {exc}"
+    if reason is not None and model.config._attn_implementation != original:
+        model.set_attn_implementation(original)
+    return reason
+
+
+def build_runner(
+    model: LoadedModel,
+    *,
+    kv_cache_bytes: int = 0,
+    kv_cache_fraction: float = 0.2,
+    max_tokens_needed: int | None = None,
+    block_size: int = 16,
+    max_sequence_tokens: int | None = None,
+) -> ModelRunner:
+    """A runner over `model.model` with a pool of `kv_cache_bytes` (if > 0, else
+    `kv_cache_fraction` of the device's free memory), capped at `max_tokens_needed` tokens and at
+    least one `max_sequence_tokens` sequence (default: the model's context, capped at
+    `max_tokens_needed`). Paged if `paged_self_test` passes, else serial; logs which and why."""
+    num_blocks = pool_blocks(
+        model.model,
+        kv_cache_bytes=kv_cache_bytes,
+        kv_cache_fraction=kv_cache_fraction,
+        max_tokens_needed=max_tokens_needed,
+        max_sequence_tokens=max_sequence_tokens,
+        block_size=block_size,
+    )
+    name = type(model.model).__name__
+    reason = paged_self_test(model.model, block_size)
+    if reason is None:
+        logger.info("%s: paged runner, %d blocks of %d tokens", name, num_blocks, block_size)
+        return PagedModelRunner(model.model, num_blocks=num_blocks, block_size=block_size)
+    logger.warning("%s: serial runner (paged self-test failed: %s)", name, reason)
+    return SerialModelRunner(model.model, num_blocks=num_blocks, block_size=block_size)
