@@ -1,10 +1,12 @@
 """The drafter component: a small causal LM proposes the next tokens of a session.
 
 A plain class (no Ray, no gRPC). Each session holds the committed tokens as the router last
-reported them, a KV cache on the draft model, the drafter's own sampling settings and a seeded
-generator. `draft` first appends the tokens committed since the last block (the last verdict),
-then proposes `num_tokens` tokens, one model step each, reusing its cache across blocks:
-positions that the verdict kept stay cached, rejected ones are rolled back.
+reported them, a KV cache in the replica's paged pool, the drafter's own sampling settings and a
+seeded generator. `draft` is a task of the replica's engine: it first appends the tokens
+committed since the last block (the last verdict), then proposes `num_tokens` tokens, one engine
+step each (every session mid-draft shares each step's forward pass; sessions join and leave
+between steps), reusing its cache across blocks: positions that the verdict kept stay cached,
+rejected ones are rolled back.
 
 Greedy requests draft greedily and send no q (q is one-hot at the drafted token). Sampled
 requests draft from the request's distribution, optionally truncated further to the drafter's
@@ -22,8 +24,10 @@ import torch
 
 from verifier.runtime.block import DraftBlock
 from verifier.runtime.component import SessionComponent
+from verifier.runtime.engine import Task
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.models import LoadedModel
+from verifier.runtime.runner import ModelRunner
 from verifier.runtime.sampling import (
     SamplingParams,
     SparseDistribution,
@@ -31,13 +35,7 @@ from verifier.runtime.sampling import (
     sample,
     to_sparse,
 )
-from verifier.runtime.session import (
-    MAX_BLOCK_TOKENS,
-    SessionLimits,
-    check_seed,
-    check_token_ids,
-    synchronized,
-)
+from verifier.runtime.session import MAX_BLOCK_TOKENS, SessionLimits, check_seed, check_token_ids
 
 # XOR-ed into the request seed so that the drafter's draws are independent of the verifier's:
 # acceptance is only exact when the draft token and the acceptance test use separate randomness.
@@ -82,15 +80,22 @@ def draft_sampling(request: SamplingParams, top_k: int) -> SamplingParams:
 class Drafter(SessionComponent[DrafterConfig]):
     """Proposes draft blocks with a small model, one session per request."""
 
-    def __init__(self, draft: LoadedModel, config: DrafterConfig | None = None) -> None:
-        super().__init__(draft, config or DrafterConfig())
+    def __init__(
+        self,
+        draft: LoadedModel,
+        config: DrafterConfig | None = None,
+        runner: ModelRunner | None = None,
+    ) -> None:
+        super().__init__(draft, config or DrafterConfig(), runner)
+
+    def _headroom_tokens(self) -> int:
+        return self.config.max_draft_tokens
 
     def _session_sampling(self, sampling: SamplingParams, seed: int) -> tuple[SamplingParams, int]:
         """The drafter's own distribution (`draft_sampling`) and its own salted seed."""
         check_seed(seed)  # before salting, so the message names the caller's seed
         return draft_sampling(sampling, self.config.top_k), seed ^ DRAFTER_SEED_SALT
 
-    @synchronized
     def draft(
         self,
         session_id: str,
@@ -105,6 +110,17 @@ class Drafter(SessionComponent[DrafterConfig]):
         `truncate_to` undoes a block the router let this drafter assume accepted (pipelining)
         when the verdict rejected part of it.
         """
+        task = self._draft(session_id, base_length, tuple(appended_tokens), num_tokens, truncate_to)
+        return self._engine.run(task, key=session_id)
+
+    def _draft(
+        self,
+        session_id: str,
+        base_length: int,
+        appended_tokens: tuple[int, ...],
+        num_tokens: int,
+        truncate_to: int | None,
+    ) -> Task[DraftBlock]:
         session = self._sessions.get_at(session_id, base_length)
         if not 1 <= num_tokens <= self.config.max_draft_tokens:
             raise InvalidArgumentError(
@@ -122,8 +138,12 @@ class Drafter(SessionComponent[DrafterConfig]):
 
         drafted: list[int] = []
         draft_probs: list[SparseDistribution] = []
+        load = None
         for _ in range(num_tokens):
-            logits = session.kv.logits(session.tokens + drafted, 1)  # [1, vocab]
+            # One engine step per token: other sessions' draft steps join the same pass.
+            logits = yield from self._forward(session, session.tokens + drafted, 1)
+            assert logits is not None  # one logit row is always computed
+            load = self._engine.step_load()
             if session.sampling.is_greedy:
                 drafted.append(int(logits[0].argmax()))
             else:
@@ -136,6 +156,7 @@ class Drafter(SessionComponent[DrafterConfig]):
             base_length=len(session.tokens),
             tokens=tuple(drafted),
             draft_probs=None if session.sampling.is_greedy else tuple(draft_probs),
+            load=load,
         )
 
     def _unsure(self, logits: torch.Tensor) -> bool:

@@ -2,8 +2,8 @@
 
 A thin adapter: the session RPCs come from `SessionServicer` (verifier/replica/servicer.py); the
 one of its own, Draft, converts the request with `verifier.replica.wire`, calls the drafter
-under the servicer's `CallGuard` (one call at a time; errors become gRPC statuses), and converts
-the block back.
+under the servicer's `CallGuard` (errors become gRPC statuses; calls run concurrently, batched
+by the drafter's engine), and converts the block back.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A thin adapter: the session RPCs come from `SessionServicer` (verifier/replica/servicer.py); the
 one of its own, Verify, converts the block with `verifier.replica.wire`, calls the verifier
-under the servicer's `CallGuard` (one call at a time; errors become gRPC statuses), and converts
-the verdict back.
+under the servicer's `CallGuard` (errors become gRPC statuses; calls run concurrently, batched
+by the verifier's engine), and converts the verdict back.
 """
 
 from __future__ import annotations

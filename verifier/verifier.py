@@ -1,34 +1,33 @@
-"""The verifier component: the target model checks a draft block in one forward pass.
+"""The verifier component: the target model checks draft blocks, many sessions per forward pass.
 
-A plain class (no Ray, no gRPC): sessions by id, each with the committed tokens, a KV cache on
-the target model, the request's sampling settings and a seeded generator. `verify` runs the
-target once over the last committed token plus the block, turns the `k + 1` rows of logits into
-the distribution actually sampled from (temperature, top-k, top-p), applies `rejection_sample`,
-commits the emitted tokens and rolls the cache back past the rejected positions. A block with no
-tokens is plain target decoding through the same path.
+A plain class (no Ray, no gRPC): sessions by id, each with the committed tokens, a KV cache in
+the replica's paged pool, the request's sampling settings and a seeded generator. `verify` is a
+task of the replica's engine: the target runs over the last committed token plus the block in
+the engine's next batched step (beside every other session's block), the `k + 1` rows of logits
+become the distribution actually sampled from (temperature, top-k, top-p), and after the step
+every block of the step is accepted in one `batch_rejection_sample` call (each session with its
+own seeded generator, so a request gets the same tokens alone or batched). The emitted tokens are
+committed and the cache rolled back past the rejected positions (whole KV blocks freed). A block
+with no tokens is plain target decoding through the same path. A deferred bonus keeps only what
+the next block needs (`SessionOutcome.deferred_row`: an argmax, the nonzero entries, or a row).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from verifier.rejection import rejection_sample
+from verifier.batch_rejection import BatchSession, SessionOutcome, batch_rejection_sample
 from verifier.runtime.block import DraftBlock, Verdict
 from verifier.runtime.component import SessionComponent
+from verifier.runtime.engine import Batched, Task
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.models import LoadedModel
-from verifier.runtime.sampling import logits_to_probs, to_dense
-from verifier.runtime.session import (
-    MAX_BLOCK_TOKENS,
-    ReplicaSession,
-    SessionLimits,
-    check_token_ids,
-    synchronized,
-)
+from verifier.runtime.runner import ModelRunner
+from verifier.runtime.sampling import SparseDistribution, logits_to_probs, to_dense
+from verifier.runtime.session import MAX_BLOCK_TOKENS, SessionLimits, check_token_ids
 
 
 @dataclass(frozen=True)
@@ -41,14 +40,32 @@ class VerifierConfig(SessionLimits):
     _counts: ClassVar[tuple[str, ...]] = (*SessionLimits._counts, "max_block_tokens")
 
 
-class Verifier(SessionComponent[VerifierConfig]):
-    """Verifies draft blocks against the target model, one session per request."""
+@dataclass(frozen=True)
+class _Acceptance:
+    """One block's part of a batched acceptance call."""
 
-    def __init__(self, target: LoadedModel, config: VerifierConfig | None = None) -> None:
-        super().__init__(target, config or VerifierConfig())
+    rows: torch.Tensor
+    """The target's rows for the block (p as used, or the logits of a greedy session)."""
+    draft_tokens: tuple[int, ...]
+    session: BatchSession
+
+
+class Verifier(SessionComponent[VerifierConfig]):
+    """Verifies draft blocks against the target model; every block pending on the replica is
+    verified in one forward pass and accepted in one vectorised call."""
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        config: VerifierConfig | None = None,
+        runner: ModelRunner | None = None,
+    ) -> None:
+        super().__init__(target, config or VerifierConfig(), runner)
         self._target = target
 
-    @synchronized
+    def _headroom_tokens(self) -> int:
+        return self.config.max_block_tokens + 1
+
     def verify(self, session_id: str, block: DraftBlock, defer_bonus: bool = False) -> Verdict:
         """Check `block` against the target, commit what is emitted, return the verdict.
 
@@ -57,6 +74,9 @@ class Verifier(SessionComponent[VerifierConfig]):
         is verified against it. This is the same acceptance rule applied across two passes,
         so it stays lossless; it lets a block drafted ahead (pipelining) be used as it is.
         """
+        return self._engine.run(self._verify(session_id, block, defer_bonus), key=session_id)
+
+    def _verify(self, session_id: str, block: DraftBlock, defer_bonus: bool) -> Task[Verdict]:
         session = self._sessions.get_at(session_id, block.base_length)
         num_draft = len(block.tokens)
         if num_draft > self.config.max_block_tokens:
@@ -65,42 +85,82 @@ class Verifier(SessionComponent[VerifierConfig]):
             )
         check_token_ids(block.tokens, self.vocab_size, "block.tokens")
         self._sessions.check_context(len(session.tokens) + num_draft + 1)
-        draft_probs = None
-        if block.draft_probs is not None:
-            draft_probs = to_dense(block.draft_probs, self.vocab_size).to(self._target.device)
-
-        target_probs = self._target_probs(session, block.tokens)  # [k + 1, vocab]
-        draft_tokens = torch.tensor(block.tokens, dtype=torch.long, device=self._target.device)
-        emitted, num_accepted = rejection_sample(
-            target_probs, draft_tokens, draft_probs, session.generator
-        )
-        deferred = defer_bonus and num_draft > 0 and num_accepted == num_draft
-        if deferred:
-            # Every position is now in the cache; the bonus row waits for the next block.
-            session.next_probs = target_probs[num_draft]
-            emitted = emitted[:num_draft]
+        greedy = session.sampling.is_greedy
+        if greedy and block.draft_probs is not None:
+            # Greedy acceptance never reads q, but a malformed one is still refused (rare:
+            # drafters send no q for greedy requests).
+            to_dense(block.draft_probs, self.vocab_size)
+        stored = session.next_row
+        # p at the block positions plus the bonus position; the first comes from the stored row
+        # when the last verdict deferred its bonus (the cache then holds every committed token).
+        num_rows = num_draft + (stored is None)
+        logits = yield from self._forward(session, session.tokens + list(block.tokens), num_rows)
+        load = self._engine.step_load() if logits is not None else None
+        if logits is None:
+            rows = torch.empty(0, self.vocab_size, device=self._target.device)
         else:
-            session.next_probs = None
+            # A greedy session's acceptance reads only argmaxes: its logits stand for p.
+            rows = logits if greedy else logits_to_probs(logits, session.sampling)
+        outcome: SessionOutcome = yield Batched(
+            self._accept,
+            _Acceptance(
+                rows,
+                block.tokens,
+                BatchSession(
+                    num_draft=num_draft,
+                    greedy=greedy,
+                    generator=session.generator,
+                    draft_probs=_on_device(block.draft_probs, self._target.device),
+                    defer_bonus=defer_bonus,
+                    stored_row=stored,
+                ),
+            ),
+        )
+        session.next_row = outcome.deferred_row
+        if outcome.deferred_row is None:
             # Keep the accepted drafts; the newly emitted last token is fed next time.
-            session.kv.rollback(block.base_length + num_accepted)
-        tokens = tuple(int(t) for t in emitted.tolist())
-        session.tokens.extend(tokens)
+            session.kv.rollback(block.base_length + outcome.num_accepted)
+        session.tokens.extend(outcome.tokens)
         return Verdict(
             base_length=block.base_length,
-            num_accepted=num_accepted,
-            tokens=tokens,
+            num_accepted=outcome.num_accepted,
+            tokens=outcome.tokens,
             committed_length=len(session.tokens),
-            bonus_deferred=deferred,
+            bonus_deferred=outcome.deferred_row is not None,
+            load=load,
         )
 
-    def _target_probs(self, session: ReplicaSession, block: Sequence[int]) -> torch.Tensor:
-        """The target's p at each block position plus the bonus position: `[k + 1, vocab]`."""
-        context = session.tokens + list(block)
-        kept = session.next_probs
-        if kept is None:
-            # The last committed token is not in the cache yet: feeding it gives the first row.
-            return logits_to_probs(session.kv.logits(context, len(block) + 1), session.sampling)
-        if not block:
-            return kept[None]
-        rows = logits_to_probs(session.kv.logits(context, len(block)), session.sampling)
-        return torch.cat([kept[None], rows])
+    def _accept(self, batch: list[_Acceptance]) -> list[SessionOutcome | Exception]:
+        """Accept every block of a step in one `batch_rejection_sample` call. A refused batch
+        changes nothing; it is then retried block by block, so that only the blocks at fault
+        fail."""
+        try:
+            return list(_accept_together(batch))
+        except InvalidArgumentError:
+            if len(batch) == 1:
+                raise
+        results: list[SessionOutcome | Exception] = []
+        for item in batch:
+            try:
+                results.extend(_accept_together([item]))
+            except InvalidArgumentError as error:
+                results.append(error)
+        return results
+
+
+def _accept_together(batch: list[_Acceptance]) -> list[SessionOutcome]:
+    rows = torch.cat([item.rows for item in batch])
+    drafts = [token for item in batch for token in item.draft_tokens]
+    draft_tokens = torch.tensor(drafts, dtype=torch.long, device=rows.device)
+    return batch_rejection_sample(rows, draft_tokens, [item.session for item in batch])
+
+
+def _on_device(
+    rows: tuple[SparseDistribution, ...] | None, device: torch.device
+) -> tuple[SparseDistribution, ...] | None:
+    """Sparse q rows on the target's device (they arrive on the host)."""
+    if rows is None or device.type == "cpu":
+        return rows
+    return tuple(
+        SparseDistribution(token_ids=r.token_ids.to(device), probs=r.probs.to(device)) for r in rows
+    )

@@ -62,11 +62,10 @@ class QuotaExceededError(ResourceExhaustedError):
     """Over a limit that frees up with time; `retry_after_s` says when to try again."""
 
     def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(f"{message}; retry in {retry_after_s:.1f} s")
+        super().__init__(f"{message}; retry in {retry_after_s:.1f} s", retry_after_s)
         self.message = message
-        self.retry_after_s = retry_after_s
 
-    def __reduce__(self) -> tuple[type, tuple[str, float]]:
+    def __reduce__(self) -> tuple[type, tuple[str, float | None]]:
         # Ray pickles a Serve replica's exceptions: rebuild from both arguments.
         return (type(self), (self.message, self.retry_after_s))
 

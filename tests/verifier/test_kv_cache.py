@@ -1,4 +1,5 @@
-"""KVSession: cached logits equal a full forward, whatever the prefix reuse and rollbacks."""
+"""SequenceKV over a paged runner: cached logits equal a full forward, whatever the prefix reuse
+and rollbacks, and rolled-back blocks go back to the pool."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.kv_cache import KVSession, common_prefix_length
-from verifier.runtime.models import LoadedModel
+from verifier.runtime.kv_cache import SequenceKV, common_prefix_length
+from verifier.runtime.models import TINY_TARGET, LoadedModel, ModelSpec, load_model
+from verifier.runtime.runner import ModelRunner, build_runner
 
 # fp32 on the CPU: a cached forward and a full forward differ only by summation order.
 ATOL = 1e-4
@@ -18,6 +20,45 @@ ATOL = 1e-4
 def full_logits(model: LoadedModel, tokens: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model.model(torch.tensor([tokens])).logits[0]
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    # A model object of its own: the paged runner switches its attention function.
+    return build_runner(load_model(ModelSpec(TINY_TARGET, device="cpu")), kv_cache_bytes=8 << 20)
+
+
+class KVSession:
+    """A session's KV driven directly, as the engine would: `work`, one forward, `holds`."""
+
+    def __init__(self, runner: ModelRunner, seq_id: str) -> None:
+        self.runner = runner
+        self.kv = SequenceKV(runner, seq_id)
+        runner.release(seq_id)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.kv.num_cached_tokens
+
+    @property
+    def cached_tokens(self) -> tuple[int, ...]:
+        return self.kv.cached_tokens
+
+    def rollback(self, length: int) -> None:
+        self.kv.rollback(length)
+
+    def logits(self, tokens: list[int], num_logits: int) -> torch.Tensor:
+        work = self.kv.work(tokens, num_logits)
+        assert work is not None
+        rows = self.runner.forward([work])
+        self.kv.holds(tokens)
+        return rows
+
+    def prefill(self, tokens: list[int]) -> None:
+        work = self.kv.work(tokens, 0)
+        if work is not None:
+            self.runner.forward([work])
+            self.kv.holds(tokens)
 
 
 @pytest.fixture
@@ -41,8 +82,10 @@ def test_common_prefix_length_matches_a_plain_loop(a: list[int], b: list[int]) -
     assert common_prefix_length(a, a + b) == len(a)
 
 
-def test_block_logits_match_full_forward(tiny_target: LoadedModel, sequence: list[int]) -> None:
-    session = KVSession(tiny_target.model, tiny_target.device)
+def test_block_logits_match_full_forward(
+    tiny_target: LoadedModel, runner: ModelRunner, sequence: list[int]
+) -> None:
+    session = KVSession(runner, "s")
     reference = full_logits(tiny_target, sequence)
     session.prefill(sequence[:20])
     assert session.num_cached_tokens == 20
@@ -52,8 +95,10 @@ def test_block_logits_match_full_forward(tiny_target: LoadedModel, sequence: lis
     assert session.cached_tokens == tuple(sequence[:26])
 
 
-def test_divergent_tokens_are_rolled_back(tiny_target: LoadedModel, sequence: list[int]) -> None:
-    session = KVSession(tiny_target.model, tiny_target.device)
+def test_divergent_tokens_are_rolled_back(
+    tiny_target: LoadedModel, runner: ModelRunner, sequence: list[int]
+) -> None:
+    session = KVSession(runner, "s")
     session.logits([*sequence[:30], 1, 2, 3], num_logits=4)  # a block that will be rejected
     reference = full_logits(tiny_target, sequence)
     after = session.logits(sequence[:40], num_logits=10)
@@ -61,8 +106,10 @@ def test_divergent_tokens_are_rolled_back(tiny_target: LoadedModel, sequence: li
     assert session.num_cached_tokens == 40
 
 
-def test_explicit_rollback_then_extend(tiny_target: LoadedModel, sequence: list[int]) -> None:
-    session = KVSession(tiny_target.model, tiny_target.device)
+def test_explicit_rollback_then_extend(
+    tiny_target: LoadedModel, runner: ModelRunner, sequence: list[int]
+) -> None:
+    session = KVSession(runner, "s")
     session.prefill(sequence[:50])
     session.rollback(25)
     assert session.num_cached_tokens == 25
@@ -76,20 +123,43 @@ def test_explicit_rollback_then_extend(tiny_target: LoadedModel, sequence: list[
 
 
 def test_fully_cached_sequence_is_recomputed_for_its_logits(
-    tiny_target: LoadedModel, sequence: list[int]
+    tiny_target: LoadedModel, runner: ModelRunner, sequence: list[int]
 ) -> None:
-    session = KVSession(tiny_target.model, tiny_target.device)
+    session = KVSession(runner, "s")
     session.prefill(sequence[:10])
     reference = full_logits(tiny_target, sequence[:10])
     torch.testing.assert_close(session.logits(sequence[:10], 1), reference[9:10], atol=ATOL, rtol=0)
     assert session.num_cached_tokens == 10
 
 
-def test_bad_arguments(tiny_target: LoadedModel) -> None:
-    session = KVSession(tiny_target.model, tiny_target.device)
+def test_bad_arguments(runner: ModelRunner) -> None:
+    session = KVSession(runner, "s")
     with pytest.raises(InvalidArgumentError, match="num_logits"):
         session.logits([1, 2], num_logits=3)
     with pytest.raises(InvalidArgumentError, match="num_logits"):
-        session.logits([1, 2], num_logits=0)
+        session.kv.work([1, 2], num_logits=-1)
+    assert session.kv.work([], num_logits=0) is None
     with pytest.raises(InvalidArgumentError, match="rollback"):
         session.rollback(-1)
+
+
+def test_rollback_frees_whole_blocks(runner: ModelRunner, sequence: list[int]) -> None:
+    session = KVSession(runner, "s")
+    baseline = runner.num_free_blocks
+    session.prefill(sequence[:50])  # 4 blocks of 16
+    assert baseline - runner.num_free_blocks == 4
+    session.rollback(17)  # positions 0..16: 2 blocks stay
+    assert baseline - runner.num_free_blocks == 2
+    session.kv.release()
+    assert runner.num_free_blocks == baseline
+    assert session.num_cached_tokens == 0
+
+
+def test_resync_after_a_failed_step_keeps_what_the_runner_holds(
+    runner: ModelRunner, sequence: list[int]
+) -> None:
+    session = KVSession(runner, "s")
+    session.prefill(sequence[:20])
+    session.kv.work(sequence[:30], 1)  # rolls back nothing, plans 10 tokens; the step "fails"
+    session.kv.resync()
+    assert session.cached_tokens == tuple(sequence[:20])

@@ -9,6 +9,7 @@ import pytest
 
 from drafter.drafter import Drafter
 from protos import replica_pb2
+from tests.verifier.fake_runner import PrefillingTable
 from verifier.replica import wire
 from verifier.runtime.block import DraftBlock
 from verifier.runtime.errors import (
@@ -37,7 +38,7 @@ class Clock:
 def _table(
     model: LoadedModel, clock: Clock, max_sessions: int = 8, ttl_s: float | None = 100.0
 ) -> SessionTable:
-    return SessionTable(model, max_sessions, 4096, session_ttl_s=ttl_s, clock=clock)
+    return PrefillingTable(model, max_sessions, 4096, session_ttl_s=ttl_s, clock=clock)
 
 
 @pytest.mark.parametrize("ttl_s", [100.0, None], ids=["with-ttl", "without-ttl"])

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from drafter.drafter import Drafter, DrafterConfig
+from tests.verifier.fake_runner import PrefillingTable
 from verifier.replica.host import ReplicaHost
 from verifier.runtime.errors import (
     InvalidArgumentError,
@@ -31,7 +32,7 @@ class Clock:
 
 
 def _table(model: LoadedModel, clock: Clock, max_sessions: int = 8) -> SessionTable:
-    return SessionTable(model, max_sessions, 4096, session_ttl_s=100.0, clock=clock)
+    return PrefillingTable(model, max_sessions, 4096, session_ttl_s=100.0, clock=clock)
 
 
 def test_idle_sessions_go_and_used_ones_stay(tiny_target: LoadedModel) -> None:
@@ -69,7 +70,7 @@ def test_a_full_table_makes_room_by_evicting_idle_sessions_only(tiny_target: Loa
 
 def test_without_a_ttl_nothing_is_evicted(tiny_target: LoadedModel) -> None:
     clock = Clock()
-    table = SessionTable(tiny_target, 8, 4096, session_ttl_s=None, clock=clock)
+    table = PrefillingTable(tiny_target, 8, 4096, session_ttl_s=None, clock=clock)
     table.open("kept", PROMPT, SamplingParams(), 0)
     clock.now = 1e9
     assert table.evict_idle() == 0 and table.stats().num_sessions == 1

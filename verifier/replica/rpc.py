@@ -1,11 +1,14 @@
 """What the drafter and verifier gRPC servicers share: status codes, call handling, the server.
 
 - `status_code` maps a `TandemError.status` name to its `grpc.StatusCode`.
-- `CallGuard` runs a servicer's handlers one at a time and turns what they raise into a gRPC
-  status: a `TandemError` becomes its own code with its message; anything else becomes
-  INTERNAL with a fixed message, its traceback logged here and never sent to the client.
-- `start_server` starts a sync gRPC server on a thread pool and returns the port it bound. It
-  holds at most `max_concurrent_rpcs` calls at once, running or queued, and answers
+- `CallGuard` turns what a servicer's handlers raise into a gRPC status: a `TandemError`
+  becomes its own code with its message (a retry hint as `retry-after-ms` trailing metadata);
+  anything else becomes INTERNAL with a fixed message, its traceback logged here and never sent
+  to the client.
+- `start_server` starts a sync gRPC server on a thread pool and returns the port it bound. A
+  handler only waits for the replica's engine (which batches every waiting call into one
+  forward pass), so the pool is as large as the calls the server holds: it never caps the batch.
+  It holds at most `max_concurrent_rpcs` calls at once, running or queued, and answers
   RESOURCE_EXHAUSTED to one more, so a replica's queue never grows without bound. Given the
   cluster's shared secret, it answers UNAUTHENTICATED to every call that does not carry it
   (`SecretCheck`), so nothing but the router can drive a replica; and it parses each request
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any, NoReturn, TypeVar
@@ -47,14 +49,20 @@ MESSAGE_SIZE_OPTIONS: tuple[tuple[str, int], ...] = (
 INTERNAL_ERROR_MESSAGE = "internal error; see the replica's log"
 """The only details a client gets for an unexpected server-side exception."""
 
-DEFAULT_MAX_WORKERS = 8
-
 DEFAULT_MAX_CONCURRENT_RPCS = 2 * DEFAULT_MAX_SESSIONS
 """Calls a server holds at once, running or waiting for a worker (512); one more is answered
 RESOURCE_EXHAUSTED. A router has at most one call in flight per session on each side (a
 verify, or a draft or an open), and a replica holds at most `DEFAULT_MAX_SESSIONS` sessions
 by default (`max_sessions`), so twice that leaves room for closes and stats under full load;
 a flood beyond it is refused at once instead of queueing without bound."""
+
+DEFAULT_MAX_WORKERS = DEFAULT_MAX_CONCURRENT_RPCS
+"""Handler threads: one per call held. A handler blocks on the engine's result (no GIL, no
+compute), the pool starts threads only as calls arrive, and a smaller pool would cap the batch
+the engine can form."""
+
+RETRY_AFTER_METADATA_KEY = "retry-after-ms"
+"""Trailing metadata of a RESOURCE_EXHAUSTED that will pass: milliseconds to wait."""
 
 SECRET_METADATA_KEY = "x-tandem-cluster-secret"
 """gRPC metadata key that carries the cluster's shared secret on internal calls."""
@@ -78,25 +86,25 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -
 
 
 class CallGuard:
-    """Runs one servicer's handlers one at a time, turning exceptions into gRPC statuses.
+    """Runs a servicer's handlers, turning exceptions into gRPC statuses.
 
-    The components (`Drafter`, `Verifier`) are not thread-safe: a call mutates a session's
-    tokens, KV cache and generator, and the session table itself. A sync gRPC server runs
-    handlers on a thread pool, so every call into the component, conversions included, holds
-    this guard's lock. One lock per component is enough: its calls are compute-bound on one
-    model, so running two at once would not make either faster.
+    Handlers run concurrently: the components (`Drafter`, `Verifier`) hand every call to their
+    engine's thread, which alone touches sessions and the model, and batches the calls that
+    wait into one forward pass.
     """
 
     def __init__(self, component_name: str) -> None:
         self._component_name = component_name
-        self._lock = threading.Lock()
 
     def run(self, context: grpc.ServicerContext, method: str, call: Callable[[], R]) -> R:
         """Return `call()`; abort the RPC with the matching status if it raises."""
         try:
-            with self._lock:
-                return call()
+            return call()
         except TandemError as error:
+            retry_after_s = getattr(error, "retry_after_s", None)
+            if retry_after_s is not None:
+                milliseconds = str(max(1, round(retry_after_s * 1000)))
+                context.set_trailing_metadata(((RETRY_AFTER_METADATA_KEY, milliseconds),))
             _abort(context, status_code(error.status), str(error))
         except Exception:
             logger.exception("%s.%s failed unexpectedly", self._component_name, method)

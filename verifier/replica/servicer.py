@@ -2,9 +2,10 @@
 
 `SessionServicer` serves OpenSession, CloseSession and Stats over a `SessionComponent`: each
 handler converts the request with `verifier.replica.wire`, calls the component under the
-servicer's `CallGuard` (one call at a time; errors become gRPC statuses), and converts the result
-back. Each side's servicer (`drafter.servicer`, `verifier.servicer`) adds its own RPC (Draft,
-Verify) the same way, and says how it registers on a server (`add_to_server`).
+servicer's `CallGuard` (errors become gRPC statuses; calls run concurrently, batched by the
+component's engine), and converts the result back. Each side's servicer (`drafter.servicer`,
+`verifier.servicer`) adds its own RPC (Draft, Verify) the same way, and says how it registers on
+a server (`add_to_server`).
 """
 
 from __future__ import annotations

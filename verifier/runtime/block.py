@@ -13,6 +13,26 @@ from verifier.runtime.sampling import SparseDistribution
 
 
 @dataclass(frozen=True)
+class StepLoad:
+    """How loaded the replica's engine was when it served a call: the batch of the step that
+    ran it, and the replica's measured step cost curve (seconds = base + per_token x tokens).
+    The router prices draft length with it (a longer block costs every session in the batch)."""
+
+    batch_sequences: int
+    """Sessions in the forward pass that served this call (its last one, for a draft)."""
+    batch_tokens: int
+    """Tokens in that forward pass."""
+    cost_base_s: float
+    """Fitted seconds of a step, independent of its tokens (reading the weights)."""
+    cost_per_token_s: float
+    """Fitted extra seconds per token in a step."""
+
+    def step_s(self, tokens: int) -> float:
+        """Predicted seconds of a step of `tokens` tokens."""
+        return self.cost_base_s + self.cost_per_token_s * tokens
+
+
+@dataclass(frozen=True)
 class DraftBlock:
     """Tokens proposed to continue a session whose committed length is `base_length`."""
 
@@ -21,6 +41,8 @@ class DraftBlock:
     draft_probs: tuple[SparseDistribution, ...] | None = None
     """The exact q each token was sampled from, one per token; None when drafted
     deterministically (q is one-hot at the drafted token)."""
+    load: StepLoad | None = None
+    """The drafter's load when it drafted this block (None: not reported)."""
 
     def __post_init__(self) -> None:
         if self.draft_probs is not None and len(self.draft_probs) != len(self.tokens):
@@ -44,3 +66,5 @@ class Verdict:
     """Every draft token was accepted and, as asked, no bonus token was sampled: the target's
     distribution for the next position is kept and the next block's first token is verified
     against it (pipelining: a block drafted ahead stays valid)."""
+    load: StepLoad | None = None
+    """The verifier's load when it verified this block (None: not reported)."""

@@ -1,9 +1,13 @@
-"""What drafter and verifier both are: a model's sessions under one lock, and the calls on them.
+"""What drafter and verifier both are: a model's sessions on a batching engine, and the calls on
+them.
 
-`SessionComponent` holds the `SessionTable` (`verifier.runtime.session`), its `BusyLock` and the
-session calls both sides serve (open, close, evict, stats); each side adds its own call
-(`draft`, `verify`) and may derive the sampling and seed a session keeps (`_session_sampling`).
-A plain class: no Ray, no gRPC.
+`SessionComponent` builds the replica's model runner (a paged KV pool, `verifier.runtime.runner`)
+and its `Engine` (`verifier.runtime.engine`), holds the `SessionTable`
+(`verifier.runtime.session`) and serves the session calls both sides share (open, close, evict,
+stats). Each call is a task the engine thread runs, so calls from any number of threads are
+safe and the table has one writer; every forward pass a task needs joins the engine's next
+batched step. Each side adds its own call (`draft`, `verify`) the same way and may derive the
+sampling and seed a session keeps (`_session_sampling`). A plain class: no Ray, no gRPC.
 """
 
 from __future__ import annotations
@@ -11,37 +15,60 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
+import torch
+
+from verifier.runtime.engine import Engine, Forward, Task
 from verifier.runtime.models import LoadedModel
+from verifier.runtime.runner import ModelRunner, build_runner
 from verifier.runtime.sampling import SamplingParams
 from verifier.runtime.session import (
-    BusyLock,
+    MAX_BLOCK_TOKENS,
+    ReplicaSession,
     ReplicaStats,
     SessionLimits,
     SessionTable,
-    synchronized,
 )
 
 C = TypeVar("C", bound=SessionLimits)
 
 
 class SessionComponent(Generic[C]):
-    """What drafter and verifier both are: sessions on one model, under one `BusyLock`, with
-    the calls on them both serve. Each side adds its own call and may adjust the sampling and
-    seed a session keeps (`_session_sampling`)."""
+    """What drafter and verifier both are: sessions on one model, served by one engine, with
+    the calls on them both serve."""
 
-    def __init__(self, model: LoadedModel, config: C) -> None:
-        self._lock = BusyLock()
+    def __init__(self, model: LoadedModel, config: C, runner: ModelRunner | None = None) -> None:
+        """`runner`: the model runner to use (default: built for `model` from `config`)."""
         self.config = config
         self._model = model
+        if runner is None:
+            runner = build_runner(
+                model,
+                kv_cache_bytes=config.kv_cache_bytes,
+                kv_cache_fraction=config.kv_cache_fraction,
+                max_tokens_needed=config.max_sessions * config.max_context_tokens,
+                max_sequence_tokens=config.max_context_tokens,
+                block_size=config.kv_block_size,
+            )
+        self._runner = runner
+        self._engine = Engine(
+            runner,
+            max_step_tokens=config.max_step_tokens,
+            max_step_sequences=config.max_step_sequences,
+            name=f"{type(self).__name__.lower()}-engine",
+        )
+        self._engine.calibrate()
         self._sessions = SessionTable(
-            model, config.max_sessions, config.max_context_tokens, config.session_ttl_s
+            model, runner, config.max_sessions, config.max_context_tokens, config.session_ttl_s
         )
 
     @property
     def vocab_size(self) -> int:
         return self._model.vocab_size
 
-    @synchronized
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
     def open_session(
         self,
         session_id: str,
@@ -54,29 +81,75 @@ class SessionComponent(Generic[C]):
         """Open a session and prefill its cache; returns the committed length.
 
         `time_limit_s`: seconds the request has left; once they pass the session is dropped
-        and a call on it raises `DeadlineExceededError` (None: only the idle TTL applies)."""
+        and a call on it raises `DeadlineExceededError` (None: only the idle TTL applies).
+        Refused with RESOURCE_EXHAUSTED (and a retry hint) when the KV pool cannot hold it."""
+        task = self._open(session_id, tuple(prompt_tokens), sampling, seed, time_limit_s)
+        return self._engine.run(task, key=session_id)
+
+    def _open(
+        self,
+        session_id: str,
+        prompt_tokens: tuple[int, ...],
+        sampling: SamplingParams,
+        seed: int,
+        time_limit_s: float | None,
+    ) -> Task[int]:
         own_sampling, own_seed = self._session_sampling(sampling, seed)
         session = self._sessions.open(
-            session_id, prompt_tokens, own_sampling, own_seed, time_limit_s
+            session_id,
+            prompt_tokens,
+            own_sampling,
+            own_seed,
+            time_limit_s,
+            headroom_tokens=self._headroom_tokens(),
         )
+        # The last committed token is fed with the next forward, whose logits need it.
+        try:
+            yield from self._forward(session, prompt_tokens[:-1], 0)
+        except BaseException:
+            self._sessions.remove(session_id)
+            raise
         return len(session.tokens)
+
+    def _headroom_tokens(self) -> int:
+        """Tokens past the prompt a new session must find room for: a block and its bonus."""
+        return MAX_BLOCK_TOKENS + 1
+
+    def _forward(
+        self, session: ReplicaSession, tokens: Sequence[int], num_logits: int
+    ) -> Task[torch.Tensor | None]:
+        """Run what the session's KV lacks of `tokens` in the engine's next steps; returns the
+        logits at the last `num_logits` positions (float32 `[num_logits, vocab]`; None when
+        nothing had to run)."""
+        work = session.kv.work(tokens, num_logits)
+        if work is None:
+            return None
+        try:
+            logits: torch.Tensor = yield Forward(work)
+        except BaseException:
+            session.kv.resync()
+            raise
+        session.kv.holds(tokens)
+        return logits
 
     def _session_sampling(self, sampling: SamplingParams, seed: int) -> tuple[SamplingParams, int]:
         """The sampling settings and seed a new session keeps: the request's, unless a side
         derives its own."""
         return sampling, seed
 
-    @synchronized
     def close_session(self, session_id: str) -> bool:
-        """Free the session; True if it existed."""
-        return self._sessions.remove(session_id)
+        """Free the session and its KV blocks (after a call on it still running); True if it
+        existed."""
+        return self._engine.call(lambda: self._sessions.remove(session_id), key=session_id)
 
-    @synchronized
     def evict_idle(self) -> int:
         """Evict the sessions past their time limit or idle past the TTL (the replica host
-        calls this every second); returns how many went."""
-        return self._sessions.evict_idle()
+        calls this every second), but none with a call running; returns how many went."""
+        return self._engine.call(lambda: self._sessions.evict_idle(busy=self._engine.active_keys))
 
-    @synchronized
     def stats(self) -> ReplicaStats:
-        return self._sessions.stats(busy_s=self._lock.busy_s)
+        return self._sessions.stats(busy_s=self._engine.busy_s, engine=self._engine.stats())
+
+    def close(self) -> None:
+        """Stop the engine (calls still waiting fail); the component serves nothing after."""
+        self._engine.stop()

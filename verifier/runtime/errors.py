@@ -42,9 +42,19 @@ class SessionExistsError(TandemError):
 
 
 class ResourceExhaustedError(TandemError):
-    """A limit was reached (sessions, context length, queue depth)."""
+    """A limit was reached (sessions, context length, queue depth, KV memory)."""
 
     status = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        """When set, the limit is transient (KV memory held by other sessions): the caller may
+        retry after about this many seconds. Servers send it as `retry-after-ms` metadata."""
+
+    def __reduce__(self) -> tuple[type, tuple[str, float | None]]:
+        # Ray pickles exceptions across processes: rebuild with the retry hint.
+        return (type(self), (str(self), self.retry_after_s))
 
 
 class DeadlineExceededError(TandemError):

@@ -1,20 +1,18 @@
-"""Per-sequence KV cache over a causal LM: prefill, forward a block, roll back.
+"""Per-session KV bookkeeping over a replica engine's runner: prefix reuse and rollback.
 
-`KVSession` remembers which token ids its cache holds. Asking it for the logits after a token
-sequence reuses the longest cached prefix of that sequence, drops what disagrees (rollback) and
-runs the model once over the rest, so drafter and verifier express what they need ("the next-token
-logits after these tokens", "the logits of this block") and never track cache offsets by hand.
-Both sides use this one class; it knows nothing of sampling, sessions or the network.
+`SequenceKV` remembers which token ids a session's KV (in the runner's paged pool) holds. Asking
+it for the work behind "the logits after these tokens" reuses the longest cached prefix, drops
+what disagrees (rollback) and leaves the rest for the engine to run, so drafter and verifier
+express what they need ("the next-token logits after these tokens", "the logits of this block")
+and never track cache offsets by hand. It knows nothing of sampling, sessions or the network.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-from transformers import DynamicCache, PreTrainedModel
-
 from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.runner import ModelRunner, SequenceWork
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -38,13 +36,18 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return low
 
 
-class KVSession:
-    """The KV cache of one token sequence on one model."""
+class SequenceKV:
+    """One session's token sequence in a replica engine's runner: which tokens its KV holds.
 
-    def __init__(self, model: PreTrainedModel, device: torch.device) -> None:
-        self._model = model
-        self._device = device
-        self._cache = DynamicCache(config=model.config)
+    Engine thread only. `work` turns "the logits after these tokens" into the runner's unit of
+    work: it keeps the longest cached prefix, rolls back what disagrees (whole KV blocks go back
+    to the pool) and returns the rest as a `SequenceWork`; once the engine has run it, `holds`
+    records the new contents (`resync` after a failed step: the runner's length is the truth).
+    """
+
+    def __init__(self, runner: ModelRunner, seq_id: str) -> None:
+        self._runner = runner
+        self.seq_id = seq_id
         self._tokens: list[int] = []
 
     @property
@@ -56,43 +59,39 @@ class KVSession:
         return tuple(self._tokens)
 
     def rollback(self, length: int) -> None:
-        """Forget every cached position from `length` on."""
+        """Forget every cached position from `length` on (no copy: whole blocks are freed)."""
         if length < 0:
             raise InvalidArgumentError(f"rollback length must be >= 0, got {length}")
-        if length >= len(self._tokens):
-            return
-        if length == 0:
-            self._cache = DynamicCache(config=self._model.config)
-        else:
-            # Transformers' crop takes the number of positions to remove, as a negative count.
-            self._cache.crop(length - len(self._tokens))
-        del self._tokens[length:]
+        if length < len(self._tokens):
+            self._runner.truncate(self.seq_id, length)
+            del self._tokens[length:]
 
-    def logits(self, tokens: Sequence[int], num_logits: int) -> torch.Tensor:
-        """Logits at the last `num_logits` positions of `tokens`: `[num_logits, vocab]`.
-
-        Row i predicts the token after `tokens[len(tokens) - num_logits + i]`. Afterwards the
-        cache holds exactly `tokens`.
-        """
-        if not 1 <= num_logits <= len(tokens):
+    def work(self, tokens: Sequence[int], num_logits: int) -> SequenceWork | None:
+        """What the runner must append for its KV to hold `tokens`, with logits at the last
+        `num_logits` positions (row i predicts the token after
+        `tokens[len(tokens) - num_logits + i]`); None when nothing is to run (`num_logits` 0
+        and every token cached)."""
+        if not 0 <= num_logits <= len(tokens):
             raise InvalidArgumentError(
-                f"num_logits must be in 1..{len(tokens)} for {len(tokens)} tokens, got {num_logits}"
+                f"num_logits must be in 0..{len(tokens)} for {len(tokens)} tokens, got {num_logits}"
             )
         keep = min(common_prefix_length(self._tokens, tokens), len(tokens) - num_logits)
         self.rollback(keep)
-        new_tokens = list(tokens[keep:])
-        input_ids = torch.tensor([new_tokens], dtype=torch.long, device=self._device)
-        with torch.inference_mode():
-            output = self._model(
-                input_ids=input_ids,
-                past_key_values=self._cache,
-                use_cache=True,
-                logits_to_keep=num_logits,
-            )
-        self._tokens.extend(new_tokens)
-        return output.logits[0, -num_logits:]
+        new_tokens = tuple(tokens[keep:])
+        if not new_tokens:
+            return None
+        first_logit = len(new_tokens) - num_logits
+        return SequenceWork(self.seq_id, new_tokens, tuple(range(first_logit, len(new_tokens))))
 
-    def prefill(self, tokens: Sequence[int]) -> None:
-        """Cache `tokens` ahead of time (reusing any cached prefix); no logits are kept."""
-        if len(tokens) > 0:
-            self.logits(tokens, num_logits=1)
+    def holds(self, tokens: Sequence[int]) -> None:
+        """Record that the runner now holds exactly `tokens` (after running `work(tokens)`)."""
+        self._tokens = list(tokens)
+
+    def resync(self) -> None:
+        """After a failed step: keep only what the runner really holds."""
+        del self._tokens[self._runner.length(self.seq_id) :]
+
+    def release(self) -> None:
+        """Give every block back to the pool."""
+        self._runner.release(self.seq_id)
+        self._tokens = []

@@ -7,22 +7,24 @@ Everything here can be rebuilt from the router's token history. A session nobody
 opened with a time limit (what its request had left) is dropped once that passes, even if its
 router is gone: by `evict_idle`, or by the first call that finds it (DEADLINE_EXCEEDED).
 
-Both components are a `SessionComponent` (`verifier.runtime.component`) over a `SessionTable`.
-Their configs extend `SessionLimits`. The limits' defaults and the block limit are named here
-once, for every layer above to import.
+Both components are a `SessionComponent` (`verifier.runtime.component`) over a `SessionTable`,
+whose sessions keep their KV in the replica engine's paged pool (`SequenceKV`); the table is
+touched by the engine thread only. Admission is by count (`max_sessions`) and by KV memory (free
+blocks for the prompt and a block). Their configs extend `SessionLimits`. The limits' defaults
+and the block limit are named here once, for every layer above to import.
 """
 
 from __future__ import annotations
 
-import functools
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import ClassVar
 
 import torch
 
+from verifier.runtime.engine import DEFAULT_MAX_STEP_SEQUENCES, DEFAULT_MAX_STEP_TOKENS
+from verifier.runtime.engine_stats import EngineStats
 from verifier.runtime.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -31,9 +33,10 @@ from verifier.runtime.errors import (
     SessionNotFoundError,
     StaleBaseError,
 )
-from verifier.runtime.kv_cache import KVSession
+from verifier.runtime.kv_cache import SequenceKV
 from verifier.runtime.models import LoadedModel
-from verifier.runtime.sampling import SamplingParams
+from verifier.runtime.runner import ModelRunner
+from verifier.runtime.sampling import SamplingParams, SparseDistribution
 
 MAX_SEED = 2**64 - 1
 
@@ -44,51 +47,8 @@ DEFAULT_MAX_SESSIONS = 256
 DEFAULT_MAX_CONTEXT_TOKENS = 4096
 DEFAULT_SESSION_TTL_S = 600.0
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-class BusyLock:
-    """A lock that adds up how long it has been held: its component's busy (computing) time,
-    which tells load apart from idle sessions and splits a call's latency into compute and
-    transport."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._since = 0.0
-        self.busy_s = 0.0
-
-    def __enter__(self) -> BusyLock:
-        self._lock.acquire()
-        self._since = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.busy_s += time.perf_counter() - self._since
-        self._lock.release()
-
-
-class HasLock(Protocol):
-    _lock: BusyLock
-
-
-S = TypeVar("S", bound=HasLock)
-
-
-def synchronized(method: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
-    """Run a component method under the component's lock.
-
-    Drafter and verifier are called from several threads: a gRPC server's pool, or a router
-    serving concurrent requests in-process. Their session tables and KV caches are not
-    thread-safe, and one model forward at a time is also what a CPU or a GPU serves best.
-    """
-
-    @functools.wraps(method)
-    def locked(self: S, *args: P.args, **kwargs: P.kwargs) -> R:
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return locked
+DEFAULT_KV_CACHE_FRACTION = 0.2
+DEFAULT_KV_BLOCK_SIZE = 16
 
 
 @dataclass
@@ -97,12 +57,13 @@ class ReplicaSession:
 
     tokens: list[int]
     """Committed token ids (prompt plus every committed generated token)."""
-    kv: KVSession
+    kv: SequenceKV
     sampling: SamplingParams
     generator: torch.Generator
-    next_probs: torch.Tensor | None = field(default=None)
+    next_row: int | SparseDistribution | torch.Tensor | None = field(default=None)
     """Verifier only: the target's distribution for the next position, kept when a verdict
-    deferred its bonus token (`[vocab]`); the cache then holds every committed token."""
+    deferred its bonus token, in its smallest exact form (the argmax when greedy, else the
+    nonzero entries or a dense row); the cache then holds every committed token."""
     last_used: float = 0.0
     """When a call last found this session (the table's clock)."""
     expires_at: float | None = None
@@ -116,7 +77,10 @@ class ReplicaStats:
     num_sessions: int
     num_cached_tokens: int
     busy_s: float = 0.0
-    """Seconds the replica's component has spent serving calls since it started."""
+    """Seconds the replica's component has spent serving calls since it started (its engine's
+    forward passes and the work between them)."""
+    engine: EngineStats | None = None
+    """The replica engine's figures (None where no engine runs)."""
 
 
 @dataclass(frozen=True)
@@ -130,8 +94,24 @@ class SessionLimits:
     session_ttl_s: float = DEFAULT_SESSION_TTL_S
     """A session unused this long is evicted (its client or router is gone); requests touch
     their sessions every round, so only abandoned ones idle this long."""
+    kv_cache_bytes: int = 0
+    """Bytes of the replica's paged KV pool; 0: `kv_cache_fraction` of the device's free
+    memory, capped at what `max_sessions` sessions of `max_context_tokens` could use."""
+    kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
+    """Tokens per KV block (rollback frees whole blocks)."""
+    max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
+    """Tokens one batched forward pass takes at most (long prompts are prefilled in chunks)."""
+    max_step_sequences: int = DEFAULT_MAX_STEP_SEQUENCES
+    """Sessions one batched forward pass takes at most."""
 
-    _counts: ClassVar[tuple[str, ...]] = ("max_sessions", "max_context_tokens")
+    _counts: ClassVar[tuple[str, ...]] = (
+        "max_sessions",
+        "max_context_tokens",
+        "kv_block_size",
+        "max_step_tokens",
+        "max_step_sequences",
+    )
     """Fields that must be >= 1, checked in this order (a subclass appends its own)."""
 
     def __post_init__(self) -> None:
@@ -140,6 +120,12 @@ class SessionLimits:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.session_ttl_s > 0:
             raise InvalidArgumentError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
+        if self.kv_cache_bytes < 0:
+            raise InvalidArgumentError(f"kv_cache_bytes must be >= 0, got {self.kv_cache_bytes}")
+        if not 0 < self.kv_cache_fraction <= 1:
+            raise InvalidArgumentError(
+                f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}"
+            )
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:
@@ -166,6 +152,7 @@ class SessionTable:
     def __init__(
         self,
         model: LoadedModel,
+        runner: ModelRunner,
         max_sessions: int,
         max_context_tokens: int,
         session_ttl_s: float | None = None,
@@ -173,6 +160,7 @@ class SessionTable:
     ) -> None:
         """`session_ttl_s`: evict a session idle this long (None: never)."""
         self.model = model
+        self.runner = runner
         self.max_sessions = max_sessions
         self.max_context_tokens = max_context_tokens
         self.session_ttl_s = session_ttl_s
@@ -190,27 +178,29 @@ class SessionTable:
         sampling: SamplingParams,
         seed: int,
         time_limit_s: float | None = None,
+        headroom_tokens: int = 0,
     ) -> ReplicaSession:
-        """Check, create and prefill a session; nothing is kept if a check fails.
+        """Check and create a session (its owner prefills it); nothing is kept if a check fails.
 
         `time_limit_s`: seconds its request has left, from now; past them the session is
-        dropped (None: no limit, only the idle TTL)."""
+        dropped (None: no limit, only the idle TTL). Admission is by KV memory: the pool must
+        have free blocks for the prompt plus `headroom_tokens` (a block and its bonus), else
+        RESOURCE_EXHAUSTED with a retry hint."""
         if time_limit_s is not None and not time_limit_s > 0:
             raise InvalidArgumentError(f"time_limit_s must be > 0, got {time_limit_s}")
         self._check_new(session_id, prompt_tokens)
+        self._check_memory(session_id, len(prompt_tokens) + headroom_tokens)
         check_token_ids(prompt_tokens, self.model.vocab_size, "prompt_tokens")
         check_seed(seed)
         now = self._clock()
         session = ReplicaSession(
             tokens=list(prompt_tokens),
-            kv=KVSession(self.model.model, self.model.device),
+            kv=SequenceKV(self.runner, session_id),
             sampling=sampling,
             generator=make_generator(seed, self.model.device),
             last_used=now,
             expires_at=None if time_limit_s is None else now + time_limit_s,
         )
-        # The last committed token is fed with the next forward, whose logits need it.
-        session.kv.prefill(prompt_tokens[:-1])
         self._sessions[session_id] = session
         return session
 
@@ -229,6 +219,17 @@ class SessionTable:
             raise InvalidArgumentError("prompt must hold at least one token")
         self.check_context(len(prompt_tokens))
 
+    def _check_memory(self, session_id: str, tokens: int) -> None:
+        runner = self.runner
+        need = runner.blocks_needed(session_id, min(tokens, self.max_context_tokens))
+        if need > runner.num_free_blocks:
+            raise ResourceExhaustedError(
+                f"replica KV memory is full: a session of {tokens} tokens needs {need} blocks "
+                f"of {runner.block_size} tokens, {runner.num_free_blocks} of {runner.num_blocks} "
+                "are free; retry after 1 s or on another replica",
+                retry_after_s=1.0,
+            )
+
     def check_context(self, length: int) -> None:
         if length > self.max_context_tokens:
             raise ResourceExhaustedError(
@@ -246,22 +247,27 @@ class SessionTable:
         now = self._clock()
         if self._expired(session, now):
             del self._sessions[session_id]
+            session.kv.release()
             self.num_expired += 1
             raise DeadlineExceededError(f"session {session_id!r} passed its deadline")
         session.last_used = now
         return session
 
-    def evict_idle(self) -> int:
-        """Drop every session past its time limit or unused for longer than the TTL; returns
-        how many went."""
+    def evict_idle(self, busy: Collection[str] = ()) -> int:
+        """Drop every session past its time limit or unused for longer than the TTL, except
+        the `busy` ones (a call on them is running); returns how many went."""
         now = self._clock()
         oldest = -float("inf") if self.session_ttl_s is None else now - self.session_ttl_s
-        expired = [sid for sid, s in self._sessions.items() if self._expired(s, now)]
+        expired = [
+            sid for sid, s in self._sessions.items() if self._expired(s, now) and sid not in busy
+        ]
         for session_id in expired:
-            del self._sessions[session_id]
-        idle = [sid for sid, s in self._sessions.items() if s.last_used < oldest]
+            self._sessions.pop(session_id).kv.release()
+        idle = [
+            sid for sid, s in self._sessions.items() if s.last_used < oldest and sid not in busy
+        ]
         for session_id in idle:
-            del self._sessions[session_id]
+            self._sessions.pop(session_id).kv.release()
         self.num_expired += len(expired)
         self.num_evicted += len(idle)
         return len(expired) + len(idle)
@@ -281,11 +287,18 @@ class SessionTable:
         return session
 
     def remove(self, session_id: str) -> bool:
-        return self._sessions.pop(session_id, None) is not None
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        session.kv.release()
+        return True
 
-    def stats(self, busy_s: float = 0.0) -> ReplicaStats:
+    def stats(self, busy_s: float = 0.0, engine: EngineStats | None = None) -> ReplicaStats:
+        """Safe from any thread: it copies the table in one step (no Python code runs meanwhile)."""
+        sessions = list(self._sessions.values())
         return ReplicaStats(
             busy_s=busy_s,
-            num_sessions=len(self._sessions),
-            num_cached_tokens=sum(s.kv.num_cached_tokens for s in self._sessions.values()),
+            num_sessions=len(sessions),
+            num_cached_tokens=sum(s.kv.num_cached_tokens for s in sessions),
+            engine=engine,
         )

@@ -1,0 +1,177 @@
+"""The engine loop over a recording runner: batching, per-session order, chunked prefill,
+budgets, KV admission, batched handlers, failures and figures.
+
+The runner here is a plain bookkeeping double (no model): each logit row it returns encodes the
+sequence and the position it was computed at, so the tests can see which tokens ran in which
+step. The real runners are tested against the model in test_runner.py and through the
+components in test_engine_components.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+from tests.verifier.fake_runner import VOCAB, RecordingRunner
+from verifier.runtime.engine import Batched, Engine, Forward, Task
+from verifier.runtime.errors import ResourceExhaustedError
+from verifier.runtime.runner import SequenceWork
+
+
+def forward_task(seq_id: str, tokens: int, logits_at: Sequence[int]) -> Task[torch.Tensor]:
+    rows = yield Forward(SequenceWork(seq_id, (1,) * tokens, tuple(logits_at)))
+    return rows
+
+
+@pytest.fixture
+def runner() -> RecordingRunner:
+    return RecordingRunner()
+
+
+@pytest.fixture
+def engine(runner: RecordingRunner) -> Iterator[Engine]:
+    engine = Engine(runner, max_step_tokens=64, max_step_sequences=8)
+    yield engine
+    engine.stop()
+
+
+def test_waiting_tasks_share_one_forward_pass(runner: RecordingRunner, engine: Engine) -> None:
+    runner.gate = threading.Event()
+    blocker = engine.submit(forward_task("first", 1, [0]), key="first")
+    runner.entered.wait(timeout=10)
+    futures = [engine.submit(forward_task(f"s{i}", 3, [0, 1, 2]), key=f"s{i}") for i in range(6)]
+    runner.gate.set()
+    blocker.result(timeout=10)
+    results = [f.result(timeout=10) for f in futures]
+    # The six arrived while the first step ran: they all went into the next one.
+    assert [len(step) for step in runner.steps] == [1, 6]
+    for rows in results:
+        assert rows[:, 1].tolist() == [0.0, 1.0, 2.0]  # positions of the three logits
+    stats = engine.stats()
+    assert stats.steps == 2 and stats.max_batch_sequences == 6
+
+
+def test_tasks_of_one_key_run_in_order(runner: RecordingRunner, engine: Engine) -> None:
+    order: list[str] = []
+
+    def task(name: str) -> Task[None]:
+        yield Forward(SequenceWork("same", (1,), (0,)))
+        order.append(name)
+
+    futures = [engine.submit(task(f"t{i}"), key="same") for i in range(5)]
+    for future in futures:
+        future.result(timeout=10)
+    assert order == ["t0", "t1", "t2", "t3", "t4"]
+    assert all(len(step) == 1 for step in runner.steps)  # never two items of one sequence
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_decodes(
+    runner: RecordingRunner, engine: Engine
+) -> None:
+    runner.gate = threading.Event()
+    long = engine.submit(forward_task("long", 200, [199]), key="long")
+    decodes = [engine.submit(forward_task(f"d{i}", 1, [0]), key=f"d{i}") for i in range(3)]
+    runner.gate.set()
+    rows = long.result(timeout=10)
+    assert rows[:, 1].tolist() == [199.0]  # the logit of the last chunk's last token
+    for future in decodes:
+        future.result(timeout=10)
+    assert runner.length("long") == 200
+    chunk_sizes = [len(w.tokens) for step in runner.steps for w in step if w.seq_id == "long"]
+    assert sum(chunk_sizes) == 200 and len(chunk_sizes) >= 4  # 64-token steps at most
+    assert all(sum(len(w.tokens) for w in step) <= 64 for step in runner.steps)
+    first_long = next(i for i, s in enumerate(runner.steps) if any(w.seq_id == "long" for w in s))
+    with_decodes = [i for i, s in enumerate(runner.steps) if any(w.seq_id[0] == "d" for w in s)]
+    assert with_decodes and with_decodes[0] <= first_long + 1  # decodes did not wait it out
+
+
+def test_the_step_sequence_budget_holds(runner: RecordingRunner) -> None:
+    engine = Engine(runner, max_step_tokens=64, max_step_sequences=3)
+    try:
+        runner.gate = threading.Event()
+        futures = [engine.submit(forward_task(f"s{i}", 1, [0]), key=f"s{i}") for i in range(10)]
+        runner.gate.set()
+        for future in futures:
+            future.result(timeout=10)
+    finally:
+        engine.stop()
+    assert max(len(step) for step in runner.steps) == 3
+
+
+def test_work_that_cannot_fit_even_alone_is_refused_with_a_retry_hint() -> None:
+    runner = RecordingRunner(num_blocks=4, block_size=4)  # 16 tokens in all
+    engine = Engine(runner)
+    try:
+        engine.run(forward_task("holder", 12, []), key="holder")  # 3 blocks held
+        with pytest.raises(ResourceExhaustedError, match="KV pool") as refused:
+            engine.run(forward_task("big", 8, [7]), key="big")
+        assert refused.value.retry_after_s is not None
+        # The replica keeps serving: a sequence that fits still runs.
+        assert engine.run(forward_task("small", 4, [3]), key="small").shape == (1, VOCAB)
+    finally:
+        engine.stop()
+
+
+def test_batched_handlers_see_every_waiting_payload_at_once(
+    runner: RecordingRunner, engine: Engine
+) -> None:
+    calls: list[list[int]] = []
+
+    def double(payloads: list[int]) -> list[object]:
+        calls.append(list(payloads))
+        return [ValueError("odd") if p % 2 else p * 2 for p in payloads]
+
+    def task(seq_id: str, value: int) -> Task[int]:
+        yield Forward(SequenceWork(seq_id, (1,), (0,)))
+        doubled: int = yield Batched(double, value)
+        return doubled
+
+    runner.gate = threading.Event()
+    futures = [engine.submit(task(f"s{i}", i), key=f"s{i}") for i in range(4)]
+    runner.gate.set()
+    assert futures[0].result(timeout=10) == 0 and futures[2].result(timeout=10) == 4
+    with pytest.raises(ValueError, match="odd"):
+        futures[1].result(timeout=10)
+    assert sum(len(c) for c in calls) == 4 and len(calls) <= 2  # grouped per step
+
+
+def test_a_failed_step_fails_its_tasks_and_the_engine_goes_on(
+    runner: RecordingRunner, engine: Engine
+) -> None:
+    runner.fail_next = True
+    with pytest.raises(RuntimeError, match="fell over"):
+        engine.run(forward_task("a", 2, [1]), key="a")
+    assert engine.run(forward_task("b", 2, [1]), key="b").shape == (1, VOCAB)
+
+
+def test_keyless_calls_run_between_steps_and_errors_reach_the_caller(engine: Engine) -> None:
+    assert engine.call(lambda: 41 + 1) == 42
+    with pytest.raises(ZeroDivisionError):
+        engine.call(lambda: 1 // 0)
+
+
+def test_stop_fails_what_is_waiting(runner: RecordingRunner) -> None:
+    engine = Engine(runner)
+    runner.gate = threading.Event()
+    running = engine.submit(forward_task("a", 1, [0]), key="a")
+    waiting = engine.submit(forward_task("a", 1, [0]), key="a")
+    engine.stop(timeout_s=0)
+    runner.gate.set()
+    with pytest.raises(RuntimeError, match="stopped"):
+        waiting.result(timeout=10)
+    running.exception(timeout=10)  # the step in progress finishes or fails, never hangs
+    with pytest.raises(RuntimeError, match="stopped"):
+        engine.submit(forward_task("b", 1, [0]))
+
+
+def test_figures_and_cost_curve(runner: RecordingRunner, engine: Engine) -> None:
+    engine.calibrate(token_counts=(1, 8, 32), repeats=2)
+    stats = engine.stats()
+    assert stats.steps == 6 and stats.kv_blocks_used == 0  # the scratch sequence is gone
+    assert stats.cost_base_s >= 0 and stats.cost_per_token_s >= 0
+    load = engine.step_load()
+    assert load is not None and load.batch_sequences == 1 and load.batch_tokens == 32
+    assert stats.kv_blocks_total == runner.num_blocks and stats.block_size == runner.block_size

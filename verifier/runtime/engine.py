@@ -1,0 +1,533 @@
+"""A replica's batching engine: one thread owns the model runner and packs the pending work of
+every session into one forward pass per step.
+
+Callers (gRPC handler threads, or a router in the same process) never touch the model, the KV
+pool or the session table. They hand the engine a *task*, a generator that holds one call's
+logic, and wait for its result (`run`, or `submit` for a future). The engine thread drives every
+task, so a component's state has a single writer and needs no lock, and nothing is ever held
+across a forward pass. A task yields what it needs next:
+
+- `Forward(work)`: logits for a `SequenceWork` (the runner's unit). Every task waiting on one
+  joins the next step; the engine sends back the rows (float32 `[len(logits_at), vocab]`), or
+  throws the runner's error into the task (a `PoolExhaustedError` when the KV pool cannot hold
+  it). A long item (a prompt) is split into chunks over several steps (chunked prefill), so it
+  never stalls the others for long.
+- `Batched(handler, payload)`: after a step, every task waiting on the same handler is served
+  by one call `handler([payload, ...])`, which returns one result (or exception) per payload:
+  how a verifier accepts all its blocks in one vectorised rejection-sampling call.
+
+Tasks with the same `key` (a session id) run one after another, in submission order; tasks
+with different keys interleave freely. A task with no key runs between steps (housekeeping:
+eviction, stats).
+
+Each step has a budget in tokens and in sequences. Small items (decodes, draft steps, verify
+blocks) go first, oldest first; long items (prefill chunks) fill what is left, and the oldest of
+them always gets a share, so neither kind starves. An item whose KV blocks do not fit beside the
+others waits for the next step; one that cannot fit even alone fails at once (RESOURCE_EXHAUSTED
+with a retry hint: sessions must close before it can run), never an out-of-memory crash.
+
+The engine measures itself: steps, the largest batch, tokens and sessions per step, queue
+wait, and the step cost curve (seconds = base + per_token x tokens, an exponentially weighted
+least-squares fit over recent steps, seeded by `calibrate` at startup), which the router uses
+to price speculation under load (`StepLoad`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from verifier.runtime.block import StepLoad
+from verifier.runtime.engine_stats import EngineStats
+from verifier.runtime.errors import InvalidArgumentError, ResourceExhaustedError
+from verifier.runtime.runner import ModelRunner, PoolExhaustedError, SequenceWork
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+DEFAULT_MAX_STEP_TOKENS = 256
+"""Tokens one forward pass takes at most (prefill chunks fill what decodes leave)."""
+DEFAULT_MAX_STEP_SEQUENCES = 64
+"""Sessions one forward pass takes at most."""
+SMALL_ITEM_TOKENS = 33
+"""Items of up to this many tokens (a decode, a draft step, a verify block of up to 32 drafts)
+are served before prefill chunks."""
+LONG_SHARE = 4
+"""The oldest long item always gets at least max_step_tokens // LONG_SHARE tokens of a step."""
+STATS_DECAY = 0.9
+"""Weight kept by the smoothed figures per step or call."""
+COST_DECAY = 0.98
+"""Weight kept by past steps in the cost-curve fit (about the last 50 steps count)."""
+RETRY_AFTER_S = 1.0
+"""Retry hint sent with a refusal for lack of KV blocks."""
+
+
+@dataclass(frozen=True)
+class Forward:
+    """A task's request for logits: the rows of `work.logits_at`, after appending its tokens."""
+
+    work: SequenceWork
+
+
+@dataclass(frozen=True)
+class Batched:
+    """A task's request to be served with every other task yielding the same `handler` after
+    this step: `handler(payloads)` returns one result or exception per payload, in order."""
+
+    handler: Callable[[list[Any]], list[Any]]
+    payload: Any
+
+
+Task = Generator[Forward | Batched, Any, R]
+
+
+@dataclass(eq=False)
+class _Running:
+    """A task the engine drives, and where it stands."""
+
+    task: Task[Any]
+    key: str | None
+    future: Future[Any]
+    submitted_at: float
+    waiting: Forward | Batched | None = None
+    """What the task yielded last (None: not started)."""
+    ready_since: float = 0.0
+    """When it started waiting for its current Forward (the fairness order)."""
+    done_tokens: int = 0
+    """Tokens of the current Forward already run (chunked prefill)."""
+    rows: list[torch.Tensor] = field(default_factory=list)
+    """Logit rows of the current Forward gathered so far."""
+    waited: bool = False
+    """Its queue wait (submission to first step) has been counted."""
+
+
+class CostCurve:
+    """Step seconds against step tokens: an exponentially weighted least-squares line."""
+
+    def __init__(self, decay: float = COST_DECAY) -> None:
+        self._decay = decay
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self._decay
+        self._w = d * self._w + 1.0
+        self._x = d * self._x + tokens
+        self._y = d * self._y + seconds
+        self._xx = d * self._xx + tokens * tokens
+        self._xy = d * self._xy + tokens * seconds
+
+    def line(self) -> tuple[float, float]:
+        """(base_s, per_token_s), both >= 0; (0, 0) before any step."""
+        if self._w == 0:
+            return 0.0, 0.0
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if var_x <= 1e-9 * max(1.0, mean_x * mean_x):  # one step size seen so far: no slope
+            return mean_y, 0.0
+        slope = max(0.0, (self._xy / self._w - mean_x * mean_y) / var_x)
+        base = max(0.0, mean_y - slope * mean_x)
+        return base, slope
+
+
+class Engine:
+    """The step loop of one replica over one `ModelRunner` (see the module docstring)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+        max_step_sequences: int = DEFAULT_MAX_STEP_SEQUENCES,
+        name: str = "engine",
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if max_step_tokens < 1 or max_step_sequences < 1:
+            raise InvalidArgumentError("max_step_tokens and max_step_sequences must be >= 1")
+        self.runner = runner
+        self.max_step_tokens = max_step_tokens
+        self.max_step_sequences = max_step_sequences
+        self._clock = clock
+        self._condition = threading.Condition()
+        self._inbox: deque[_Running] = deque()
+        self._stopped = False
+        # Engine-thread state.
+        self._active: dict[str | None, _Running] = {}
+        self._keyless: list[_Running] = []
+        self._queued: dict[str, deque[_Running]] = {}
+        self._num_queued = 0
+        self._curve = CostCurve()
+        self._load: StepLoad | None = None
+        # Figures (written by the engine thread, read by anyone).
+        self.busy_s = 0.0
+        self._steps = 0
+        self._max_batch = 0
+        self._mean_batch = 0.0
+        self._mean_tokens = 0.0
+        self._queue_wait_s = 0.0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ callers (any thread)
+
+    def submit(self, task: Task[R], key: str | None = None) -> Future[R]:
+        """Queue `task`; its future resolves to what it returns (or raises what it raises)."""
+        running = _Running(task, key, Future(), self._clock())
+        with self._condition:
+            if self._stopped:
+                task.close()
+                raise RuntimeError("the engine has stopped")
+            self._inbox.append(running)
+            self._condition.notify()
+        return running.future
+
+    def run(self, task: Task[R], key: str | None = None) -> R:
+        """Run `task` and return its result (blocking the calling thread, not the engine)."""
+        return self.submit(task, key).result()
+
+    def call(self, fn: Callable[[], R], key: str | None = None) -> R:
+        """Run `fn()` on the engine thread, between steps."""
+
+        def task() -> Task[R]:
+            return fn()
+            yield  # a generator that yields nothing
+
+        return self.run(task(), key)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the loop; tasks not finished fail with RuntimeError."""
+        with self._condition:
+            self._stopped = True
+            self._condition.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    @property
+    def active_keys(self) -> frozenset[str]:
+        """Keys of the tasks running or queued now (engine thread: exact)."""
+        keys = {k for k in self._active if k is not None}
+        return frozenset(keys | set(self._queued))
+
+    def step_load(self) -> StepLoad | None:
+        """The load of the step that ran last (what a task resumed after it ran in)."""
+        return self._load
+
+    def stats(self) -> EngineStats:
+        base, per_token = self._curve.line()
+        runner = self.runner
+        return EngineStats(
+            runner=runner.kind,
+            steps=self._steps,
+            max_batch_sequences=self._max_batch,
+            kv_blocks_total=runner.num_blocks,
+            kv_blocks_used=runner.num_blocks - runner.num_free_blocks,
+            block_size=runner.block_size,
+            batch_sequences=self._mean_batch,
+            step_tokens=self._mean_tokens,
+            queue_wait_s=self._queue_wait_s,
+            queued=len(self._inbox) + self._num_queued,
+            cost_base_s=base,
+            cost_per_token_s=per_token,
+        )
+
+    def calibrate(self, token_counts: Sequence[int] = (1, 16, 64), repeats: int = 2) -> None:
+        """Seed the cost curve (and warm the model up) with steps of a scratch sequence of
+        each size; the sequence is released after. Call before serving."""
+
+        def task() -> Task[None]:
+            seq_id = "\x00calibration"
+            try:
+                for _ in range(repeats):
+                    for count in token_counts:
+                        tokens = min(count, self.max_step_tokens)
+                        yield Forward(SequenceWork(seq_id, (0,) * tokens, (tokens - 1,)))
+                        self.runner.truncate(seq_id, 0)
+            finally:
+                self.runner.release(seq_id)
+
+        try:
+            self.run(task(), key="\x00calibration")
+        except ResourceExhaustedError:
+            logger.warning("engine calibration skipped: the KV pool is too small for it")
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._condition:
+                    while not self._stopped and not self._inbox and not self._has_forward():
+                        self._condition.wait()
+                    if self._stopped:
+                        break
+                    arrived = list(self._inbox)
+                    self._inbox.clear()
+                for running in arrived:
+                    self._admit(running)
+                self._run_keyless()
+                if self._has_forward():
+                    self._step()
+        except BaseException:  # never die silently: fail every caller instead
+            logger.exception("engine loop failed")
+            raise
+        finally:
+            self._fail_all(RuntimeError("the engine has stopped"))
+
+    def _has_forward(self) -> bool:
+        return any(isinstance(r.waiting, Forward) for r in self._active.values())
+
+    def _admit(self, running: _Running) -> None:
+        if running.key is None:
+            self._keyless.append(running)
+        elif running.key in self._active:
+            self._queued.setdefault(running.key, deque()).append(running)
+            self._num_queued += 1
+        else:
+            self._start(running)
+
+    def _run_keyless(self) -> None:
+        while self._keyless:
+            running = self._keyless.pop(0)
+            self._advance(running, None, None, keyed=False)
+
+    def _start(self, running: _Running) -> None:
+        self._active[running.key] = running
+        self._advance(running, None, None)
+
+    def _advance(
+        self,
+        running: _Running,
+        value: Any,
+        error: BaseException | None,
+        keyed: bool = True,
+    ) -> None:
+        """Resume a task with `value` (or throw `error` into it) until it waits on a Forward,
+        or finishes; a Batched it yields is served at once when it is alone (between steps)."""
+        while True:
+            try:
+                if error is not None:
+                    request = running.task.throw(error)
+                else:
+                    request = running.task.send(value)
+            except StopIteration as stop:
+                self._finish(running, stop.value, None, keyed)
+                return
+            except BaseException as failure:  # the task's own error goes to its caller
+                self._finish(running, None, failure, keyed)
+                return
+            value, error = None, None
+            if isinstance(request, Forward):
+                running.waiting = request
+                running.ready_since = self._clock()
+                running.done_tokens = 0
+                running.rows = []
+                if not keyed:
+                    error = RuntimeError("a keyless task cannot run forward passes")
+                    continue
+                return
+            if isinstance(request, Batched):
+                running.waiting = request
+                if not self._in_step:
+                    value, error = _one(request.handler([request.payload]))
+                    continue
+                return
+            error = TypeError(f"a task yielded {type(request).__name__}, not Forward or Batched")
+
+    _in_step = False
+
+    def _finish(
+        self, running: _Running, result: Any, failure: BaseException | None, keyed: bool
+    ) -> None:
+        running.waiting = None
+        if failure is None:
+            running.future.set_result(result)
+        else:
+            running.future.set_exception(failure)
+        if not keyed or running.key is None:
+            return
+        del self._active[running.key]
+        queue = self._queued.get(running.key)
+        if queue:
+            following = queue.popleft()
+            self._num_queued -= 1
+            if not queue:
+                del self._queued[running.key]
+            self._start(following)
+
+    def _step(self) -> None:
+        started = self._clock()
+        batch, chunks = self._pack()
+        if not batch:
+            return
+        self._in_step = True
+        try:
+            self._run_batch(batch, chunks, started)
+        finally:
+            self._in_step = False
+            self.busy_s += self._clock() - started
+
+    def _pack(self) -> tuple[list[_Running], list[SequenceWork]]:
+        """Choose this step's items under the budgets and the free KV blocks; fail at once an
+        item that could not fit even alone."""
+        ready = [r for r in self._active.values() if isinstance(r.waiting, Forward)]
+        small = sorted(
+            (r for r in ready if _remaining(r) <= SMALL_ITEM_TOKENS), key=lambda r: r.ready_since
+        )
+        long = sorted(
+            (r for r in ready if _remaining(r) > SMALL_ITEM_TOKENS), key=lambda r: r.ready_since
+        )
+        tokens_left = self.max_step_tokens
+        if long:  # the oldest long item keeps a share of every step
+            tokens_left -= self.max_step_tokens // LONG_SHARE
+        free = self.runner.num_free_blocks
+        batch: list[_Running] = []
+        chunks: list[SequenceWork] = []
+        for position, running in enumerate([*small, *long]):
+            if len(batch) >= self.max_step_sequences:
+                break
+            if position == len(small) and long:
+                tokens_left += self.max_step_tokens // LONG_SHARE
+            take = min(_remaining(running), tokens_left)
+            if take <= 0:
+                continue
+            chunk = _chunk(running, take)
+            runner = self.runner
+            need = runner.blocks_needed(chunk.seq_id, runner.length(chunk.seq_id) + take)
+            if need > free:
+                alone = runner.blocks_needed(
+                    chunk.seq_id, runner.length(chunk.seq_id) + _remaining(running)
+                )
+                if alone > runner.num_free_blocks:
+                    self._refuse(running, alone)
+                continue  # it fits alone: the next step
+            free -= need
+            tokens_left -= take
+            batch.append(running)
+            chunks.append(chunk)
+        return batch, chunks
+
+    def _refuse(self, running: _Running, blocks: int) -> None:
+        error = PoolExhaustedError(
+            f"the KV pool cannot hold this work: it needs {blocks} more blocks of "
+            f"{self.runner.block_size} tokens, {self.runner.num_free_blocks} of "
+            f"{self.runner.num_blocks} are free (held by other sessions); retry after "
+            f"{RETRY_AFTER_S:g} s or on another replica",
+            retry_after_s=RETRY_AFTER_S,
+        )
+        running.waiting = None
+        self._advance(running, None, error)
+
+    def _run_batch(self, batch: list[_Running], chunks: list[SequenceWork], started: float) -> None:
+        for running in batch:
+            if not running.waited:
+                running.waited = True
+                self._queue_wait_s = _smooth(self._queue_wait_s, started - running.submitted_at)
+        tokens = sum(len(c.tokens) for c in chunks)
+        try:
+            logits = self.runner.forward(chunks)
+        except BaseException as error:  # a failed step fails its tasks, never the loop
+            logger.exception("forward pass of %d sequences failed", len(batch))
+            for running in batch:
+                running.waiting = None
+                self._advance(running, None, error)
+            return
+        elapsed = self._clock() - started
+        self._record(len(batch), tokens, elapsed)
+        rows = logits.split([len(c.logits_at) for c in chunks])
+        resumed: list[tuple[_Running, torch.Tensor]] = []
+        for running, chunk, chunk_rows in zip(batch, chunks, rows, strict=True):
+            running.done_tokens += len(chunk.tokens)
+            running.rows.append(chunk_rows)
+            if _remaining(running) == 0:
+                gathered = running.rows[0] if len(running.rows) == 1 else torch.cat(running.rows)
+                running.rows = []
+                resumed.append((running, gathered))
+        for running, gathered in resumed:
+            running.waiting = None
+            self._advance(running, gathered, None)
+        self._serve_batched()
+
+    def _serve_batched(self) -> None:
+        """Serve every task waiting on a Batched, one handler call per handler, until none
+        waits (a task may yield another Batched after the first)."""
+        while True:
+            groups: dict[Any, list[_Running]] = {}
+            for running in self._active.values():
+                if isinstance(running.waiting, Batched):
+                    groups.setdefault(running.waiting.handler, []).append(running)
+            if not groups:
+                return
+            for handler, group in groups.items():
+                payloads = [r.waiting.payload for r in group]  # type: ignore[union-attr]
+                try:
+                    results = handler(payloads)
+                    if len(results) != len(group):
+                        raise RuntimeError("a batched handler returned the wrong number")
+                except BaseException as failure:
+                    results = [failure] * len(group)
+                for running, result in zip(group, results, strict=True):
+                    running.waiting = None
+                    value, thrown = _one([result])
+                    self._advance(running, value, thrown)
+
+    def _record(self, sequences: int, tokens: int, elapsed_s: float) -> None:
+        self._steps += 1
+        self._max_batch = max(self._max_batch, sequences)
+        self._mean_batch = _smooth(self._mean_batch, sequences, first=self._steps == 1)
+        self._mean_tokens = _smooth(self._mean_tokens, tokens, first=self._steps == 1)
+        self._curve.observe(tokens, elapsed_s)
+        base, per_token = self._curve.line()
+        self._load = StepLoad(sequences, tokens, base, per_token)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._condition:
+            self._stopped = True
+            pending = list(self._inbox)
+            self._inbox.clear()
+        pending += list(self._active.values()) + self._keyless
+        pending += [r for queue in self._queued.values() for r in queue]
+        self._active.clear()
+        self._queued.clear()
+        self._keyless.clear()
+        for running in pending:
+            if not running.future.done():
+                running.future.set_exception(error)
+            running.task.close()
+
+
+def _remaining(running: _Running) -> int:
+    assert isinstance(running.waiting, Forward)
+    return len(running.waiting.work.tokens) - running.done_tokens
+
+
+def _chunk(running: _Running, take: int) -> SequenceWork:
+    """The next `take` tokens of a task's Forward, with the logits that fall in them."""
+    assert isinstance(running.waiting, Forward)
+    work = running.waiting.work
+    start, stop = running.done_tokens, running.done_tokens + take
+    if start == 0 and stop == len(work.tokens):
+        return work
+    return SequenceWork(
+        work.seq_id,
+        tuple(work.tokens[start:stop]),
+        tuple(i - start for i in work.logits_at if start <= i < stop),
+    )
+
+
+def _one(results: list[Any]) -> tuple[Any, BaseException | None]:
+    result = results[0]
+    if isinstance(result, BaseException):
+        return None, result
+    return result, None
+
+
+def _smooth(old: float, new: float, first: bool = False) -> float:
+    return new if first else STATS_DECAY * old + (1 - STATS_DECAY) * new

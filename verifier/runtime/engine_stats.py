@@ -1,0 +1,51 @@
+"""What a replica's batching engine reports about itself: a plain snapshot, no I/O.
+
+`EngineStats` travels in `ReplicaStats` (the Stats RPC), in every heartbeat (`ReplicaInfo`), in
+`tandem status --json` (one `engine` object per replica) and in the Prometheus metrics; the
+autoscaler reads its queue wait and KV use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A replica engine's counters since start and gauges of now."""
+
+    runner: str = "paged"
+    """How forward passes run: `paged` (one batched pass over the paged KV pool) or `serial`
+    (the fallback for models whose attention cannot be swapped: one session at a time)."""
+    steps: int = 0
+    """Forward passes run since start."""
+    max_batch_sequences: int = 0
+    """The most sessions in one forward pass since start."""
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    block_size: int = 0
+    """Tokens per KV block."""
+    batch_sequences: float = 0.0
+    """Sessions per forward pass, smoothed over recent steps."""
+    step_tokens: float = 0.0
+    """Tokens per forward pass, smoothed over recent steps."""
+    queue_wait_s: float = 0.0
+    """Seconds a call waited before a step took it, smoothed over recent calls."""
+    queued: int = 0
+    """Calls waiting for a step now."""
+    cost_base_s: float = 0.0
+    cost_per_token_s: float = 0.0
+    """The measured step cost curve: seconds = cost_base_s + cost_per_token_s x tokens."""
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_used
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineStats:
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
