@@ -24,7 +24,9 @@ from cluster.config_parsing import PARSING, load_yaml, parse
 from cluster.presets import DEFAULT_PRESET, ModelPair, resolve_pair
 from cluster.routing.draft_length import DraftLengthConfig
 from cluster.serve.autoscaling import (
+    DEFAULT_MAX_KV_USED,
     DEFAULT_TARGET_BUSY,
+    DEFAULT_TARGET_QUEUE_WAIT_S,
     DEFAULT_TARGET_SESSIONS,
     POLICY_PATH,
     check_targets,
@@ -42,8 +44,9 @@ DEFAULT_GRPC_PORT = 9000
 class AutoscalingConfig:
     """Serve autoscaling of one side on the load its replicas report (cluster/serve/autoscaling.py):
     enough replicas that neither open sessions nor busy fraction per replica exceeds its
-    target. Off by default: the group runs `num_replicas`. On, Serve starts `min_replicas` and
-    `num_replicas` is not used."""
+    target, a replica whose engine's KV pool is nearly full or whose calls queue too long
+    counting as fully busy. Off by default: the group runs `num_replicas`. On, Serve starts
+    `min_replicas` and `num_replicas` is not used."""
 
     enabled: bool = False
     min_replicas: int = 1
@@ -53,6 +56,11 @@ class AutoscalingConfig:
     """Open sessions per replica (each holds a KV cache)."""
     target_busy: float = DEFAULT_TARGET_BUSY
     """Share of time each replica's model spends computing, in (0, 1]."""
+    max_kv_used: float = DEFAULT_MAX_KV_USED
+    """Share of a replica's KV pool in use above which it counts as fully busy, in (0, 1]."""
+    target_queue_wait_s: float = DEFAULT_TARGET_QUEUE_WAIT_S
+    """Seconds a call may wait for its replica's engine before the replica counts as fully
+    busy."""
     upscale_delay_s: float = 10.0
     """How long more replicas must be wanted before they are started."""
     downscale_delay_s: float = 120.0
@@ -71,7 +79,12 @@ class AutoscalingConfig:
                 f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})"
             )
         try:
-            check_targets(self.target_sessions, self.target_busy)
+            check_targets(
+                self.target_sessions,
+                self.target_busy,
+                self.max_kv_used,
+                self.target_queue_wait_s,
+            )
         except ValueError as error:
             raise InvalidArgumentError(str(error)) from error
         for name in ("upscale_delay_s", "downscale_delay_s"):
@@ -100,6 +113,8 @@ class AutoscalingConfig:
                 "policy_kwargs": {
                     "target_sessions": self.target_sessions,
                     "target_busy": self.target_busy,
+                    "max_kv_used": self.max_kv_used,
+                    "target_queue_wait_s": self.target_queue_wait_s,
                 },
             },
         }

@@ -10,7 +10,8 @@ Three layers:
 - `METRICS`: every fixed metric (name, kind, labels, description), the one list the Grafana
   dashboard's queries must stay within (a test checks), plus one gauge per numeric field of the
   replicas' heartbeats (`replica_gauge`), so a load field added to `ReplicaInfo` is exported
-  without a change here.
+  without a change here, and one per figure of a heartbeat's `engine` (`ENGINE_GAUGE_FIELDS`,
+  as `engine_<figure>`: batch, tokens per step, KV blocks used and free, queue wait, steps).
 - `TandemMetrics`: what the service (a request ended or was refused), the router (draft and
   verify latencies), its admission queue (depth) and the registry (heartbeats) call. It turns
   those events into increments of named metrics on a `Sink`; pure, so tests check it over a
@@ -33,7 +34,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeGuard
 
 if TYPE_CHECKING:  # importing cluster.routing.request would pull in torch for `tandem status`
     from cluster.routing.request import SpeculationStats
@@ -50,6 +51,15 @@ intervals, so a queue that stays empty would otherwise vanish from the graphs.""
 REPLICA_GAUGE_PREFIX = "tandem_replica_"
 NOT_GAUGES = frozenset({"pid"})
 """Numeric heartbeat fields that are not measurements."""
+ENGINE_GAUGE_PREFIX = "engine_"
+ENGINE_GAUGE_FIELDS = (
+    "steps", "batch_sequences", "step_tokens", "kv_blocks_used", "kv_blocks_free", "queue_wait_s",
+)  # fmt: skip
+"""The figures of a heartbeat's `engine` (`EngineStats`) exported as replica gauges:
+`kv_blocks_free` is derived (total - used); `steps` only grows (a counter kept as a gauge, so
+that it goes with its replica: graph it with `rate`). `queued` is the heartbeat's own
+`queue_depth` already; the rest (the cost curve, the block size, the pool's size, the largest
+batch) are settings, fits or records, read in `tandem status --json`."""
 
 
 class Kind(enum.Enum):
@@ -123,13 +133,39 @@ def replica_gauge(field: str) -> Metric:
     )
 
 
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def replica_numbers(info: Mapping[str, Any]) -> dict[str, float]:
     """The numeric fields of a heartbeat (`ReplicaInfo` dict) that are measurements."""
     return {
         name: float(value)
         for name, value in info.items()
-        if isinstance(value, int | float) and not isinstance(value, bool) and name not in NOT_GAUGES
+        if _is_number(value) and name not in NOT_GAUGES
     }
+
+
+def engine_numbers(info: Mapping[str, Any]) -> dict[str, float]:
+    """The engine figures of a heartbeat that are gauges (`ENGINE_GAUGE_FIELDS`), named
+    `engine_<figure>`; none when the heartbeat has no engine (or an older replica sent it)."""
+    engine = info.get("engine")
+    if not isinstance(engine, Mapping):
+        return {}
+    figures = dict(engine)
+    total, used = figures.get("kv_blocks_total"), figures.get("kv_blocks_used")
+    if _is_number(total) and _is_number(used):
+        figures["kv_blocks_free"] = total - used
+    return {
+        ENGINE_GAUGE_PREFIX + name: float(figures[name])
+        for name in ENGINE_GAUGE_FIELDS
+        if _is_number(figures.get(name))
+    }
+
+
+def replica_measurements(info: Mapping[str, Any]) -> dict[str, float]:
+    """Every gauge of a heartbeat: its numeric fields and its engine's figures."""
+    return {**replica_numbers(info), **engine_numbers(info)}
 
 
 class Sink(Protocol):
@@ -316,12 +352,12 @@ class TandemMetrics:
     def replica_seen(self, info: Mapping[str, Any]) -> None:
         """A heartbeat: every measurement in it, as the replica's gauges."""
         labels = {"replica_id": str(info["replica_id"]), "side": str(info["side"])}
-        for field, value in replica_numbers(info).items():
+        for field, value in replica_measurements(info).items():
             self.sink.set(replica_gauge(field), value, labels)
 
     def replica_gone(self, info: Mapping[str, Any]) -> None:
         labels = {"replica_id": str(info["replica_id"]), "side": str(info["side"])}
-        for field in replica_numbers(info):
+        for field in replica_measurements(info):
             self.sink.drop(replica_gauge(field), labels)
 
 

@@ -50,14 +50,28 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("base_length", "token_ids", "draft_probs")
+    __slots__ = ("base_length", "token_ids", "draft_probs", "load")
     BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     base_length: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
-    def __init__(self, base_length: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
+    load: StepLoad
+    def __init__(self, base_length: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., load: _Optional[_Union[StepLoad, _Mapping]] = ...) -> None: ...
+
+class StepLoad(_message.Message):
+    __slots__ = ("batch_sequences", "batch_tokens", "cost_base_s", "cost_per_token_s")
+    BATCH_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COST_BASE_S_FIELD_NUMBER: _ClassVar[int]
+    COST_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    batch_sequences: int
+    batch_tokens: int
+    cost_base_s: float
+    cost_per_token_s: float
+    def __init__(self, batch_sequences: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., cost_base_s: _Optional[float] = ..., cost_per_token_s: _Optional[float] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "block", "defer_bonus")
@@ -70,18 +84,20 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., block: _Optional[_Union[DraftBlock, _Mapping]] = ..., defer_bonus: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("base_length", "num_accepted", "token_ids", "committed_length", "bonus_deferred")
+    __slots__ = ("base_length", "num_accepted", "token_ids", "committed_length", "bonus_deferred", "load")
     BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     BONUS_DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     base_length: int
     num_accepted: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     committed_length: int
     bonus_deferred: bool
-    def __init__(self, base_length: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., bonus_deferred: _Optional[bool] = ...) -> None: ...
+    load: StepLoad
+    def __init__(self, base_length: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., bonus_deferred: _Optional[bool] = ..., load: _Optional[_Union[StepLoad, _Mapping]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -100,11 +116,41 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("num_sessions", "num_cached_tokens", "busy_s")
+    __slots__ = ("num_sessions", "num_cached_tokens", "busy_s", "engine")
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     num_sessions: int
     num_cached_tokens: int
     busy_s: float
-    def __init__(self, num_sessions: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ...) -> None: ...
+    engine: EngineStats
+    def __init__(self, num_sessions: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., engine: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
+
+class EngineStats(_message.Message):
+    __slots__ = ("runner", "steps", "max_batch_sequences", "kv_blocks_total", "kv_blocks_used", "block_size", "batch_sequences", "step_tokens", "queue_wait_s", "queued", "cost_base_s", "cost_per_token_s")
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    COST_BASE_S_FIELD_NUMBER: _ClassVar[int]
+    COST_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    runner: str
+    steps: int
+    max_batch_sequences: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    block_size: int
+    batch_sequences: float
+    step_tokens: float
+    queue_wait_s: float
+    queued: int
+    cost_base_s: float
+    cost_per_token_s: float
+    def __init__(self, runner: _Optional[str] = ..., steps: _Optional[int] = ..., max_batch_sequences: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., batch_sequences: _Optional[float] = ..., step_tokens: _Optional[float] = ..., queue_wait_s: _Optional[float] = ..., queued: _Optional[int] = ..., cost_base_s: _Optional[float] = ..., cost_per_token_s: _Optional[float] = ...) -> None: ...

@@ -7,11 +7,12 @@ HTTP proxy; the application is served at the route prefix `/`, so its base URL i
 `http://127.0.0.1:<port>/v1`). A cluster already running keeps the HTTP port it was started
 with (Serve's proxy is started once per cluster). A config with no tenants is served to one
 tenant, `local`, whose key the home keeps and the command line sends; `--detach` leaves it
-running, otherwise Ctrl-C stops it. `status` shows deployments, replicas with their sessions
-and load, and a summary of the metrics every node's metrics agent serves (`cluster.metrics`):
-acceptance, tokens per verify pass, pipeline hit rate, tokens generated, the queue, usage per
-tenant. `shutdown` removes the application and stops the cluster if Tandem started it. Ray is
-imported only after the cluster environment is set (see `cluster.serve.local_cluster`).
+running, otherwise Ctrl-C stops it. `status` shows deployments, replicas with their sessions,
+load and engine (batch, KV blocks used of total; all its figures in `--json`), and a summary of
+the metrics every node's metrics agent serves (`cluster.metrics`): acceptance, tokens per verify
+pass, pipeline hit rate, tokens generated, the queue, usage per tenant. `shutdown` removes the
+application and stops the cluster if Tandem started it. Ray is imported only after the cluster
+environment is set (see `cluster.serve.local_cluster`).
 """
 
 from __future__ import annotations
@@ -239,18 +240,42 @@ def status_command(args: argparse.Namespace) -> int:
 
 
 def _print_replicas(replicas: list[dict[str, Any]]) -> None:
+    for line in replica_lines(replicas):
+        print(line)
+
+
+def replica_lines(replicas: list[dict[str, Any]]) -> list[str]:
+    """The replica table of `tandem status`: a header, then one line per replica (its load
+    fields, then its engine's batch (smoothed, and the most since start) and KV blocks used of
+    total; `-` where no engine runs)."""
     shown = {"num_sessions", "num_cached_tokens"}
     load = sorted({f for r in replicas for f in replica_numbers(r)} - shown)
-    print(
+    lines = [
         f"  {'replica':<22} {'side':<8} {'address':<17} {'sessions':>8} {'cached tokens':>14}"
         + "".join(f" {field:>{max(len(field), 12)}}" for field in load)
-    )
+        + f" {'batch (max)':>12} {'kv blocks':>15}"
+    ]
     for replica in replicas:
-        print(
+        batch, kv_blocks = _engine_columns(replica.get("engine"))
+        lines.append(
             f"  {replica['replica_id']:<22} {replica['side']:<8} {replica['address']:<17} "
             f"{replica['num_sessions']:>8} {replica['num_cached_tokens']:>14}"
             + "".join(f" {_number(replica.get(f)):>{max(len(f), 12)}}" for f in load)
+            + f" {batch:>12} {kv_blocks:>15}"
         )
+    return lines
+
+
+def _engine_columns(engine: Any) -> tuple[str, str]:
+    """Batch and KV columns of a replica's `engine` object, `-` where it has none."""
+    if not isinstance(engine, dict):
+        return "-", "-"
+    figure = {name: _number(engine.get(name)) for name in _ENGINE_COLUMNS}
+    batch = f"{figure['batch_sequences']} ({figure['max_batch_sequences']})"
+    return batch, f"{figure['kv_blocks_used']}/{figure['kv_blocks_total']}"
+
+
+_ENGINE_COLUMNS = ("batch_sequences", "max_batch_sequences", "kv_blocks_used", "kv_blocks_total")
 
 
 def _number(value: Any) -> str:

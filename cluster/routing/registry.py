@@ -7,8 +7,8 @@ Ray restarts if it dies; heartbeats refill it within a second, since replicas ho
 and the registry only soft state.
 
 Each heartbeat's measurements become the replica's gauges (`cluster.metrics`:
-`tandem_replica_<field>{replica_id, side}`); a replica that leaves or goes silent has its
-gauges dropped.
+`tandem_replica_<field>{replica_id, side}`, and `tandem_replica_engine_<figure>` for its
+engine's); a replica that leaves or goes silent has its gauges dropped.
 
 Why a registry and not Serve's routing: blocks go straight to the replica that holds a
 session's KV cache, over gRPC, with no Serve hop; the router needs the replicas' addresses to

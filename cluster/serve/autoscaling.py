@@ -1,12 +1,14 @@
-"""Scaling drafters and verifiers on their real load: open sessions and busy time.
+"""Scaling drafters and verifiers on their real load: open sessions, busy time, KV and queueing.
 
 Blocks bypass Serve (docs/architecture.md, invariant 4), so Serve's request counts see no load on
 the Drafter and Verifier deployments. Each replica reports its own instead, through Serve's custom
 metrics hook (`ReplicaShell.record_autoscaling_stats`, verifier/replica/host.py): `sessions`
-open, `busy` (the share of the last second its model spent computing) and `queue` (calls
-waiting for it). Serve averages each per replica over `look_back_period_s` and calls the
-deployment's policy, `scale_on_load`, every control-loop tick. Each side is its own deployment
-with its own policy instance and limits, so drafters and verifiers scale apart.
+open, `busy` (the share of the last second its model spent computing), `queue` (calls
+waiting for it), and from its batching engine `kv_used` (the share of its KV pool in use) and
+`queue_wait_s` (how long a call waits before a step takes it). Serve averages each per replica
+over `look_back_period_s` and calls the deployment's policy, `scale_on_load`, every control-loop
+tick. Each side is its own deployment with its own policy instance and limits, so drafters and
+verifiers scale apart.
 
 The rule (`desired_replicas`): enough replicas that neither the sessions per replica nor the
 busy fraction per replica exceeds its target,
@@ -15,6 +17,12 @@ busy fraction per replica exceeds its target,
 
 clamped to [min, max]. Sessions measure memory and pinning (each holds a KV cache); busy time
 measures compute, which sessions alone miss (long prompts, long blocks, a slow model).
+
+A batching engine hides saturation from busy time: a replica computing all the time may still
+take more sessions into each step, and one whose KV pool is full cannot, however idle. So a
+replica whose KV pool is nearly full (`kv_used` above `max_kv_used`) or whose calls wait longer
+than `target_queue_wait_s` counts as saturated: its busy fraction counts as 1.0, as if it
+computed all the time (`saturated_busy`). A replica without an engine reports 0 for both.
 
 Contract with Ray Serve (2.60, read from `ray/serve/_private/autoscaling_state.py`):
 `policy_function` is an import path; when it names a class, Serve instantiates it once with
@@ -42,8 +50,18 @@ POLICY_PATH = "cluster.serve.autoscaling:scale_on_load"
 SESSIONS = "sessions"
 BUSY = "busy"
 QUEUE = "queue"
+KV_USED = "kv_used"
+QUEUE_WAIT = "queue_wait_s"
 DEFAULT_TARGET_SESSIONS = 16.0
 DEFAULT_TARGET_BUSY = 0.7
+DEFAULT_MAX_KV_USED = 0.85
+"""Above this share of its KV pool in use a replica is saturated: the sessions it holds grow
+into the rest, and a new one may find no room."""
+DEFAULT_TARGET_QUEUE_WAIT_S = 0.5
+"""A call that waits longer than this for a step is queued behind full batches, not behind one
+step in progress (a step of the models Tandem serves takes milliseconds to a few tenths)."""
+SATURATED_BUSY = 1.0
+"""The busy fraction a saturated replica counts as: all of one replica's compute."""
 ROUNDING_SLACK = 1e-6
 """Averaged loads carry float noise: 4 sessions over a target of 2 must ask for 2 replicas,
 not 3 because the average came out 4.0000001."""
@@ -68,26 +86,54 @@ def desired_replicas(
     return max(min_replicas, min(max_replicas, math.ceil(need - ROUNDING_SLACK)))
 
 
-def check_targets(target_sessions: float, target_busy: float) -> None:
+def saturated_busy(
+    busy: float,
+    kv_used: float,
+    queue_wait_s: float,
+    max_kv_used: float = DEFAULT_MAX_KV_USED,
+    target_queue_wait_s: float = DEFAULT_TARGET_QUEUE_WAIT_S,
+) -> float:
+    """One replica's busy fraction as the rule counts it: `SATURATED_BUSY` when its KV pool is
+    nearly full or its calls wait past the target, else as reported."""
+    if kv_used > max_kv_used or queue_wait_s > target_queue_wait_s:
+        return max(busy, SATURATED_BUSY)
+    return busy
+
+
+def check_targets(
+    target_sessions: float,
+    target_busy: float,
+    max_kv_used: float = DEFAULT_MAX_KV_USED,
+    target_queue_wait_s: float = DEFAULT_TARGET_QUEUE_WAIT_S,
+) -> None:
     """Raise ValueError unless the targets can be used (Serve's controller reports it)."""
     if not target_sessions > 0:
         raise ValueError(f"target_sessions must be > 0, got {target_sessions}")
     if not 0 < target_busy <= 1:
         raise ValueError(f"target_busy must be in (0, 1], got {target_busy}")
+    if not 0 < max_kv_used <= 1:
+        raise ValueError(f"max_kv_used must be in (0, 1], got {max_kv_used}")
+    if not target_queue_wait_s > 0:
+        raise ValueError(f"target_queue_wait_s must be > 0, got {target_queue_wait_s}")
 
 
 class ScaleOnLoad:
-    """Serve's autoscaling policy for one deployment of replicas that report `sessions` and
-    `busy` (see the module's docstring for the contract)."""
+    """Serve's autoscaling policy for one deployment of replicas that report `sessions`,
+    `busy` and, with an engine, `kv_used` and `queue_wait_s` (see the module's docstring for
+    the contract)."""
 
     def __init__(
         self,
         target_sessions: float = DEFAULT_TARGET_SESSIONS,
         target_busy: float = DEFAULT_TARGET_BUSY,
+        max_kv_used: float = DEFAULT_MAX_KV_USED,
+        target_queue_wait_s: float = DEFAULT_TARGET_QUEUE_WAIT_S,
     ) -> None:
-        check_targets(target_sessions, target_busy)
+        check_targets(target_sessions, target_busy, max_kv_used, target_queue_wait_s)
         self.target_sessions = target_sessions
         self.target_busy = target_busy
+        self.max_kv_used = max_kv_used
+        self.target_queue_wait_s = target_queue_wait_s
 
     def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
         metrics = ctx.aggregated_metrics or {}
@@ -95,7 +141,22 @@ class ScaleOnLoad:
         if not sessions and not busy:
             # No replica has reported yet (just deployed): hold.
             return ctx.target_num_replicas, dict(ctx.policy_state)
-        load = Load(sessions=sum(sessions.values()), busy=sum(busy.values()))
+        kv_used, queue_wait = metrics.get(KV_USED, {}), metrics.get(QUEUE_WAIT, {})
+        # Per replica, so that one saturated replica counts whole, not diluted by idle ones.
+        # A replica missing a metric (an older one, or one that has not reported it yet) is
+        # not saturated by it.
+        reporting = busy.keys() | kv_used.keys() | queue_wait.keys()
+        total_busy = sum(
+            saturated_busy(
+                busy.get(replica, 0.0),
+                kv_used.get(replica, 0.0),
+                queue_wait.get(replica, 0.0),
+                self.max_kv_used,
+                self.target_queue_wait_s,
+            )
+            for replica in reporting
+        )
+        load = Load(sessions=sum(sessions.values()), busy=total_busy)
         replicas = desired_replicas(
             load,
             self.target_sessions,

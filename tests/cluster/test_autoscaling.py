@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import Future
@@ -27,7 +28,13 @@ from cluster.config import AutoscalingConfig, ReplicaGroupConfig, TandemConfig
 from cluster.routing.replica_client import GrpcVerifier
 from cluster.serve import autoscaling
 from cluster.serve.app import GRACEFUL_SHUTDOWN_S, replica_count
-from cluster.serve.autoscaling import Load, ScaleOnLoad, desired_replicas, scale_on_load
+from cluster.serve.autoscaling import (
+    Load,
+    ScaleOnLoad,
+    desired_replicas,
+    saturated_busy,
+    scale_on_load,
+)
 from protos import replica_pb2_grpc
 from tests.polling import wait_until
 from verifier.replica.host import (
@@ -40,6 +47,7 @@ from verifier.replica.host import (
     kv_cache_bytes_per_token,
 )
 from verifier.replica.rpc import SECRET_METADATA_KEY
+from verifier.runtime.engine_stats import EngineStats
 from verifier.runtime.errors import InvalidArgumentError, ReplicaUnavailableError
 from verifier.runtime.models import LoadedModel
 from verifier.runtime.sampling import SamplingParams
@@ -106,6 +114,35 @@ def test_policy_sums_what_each_replica_reports() -> None:
     assert replicas == 2 and state == {"kept": 1}
 
 
+def test_a_replica_with_a_nearly_full_kv_pool_counts_as_saturated() -> None:
+    assert saturated_busy(0.1, kv_used=0.85, queue_wait_s=0.0) == 0.1  # at the limit: not yet
+    assert saturated_busy(0.1, kv_used=0.86, queue_wait_s=0.0) == 1.0
+    assert saturated_busy(0.1, kv_used=0.5, queue_wait_s=0.0, max_kv_used=0.4) == 1.0
+
+
+def test_a_replica_whose_calls_wait_past_the_target_counts_as_saturated() -> None:
+    assert saturated_busy(0.2, kv_used=0.0, queue_wait_s=0.5) == 0.2
+    assert saturated_busy(0.2, kv_used=0.0, queue_wait_s=0.6) == 1.0
+    assert saturated_busy(0.2, 0.0, queue_wait_s=0.2, target_queue_wait_s=0.1) == 1.0
+
+
+def test_policy_scales_up_on_kv_use_and_queue_wait_per_replica() -> None:
+    policy = scale_on_load(target_sessions=16, target_busy=0.7)
+    idle = {"sessions": {"r1": 2.0, "r2": 2.0}, "busy": {"r1": 0.1, "r2": 0.1}}
+    assert policy(context(idle))[0] == 1
+    # r1's pool is nearly full: it counts as busy all the time, 1.1 / 0.7 -> 2 replicas,
+    # though the average KV use over both replicas (0.45) is far from the limit.
+    full = {**idle, "kv_used": {"r1": 0.9, "r2": 0.0}, "queue_wait_s": {"r1": 0.0, "r2": 0.0}}
+    assert policy(context(full))[0] == 2
+    waiting = {**idle, "kv_used": {"r1": 0.1, "r2": 0.1}, "queue_wait_s": {"r1": 0.0, "r2": 2.0}}
+    assert policy(context(waiting))[0] == 2
+    both = {**idle, "kv_used": {"r1": 0.95, "r2": 0.1}, "queue_wait_s": {"r1": 0.0, "r2": 2.0}}
+    assert policy(context(both))[0] == 3  # 2.0 / 0.7
+    # The thresholds are the policy's own.
+    lenient = scale_on_load(target_sessions=16, target_busy=0.7, max_kv_used=0.95)
+    assert lenient(context(full))[0] == 1
+
+
 def test_policy_holds_until_replicas_report() -> None:
     policy = scale_on_load()
     assert policy(context(None, target_num_replicas=3))[0] == 3
@@ -113,7 +150,14 @@ def test_policy_holds_until_replicas_report() -> None:
 
 
 def test_policy_kwargs_are_checked() -> None:
-    for kwargs in ({"target_sessions": 0}, {"target_busy": 0}, {"target_busy": 1.5}):
+    for kwargs in (
+        {"target_sessions": 0},
+        {"target_busy": 0},
+        {"target_busy": 1.5},
+        {"max_kv_used": 0},
+        {"max_kv_used": 1.01},
+        {"target_queue_wait_s": 0},
+    ):
         with pytest.raises(ValueError):
             scale_on_load(**kwargs)  # type: ignore[arg-type]
 
@@ -128,12 +172,19 @@ def test_the_installed_serve_instantiates_the_policy_with_its_kwargs_and_delays_
     from ray.serve.config import AutoscalingContext
 
     options = AutoscalingConfig(
-        enabled=True, target_sessions=3, target_busy=0.5, upscale_delay_s=0, downscale_delay_s=60
+        enabled=True,
+        target_sessions=3,
+        target_busy=0.5,
+        max_kv_used=0.9,
+        target_queue_wait_s=0.25,
+        upscale_delay_s=0,
+        downscale_delay_s=60,
     ).serve_options()
     config = ServeAutoscalingConfig(**options)
     policy = _resolve_policy_callable(config.policy)
     assert isinstance(policy, ScaleOnLoad)
     assert (policy.target_sessions, policy.target_busy) == (3, 0.5)
+    assert (policy.max_kv_used, policy.target_queue_wait_s) == (0.9, 0.25)
     wrapped = _apply_autoscaling_config(policy)
 
     def tick(sessions: float, current: int, now: float, state: dict[str, Any]) -> Any:
@@ -173,8 +224,25 @@ def test_policy_path_names_the_policy() -> None:
 def test_replicas_report_the_metrics_the_policy_reads() -> None:
     info = ReplicaInfo("v", "verifier", "a:1", 3, 30, busy_fraction=0.25, queue_depth=2)
     stats = info.autoscaling_stats()
-    assert stats == {autoscaling.SESSIONS: 3.0, autoscaling.BUSY: 0.25, autoscaling.QUEUE: 2.0}
+    assert stats == {
+        autoscaling.SESSIONS: 3.0,
+        autoscaling.BUSY: 0.25,
+        autoscaling.QUEUE: 2.0,
+        autoscaling.KV_USED: 0.0,  # no engine
+        autoscaling.QUEUE_WAIT: 0.0,
+    }
     assert all(type(value) is float for value in stats.values())  # what Serve accepts
+    engine = EngineStats(kv_blocks_total=200, kv_blocks_used=150, queue_wait_s=0.125, queued=3)
+    info = ReplicaInfo("v", "verifier", "a:1", 3, 30, engine=engine.to_dict())
+    stats = info.autoscaling_stats()
+    assert stats[autoscaling.KV_USED] == 0.75 and stats[autoscaling.QUEUE_WAIT] == 0.125
+    assert all(type(value) is float for value in stats.values())
+
+
+def test_an_engine_without_a_kv_pool_reports_none_used() -> None:
+    serial = EngineStats(runner="serial", kv_blocks_total=0, kv_blocks_used=0)
+    info = ReplicaInfo("v", "verifier", "a:1", 1, 10, engine=serial.to_dict())
+    assert info.kv_used == 0.0 and info.autoscaling_stats()[autoscaling.KV_USED] == 0.0
 
 
 # --- config and deployment options ----------------------------------------------------------
@@ -192,7 +260,12 @@ def test_autoscaling_is_off_by_default_and_parses_per_side() -> None:
     verifier = replica_count(config.verifier)["autoscaling_config"]
     assert drafter["max_replicas"] == 3 and verifier["max_replicas"] == 4
     assert drafter["policy"]["policy_function"] == "cluster.serve.autoscaling:scale_on_load"
-    assert verifier["policy"]["policy_kwargs"] == {"target_sessions": 4, "target_busy": 0.7}
+    assert verifier["policy"]["policy_kwargs"] == {
+        "target_sessions": 4,
+        "target_busy": 0.7,
+        "max_kv_used": 0.85,
+        "target_queue_wait_s": 0.5,
+    }
 
 
 def test_serve_accepts_the_options() -> None:
@@ -201,7 +274,12 @@ def test_serve_accepts_the_options() -> None:
     options = AutoscalingConfig(enabled=True, min_replicas=2, max_replicas=5).serve_options()
     config = ServeAutoscalingConfig(**options)
     assert (config.min_replicas, config.max_replicas) == (2, 5)
-    assert config.policy.policy_kwargs == {"target_sessions": 16.0, "target_busy": 0.7}
+    assert config.policy.policy_kwargs == {
+        "target_sessions": 16.0,
+        "target_busy": 0.7,
+        "max_kv_used": 0.85,
+        "target_queue_wait_s": 0.5,
+    }
 
 
 @pytest.mark.parametrize(
@@ -211,6 +289,8 @@ def test_serve_accepts_the_options() -> None:
         ({"min_replicas": 3, "max_replicas": 2}, r"max_replicas \(2\) must be >= min_replicas"),
         ({"target_sessions": 0}, "target_sessions must be > 0"),
         ({"target_busy": 1.2}, r"target_busy must be in \(0, 1\]"),
+        ({"max_kv_used": 0}, r"max_kv_used must be in \(0, 1\]"),
+        ({"target_queue_wait_s": -1}, "target_queue_wait_s must be > 0"),
         ({"downscale_delay_s": -1}, "downscale_delay_s must be >= 0"),
         ({"look_back_period_s": 0}, "look_back_period_s must be > 0"),
         ({"look_back_period_s": 2, "metrics_interval_s": 2}, "must be greater than metrics"),
@@ -282,9 +362,50 @@ def test_busy_fraction_is_the_share_of_each_interval_spent_computing() -> None:
         assert replica.info() == info
         clock.now += 1.0  # idle second
         assert replica.sample().busy_fraction == 0.0
-        assert replica.autoscaling_stats() == {"sessions": 3.0, "busy": 0.0, "queue": 0.0}
+        assert replica.autoscaling_stats() == {
+            "sessions": 3.0,
+            "busy": 0.0,
+            "queue": 0.0,
+            "kv_used": 0.0,
+            "queue_wait_s": 0.0,
+        }
     finally:
         replica.stop()
+
+
+def test_each_sample_carries_the_engine_figures() -> None:
+    stats = FakeStats()
+    replica = host(stats)
+    try:
+        assert replica.info().engine is None  # no engine runs
+        engine = EngineStats(steps=40, kv_blocks_total=64, kv_blocks_used=48, queue_wait_s=0.75)
+        stats.now = ReplicaStats(num_sessions=2, num_cached_tokens=700, engine=engine)
+        info = replica.sample()
+        assert info.engine == engine.to_dict() and info.engine_stats() == engine
+        assert info.queue_depth == 0  # the engine's own count of calls waiting for a step
+        stats.now = ReplicaStats(2, 700, engine=dataclasses.replace(engine, queued=5))
+        assert replica.sample().queue_depth == 5
+        info = replica.sample()
+        assert replica.autoscaling_stats()["kv_used"] == 0.75
+        assert replica.autoscaling_stats()["queue_wait_s"] == 0.75
+        # What the registry gets in a heartbeat, and reads back.
+        assert ReplicaInfo.from_dict(info.to_dict()) == info
+    finally:
+        replica.stop()
+
+
+def test_replica_info_from_other_versions_reads_back() -> None:
+    info = ReplicaInfo("v", "verifier", "a:1", 1, 10, engine=EngineStats(steps=3).to_dict())
+    # An older replica sends no engine; a newer one sends fields and figures unknown here.
+    older = {k: v for k, v in info.to_dict().items() if k != "engine"}
+    assert ReplicaInfo.from_dict(older).engine is None
+    newer = info.to_dict()
+    newer["gpu_bytes"] = 5
+    newer["engine"] = {**newer["engine"], "prefix_hits": 9}
+    read = ReplicaInfo.from_dict(newer)
+    assert read.engine is not None and read.engine["prefix_hits"] == 9
+    assert read.engine_stats() == EngineStats(steps=3)
+    assert ReplicaInfo.from_dict({**older, "engine": "garbled"}).engine is None
 
 
 def test_queue_depth_counts_calls_waiting_inside_the_server() -> None:
@@ -350,7 +471,13 @@ def test_record_autoscaling_stats_is_what_the_replica_last_sampled() -> None:
     stats.now = ReplicaStats(num_sessions=5, num_cached_tokens=9)
     shell = StatsShell(stats)
     try:
-        assert shell.record_autoscaling_stats() == {"sessions": 5.0, "busy": 0.0, "queue": 0.0}
+        assert shell.record_autoscaling_stats() == {
+            "sessions": 5.0,
+            "busy": 0.0,
+            "queue": 0.0,
+            "kv_used": 0.0,
+            "queue_wait_s": 0.0,
+        }
         assert shell.info()["num_sessions"] == 5 and shell.info()["busy_fraction"] == 0.0
     finally:
         stats.now = ReplicaStats(num_sessions=0, num_cached_tokens=0)

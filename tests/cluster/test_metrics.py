@@ -1,5 +1,6 @@
 """Metrics without Ray: what a request, a refusal, a queue change and a heartbeat record; the
-Prometheus reader behind `tandem status`; the Grafana dashboard's queries."""
+Prometheus reader and the replica table behind `tandem status`; the Grafana dashboard's
+queries."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from cluster.api.tenants import (
     Tenants,
     hash_api_key,
 )
+from cluster.cli.service import replica_lines
 from cluster.local import LocalTandem
 from cluster.metrics import (
     ACCEPTED_BY_POSITION,
@@ -47,8 +49,10 @@ from cluster.metrics import (
     RaySink,
     TandemMetrics,
     default_sink,
+    engine_numbers,
     parse_prometheus,
     replica_gauge,
+    replica_measurements,
     replica_numbers,
     series,
     summarize,
@@ -60,6 +64,7 @@ from protos import generate_pb2
 from tests.conftest import CODE_PROMPT
 from tests.polling import wait_until
 from verifier.replica.host import ReplicaInfo
+from verifier.runtime.engine_stats import EngineStats
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "tandem-dashboard.json"
 KEYS = {"main": "tdm_main-key", "small": "tdm_small-key"}
@@ -189,6 +194,64 @@ def test_heartbeats_set_replica_gauges_and_departures_drop_them() -> None:
     assert gauge("num_sessions", "v1", "verifier") is None
     assert gauge("num_sessions", "v2", "verifier") == 0
     assert [r["replica_id"] for r in registry.replicas()] == ["v2"]
+
+
+ENGINE = EngineStats(
+    steps=900,
+    max_batch_sequences=16,
+    kv_blocks_total=512,
+    kv_blocks_used=200,
+    block_size=16,
+    batch_sequences=6.5,
+    step_tokens=41.25,
+    queue_wait_s=0.02,
+    queued=2,
+    cost_base_s=0.01,
+    cost_per_token_s=1e-5,
+)
+
+
+def test_engine_figures_become_replica_gauges() -> None:
+    sink = MemorySink()
+    registry = ReplicaRegistry(ttl_s=5.0, clock=Clock(), metrics=TandemMetrics(sink))
+    info = ReplicaInfo("v1", "verifier", "127.0.0.1:1", 3, 30, engine=ENGINE.to_dict())
+    registry.heartbeat(info.to_dict())
+
+    def gauge(field: str) -> float | None:
+        labels = {"replica_id": "v1", "side": "verifier"}
+        return sink.gauges.get(series(replica_gauge(field), labels))
+
+    assert gauge("engine_batch_sequences") == 6.5
+    assert gauge("engine_step_tokens") == 41.25
+    assert gauge("engine_kv_blocks_used") == 200
+    assert gauge("engine_kv_blocks_free") == 312  # derived: total - used
+    assert gauge("engine_queue_wait_s") == 0.02
+    assert gauge("engine_steps") == 900
+    assert gauge("engine_queued") is None  # the replica's queue_depth already
+    assert replica_gauge("engine_steps").name == "tandem_replica_engine_steps"
+    # Settings and fits stay out of the metrics (they are in `tandem status --json`).
+    assert gauge("engine_cost_base_s") is None and gauge("engine_block_size") is None
+    assert gauge("num_sessions") == 3  # the heartbeat's own fields as before
+    # What `tandem status --json` lists: the registry's entries, each with its engine object.
+    (listed,) = registry.replicas()
+    assert listed["engine"] == ENGINE.to_dict()
+    assert {"steps", "max_batch_sequences", "kv_blocks_total", "kv_blocks_used"} <= set(
+        listed["engine"]
+    )
+    assert json.loads(json.dumps(listed)) == listed  # printable as JSON as it is
+
+    assert registry.remove("v1")
+    assert not sink.gauges  # the engine's gauges go with the replica
+
+
+def test_a_heartbeat_without_an_engine_has_no_engine_gauges() -> None:
+    plain = ReplicaInfo("v1", "verifier", "127.0.0.1:1", 3, 30).to_dict()
+    assert engine_numbers(plain) == {} and replica_measurements(plain) == replica_numbers(plain)
+    older = {k: v for k, v in plain.items() if k != "engine"}  # from before engines
+    assert engine_numbers(older) == {}
+    # A newer engine's figures that are not gauges here are ignored; a missing one is skipped.
+    partial = {**plain, "engine": {"steps": 4, "kv_blocks_used": 3, "new_figure": 1.0}}
+    assert engine_numbers(partial) == {"engine_steps": 4.0, "engine_kv_blocks_used": 3.0}
 
 
 def test_replica_numbers_skip_text_flags_and_the_pid() -> None:
@@ -379,6 +442,18 @@ def test_an_empty_scrape_has_no_rates() -> None:
     assert summary["requests"] == 0 and summary["tenants"] == {}
 
 
+def test_status_shows_each_replicas_batch_and_kv_blocks() -> None:
+    engine = ENGINE.to_dict()
+    with_engine = ReplicaInfo("verifier-a", "verifier", "127.0.0.1:1", 3, 30, engine=engine)
+    without = ReplicaInfo("drafter-b", "drafter", "127.0.0.1:2", 1, 10)
+    header, engine_line, plain_line = replica_lines([with_engine.to_dict(), without.to_dict()])
+    assert "batch (max)" in header and "kv blocks" in header
+    assert engine_line.split()[-3:] == ["6.50", "(16)", "200/512"]
+    assert plain_line.split()[-2:] == ["-", "-"]  # no engine runs
+    # The engine is its own columns, not one per figure among the load fields.
+    assert "steps" not in header and "engine" not in header
+
+
 def dashboard_queries() -> list[str]:
     dashboard = json.loads(DASHBOARD.read_text())
     queries = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", ())]
@@ -390,8 +465,9 @@ def dashboard_queries() -> list[str]:
 
 def exported_names() -> dict[str, Metric]:
     """Every name Prometheus scrapes for a metric cluster.metrics defines, heartbeat gauges
-    included (one per numeric field of today's ReplicaInfo)."""
-    fields = replica_numbers(ReplicaInfo("r", "verifier", "127.0.0.1:1", 0, 0).to_dict())
+    included (one per numeric field of today's ReplicaInfo and per engine gauge)."""
+    info = ReplicaInfo("r", "verifier", "127.0.0.1:1", 0, 0, engine=EngineStats().to_dict())
+    fields = replica_measurements(info.to_dict())
     metrics = [*METRICS, *(replica_gauge(f) for f in fields)]
     return {name: metric for metric in metrics for name in metric.exported()}
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cluster.api.client import TandemClient, TandemClientError
-from cluster.metrics import Sample, parse_prometheus, replica_numbers
+from cluster.metrics import Sample, parse_prometheus, replica_measurements
 from tests.cluster.conftest import SMALL_LIMITS, TANDEM, TENANT_KEYS, live_replicas
 from tests.conftest import CODE_PROMPT
 
@@ -133,8 +133,9 @@ def test_requests_reach_the_metrics_endpoint(service: dict[str, object]) -> None
 def test_every_live_replica_has_its_gauges(service: dict[str, object]) -> None:
     url = metrics_url(service)
     replicas = live_replicas(service)
-    fields = set(replica_numbers(replicas[0]))
+    fields = set(replica_measurements(replicas[0]))
     assert {"num_sessions", "num_cached_tokens"} <= fields
+    assert {"engine_batch_sequences", "engine_kv_blocks_free", "engine_steps"} <= fields
 
     def seen(samples: list[Sample]) -> set[tuple[str, str, str]]:
         return {

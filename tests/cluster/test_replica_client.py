@@ -97,6 +97,20 @@ def test_greedy_over_grpc_equals_in_process(
     assert remote.drafter.stats().num_sessions == 0
 
 
+def test_stats_over_grpc_carry_the_engine_figures(remote: Remote) -> None:
+    remote.router.generate(GenerationRequest((1, 2, 3), 4, draft_tokens=2))
+    over_grpc, direct = remote.drafter.stats().engine, remote.drafter_component.stats().engine
+    assert over_grpc is not None and direct is not None
+    # Idle now: the counters and the pool read the same on both sides of the wire.
+    assert (over_grpc.runner, over_grpc.steps, over_grpc.kv_blocks_total) == (
+        direct.runner,
+        direct.steps,
+        direct.kv_blocks_total,
+    )
+    assert over_grpc.steps >= 1
+    assert remote.verifier.stats().engine is not None
+
+
 @pytest.mark.parametrize(
     "sampling",
     [

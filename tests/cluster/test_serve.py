@@ -64,6 +64,10 @@ def test_deployments_and_replicas(service: dict[str, object]) -> None:
     sides = [r["side"] for r in status["replicas"]]  # type: ignore[index]
     assert sides.count("drafter") == 2 and sides.count("verifier") == 2
     assert all(r["address"].startswith("127.0.0.1:") for r in status["replicas"])  # type: ignore[index]
+    for replica in status["replicas"]:  # type: ignore[index]
+        engine = replica["engine"]  # every replica runs a batching engine
+        assert {"steps", "max_batch_sequences", "kv_blocks_total", "kv_blocks_used"} <= set(engine)
+        assert 0 <= engine["kv_blocks_used"] <= engine["kv_blocks_total"]
     print(f"cold start of tandem serve: {service['cold_start_s']:.1f} s")
 
 

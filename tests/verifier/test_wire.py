@@ -13,7 +13,8 @@ from google.protobuf.message import Message
 
 from protos import replica_pb2, sampling_pb2
 from verifier.replica import wire
-from verifier.runtime.block import DraftBlock, Verdict
+from verifier.runtime.block import DraftBlock, StepLoad, Verdict
+from verifier.runtime.engine_stats import EngineStats
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.sampling import SamplingParams, SparseDistribution, to_dense
 from verifier.runtime.session import ReplicaStats
@@ -150,6 +151,23 @@ def test_block_round_trips(block: DraftBlock) -> None:
     assert_same_rows(back.draft_probs, block.draft_probs)
 
 
+LOAD = StepLoad(batch_sequences=12, batch_tokens=57, cost_base_s=0.0125, cost_per_token_s=3.5e-5)
+
+
+@pytest.mark.parametrize("load", [LOAD, StepLoad(0, 0, 0.0, 0.0), None], ids=str)
+def test_block_load_round_trips(load: StepLoad | None) -> None:
+    block = DraftBlock(base_length=9, tokens=(1, 2), load=load)
+    message = over_the_wire(wire.block_to_wire(block))
+    assert message.HasField("load") == (load is not None)  # all zeros is still a report
+    assert wire.block_from_wire(message).load == load
+
+
+def test_block_load_the_wire_cannot_hold_is_refused() -> None:
+    block = DraftBlock(base_length=9, tokens=(1,), load=StepLoad(-1, 5, 0.0, 0.0))
+    with pytest.raises(InvalidArgumentError, match=r"load\.batch_sequences"):
+        wire.block_to_wire(block)
+
+
 def test_sampled_empty_block_reads_back_as_deterministic() -> None:
     # With no token to accept, () and None mean the same; the wire cannot tell them apart.
     block = DraftBlock(base_length=5, tokens=(), draft_probs=())
@@ -208,7 +226,16 @@ def test_block_the_wire_cannot_hold_is_refused_before_sending(
             bonus_deferred=True,
         ),
         Verdict(base_length=4, num_accepted=0, tokens=(0,), committed_length=5),
+        Verdict(base_length=4, num_accepted=0, tokens=(0,), committed_length=5, load=LOAD),
+        Verdict(
+            base_length=4,
+            num_accepted=0,
+            tokens=(0,),
+            committed_length=5,
+            load=StepLoad(0, 0, 0.0, 0.0),
+        ),
     ],
+    ids=["rejected", "bonus_deferred", "none_accepted", "with_load", "zero_load"],
 )
 def test_verdict_round_trips(verdict: Verdict) -> None:
     assert wire.verdict_from_wire(over_the_wire(wire.verdict_to_wire(verdict))) == verdict
@@ -216,7 +243,46 @@ def test_verdict_round_trips(verdict: Verdict) -> None:
 
 def test_stats_round_trip() -> None:
     stats = ReplicaStats(num_sessions=3, num_cached_tokens=2**40, busy_s=12.375)
-    assert wire.stats_from_wire(over_the_wire(wire.stats_to_wire(stats))) == stats
+    message = over_the_wire(wire.stats_to_wire(stats))
+    assert not message.HasField("engine")
+    assert wire.stats_from_wire(message) == stats  # engine None: no engine runs
+
+
+ENGINE = EngineStats(
+    runner="serial",
+    steps=2**40,
+    max_batch_sequences=32,
+    kv_blocks_total=4096,
+    kv_blocks_used=1000,
+    block_size=16,
+    batch_sequences=7.25,
+    step_tokens=123.5,
+    queue_wait_s=0.0375,
+    queued=3,
+    cost_base_s=0.011,
+    cost_per_token_s=2.5e-5,
+)
+
+
+@pytest.mark.parametrize("engine", [ENGINE, EngineStats()], ids=["busy", "fresh"])
+def test_stats_with_engine_round_trip(engine: EngineStats) -> None:
+    stats = ReplicaStats(num_sessions=3, num_cached_tokens=77, busy_s=1.5, engine=engine)
+    back = wire.stats_from_wire(over_the_wire(wire.stats_to_wire(stats)))
+    assert back == stats and back.engine is not None
+    assert back.engine.kv_blocks_free == engine.kv_blocks_free
+
+
+def test_every_engine_figure_has_a_wire_field() -> None:
+    # A field added to EngineStats but not to the proto would be dropped silently.
+    fields = set(replica_pb2.EngineStats.DESCRIPTOR.fields_by_name)
+    assert fields == set(EngineStats.__dataclass_fields__)
+    assert set(replica_pb2.StepLoad.DESCRIPTOR.fields_by_name) == set(StepLoad.__dataclass_fields__)
+
+
+def test_engine_figures_the_wire_cannot_hold_are_refused() -> None:
+    stats = ReplicaStats(1, 1, engine=EngineStats(kv_blocks_used=-1))
+    with pytest.raises(InvalidArgumentError, match=r"engine\.kv_blocks_used"):
+        wire.stats_to_wire(stats)
 
 
 def test_empty_session_id_is_refused() -> None:

@@ -9,8 +9,9 @@ drops out by itself.
 
 Load is measured here, where it is real: open sessions, the share of the last heartbeat interval
 the component spent computing (`busy_fraction`, from its `ReplicaStats.busy_s`), calls waiting
-for it (`queue_depth`) and the bytes its KV caches hold (`kv_bytes`). Serve's request counts see
-none of it, since blocks bypass Serve; the registry gets it in every heartbeat and Serve's
+for it (`queue_depth`), the bytes its KV caches hold (`kv_bytes`) and its batching engine's own
+figures (`engine`: batch, KV pool, queue wait; `EngineStats`). Serve's request counts see none
+of it, since blocks bypass Serve; the registry gets it in every heartbeat and Serve's
 autoscaler through `ReplicaShell.record_autoscaling_stats` (see cluster/serve/autoscaling.py).
 
 A replica that Serve stops (scaled down, redeployed) drains: it leaves the registry first, so no
@@ -40,6 +41,7 @@ import torch
 from transformers import PreTrainedModel
 
 from verifier.replica.rpc import start_server
+from verifier.runtime.engine_stats import EngineStats
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.session import ReplicaStats
 
@@ -77,29 +79,53 @@ class ReplicaInfo:
     busy_fraction: float = 0.0
     """Share of the last heartbeat interval its component spent serving calls (0..1)."""
     queue_depth: int = 0
-    """Calls waiting for the component when last sampled: calls inside the server's handlers
-    less the one being served (the component serves one at a time)."""
+    """Calls waiting for the component when last sampled: with an engine, the calls waiting
+    for its next step (`EngineStats.queued`; the ones in a step are served, however many);
+    without, the calls inside the server's handlers less the one being served."""
     kv_bytes: int = 0
     """Bytes held by its sessions' KV caches: cached tokens times the model's KV bytes per
     token (0 when the model's config does not say how many; see `kv_cache_bytes_per_token`)."""
+    engine: dict[str, Any] | None = None
+    """Its batching engine's figures (`EngineStats.to_dict()`); None where no engine runs. A
+    dict, not an `EngineStats`, so it travels as plain data and keeps the figures of a newer
+    engine that this version does not know."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ReplicaInfo:
-        # Fields this version does not know are dropped: during a rolling upgrade, newer
-        # replicas heartbeat to an older registry and older routers.
+        # Fields this version does not know are dropped, and ones it lacks take their default:
+        # during a rolling upgrade, newer replicas heartbeat to an older registry and older
+        # routers, and older replicas (no `engine`) to newer ones.
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        fields = {k: v for k, v in data.items() if k in known}
+        if not isinstance(fields.get("engine"), dict):
+            fields["engine"] = None
+        return cls(**fields)
+
+    def engine_stats(self) -> EngineStats | None:
+        """The engine's figures as `EngineStats` (those this version knows); None if none."""
+        return None if self.engine is None else EngineStats.from_dict(self.engine)
+
+    @property
+    def kv_used(self) -> float:
+        """Share of the engine's KV pool in use (0..1); 0 with no engine or no pool."""
+        engine = self.engine_stats()
+        if engine is None or engine.kv_blocks_total <= 0:
+            return 0.0
+        return min(1.0, max(0.0, engine.kv_blocks_used / engine.kv_blocks_total))
 
     def autoscaling_stats(self) -> dict[str, float]:
         """What Serve's autoscaler gets from this replica (names as `cluster.serve.autoscaling`
         reads them)."""
+        engine = self.engine_stats()
         return {
             "sessions": float(self.num_sessions),
             "busy": self.busy_fraction,
             "queue": float(self.queue_depth),
+            "kv_used": self.kv_used,
+            "queue_wait_s": 0.0 if engine is None else float(engine.queue_wait_s),
         }
 
 
@@ -297,8 +323,13 @@ class ReplicaHost:
                 num_cached_tokens=stats.num_cached_tokens,
                 pid=os.getpid(),
                 busy_fraction=min(1.0, max(0.0, busy / elapsed)) if elapsed > 0 else 0.0,
-                queue_depth=max(0, self._in_flight.count - 1),
+                queue_depth=(
+                    max(0, self._in_flight.count - 1)
+                    if stats.engine is None
+                    else stats.engine.queued
+                ),
                 kv_bytes=stats.num_cached_tokens * self._kv_bytes_per_token,
+                engine=None if stats.engine is None else stats.engine.to_dict(),
             )
             return self._latest
 

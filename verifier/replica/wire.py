@@ -26,7 +26,8 @@ from collections.abc import Sequence
 import torch
 
 from protos import replica_pb2, sampling_pb2
-from verifier.runtime.block import DraftBlock, Verdict
+from verifier.runtime.block import DraftBlock, StepLoad, Verdict
+from verifier.runtime.engine_stats import EngineStats
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.sampling import NO_TOP_P, SamplingParams, SparseDistribution
 from verifier.runtime.session import ReplicaStats
@@ -111,13 +112,35 @@ def sparse_from_wire(
     )
 
 
+def load_to_wire(load: StepLoad) -> replica_pb2.StepLoad:
+    return replica_pb2.StepLoad(
+        batch_sequences=uint_to_wire(load.batch_sequences, "load.batch_sequences", MAX_UINT32),
+        batch_tokens=uint_to_wire(load.batch_tokens, "load.batch_tokens", MAX_UINT32),
+        cost_base_s=load.cost_base_s,
+        cost_per_token_s=load.cost_per_token_s,
+    )
+
+
+def load_from_wire(message: replica_pb2.StepLoad) -> StepLoad:
+    return StepLoad(
+        batch_sequences=message.batch_sequences,
+        batch_tokens=message.batch_tokens,
+        cost_base_s=message.cost_base_s,
+        cost_per_token_s=message.cost_per_token_s,
+    )
+
+
 def block_to_wire(block: DraftBlock) -> replica_pb2.DraftBlock:
-    """`draft_probs` None and () both become an empty field (see `block_from_wire`)."""
-    return replica_pb2.DraftBlock(
+    """`draft_probs` None and () both become an empty field (see `block_from_wire`); a `load`
+    of None leaves the field unset."""
+    message = replica_pb2.DraftBlock(
         base_length=uint_to_wire(block.base_length, "base_length"),
         token_ids=token_ids_to_wire(block.tokens, "block.tokens"),
         draft_probs=[sparse_to_wire(row) for row in block.draft_probs or ()],
     )
+    if block.load is not None:
+        message.load.CopyFrom(load_to_wire(block.load))
+    return message
 
 
 def block_from_wire(message: replica_pb2.DraftBlock) -> DraftBlock:
@@ -138,17 +161,26 @@ def block_from_wire(message: replica_pb2.DraftBlock) -> DraftBlock:
         if rows
         else None
     )
-    return DraftBlock(base_length=message.base_length, tokens=tokens, draft_probs=draft_probs)
+    return DraftBlock(
+        base_length=message.base_length,
+        tokens=tokens,
+        draft_probs=draft_probs,
+        load=load_from_wire(message.load) if message.HasField("load") else None,
+    )
 
 
 def verdict_to_wire(verdict: Verdict) -> replica_pb2.Verdict:
-    return replica_pb2.Verdict(
+    """A `load` of None leaves the field unset."""
+    message = replica_pb2.Verdict(
         base_length=verdict.base_length,
         num_accepted=verdict.num_accepted,
         token_ids=verdict.tokens,
         committed_length=verdict.committed_length,
         bonus_deferred=verdict.bonus_deferred,
     )
+    if verdict.load is not None:
+        message.load.CopyFrom(load_to_wire(verdict.load))
+    return message
 
 
 def verdict_from_wire(message: replica_pb2.Verdict) -> Verdict:
@@ -158,20 +190,63 @@ def verdict_from_wire(message: replica_pb2.Verdict) -> Verdict:
         tokens=tuple(message.token_ids),
         committed_length=message.committed_length,
         bonus_deferred=message.bonus_deferred,
+        load=load_from_wire(message.load) if message.HasField("load") else None,
+    )
+
+
+def engine_stats_to_wire(engine: EngineStats) -> replica_pb2.EngineStats:
+    return replica_pb2.EngineStats(
+        runner=engine.runner,
+        steps=uint_to_wire(engine.steps, "engine.steps"),
+        max_batch_sequences=uint_to_wire(
+            engine.max_batch_sequences, "engine.max_batch_sequences", MAX_UINT32
+        ),
+        kv_blocks_total=uint_to_wire(engine.kv_blocks_total, "engine.kv_blocks_total"),
+        kv_blocks_used=uint_to_wire(engine.kv_blocks_used, "engine.kv_blocks_used"),
+        block_size=uint_to_wire(engine.block_size, "engine.block_size", MAX_UINT32),
+        batch_sequences=engine.batch_sequences,
+        step_tokens=engine.step_tokens,
+        queue_wait_s=engine.queue_wait_s,
+        queued=uint_to_wire(engine.queued, "engine.queued", MAX_UINT32),
+        cost_base_s=engine.cost_base_s,
+        cost_per_token_s=engine.cost_per_token_s,
+    )
+
+
+def engine_stats_from_wire(message: replica_pb2.EngineStats) -> EngineStats:
+    return EngineStats(
+        runner=message.runner,
+        steps=message.steps,
+        max_batch_sequences=message.max_batch_sequences,
+        kv_blocks_total=message.kv_blocks_total,
+        kv_blocks_used=message.kv_blocks_used,
+        block_size=message.block_size,
+        batch_sequences=message.batch_sequences,
+        step_tokens=message.step_tokens,
+        queue_wait_s=message.queue_wait_s,
+        queued=message.queued,
+        cost_base_s=message.cost_base_s,
+        cost_per_token_s=message.cost_per_token_s,
     )
 
 
 def stats_to_wire(stats: ReplicaStats) -> replica_pb2.ReplicaStats:
-    return replica_pb2.ReplicaStats(
+    """An `engine` of None leaves the field unset."""
+    message = replica_pb2.ReplicaStats(
         num_sessions=stats.num_sessions,
         num_cached_tokens=stats.num_cached_tokens,
         busy_s=stats.busy_s,
     )
+    if stats.engine is not None:
+        message.engine.CopyFrom(engine_stats_to_wire(stats.engine))
+    return message
 
 
 def stats_from_wire(message: replica_pb2.ReplicaStats) -> ReplicaStats:
+    """An unset `engine` (no engine runs, or an older replica) reads back as None."""
     return ReplicaStats(
         num_sessions=message.num_sessions,
         num_cached_tokens=message.num_cached_tokens,
         busy_s=message.busy_s,
+        engine=engine_stats_from_wire(message.engine) if message.HasField("engine") else None,
     )
