@@ -27,13 +27,48 @@ Estimating `a`: a block of k with n accepted is n successes and, if n < k, one f
 decay by `decay` per pass, towards a Beta prior (`prior_accepted`, `prior_rejected`), so the
 estimate follows a request whose text changes character, and after a run of k = 0 passes (which
 observe nothing) the estimate drifts back to the prior and speculation is tried again.
+
+Load (a batching replica): a replica's engine runs one forward pass for the pending work of all
+its sessions, and reports with each call the batch of the step that served it and its measured
+step cost curve, step_s(n) = base + per_token n for a step of n tokens (`StepLoad`). A verify
+pass of a k-token block puts k + 1 tokens in a step (the drafted ones and the last committed
+one), so a longer block makes the step that every session of the batch waits for dearer. Priced
+with its own tokens alone, each stream's speculation looks nearly free at any load; if every
+stream speculates the steps grow B-fold and all are slower: a tragedy of the commons. So the
+plan takes the symmetric case: each of the step's B sessions (`batch_sequences`, this one
+included, smoothed) sends blocks like this one, a step holds B (k + 1) tokens, and every stream
+gets E(k) / T(k) with the verify pass priced at step_s(B (k + 1)). Maximising that also
+maximises the replica's B E(k) / T(k). Where the curve is flat (few sessions: reading the
+weights dominates) more tokens are nearly free and speculation pays; where B (k + 1) tokens cost
+far more than the base (large batches), E(k) <= k + 1 tokens cost up to k + 1 plain steps, k
+falls to 0, and it comes back when the batch shrinks.
+
+The measured time stays the anchor: a call's wall time holds what the curve leaves out
+(transport, the wait for the step in flight, sampling). Each measured verify time is divided by
+step_s of the step that served it (its `batch_tokens`), a ratio r of wall seconds per predicted
+step second, smoothed like the latencies, and v(k) = r step_s(B (k + 1)). Scaling rather than
+adding a constant keeps the wait for the step in flight (a step of the same batch) in
+proportion, and makes a curve off by a constant factor harmless; under a flat curve v(k) is the
+measured time, as without load. Measurements of different block lengths and loads become
+comparable, so smoothing them together is sound. A draft of k tokens is k steps of the drafter's
+engine, each holding one token of each drafting session whatever k is: block length does not
+make the drafter's steps dearer, only more of them. So the time per drafted token is the
+measured one normalised the same way and rescaled to the drafter's current (smoothed) step.
+With no load reported, or after a call that reported none (a replica that does not), the
+measured constants price every plan as before.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from verifier.runtime.block import StepLoad
 from verifier.runtime.errors import InvalidArgumentError
+
+VerifyCost = float | Callable[[int], float]
+"""Seconds of a verify pass: a constant, or a function of the block's length (under load)."""
 
 
 @dataclass(frozen=True)
@@ -65,21 +100,27 @@ def expected_tokens(acceptance: float, k: int, pipelined: bool = False) -> float
     return tokens - acceptance**k if pipelined and k > 0 else tokens
 
 
+def verify_seconds(verify_s: VerifyCost, k: int) -> float:
+    """Seconds of a verify pass of a k-token block."""
+    return verify_s(k) if callable(verify_s) else verify_s
+
+
 def pass_seconds(
     acceptance: float,
     k: int,
     draft_s: float,
-    verify_s: float,
+    verify_s: VerifyCost,
     pipelined: bool,
-    overlapped: tuple[float, float] | None = None,
+    overlapped: tuple[float, VerifyCost] | None = None,
 ) -> float:
     """Expected wall time of one round with a k-token block. `overlapped` is (draft_s,
     verify_s) while a draft and a verify pass run at once, when sharing the machine makes them
     slower than alone; by default the same as alone. A missed draft ahead is redrafted alone."""
     if not pipelined or k == 0:
-        return k * draft_s + verify_s
+        return k * draft_s + verify_seconds(verify_s, k)
     draft_beside, verify_beside = overlapped or (draft_s, verify_s)
-    return max(verify_beside, k * draft_beside) + (1 - acceptance**k) * k * draft_s
+    waited = max(verify_seconds(verify_beside, k), k * draft_beside)
+    return waited + (1 - acceptance**k) * k * draft_s
 
 
 @dataclass(frozen=True)
@@ -95,8 +136,8 @@ def rate(
     acceptance: float,
     plan: Plan,
     draft_s: float,
-    verify_s: float,
-    overlapped: tuple[float, float] | None = None,
+    verify_s: VerifyCost,
+    overlapped: tuple[float, VerifyCost] | None = None,
 ) -> float:
     """Expected tokens per second of rounds run to `plan`."""
     tokens = expected_tokens(acceptance, plan.k, plan.pipelined)
@@ -108,9 +149,9 @@ def best_plan(
     acceptance: float,
     max_k: int,
     draft_s: float,
-    verify_s: float,
+    verify_s: VerifyCost,
     may_pipeline: bool,
-    overlapped: tuple[float, float] | None = None,
+    overlapped: tuple[float, VerifyCost] | None = None,
 ) -> Plan:
     """The plan with the most tokens per second; on ties serial, then the shortest block."""
     plans = [Plan(k, False) for k in range(max_k + 1)]
@@ -129,10 +170,40 @@ class Latencies:
 
     draft_s: float | None = None
     verify_s: float | None = None
+    draft_ratio: float | None = None
+    """Measured seconds per drafted token over the predicted seconds of the drafter's step
+    that served it (from calls that reported a load)."""
+    verify_ratio: float | None = None
+    """Measured seconds of a verify pass over the predicted seconds of its step."""
 
     @property
     def known(self) -> bool:
         return self.draft_s is not None and self.verify_s is not None
+
+
+@dataclass
+class Load:
+    """One side's latest step cost curve and its smoothed batch."""
+
+    sequences: float
+    tokens: float
+    base_s: float
+    per_token_s: float
+
+    def step_s(self, tokens: float) -> float:
+        return self.base_s + self.per_token_s * tokens
+
+
+def usable_load(load: StepLoad | None) -> Load | None:
+    """`load` as a curve to price with, or None when it cannot be: not reported, or a fit
+    that predicts no time for the step it served. A slightly negative fitted term (noise)
+    counts as 0."""
+    if load is None or load.batch_sequences < 1 or load.batch_tokens < 1:
+        return None
+    base_s, per_token_s = max(load.cost_base_s, 0.0), max(load.cost_per_token_s, 0.0)
+    curve = Load(float(load.batch_sequences), float(load.batch_tokens), base_s, per_token_s)
+    step_s = curve.step_s(curve.tokens)
+    return curve if math.isfinite(step_s) and step_s > 0 else None
 
 
 class DraftLength:
@@ -149,6 +220,8 @@ class DraftLength:
         """Measured while the other side was idle: serial rounds, and redrafts after a miss."""
         self._beside = Latencies()
         """Measured while a draft ahead and a verify pass ran at once (pipelined rounds)."""
+        self._verifier_load: Load | None = None
+        self._drafter_load: Load | None = None
 
     @property
     def acceptance(self) -> float:
@@ -160,16 +233,48 @@ class DraftLength:
         self._accepted = self._accepted * self.config.decay + num_accepted
         self._rejected = self._rejected * self.config.decay + (num_accepted < num_drafted)
 
-    def observe_draft(self, num_tokens: int, seconds: float, overlapped: bool = False) -> None:
-        """A draft of `num_tokens` took `seconds`; `overlapped`: a verify pass ran meanwhile."""
-        if num_tokens > 0:
-            latencies = self._beside if overlapped else self._alone
-            latencies.draft_s = self._smooth(latencies.draft_s, seconds / num_tokens)
+    def observe_draft(
+        self,
+        num_tokens: int,
+        seconds: float,
+        overlapped: bool = False,
+        load: StepLoad | None = None,
+    ) -> None:
+        """A draft of `num_tokens` took `seconds`; `overlapped`: a verify pass ran meanwhile;
+        `load`: the drafter's, as its block reported it."""
+        if num_tokens <= 0:
+            return
+        latencies = self._beside if overlapped else self._alone
+        per_token_s = seconds / num_tokens
+        latencies.draft_s = self._smooth(latencies.draft_s, per_token_s)
+        self._drafter_load = self._observe_load(self._drafter_load, load)
+        if self._drafter_load is not None:
+            assert load is not None
+            ratio = per_token_s / self._drafter_load.step_s(load.batch_tokens)
+            latencies.draft_ratio = self._smooth(latencies.draft_ratio, ratio)
 
-    def observe_verify(self, seconds: float, overlapped: bool = False) -> None:
-        """A verify pass took `seconds`; `overlapped`: a draft ahead ran meanwhile."""
+    def observe_verify(
+        self, seconds: float, overlapped: bool = False, load: StepLoad | None = None
+    ) -> None:
+        """A verify pass took `seconds`; `overlapped`: a draft ahead ran meanwhile; `load`:
+        the verifier's, as its verdict reported it."""
         latencies = self._beside if overlapped else self._alone
         latencies.verify_s = self._smooth(latencies.verify_s, seconds)
+        self._verifier_load = self._observe_load(self._verifier_load, load)
+        if self._verifier_load is not None:
+            assert load is not None
+            ratio = seconds / self._verifier_load.step_s(load.batch_tokens)
+            latencies.verify_ratio = self._smooth(latencies.verify_ratio, ratio)
+
+    def _observe_load(self, old: Load | None, reported: StepLoad | None) -> Load | None:
+        """The side's load after a call reported `reported`: its latest curve and smoothed
+        batch; None (priced as without load) once a call reports none it can price with."""
+        new = usable_load(reported)
+        if new is None or old is None:
+            return new
+        new.sequences = self._smooth(old.sequences, new.sequences)
+        new.tokens = self._smooth(old.tokens, new.tokens)
+        return new
 
     def _smooth(self, old: float | None, new: float) -> float:
         weight = self.config.latency_decay
@@ -188,15 +293,20 @@ class DraftLength:
             if beside.known:  # pipelined rounds so far: time one alone
                 return Plan(self.max_k, False)
             return asked
-        assert alone.draft_s is not None and alone.verify_s is not None
-        overlapped = None
-        if beside.draft_s is not None and beside.verify_s is not None:
-            overlapped = (beside.draft_s, beside.verify_s)
-        return best_plan(
-            self.acceptance,
-            self.max_k,
-            alone.draft_s,
-            alone.verify_s,
-            self.pipelined,
-            overlapped,
-        )
+        draft_s, verify_s = self._priced(alone)
+        overlapped = self._priced(beside) if beside.known else None
+        return best_plan(self.acceptance, self.max_k, draft_s, verify_s, self.pipelined, overlapped)
+
+    def _priced(self, latencies: Latencies) -> tuple[float, VerifyCost]:
+        """Seconds per drafted token and of a verify pass (a function of the block's length
+        under a known verifier load) under one condition; see the module's docstring."""
+        assert latencies.draft_s is not None and latencies.verify_s is not None
+        draft_s: float = latencies.draft_s
+        drafter, ratio = self._drafter_load, latencies.draft_ratio
+        if drafter is not None and ratio is not None:
+            draft_s = ratio * drafter.step_s(drafter.tokens)
+        verifier, verify_ratio = self._verifier_load, latencies.verify_ratio
+        if verifier is None or verify_ratio is None:
+            return draft_s, latencies.verify_s
+        sequences, step_s = verifier.sequences, verifier.step_s
+        return draft_s, lambda k: verify_ratio * step_s(sequences * (k + 1))

@@ -19,9 +19,9 @@ truncates the rejected tail before appending the correction.
 
 Adaptive draft length (optional, `draft_length`): each request's block length, and whether the
 round is pipelined, are re-chosen every pass, up to its draft_tokens, from its observed
-acceptance and the measured draft and verify times (`cluster.routing.draft_length`); it falls to
-serial rounds when drafts ahead would mostly be wasted, and to 0, the target alone, when speculation
-does not pay.
+acceptance and the measured draft and verify times, priced with the batch each replica reports
+(`cluster.routing.draft_length`); it falls to serial rounds when drafts ahead would mostly be
+wasted, and to 0, the target alone, when speculation does not pay (at high load too).
 
 The first token comes from the target alone: the drafter reads the prompt in the background
 while the verifier does, and the opening round verifies what prompt lookup proposes (often
@@ -342,7 +342,7 @@ class Router:
                 verdict = self._verify(gen, block, defer_bonus=ahead is not None)
                 if not opening:  # the opening pass runs beside the drafter's prefill
                     verify_s = time.perf_counter() - started
-                    gen.lengths.observe_verify(verify_s, overlapped)
+                    gen.lengths.observe_verify(verify_s, overlapped, verdict.load)
                     self.metrics.verified(verify_s)
                 gen.lengths.observe(len(block.tokens), verdict.num_accepted)
                 lost: Exception | None = None
@@ -392,7 +392,7 @@ class Router:
             self._replace(gen, "drafter", error)
             return self._draft_now(gen, num_tokens, by_drafter)
         draft_s = time.perf_counter() - started
-        gen.lengths.observe_draft(len(block.tokens), draft_s)
+        gen.lengths.observe_draft(len(block.tokens), draft_s, load=block.load)
         self.metrics.drafted(draft_s)
         gen.drafter = DrafterView(base_length=block.base_length)
         return Draft(block, by_drafter=True)
@@ -425,7 +425,9 @@ class Router:
                 gen.session_id, view.base_length, appended, num_tokens, view.truncate_to
             )
             elapsed = time.perf_counter() - started
-            gen.lengths.observe_draft(len(next_block.tokens), elapsed, overlapped=True)
+            gen.lengths.observe_draft(
+                len(next_block.tokens), elapsed, overlapped=True, load=next_block.load
+            )
             self.metrics.drafted(elapsed)
             return Draft(next_block, by_drafter=True)
 
