@@ -13,6 +13,15 @@ reports `lost` (requests that started and did not complete) and, for greedy runs
 before the load: exact for float32 models; in bfloat16 a near-tie can round differently in a
 5-token verify pass than in a 1-token step). Replica memory (sessions, cached tokens, resident
 MiB per side) is reported before the load and after it, once the sessions have drained.
+
+`--compare --hf-baseline` adds `hf_target_batched` at every level: Hugging Face serving the
+target alone at the same concurrency, in this process (`cluster.tools.hf_baseline`), after the
+service's runs of the level, so the two never share the CPU. It loads the target the service's
+verifier runs, with its dtype and intra-op threads (`cluster.tools.hf_levels.service_target`:
+`--preset`, else the model the service reports when `tandem serve` started it here;
+`--serve-config` for the rest), and runs greedy (`--temperature 0`). `hf_baseline` in the JSON
+says which method ran and why. `goals` gives per level speculative's tokens/s over target_only's
+and over hf_target_batched's, and speculative at 8 streams over 1 when both levels ran.
 """
 
 from __future__ import annotations
@@ -21,14 +30,18 @@ import argparse
 import math
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.serve import local_cluster
 from cluster.tools import faults
 from verifier.runtime.errors import InvalidArgumentError
 
+if TYPE_CHECKING:
+    from cluster.tools.hf_levels import HFLevels
+
 MAX_CONCURRENCY = 256
 MAX_DURATION_S = 3600.0
+HF_MODE = "hf_target_batched"
 
 
 def add_to(commands: Any) -> None:
@@ -50,6 +63,26 @@ def add_to(commands: Any) -> None:
     p.add_argument("--prompts", help="jsonl as for tandem bench (default: its prompt set)")
     p.add_argument("--json", dest="json_out", help="write the result here")
     p.add_argument("--plot", help="--compare: write tokens/s and speedup by concurrency (PNG)")
+    hf = p.add_argument_group("Hugging Face baseline (--compare --hf-baseline)")
+    hf.add_argument(
+        "--hf-baseline",
+        action="store_true",
+        help=f"also run {HF_MODE}: the target alone, batched, in this process",
+    )
+    hf.add_argument(
+        "--hf-method",
+        choices=("auto", "generate", "generate_batch"),
+        default="auto",
+        help="auto: the faster in a short probe of both",
+    )
+    hf.add_argument("--preset", help="the pair the service runs (default: the one it reports)")
+    hf.add_argument(
+        "--serve-config",
+        help="the TandemConfig YAML the service was started with "
+        "(its models and its verifier's threads)",
+    )
+    hf.add_argument("--hf-threads", type=int,
+                    help="torch threads (default: the service's verifier's)")  # fmt: skip
     p.set_defaults(handler=run)
 
 
@@ -64,21 +97,47 @@ def _check(args: argparse.Namespace) -> None:
         raise InvalidArgumentError("--temperature must be a finite number >= 0")
     if args.plot and not args.compare:
         raise InvalidArgumentError("--plot needs --compare")
+    if args.hf_baseline and not args.compare:
+        raise InvalidArgumentError("--hf-baseline needs --compare")
+    if args.hf_baseline and args.temperature != 0:
+        raise InvalidArgumentError("--hf-baseline measures greedy decoding: use --temperature 0")
+    hf_flags = {"--preset": args.preset, "--serve-config": args.serve_config,
+                "--hf-threads": args.hf_threads,
+                "--hf-method": None if args.hf_method == "auto" else args.hf_method}  # fmt: skip
+    given = [flag for flag, value in hf_flags.items() if value is not None]
+    if given and not args.hf_baseline:
+        raise InvalidArgumentError(f"{', '.join(given)} needs --hf-baseline")
+    if args.hf_threads is not None and args.hf_threads < 1:
+        raise InvalidArgumentError("--hf-threads must be >= 1")
 
 
 def run(args: argparse.Namespace) -> int:
     from cluster.cli.output import write_result
+    from cluster.tools.bench import load_prompts
 
     _check(args)
+    prompts = [p.text for p in load_prompts(args.prompts)]
+    started = time.monotonic()
+    hf = _load_baseline(args, prompts, started) if args.hf_baseline else None
+    try:
+        result = _run(args, prompts, started, hf)
+    finally:  # Ctrl-C too: free the baseline's model
+        if hf is not None:
+            hf.close()
+    write_result(result, args.json_out, args.plot, plot, format_table)
+    return 0
+
+
+def _run(
+    args: argparse.Namespace, prompts: list[str], started: float, hf: HFLevels | None
+) -> dict[str, Any]:
     from cluster.api.client import TandemClient
-    from cluster.tools.bench import load_prompts
+    from cluster.tools import cleanup
     from cluster.tools.loadtest import run_load
 
-    prompts = [p.text for p in load_prompts(args.prompts)]
     modes = {"speculative": args.draft_tokens}
     if args.compare:
         modes["target_only"] = 0
-    started = time.monotonic()
     levels: list[dict[str, Any]] = []
     replicas = _local_replicas(args.kill is not None)
     kills: list[dict[str, Any]] = []
@@ -111,6 +170,13 @@ def run(args: argparse.Namespace) -> int:
                       f"{level[name]['requests']} requests, errors {level[name]['errors']}, "
                       f"lost {level[name]['lost']}, corrupted {level[name]['corrupted']}",
                       file=sys.stderr, flush=True)  # fmt: skip
+            if hf is not None:  # after the service's runs: it is idle now
+                # SIGTERM unwinds like Ctrl-C: the baseline's threads stop (`hf_baseline`).
+                with cleanup.signals_raise():
+                    level[HF_MODE] = hf.level(concurrency, reference)
+                _say(started, f"concurrency {concurrency} {HF_MODE} ({hf.method}): "
+                     f"{level[HF_MODE]['tokens_per_s']:.2f} tokens/s, "
+                     f"{level[HF_MODE]['requests']} requests")  # fmt: skip
             if args.compare:
                 level["speedup"] = (
                     level["speculative"]["tokens_per_s"] / level["target_only"]["tokens_per_s"]
@@ -129,8 +195,45 @@ def run(args: argparse.Namespace) -> int:
         "memory": {"before": memory_before,
                    "after": _drained_memory(replicas) if replicas is not None else None},
     }  # fmt: skip
-    write_result(result, args.json_out, args.plot, plot, format_table)
-    return 0
+    result["goals"] = goals(levels)
+    if hf is not None:
+        result["hf_baseline"] = hf.describe()
+        result["config"].update(preset=args.preset, serve_config=args.serve_config)
+    return result
+
+
+def _say(started: float, message: str) -> None:
+    print(f"[{time.monotonic() - started:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def _load_baseline(args: argparse.Namespace, prompts: list[str], started: float) -> HFLevels:
+    """Find the target the service's verifier runs (`service_target`) and load it here."""
+    from cluster.tools.hf_levels import HFLevels, reported_model, service_target
+
+    spec, threads = service_target(args.preset, args.serve_config, reported_model(args.address))
+    return HFLevels(spec, args.hf_threads or threads, args.hf_method, prompts, args.concurrency,
+                    args.duration, args.max_tokens, lambda text: _say(started, text))  # fmt: skip
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def goals(levels: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per level, speculative's tokens/s over target_only's and over hf_target_batched's; and
+    speculative at 8 streams over speculative at 1, when both levels ran."""
+    rate = {lv["concurrency"]: lv["speculative"]["tokens_per_s"] for lv in levels}
+    per_level = []
+    for level in levels:
+        ratios: dict[str, Any] = {"concurrency": level["concurrency"]}
+        for mode in ("target_only", HF_MODE):
+            if mode in level:
+                ratios[f"speculative_over_{mode}"] = _ratio(
+                    level["speculative"]["tokens_per_s"], level[mode]["tokens_per_s"]
+                )
+        per_level.append(ratios)
+    scaling = _ratio(rate[8], rate[1]) if 1 in rate and 8 in rate else None
+    return {"speculative_8_over_1": scaling, "levels": per_level}
 
 
 def _local_replicas(required: bool) -> faults.Replicas | None:
@@ -159,7 +262,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines = ["| concurrency | mode | tokens/s | requests | TTFT p50 ms | ITL p50 ms | errors |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for level in result["levels"]:
-        for mode in ("speculative", "target_only"):
+        for mode in ("speculative", "target_only", HF_MODE):
             if mode not in level:
                 continue
             run = level[mode]
@@ -167,10 +270,14 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {level['concurrency']} | {mode} | {run['tokens_per_s']:.2f} | "
                 f"{run['requests']} | {'–' if ttft is None else f'{ttft:.0f}'} | "
-                f"{'–' if itl is None else f'{itl:.0f}'} | {sum(run['errors'].values())} |"
+                f"{'–' if itl is None else f'{itl:.0f}'} | "
+                f"{sum(run['errors'].values()) if 'errors' in run else '–'} |"
             )
         if "speedup" in level:
             lines.append(f"| {level['concurrency']} | speedup | {level['speedup']:.2f}x | | | | |")
+        over_hf = goals([level])["levels"][0].get(f"speculative_over_{HF_MODE}")
+        if over_hf is not None:
+            lines.append(f"| {level['concurrency']} | speedup vs HF | {over_hf:.2f}x | | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -184,17 +291,28 @@ def plot(result: dict[str, Any], path: str) -> None:
     concurrency = [level["concurrency"] for level in levels]
     fig, (rate_ax, speedup_ax) = plt.subplots(1, 2, figsize=(11.0, 4.0))
     try:
-        for mode in ("speculative", "target_only"):
-            rate_ax.plot(concurrency, [lv[mode]["tokens_per_s"] for lv in levels], marker="o",
-                         label=mode)  # fmt: skip
+        for mode in ("speculative", "target_only", HF_MODE):
+            if all(mode in lv for lv in levels):
+                rate_ax.plot(concurrency, [lv[mode]["tokens_per_s"] for lv in levels],
+                             marker="o", label=mode)  # fmt: skip
         rate_ax.set_xlabel("concurrent streams")
         rate_ax.set_ylabel("aggregate tokens/s")
         rate_ax.legend()
         rate_ax.grid(alpha=0.3)
-        speedup_ax.plot(concurrency, [lv["speedup"] for lv in levels], marker="o")
+        speedup_ax.plot(concurrency, [lv["speedup"] for lv in levels], marker="o",
+                        label="speculative / target_only")  # fmt: skip
+        with_hf = all(HF_MODE in lv for lv in levels)
+        if with_hf:
+            speedup_ax.plot(
+                concurrency,
+                [math.nan if (r := ratios[f"speculative_over_{HF_MODE}"]) is None else r
+                 for ratios in goals(levels)["levels"]],
+                marker="s", label=f"speculative / {HF_MODE}",
+            )  # fmt: skip
+            speedup_ax.legend()
         speedup_ax.axhline(1.0, color="gray", linestyle="--")
         speedup_ax.set_xlabel("concurrent streams")
-        speedup_ax.set_ylabel("speculative / target-only")
+        speedup_ax.set_ylabel("speedup of speculative" if with_hf else "speculative / target-only")
         speedup_ax.set_ylim(bottom=0)
         speedup_ax.grid(alpha=0.3)
         fig.tight_layout()

@@ -90,6 +90,10 @@ def test_latencies_and_the_deadline_on_a_virtual_clock() -> None:
         (["--plot", "x.png"], "--plot needs --compare"),
         (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
         (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+        (["--hf-baseline"], "--hf-baseline needs --compare"),
+        (["--compare", "--hf-baseline", "--temperature", "1"], "measures greedy decoding"),
+        (["--preset", "tiny", "--hf-threads", "2"], "--preset, --hf-threads needs --hf-baseline"),
+        (["--compare", "--hf-baseline", "--hf-threads", "0"], "--hf-threads must be >= 1"),
     ],
 )
 def test_bad_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
