@@ -17,9 +17,9 @@ MiB per side) is reported before the load and after it, once the sessions have d
 `--compare --hf-baseline` adds `hf_target_batched` at every level: Hugging Face serving the
 target alone at the same concurrency, in this process (`cluster.tools.hf_baseline`), after the
 service's runs of the level, so the two never share the CPU. It loads the target the service's
-verifier runs, with its dtype and intra-op threads (`cluster.tools.hf_levels.service_target`:
-`--preset`, else the model the service reports when `tandem serve` started it here;
-`--serve-config` for the rest), and runs greedy (`--temperature 0`). `hf_baseline` in the JSON
+verifier runs, in its dtype, with every core of the machine: the single batched server one would
+run instead (`cluster.tools.hf_levels.service_target`: `--preset`, else the model the service
+reports when `tandem serve` started it here; `--serve-config` for the rest), and runs greedy (`--temperature 0`). `hf_baseline` in the JSON
 says which method ran and why. `goals` gives per level speculative's tokens/s over target_only's
 and over hf_target_batched's, and speculative at 8 streams over 1 when both levels ran.
 """
@@ -82,7 +82,7 @@ def add_to(commands: Any) -> None:
         "(its models and its verifier's threads)",
     )
     hf.add_argument("--hf-threads", type=int,
-                    help="torch threads (default: the service's verifier's)")  # fmt: skip
+                    help="torch threads (default: every core of this machine)")  # fmt: skip
     p.set_defaults(handler=run)
 
 

@@ -4,8 +4,10 @@ here, and one run per concurrency level (`cluster.tools.hf_baseline` measures).
 `service_target` finds what the service's verifier runs (`reported_model` asks the service
 `tandem serve` started here for the model it serves): the model pair of its preset (the one
 named, else the one the service reports), with the models section of the config it was started
-with (`--serve-config`: target, dtype, device overrides), and the verifier's intra-op threads as
-Ray gives them: `torch_threads` when set, else the replica's whole `num_cpus`, at least one.
+with (`--serve-config`: target, dtype, device overrides). The baseline gets every core this
+process may use (`machine_threads`): it stands for the single batched server one would run
+instead of Tandem on the same machine, not for one Tandem replica (`--hf-threads` sets it to a
+replica's share instead).
 `HFLevels` loads that target and runs each level with one method: the one asked for, or (`auto`)
 the faster of a short probe of both at the highest level, made before the first level's run
 (at one stream there is no batching to tell them apart). Given the service's own target-alone
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
+import os
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -36,9 +38,10 @@ MAX_PROBE_S = 10.0
 def service_target(
     preset: str | None, serve_config: str | None, reported: str | None
 ) -> tuple[ModelSpec, int]:
-    """The target spec and torch threads of the service's verifier. `preset` is the pair it
-    runs (given), `serve_config` the TandemConfig YAML it was started with, `reported` the
-    model name it reports (None: unknown)."""
+    """The target spec of the service's verifier and the baseline's torch threads (the
+    machine's: `machine_threads`). `preset` is the pair it runs (given), `serve_config` the
+    TandemConfig YAML it was started with, `reported` the model name it reports (None:
+    unknown)."""
     from cluster.api.openai import served_model_name
     from cluster.config import TandemConfig
     from cluster.presets import PRESETS
@@ -60,9 +63,12 @@ def service_target(
             f"the service serves {reported!r}, not {served_model_name(models)!r}: "
             "give the --preset or --serve-config it was started with"
         )
-    group = config.verifier
-    threads = group.torch_threads or max(math.floor(group.num_cpus), 1)
-    return models.pair().target, threads
+    return models.pair().target, machine_threads()
+
+
+def machine_threads() -> int:
+    """The cores this process may run on: what a single-process server would use."""
+    return max(len(os.sched_getaffinity(0)), 1)
 
 
 def reported_model(address: str) -> str | None:

@@ -154,14 +154,15 @@ def test_the_batching_cache_holds_the_streams_in_flight() -> None:
 
 def test_service_target_from_the_preset_the_config_or_the_service(tmp_path: Path) -> None:
     spec, threads = service_target("tiny", None, None)
-    assert spec == ModelSpec(TINY_TARGET, dtype="float32") and threads == 1
+    assert spec == ModelSpec(TINY_TARGET, dtype="float32")
+    assert threads == len(os.sched_getaffinity(0))  # the whole machine, not one replica
     assert service_target(None, None, "tiny")[0].source == TINY_TARGET
     config = tmp_path / "serve.yaml"
     config.write_text("verifier:\n  num_cpus: 3\n")
-    assert service_target(None, str(config), None)[1] == 3  # Ray: the replica's whole CPUs
+    assert service_target(None, str(config), None)[1] == len(os.sched_getaffinity(0))
     config.write_text("verifier:\n  num_cpus: 3\n  torch_threads: 2\nmodels:\n  dtype: float16\n")
     spec, threads = service_target("tiny", str(config), "tiny")
-    assert (spec.dtype, threads) == ("float16", 2)
+    assert (spec.dtype, threads) == ("float16", len(os.sched_getaffinity(0)))
     with pytest.raises(InvalidArgumentError, match="give --preset"):
         service_target(None, None, None)
     with pytest.raises(InvalidArgumentError, match="serves 'qwen-coder', not 'tiny'"):
