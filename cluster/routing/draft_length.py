@@ -60,6 +60,7 @@ measured constants price every plan as before.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -227,6 +228,21 @@ class DraftLength:
     def acceptance(self) -> float:
         accepted = self._accepted + self.config.prior_accepted
         return accepted / (accepted + self._rejected + self.config.prior_rejected)
+
+    def inherit(self, recent: DraftLength) -> None:
+        """Start from another request's measured latencies and loads (not its acceptance, which
+        is the text's own): a new request then prices its first rounds with the replicas'
+        present load instead of running its full length until it has timed a round itself. A
+        short request would otherwise end before it adapted, and under load every new request
+        would speculate at full length."""
+        self._alone = dataclasses.replace(recent._alone)
+        self._beside = dataclasses.replace(recent._beside)
+        self._verifier_load = (
+            None if recent._verifier_load is None else dataclasses.replace(recent._verifier_load)
+        )
+        self._drafter_load = (
+            None if recent._drafter_load is None else dataclasses.replace(recent._drafter_load)
+        )
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """Count one verify pass's outcome (nothing drafted: only the decay)."""

@@ -68,7 +68,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypedDict, Unpack
 
 from cluster.metrics import TandemMetrics
-from cluster.routing.draft_length import DraftLengthConfig
+from cluster.routing.draft_length import DraftLength, DraftLengthConfig, Plan
 from cluster.routing.generation import Decode, Draft, DrafterView, Generation
 from cluster.routing.ports import DrafterPort, FixedReplicas, ReplicaPool, VerifierPort
 from cluster.routing.request import (
@@ -78,6 +78,7 @@ from cluster.routing.request import (
     GenerationResult,
     SpeculationStats,
 )
+from cluster.routing.speculation_gate import GateConfig, SpeculationGate
 from drafter.ngram import NgramConfig, propose
 from verifier.runtime.block import DraftBlock, Verdict
 from verifier.runtime.errors import (
@@ -165,6 +166,11 @@ class Router:
         self.ngram = ngram if ngram is not None and ngram.enabled else None
         """Prompt lookup settings; None: every block comes from the drafter."""
         self.draft_length = draft_length or DraftLengthConfig()
+        self.gate = SpeculationGate(GateConfig(enabled=self.draft_length.enabled), self._clock)
+        """Whether speculation pays for all this router's requests at once, measured."""
+        self._recent_lengths: DraftLength | None = None
+        """The estimates of the request that last timed a verify pass: where a new request's
+        plan starts (`DraftLength.inherit`)."""
         self.first_token_alone = True
         """The opening round verifies only what prompt lookup proposes while the drafter reads
         the prompt; False: it waits for the drafter (tests of the first tokens' sampling)."""
@@ -213,7 +219,8 @@ class Router:
     ) -> Generator[GenerationChunk, None, None]:
         speculate = request.draft_tokens > 0
         pinned = self._replicas.pin(speculate, deadline=request.deadline)
-        releases = [pinned.release]
+        releases = [pinned.release, self.gate.request_ended]
+        self.gate.request_started()
         try:
             # With no drafter available the request runs on the target alone: lossless.
             use_pipeline = self.pipelined if pipelined is None else pipelined
@@ -227,6 +234,8 @@ class Router:
                 releases,
                 self._clock,
             )
+            if self._recent_lengths is not None:  # price the first rounds with today's load
+                gen.lengths.inherit(self._recent_lengths)
             yield from self._session(gen)
         finally:
             for release in releases:
@@ -326,6 +335,8 @@ class Router:
                 gen.check_deadline()
                 remaining = gen.remaining
                 plan = gen.lengths.next_plan()
+                if not self.gate.speculate():  # the router measured the target alone faster
+                    plan = Plan(0, False)
                 opening = gen.opening_round
                 gen.opening_round = False
                 if draft is None:
@@ -343,6 +354,7 @@ class Router:
                 if not opening:  # the opening pass runs beside the drafter's prefill
                     verify_s = time.perf_counter() - started
                     gen.lengths.observe_verify(verify_s, overlapped, verdict.load)
+                    self._recent_lengths = gen.lengths
                     self.metrics.verified(verify_s)
                 gen.lengths.observe(len(block.tokens), verdict.num_accepted)
                 lost: Exception | None = None
@@ -352,6 +364,7 @@ class Router:
                     next_draft, lost = None, error
                 ahead = None
                 gen.history.extend(verdict.tokens)
+                self.gate.committed(len(verdict.tokens))
                 assert gen.committed == verdict.committed_length, "verifier and router disagree"
                 self._count(gen.stats, block, verdict, next_draft)
                 draft = self._after_verdict(gen, block, verdict, next_draft)

@@ -9,6 +9,7 @@ prompt through such a runner, as the components' open task does.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,8 @@ class RecordingRunner:
         self.entered = threading.Event()
         """Set when a forward pass starts (before it waits for `gate`)."""
         self.fail_next = False
+        self.step_s = 0.0
+        """Seconds each forward pass takes (a sleep), as a real model's would."""
 
     def _blocks(self, length: int) -> int:
         return -(-length // self.block_size)
@@ -56,6 +59,8 @@ class RecordingRunner:
         self.entered.set()
         if self.gate is not None:
             self.gate.wait()
+        if self.step_s:
+            time.sleep(self.step_s)
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("device fell over")

@@ -10,6 +10,7 @@ components in test_engine_components.py.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -175,3 +176,27 @@ def test_figures_and_cost_curve(runner: RecordingRunner, engine: Engine) -> None
     load = engine.step_load()
     assert load is not None and load.batch_sequences == 1 and load.batch_tokens == 32
     assert stats.kv_blocks_total == runner.num_blocks and stats.block_size == runner.block_size
+
+
+def test_sessions_that_come_back_quickly_are_gathered_into_one_step(
+    runner: RecordingRunner, engine: Engine
+) -> None:
+    # Two decode loops out of phase: without gathering, each step would take one of them and
+    # the two would alternate in steps of one.
+    runner.step_s = 0.02
+
+    def decode_loop(seq_id: str) -> None:
+        for _ in range(15):
+            engine.run(forward_task(seq_id, 1, [0]), key=seq_id)
+            time.sleep(0.002)  # the client's turnaround (a router's gRPC round trip)
+
+    first = threading.Thread(target=decode_loop, args=("a",))
+    first.start()
+    runner.entered.wait(timeout=10)  # "b" starts while a step of "a" runs
+    second = threading.Thread(target=decode_loop, args=("b",))
+    second.start()
+    first.join(timeout=30)
+    second.join(timeout=30)
+    sizes = [len(step) for step in runner.steps]
+    assert sum(sizes) == 30
+    assert len(sizes) <= 22  # mostly steps of both; alternating would take 30

@@ -67,6 +67,10 @@ STATS_DECAY = 0.9
 """Weight kept by the smoothed figures per step or call."""
 COST_DECAY = 0.98
 """Weight kept by past steps in the cost-curve fit (about the last 50 steps count)."""
+MAX_GATHER_S = 0.05
+GATHER_SHARE = 0.2
+"""A step waits for sessions about to come back at most GATHER_SHARE of its predicted time,
+and never more than MAX_GATHER_S (`Engine._gather`)."""
 RETRY_AFTER_S = 1.0
 """Retry hint sent with a refusal for lack of KV blocks."""
 
@@ -164,6 +168,10 @@ class Engine:
         self._keyless: list[_Running] = []
         self._queued: dict[str, deque[_Running]] = {}
         self._num_queued = 0
+        self._finished_at: dict[str, float] = {}
+        """When each key's last task finished (until its next arrives)."""
+        self._return_s: dict[str, float] = {}
+        """Each key's smoothed turnaround: from a task finishing to its next arriving."""
         self._curve = CostCurve()
         self._load: StepLoad | None = None
         # Figures (written by the engine thread, read by anyone).
@@ -274,6 +282,7 @@ class Engine:
                     self._admit(running)
                 self._run_keyless()
                 if self._has_forward():
+                    self._gather()
                     self._step()
         except BaseException:  # never die silently: fail every caller instead
             logger.exception("engine loop failed")
@@ -281,10 +290,52 @@ class Engine:
         finally:
             self._fail_all(RuntimeError("the engine has stopped"))
 
+    def _gather(self) -> None:
+        """Wait a little for sessions about to come back before stepping.
+
+        Sessions drift out of phase: one's next call arrives just after a step has started
+        without it, so it waits a whole step, and the batch splits into small alternating
+        steps. A session whose calls usually come back quickly after its last one finished
+        (`_return_s`: the client's turnaround, a few milliseconds for a decode loop) is waited
+        for, up to a small share of the predicted step time; one that takes longer (a router
+        drafting before its next verify) is not, so one stream never waits for nothing.
+        """
+        ready = sum(isinstance(r.waiting, Forward) for r in self._active.values())
+        if ready >= self.max_step_sequences:
+            return
+        base, per_token = self._curve.line()
+        window_s = min(MAX_GATHER_S, GATHER_SHARE * (base + per_token * self._mean_tokens))
+        expected = {
+            key
+            for key, finished in self._finished_at.items()
+            if key not in self._active
+            and self._return_s.get(key, window_s + 1) <= window_s
+            and self._clock() - finished < window_s
+        }
+        deadline = self._clock() + window_s
+        while expected:
+            with self._condition:
+                left_s = deadline - self._clock()
+                if left_s <= 0 or self._stopped:
+                    return
+                if not self._inbox:
+                    self._condition.wait(left_s)
+                arrived = list(self._inbox)
+                self._inbox.clear()
+            for running in arrived:
+                self._admit(running)
+                expected.discard(running.key)
+            self._run_keyless()
+
     def _has_forward(self) -> bool:
         return any(isinstance(r.waiting, Forward) for r in self._active.values())
 
     def _admit(self, running: _Running) -> None:
+        finished = self._finished_at.pop(running.key, None) if running.key is not None else None
+        if finished is not None and running.key is not None:
+            gap_s = running.submitted_at - finished
+            old = self._return_s.get(running.key)
+            self._return_s[running.key] = gap_s if old is None else _smooth(old, gap_s)
         if running.key is None:
             self._keyless.append(running)
         elif running.key in self._active:
@@ -354,6 +405,13 @@ class Engine:
         if not keyed or running.key is None:
             return
         del self._active[running.key]
+        if not self._queued.get(running.key):
+            self._finished_at[running.key] = self._clock()
+        if len(self._finished_at) > 4 * max(len(self._active), 64):  # forget closed sessions
+            horizon = self._clock() - 60.0
+            for key in [k for k, t in self._finished_at.items() if t < horizon]:
+                del self._finished_at[key]
+                self._return_s.pop(key, None)
         queue = self._queued.get(running.key)
         if queue:
             following = queue.popleft()
