@@ -19,9 +19,10 @@ target alone at the same concurrency, in this process (`cluster.tools.hf_baselin
 service's runs of the level, so the two never share the CPU. It loads the target the service's
 verifier runs, in its dtype, with every core of the machine: the single batched server one would
 run instead (`cluster.tools.hf_levels.service_target`: `--preset`, else the model the service
-reports when `tandem serve` started it here; `--serve-config` for the rest), and runs greedy (`--temperature 0`). `hf_baseline` in the JSON
-says which method ran and why. `goals` gives per level speculative's tokens/s over target_only's
-and over hf_target_batched's, and speculative at 8 streams over 1 when both levels ran.
+reports when `tandem serve` started it here; `--serve-config` for the rest), and runs greedy
+(`--temperature 0`). `hf_baseline` in the JSON says which method ran and why. `goals` gives per
+level speculative's tokens/s over target_only's and over hf_target_batched's, and speculative at
+8 streams over 1 when both levels ran.
 """
 
 from __future__ import annotations
