@@ -45,15 +45,16 @@ def test_bad_prompt_files(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("adaptive", [False, True])
 def test_local_bench_writes_result_and_chart(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], adaptive: bool
 ) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     out, chart = tmp_path / "out.json", tmp_path / "out.png"
     code = main(["bench", "--preset", "tiny", "--prompts", str(prompts), "--max-tokens", "12",
                  "--repeats", "3", "--json", str(out), "--plot", str(chart),
-                 "--prompt-lookup", "--adaptive-draft"])  # fmt: skip
+                 "--prompt-lookup", *(["--adaptive-draft"] if adaptive else [])])  # fmt: skip
     assert code == 0
     result = json.loads(out.read_text())
     assert list(result["runs"]) == list(RUNS)
@@ -63,12 +64,20 @@ def test_local_bench_writes_result_and_chart(
     for key in ("acceptance_rate", "mean_tokens_per_verify", "acceptance_by_position",
                 "pipeline_hit_rate", "ideal_speedup"):  # fmt: skip
         assert key in pipelined
-    assert 0 < pipelined["acceptance_rate"] < 1
+    if adaptive:
+        # The tiny draft costs about what its target does, so the chosen plans may never
+        # speculate: then nothing was drafted and there is no acceptance to report.
+        rate = pipelined["acceptance_rate"]
+        assert rate is None or 0 <= rate <= 1
+        assert pipelined["mean_tokens_per_verify"] >= 1
+    else:
+        assert 0 < pipelined["acceptance_rate"] < 1
     assert result["runs"]["tandem_target"]["mean_tokens_per_verify"] == 1.0
     assert set(result["speedup"]) == {"vs_hf_target", "vs_hf_assisted", "vs_tandem_target",
                                       "pipelining"}  # fmt: skip
     assert result["greedy_match"] == {"matched": 2, "total": 2}
-    assert result["config"]["prompt_lookup"] is result["config"]["adaptive_draft"] is True
+    assert result["config"]["prompt_lookup"] is True
+    assert result["config"]["adaptive_draft"] is adaptive
     assert set(result["by_category"]) == {"code", "creative"}
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "greedy match (fp32): 2/2 prompts" in capsys.readouterr().out

@@ -100,8 +100,10 @@ def serial_router(
         candidate = BonusFromDraftVerifier(tandem.target, tandem.draft, tandem.drafter.config.top_k)
     else:
         if kind == "residual-not-renormalised":
-            # The verifier calls the rule by this module-level name: the only change.
-            monkeypatch.setattr(verifier.verifier, "rejection_sample", residual_not_renormalised)
+            # The verifier accepts a step's blocks by this module-level name: the only change.
+            monkeypatch.setattr(
+                verifier.verifier, "batch_rejection_sample", residual_not_renormalised
+            )
         candidate = Verifier(tandem.target)
     decode = text_decoder(tandem.tokenizer)
     router = Router(candidate, tandem.drafter, decode, tandem.target.eos_token_ids, pipelined=False)
