@@ -34,6 +34,7 @@ from cluster.serve.autoscaling import (
 from drafter.drafter import DrafterConfig
 from drafter.ngram import NgramConfig
 from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.quantize import QUANTIZATIONS
 from verifier.verifier import VerifierConfig
 
 DEFAULT_APP_NAME = "tandem"
@@ -140,6 +141,10 @@ class ReplicaGroupConfig:
     e.g. [0] for drafters and [1] for verifiers gives each side a core of its own."""
     autoscaling: AutoscalingConfig = field(default_factory=AutoscalingConfig)
     """Drafters and verifiers only: scale this group on its replicas' load."""
+    quantization: str | None = None
+    """Drafters only: the draft's weights, `none`, `int8` (weight-only, per output channel) or
+    `int8-dynamic` (CPU; activations too); see `verifier.runtime.quantize`. Unset: the preset's
+    choice. The target is never quantized."""
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -151,6 +156,10 @@ class ReplicaGroupConfig:
             raise InvalidArgumentError(f"torch_threads must be >= 0, got {self.torch_threads}")
         if any(isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 0 for cpu in self.cpus):
             raise InvalidArgumentError(f"cpus must be CPU ids (ints >= 0), got {self.cpus}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise InvalidArgumentError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
 
     def ray_actor_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
@@ -224,10 +233,24 @@ class TandemConfig:
             )
         if not 0 < self.grpc_port < 65536:
             raise InvalidArgumentError(f"grpc_port must be in 1..65535, got {self.grpc_port}")
+        for side in ("router", "verifier"):
+            if getattr(self, side).quantization is not None:
+                raise InvalidArgumentError(
+                    f"{side}.quantization: only the drafter's model may be quantized (the "
+                    "target's output is what Tandem reproduces)"
+                )
         if self.cluster_secret is not None and len(self.cluster_secret) < MIN_SECRET_CHARS:
             raise InvalidArgumentError(
                 f"cluster_secret must have at least {MIN_SECRET_CHARS} characters"
             )
+
+    def pair(self) -> ModelPair:
+        """The models to serve: `models`' pair, the draft quantized as `drafter` says."""
+        pair = self.models.pair()
+        if self.drafter.quantization is None:
+            return pair
+        draft = dataclasses.replace(pair.draft, quantization=self.drafter.quantization)
+        return ModelPair(pair.target, draft)
 
     def with_cluster_secret(self) -> TandemConfig:
         """This config with its cluster secret settled: its own, else $TANDEM_CLUSTER_SECRET,

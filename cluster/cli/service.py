@@ -65,6 +65,11 @@ def add_to(commands: Any) -> None:
         action=argparse.BooleanOptionalAction,
         help="choose each round's length and pipelining per request (default: the config's, on)",
     )
+    serve.add_argument(
+        "--draft-quantization",
+        choices=("none", "int8", "int8-dynamic"),
+        help="the draft model's weights (default: the config's, else the preset's)",
+    )
     serve.add_argument("--num-cpus", type=int, default=DEFAULT_NUM_CPUS, help="for a new cluster")
     serve.add_argument("--detach", action="store_true", help="return once the service is up")
     serve.set_defaults(handler=serve_command)
@@ -85,8 +90,13 @@ def _config(args: argparse.Namespace) -> TandemConfig:
     changes: dict[str, Any] = {}
     if args.preset:
         changes["models"] = dataclasses.replace(config.models, preset=args.preset)
+    drafter = config.drafter
     if args.drafters is not None:
-        changes["drafter"] = dataclasses.replace(config.drafter, num_replicas=args.drafters)
+        drafter = dataclasses.replace(drafter, num_replicas=args.drafters)
+    if args.draft_quantization is not None:
+        drafter = dataclasses.replace(drafter, quantization=args.draft_quantization)
+    if drafter is not config.drafter:
+        changes["drafter"] = drafter
     if args.verifiers is not None:
         changes["verifier"] = dataclasses.replace(config.verifier, num_replicas=args.verifiers)
     if args.port is not None:
@@ -180,9 +190,10 @@ def serve_command(args: argparse.Namespace) -> int:
         ),
         http_options={"host": local_cluster.LOOPBACK, "port": http_port},
     )
-    pair = config.models.pair()
+    pair = config.pair()
     _say(
-        f"deploying {_replicas(config.drafter)} drafter(s) [{pair.draft.source}], "
+        f"deploying {_replicas(config.drafter)} drafter(s) [{pair.draft.source}"
+        f"{'' if pair.draft.quantization == 'none' else ', ' + pair.draft.quantization}], "
         f"{_replicas(config.verifier)} verifier(s) [{pair.target.source}] and "
         f"{config.router.num_replicas} router(s) ..."
     )

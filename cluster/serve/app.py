@@ -54,7 +54,7 @@ def build_app(config: TandemConfig) -> Application:
         )
     ensure_registry(config.app_name)
     registry = registry_name(config.app_name)
-    pair = config.models.pair()
+    pair = config.pair()
     # One secret for the whole application: the router carries it, the replicas demand it.
     config = config.with_cluster_secret()
     drafter = _replica_deployment(

@@ -195,7 +195,8 @@ def test_check_reads_the_tandem_apps_of_a_serve_config(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(serve))
     assert cli_config.check_file(str(path)) == [
         f"{path}: applications[0].args: drafter.gpus: unknown key (known: accelerator_type, "
-        "autoscaling, cpus, num_cpus, num_gpus, num_replicas, resources, torch_threads)"
+        "autoscaling, cpus, num_cpus, num_gpus, num_replicas, quantization, resources, "
+        "torch_threads)"
     ]
     path.write_text(yaml.safe_dump({"applications": [{"import_path": "elsewhere:app"}]}))
     assert cli_config.check_file(str(path)) == [
@@ -214,3 +215,32 @@ def test_check_of_a_missing_file_is_a_usage_error(
 ) -> None:
     assert main(["config", "check", str(tmp_path / "absent.yaml")]) == 2
     assert "INVALID_ARGUMENT: cannot read config" in capsys.readouterr().err
+
+
+def test_the_draft_is_quantized_as_the_preset_the_config_or_the_cli_says() -> None:
+    assert TandemConfig().pair().draft.quantization == "none"  # tiny: as loaded
+    qwen = TandemConfig.from_dict({"models": {"preset": "qwen-coder"}})
+    assert qwen.pair().draft.quantization == "int8"  # the preset's choice
+    assert qwen.pair().target.quantization == "none"
+    chosen = TandemConfig.from_dict({"models": {"preset": "qwen-coder"},
+                                     "drafter": {"quantization": "none"}})  # fmt: skip
+    assert chosen.pair().draft.quantization == "none"
+    parser = argparse.ArgumentParser()
+    cli_service.add_to(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--draft-quantization", "int8-dynamic", "--drafters", "2"])
+    config = cli_service._config(args)
+    assert config.drafter.num_replicas == 2
+    assert config.pair().draft.quantization == "int8-dynamic"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"drafter": {"quantization": "int4"}}, "quantization must be one of"),
+        ({"verifier": {"quantization": "int8"}}, "only the drafter's model may be quantized"),
+        ({"router": {"quantization": "none"}}, "only the drafter's model may be quantized"),
+    ],
+)
+def test_bad_quantizations_are_refused(data: dict[str, Any], message: str) -> None:
+    with pytest.raises((ConfigError, InvalidArgumentError), match=message):
+        TandemConfig.from_dict(data)

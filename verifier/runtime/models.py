@@ -27,6 +27,12 @@ from transformers import (
 
 from verifier.runtime import tiny
 from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.quantize import (
+    check_quantization,
+    compute_dtype,
+    output_width,
+    quantize_weights,
+)
 
 TINY_SCHEME = "tiny://"
 TINY_TARGET = TINY_SCHEME + "target"
@@ -49,6 +55,10 @@ class ModelSpec:
     """Weight and compute dtype: float32, bfloat16 or float16."""
     device: str = AUTO_DEVICE
     """`auto` (CUDA when present, else CPU), `cpu`, `cuda` or `cuda:N`."""
+    quantization: str = "none"
+    """`none`; `int8`: int8 weights per output channel for the Linear layers; `int8-dynamic`
+    (CPU): activations quantized too, the rest in float32. Drafts only: see
+    `verifier.runtime.quantize`."""
 
     def __post_init__(self) -> None:
         if not self.source.strip():
@@ -57,6 +67,10 @@ class ModelSpec:
             raise InvalidArgumentError(
                 f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
             )
+        try:
+            check_quantization(self.quantization)
+        except ValueError as error:
+            raise InvalidArgumentError(str(error)) from None
         if self.source.startswith(TINY_SCHEME) and self.source not in (TINY_TARGET, TINY_DRAFT):
             raise InvalidArgumentError(
                 f"unknown tiny model {self.source!r}: use {TINY_TARGET} or {TINY_DRAFT}"
@@ -80,7 +94,7 @@ class LoadedModel:
     @property
     def vocab_size(self) -> int:
         """Width of the logits (may exceed the tokenizer's size: padded embeddings)."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        return output_width(self.model)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -182,6 +196,11 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     model, tokenizer = _load_weights(spec)
     # Module.to moves and casts in place. It is called through nn.Module because transformers'
     # decorated override of `to` is opaque to type checkers.
-    torch.nn.Module.to(model, device=device, dtype=DTYPES[spec.dtype])
+    dtype = compute_dtype(spec.quantization, DTYPES[spec.dtype], device)
+    torch.nn.Module.to(model, device=device, dtype=dtype)
     model.eval()
+    try:
+        quantize_weights(model, spec.quantization, device)
+    except ValueError as error:
+        raise InvalidArgumentError(str(error)) from None
     return LoadedModel(model=model, tokenizer=tokenizer, device=device)
