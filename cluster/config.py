@@ -134,8 +134,9 @@ class ReplicaGroupConfig:
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources, e.g. {"drafter_node": 1} to pin a side to labelled nodes."""
     torch_threads: int = 0
-    """Intra-op threads per replica (0: Ray's default, which is the replica's num_cpus, and
-    1 when num_cpus is 0)."""
+    """Intra-op threads per replica (0: fit the machine, one per CPU the replica may run on,
+    after pinning to `cpus`; on the 2-core CPU this measured fastest for one stream, and the
+    engine batches concurrent streams; see docs/benchmarks.md)."""
     cpus: list[int] = field(default_factory=list)
     """CPU ids every replica of this group is pinned to (empty: not pinned). On one machine,
     e.g. [0] for drafters and [1] for verifiers gives each side a core of its own."""
@@ -145,6 +146,9 @@ class ReplicaGroupConfig:
     """Drafters only: the draft's weights, `none`, `int8` (weight-only, per output channel) or
     `int8-dynamic` (CPU; activations too); see `verifier.runtime.quantize`. Unset: the preset's
     choice. The target is never quantized."""
+    trimmed_vocab: int | None = None
+    """Drafters only: the draft scores only this many most frequent token ids (FR-Spec; 0: all
+    of them); see `verifier.runtime.vocab`. Unset: the preset's choice. Lossless either way."""
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -156,6 +160,8 @@ class ReplicaGroupConfig:
             raise InvalidArgumentError(f"torch_threads must be >= 0, got {self.torch_threads}")
         if any(isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 0 for cpu in self.cpus):
             raise InvalidArgumentError(f"cpus must be CPU ids (ints >= 0), got {self.cpus}")
+        if self.trimmed_vocab is not None and self.trimmed_vocab < 0:
+            raise InvalidArgumentError(f"trimmed_vocab must be >= 0, got {self.trimmed_vocab}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise InvalidArgumentError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
@@ -234,23 +240,29 @@ class TandemConfig:
         if not 0 < self.grpc_port < 65536:
             raise InvalidArgumentError(f"grpc_port must be in 1..65535, got {self.grpc_port}")
         for side in ("router", "verifier"):
-            if getattr(self, side).quantization is not None:
-                raise InvalidArgumentError(
-                    f"{side}.quantization: only the drafter's model may be quantized (the "
-                    "target's output is what Tandem reproduces)"
-                )
+            for key in ("quantization", "trimmed_vocab"):
+                if getattr(getattr(self, side), key) is not None:
+                    raise InvalidArgumentError(
+                        f"{side}.{key}: only the drafter's model may be changed (the target's "
+                        "output is what Tandem reproduces)"
+                    )
         if self.cluster_secret is not None and len(self.cluster_secret) < MIN_SECRET_CHARS:
             raise InvalidArgumentError(
                 f"cluster_secret must have at least {MIN_SECRET_CHARS} characters"
             )
 
     def pair(self) -> ModelPair:
-        """The models to serve: `models`' pair, the draft quantized as `drafter` says."""
+        """The models to serve: `models`' pair, the draft quantized and trimmed as `drafter`
+        says (where it says nothing, as the preset does)."""
         pair = self.models.pair()
-        if self.drafter.quantization is None:
+        changes: dict[str, Any] = {}
+        if self.drafter.quantization is not None:
+            changes["quantization"] = self.drafter.quantization
+        if self.drafter.trimmed_vocab is not None:
+            changes["trimmed_vocab"] = self.drafter.trimmed_vocab
+        if not changes:
             return pair
-        draft = dataclasses.replace(pair.draft, quantization=self.drafter.quantization)
-        return ModelPair(pair.target, draft)
+        return ModelPair(pair.target, dataclasses.replace(pair.draft, **changes))
 
     def with_cluster_secret(self) -> TandemConfig:
         """This config with its cluster secret settled: its own, else $TANDEM_CLUSTER_SECRET,

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +15,7 @@ from cluster.local import LocalTandem, build_local
 from cluster.presets import resolve_pair
 from cluster.routing.request import GenerationRequest
 from verifier.runtime.models import TINY_DRAFT, TINY_TARGET, LoadedModel, ModelSpec, load_model
+from verifier.runtime.packs import CACHE_ENV
 
 # The tiny models are far too small to gain from intra-op threads, and pipelined tests run
 # drafter and verifier at once: one thread each keeps 2 cores from being oversubscribed.
@@ -59,3 +66,39 @@ def target_only(local_tandem: LocalTandem) -> dict[str, tuple[int, ...]]:
         ).tokens
         for prompt in PROMPTS
     }
+
+
+TRIMMED_VOCAB = 48
+"""The trimmed tiny draft scores this many of its 257 ids (the corpus's commonest bytes)."""
+
+
+@contextmanager
+def models_cache(path: Path) -> Iterator[None]:
+    """The model cache (where token frequency tables of non-folder models are stored) moved
+    to `path` while the block runs, so that tests never write to the user's cache."""
+    saved = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(path)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[CACHE_ENV]
+        else:
+            os.environ[CACHE_ENV] = saved
+
+
+@pytest.fixture(scope="session")
+def vocab_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model cache for the session's trimmed drafts: their table is counted once."""
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def trimmed_tandem(vocab_cache: Path) -> Iterator[LocalTandem]:
+    """The tiny pair with its draft trimmed to TRIMMED_VOCAB ids, in this process."""
+    pair = resolve_pair("tiny", device="cpu")
+    draft = dataclasses.replace(pair.draft, trimmed_vocab=TRIMMED_VOCAB)
+    with models_cache(vocab_cache):
+        tandem = build_local(dataclasses.replace(pair, draft=draft))
+    yield tandem
+    tandem.router.close()

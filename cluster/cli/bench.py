@@ -16,10 +16,32 @@ def add_to(commands: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--draft-tokens", type=int, default=4)
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the preset's)")
+    on_off = argparse.BooleanOptionalAction
     p.add_argument(
-        "--prompt-lookup", action="store_true", help="Tandem runs copy recurring text first"
+        "--prompt-lookup",
+        action=on_off,
+        help="copy recurring text first (default: the service's, on)",
     )
-    p.add_argument("--adaptive-draft", action="store_true", help="Tandem runs choose block lengths")
+    p.add_argument(
+        "--adaptive-draft",
+        action=on_off,
+        help="choose block lengths and pipelining per round (default: the service's, on)",
+    )
+    p.add_argument(
+        "--draft-quantization",
+        choices=("none", "int8", "int8-dynamic"),
+        help="the draft's weights in Tandem's runs (default: the service's, else the preset's); "
+        "HF assisted always drafts with the plain model",
+    )
+    p.add_argument(
+        "--draft-vocab", type=int, metavar="N",
+        help="Tandem's draft scores the N most frequent ids (default: the preset's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--draft-forms",
+        action="store_true",
+        help="also measure every draft precision and vocabulary: ms/token and agreement",
+    )
     p.add_argument(
         "--serve-config", help="--mode service: a TandemConfig YAML for the service it starts"
     )
@@ -41,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.serve_config and args.mode != "service":
         raise InvalidArgumentError("--serve-config needs --mode service")
+    if args.draft_vocab is not None and args.draft_vocab < 0:
+        raise InvalidArgumentError(f"--draft-vocab must be >= 0, got {args.draft_vocab}")
     if args.max_tokens < 1 or args.draft_tokens < 1:
         raise InvalidArgumentError("--max-tokens and --draft-tokens must be >= 1")
     started = time.monotonic()

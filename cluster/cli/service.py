@@ -70,6 +70,13 @@ def add_to(commands: Any) -> None:
         choices=("none", "int8", "int8-dynamic"),
         help="the draft model's weights (default: the config's, else the preset's)",
     )
+    serve.add_argument(
+        "--draft-vocab",
+        type=int,
+        metavar="N",
+        help="the draft scores only the N most frequent token ids, 0 all of them "
+        "(default: the config's, else the preset's)",
+    )
     serve.add_argument("--num-cpus", type=int, default=DEFAULT_NUM_CPUS, help="for a new cluster")
     serve.add_argument("--detach", action="store_true", help="return once the service is up")
     serve.set_defaults(handler=serve_command)
@@ -95,6 +102,8 @@ def _config(args: argparse.Namespace) -> TandemConfig:
         drafter = dataclasses.replace(drafter, num_replicas=args.drafters)
     if args.draft_quantization is not None:
         drafter = dataclasses.replace(drafter, quantization=args.draft_quantization)
+    if args.draft_vocab is not None:
+        drafter = dataclasses.replace(drafter, trimmed_vocab=args.draft_vocab)
     if drafter is not config.drafter:
         changes["drafter"] = drafter
     if args.verifiers is not None:
@@ -193,7 +202,8 @@ def serve_command(args: argparse.Namespace) -> int:
     pair = config.pair()
     _say(
         f"deploying {_replicas(config.drafter)} drafter(s) [{pair.draft.source}"
-        f"{'' if pair.draft.quantization == 'none' else ', ' + pair.draft.quantization}], "
+        f"{'' if pair.draft.quantization == 'none' else ', ' + pair.draft.quantization}"
+        f"{'' if not pair.draft.trimmed_vocab else f', {pair.draft.trimmed_vocab} ids'}], "
         f"{_replicas(config.verifier)} verifier(s) [{pair.target.source}] and "
         f"{config.router.num_replicas} router(s) ..."
     )

@@ -9,10 +9,18 @@ service` through a `tandem serve` it starts in a private TANDEM_HOME and stops a
 when the bench is interrupted (Ctrl-C) or terminated (SIGTERM); HF runs always in this process.
 `greedy_match` compares Tandem's tokens with HF's target alone in float32 (loading float32
 copies when the timed runs used another dtype).
+
+Tandem runs with what `tandem serve` would use (`bench_settings`): prompt lookup, the adaptive
+plan and the preset's draft (precision, trimmed vocabulary), each changed only by a flag, and
+the result's `config.settings` records them. HF assisted drafts with the plain draft model in
+the bench's dtype, as Hugging Face users run it. `--draft-forms` adds `draft_forms`: each draft
+precision and vocabulary's ms/token and agreement with the target (`cluster.tools.draft_forms`),
+measured after the timed runs, with nothing else running.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -221,21 +229,57 @@ def speculation_summary(samples: list[Sample]) -> dict[str, Any]:
     }
 
 
+def bench_settings(args: Any) -> dict[str, Any]:
+    """What Tandem runs with: each flag given, else what `tandem serve` would use (its config
+    file's, else the defaults, else the preset's draft), so that the bench measures what users
+    get."""
+    from cluster.config import TandemConfig
+    from verifier.replica.host import fitted_threads
+
+    config = TandemConfig.from_yaml(args.serve_config) if args.serve_config else TandemConfig()
+    config = dataclasses.replace(
+        config, models=dataclasses.replace(config.models, preset=args.preset)
+    )
+    draft = config.pair().draft
+
+    def given(flag: Any, default: Any) -> Any:
+        return default if flag is None else flag
+
+    settings: dict[str, Any] = {
+        "prompt_lookup": given(args.prompt_lookup, config.prompt_lookup.enabled),
+        "adaptive_draft": given(args.adaptive_draft, config.draft_length.enabled),
+        "draft_quantization": given(args.draft_quantization, draft.quantization),
+        "draft_vocab": given(args.draft_vocab, draft.trimmed_vocab),
+    }
+    if args.mode == "service":
+        for side in ("drafter", "verifier"):
+            group = getattr(config, side)
+            settings[f"{side}_threads"] = group.torch_threads or fitted_threads()
+            settings[f"{side}_cpus"] = list(group.cpus)
+    return settings
+
+
 def run_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     from cluster.local import build_local
     from cluster.presets import PRESETS, resolve_pair
+    from verifier.runtime.models import load_model
 
     prompts = load_prompts(args.prompts)
+    settings = bench_settings(args)
     dtype = args.dtype or PRESETS[args.preset].default_dtype if args.preset in PRESETS else None
-    progress(f"loading the {args.preset} pair ({dtype})")
-    tandem = build_local(resolve_pair(args.preset, dtype=dtype), **_router_settings(args))
+    plain = _plain_draft(resolve_pair(args.preset, dtype=dtype))
+    ours = _with_draft(plain, settings)
+    progress(f"loading the {args.preset} pair ({dtype}); Tandem runs with {settings}")
+    local = args.mode == "local"
+    tandem = build_local(ours if local else plain, **_router_settings(settings))
     ids = [tuple(tandem.tokenizer.encode(p.text, add_special_tokens=False)) for p in prompts]
-    target, draft = tandem.target.model, tandem.draft.model
+    target = tandem.target.model
+    draft = tandem.draft.model if not local or ours == plain else load_model(plain.draft).model
     runners: dict[str, Runner] = {
         "hf_target": _hf_runner(target, args.max_tokens),
         "hf_assisted": _hf_runner(target, args.max_tokens, assistant=draft),
     }
-    with _maybe_service(args, progress) as client:
+    with _maybe_service(args, settings, progress) as client:
         for name, k, pipelined in (("tandem_target", 0, False),
                                    ("tandem_serial", args.draft_tokens, False),
                                    ("tandem_pipelined", args.draft_tokens, True)):  # fmt: skip
@@ -250,13 +294,14 @@ def run_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
         for name in RUNS
     }
     best = runs["tandem_pipelined"]["tokens_per_s"]
-    result = {
+    result: dict[str, Any] = {
         "config": {
             "preset": args.preset, "mode": args.mode, "max_tokens": args.max_tokens,
             "draft_tokens": args.draft_tokens, "dtype": dtype, "repeats": args.repeats,
             "num_prompts": len(prompts), "prompts": args.prompts or "default",
-            "prompt_lookup": args.prompt_lookup, "adaptive_draft": args.adaptive_draft,
-            "serve_config": args.serve_config,
+            "prompt_lookup": settings["prompt_lookup"],
+            "adaptive_draft": settings["adaptive_draft"],
+            "serve_config": args.serve_config, "settings": settings,
         },
         "runs": runs,
         "speedup": {
@@ -267,38 +312,75 @@ def run_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
         },
         "by_category": _by_category(prompts, samples),
     }  # fmt: skip
-    result["greedy_match"] = _greedy_match(args, dtype, tandem, ids, samples, progress)
+    if args.draft_forms:
+        from cluster.tools.draft_forms import Example, measure_forms
+
+        examples = [
+            Example(prompt, samples["hf_target"][i].tokens, prompts[i].category)
+            for i, prompt in enumerate(ids)
+        ]
+        result["draft_forms"] = measure_forms(plain.draft, examples, progress)
+    del target, draft
+    result["greedy_match"] = _greedy_match(args, settings, tandem, ids, samples, progress)
     return result
 
 
-def _router_settings(args: Any) -> dict[str, Any]:
-    """`build_local` arguments for the router features the bench turns on."""
+def _plain_draft(pair: Any) -> Any:
+    """`pair` with its draft unquantized and untrimmed: what HF assisted drafts with."""
+    from cluster.presets import ModelPair
+
+    draft = dataclasses.replace(pair.draft, quantization="none", trimmed_vocab=0)
+    return ModelPair(pair.target, draft)
+
+
+def _with_draft(pair: Any, settings: dict[str, Any]) -> Any:
+    """`pair` with the draft Tandem runs with."""
+    from cluster.presets import ModelPair
+
+    draft = dataclasses.replace(
+        pair.draft,
+        quantization=settings["draft_quantization"],
+        trimmed_vocab=settings["draft_vocab"],
+    )
+    return ModelPair(pair.target, draft)
+
+
+def _router_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """`build_local` arguments for the router features Tandem runs with."""
     from cluster.routing.draft_length import DraftLengthConfig
     from drafter.ngram import NgramConfig
 
     return {
-        "prompt_lookup": NgramConfig(enabled=args.prompt_lookup),
-        "draft_length": DraftLengthConfig(enabled=args.adaptive_draft),
+        "prompt_lookup": NgramConfig(enabled=settings["prompt_lookup"]),
+        "draft_length": DraftLengthConfig(enabled=settings["adaptive_draft"]),
     }
 
 
-def _serve_flags(args: Any) -> list[str]:
-    """`tandem serve` flags: the same router features, on or off either way (the service's
-    defaults differ from the bench's), and the service's config file."""
-    flags = {"prompt-lookup": args.prompt_lookup, "adaptive-draft": args.adaptive_draft}
+def _serve_flags(args: Any, settings: dict[str, Any]) -> list[str]:
+    """`tandem serve` flags: every setting stated (so that the JSON's record is what ran), and
+    the service's config file."""
+    flags = {
+        "prompt-lookup": settings["prompt_lookup"],
+        "adaptive-draft": settings["adaptive_draft"],
+    }
+    stated = [f"--{name}" if on else f"--no-{name}" for name, on in flags.items()]
+    stated += ["--draft-quantization", settings["draft_quantization"]]
+    stated += ["--draft-vocab", str(settings["draft_vocab"])]
     config = ["--config", args.serve_config] if args.serve_config else []
-    return [f"--{name}" if on else f"--no-{name}" for name, on in flags.items()] + config
+    return stated + config
 
 
 @contextmanager
-def _maybe_service(args: Any, progress: Callable[[str], None]) -> Iterator[Any]:
+def _maybe_service(
+    args: Any, settings: dict[str, Any], progress: Callable[[str], None]
+) -> Iterator[Any]:
     if args.mode == "local":
         yield None
         return
     from cluster.api.client import TandemClient
 
     with (
-        _service(args.preset, _serve_flags(args), progress) as (address, api_key),
+        _service(args.preset, _serve_flags(args, settings), progress) as (address, api_key),
         TandemClient(address, timeout_s=3600, api_key=api_key) as client,
     ):
         yield client
@@ -325,21 +407,24 @@ def _by_category(prompts: list[Prompt], samples: dict[str, list[Sample]]) -> dic
 
 def _greedy_match(
     args: Any,
-    dtype: str | None,
+    settings: dict[str, Any],
     tandem: Any,
     ids: list[tuple[int, ...]],
     samples: dict[str, list[Sample]],
     progress: Callable[[str], None],
 ) -> dict[str, int]:
-    if dtype == "float32":
-        pairs = zip(samples["tandem_pipelined"], samples["hf_target"], strict=True)
-        return {"matched": sum(a.tokens == b.tokens for a, b in pairs), "total": len(ids)}
+    """Tandem's greedy tokens (the bench's draft and router settings) against HF's target
+    alone, both in float32."""
     from cluster.local import build_local
     from cluster.presets import resolve_pair
 
+    if tandem.target.model.dtype == _float32():
+        pairs = zip(samples["tandem_pipelined"], samples["hf_target"], strict=True)
+        return {"matched": sum(a.tokens == b.tokens for a, b in pairs), "total": len(ids)}
     progress("checking greedy output against HF target-only in float32")
     del tandem
-    exact = build_local(resolve_pair(args.preset, dtype="float32"), **_router_settings(args))
+    exact_pair = _with_draft(resolve_pair(args.preset, dtype="float32"), settings)
+    exact = build_local(exact_pair, **_router_settings(settings))
     hf = _hf_runner(exact.target.model, args.max_tokens)
     ours = _local_runner(exact, args.max_tokens, args.draft_tokens, True)
     matched = 0
@@ -348,3 +433,9 @@ def _greedy_match(
         matched += same
         progress(f"greedy match {index + 1}/{len(ids)}: {'same' if same else 'DIFFERENT'}")
     return {"matched": matched, "total": len(ids)}
+
+
+def _float32() -> Any:
+    import torch
+
+    return torch.float32

@@ -83,20 +83,35 @@ def format_table(result: dict[str, Any]) -> str:
     match = result["greedy_match"]
     lines.append(f"greedy match (fp32): {match['matched']}/{match['total']} prompts")
 
+    settings = result.get("config", {}).get("settings")
+    if settings:
+        lines.append("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+
+    runs = list(result["runs"])
     category_rows = [
-        [
-            category,
-            _percent(stats.get("acceptance_rate")),
-            _number(stats.get("tokens_per_s", {}).get(CATEGORY_RUN), ".1f"),
-        ]
+        [category, _percent(stats.get("acceptance_rate"))]
+        + [_number(stats.get("tokens_per_s", {}).get(name), ".2f") for name in runs]
         for category, stats in result["by_category"].items()
     ]
     if category_rows:
         lines.append("")
-        lines += _markdown_table(
-            ["category", "acceptance", f"{CATEGORY_RUN} tokens/s"], category_rows
-        )
+        lines += _markdown_table(["category", f"acceptance ({CATEGORY_RUN})", *runs], category_rows)
+    lines += _forms_table(result.get("draft_forms"))
     return "\n".join(lines) + "\n"
+
+
+def _forms_table(forms: list[dict[str, Any]] | None) -> list[str]:
+    """Draft precision x vocabulary: ms/token and greedy agreement per category."""
+    if not forms:
+        return []
+    categories = [c for c in forms[0]["agreement"] if c != "all"] + ["all"]
+    rows = [
+        [form["quantization"], str(form["vocab"]), _number(form["ms_per_token"], ".1f")]
+        + [_percent(form["agreement"].get(c)) for c in categories]
+        for form in forms
+    ]
+    header = ["draft", "vocab", "ms/token", *(f"agree {c}" for c in categories)]
+    return ["", *_markdown_table(header, rows)]
 
 
 def plot(result: dict[str, Any], path: str | Path) -> None:

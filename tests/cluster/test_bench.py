@@ -11,7 +11,7 @@ import pytest
 
 from cluster.cli import service as cli_service
 from cluster.cli.main import main
-from cluster.tools.bench import RUNS, _serve_flags, load_prompts
+from cluster.tools.bench import RUNS, _serve_flags, bench_settings, load_prompts
 
 PROMPTS = [
     {"prompt": "def add(a, b):", "category": "code"},
@@ -54,7 +54,8 @@ def test_local_bench_writes_result_and_chart(
     out, chart = tmp_path / "out.json", tmp_path / "out.png"
     code = main(["bench", "--preset", "tiny", "--prompts", str(prompts), "--max-tokens", "12",
                  "--repeats", "3", "--json", str(out), "--plot", str(chart),
-                 "--prompt-lookup", *(["--adaptive-draft"] if adaptive else [])])  # fmt: skip
+                 "--prompt-lookup", "--adaptive-draft" if adaptive else "--no-adaptive-draft",
+                 "--draft-forms"])  # fmt: skip
     assert code == 0
     result = json.loads(out.read_text())
     assert list(result["runs"]) == list(RUNS)
@@ -78,6 +79,12 @@ def test_local_bench_writes_result_and_chart(
     assert result["greedy_match"] == {"matched": 2, "total": 2}
     assert result["config"]["prompt_lookup"] is True
     assert result["config"]["adaptive_draft"] is adaptive
+    assert result["config"]["settings"]["draft_quantization"] == "none"  # the tiny preset's
+    forms = result["draft_forms"]
+    assert {(f["quantization"], f["vocab"]) for f in forms} >= {("none", "full"), ("int8", "full")}
+    for form in forms:
+        assert form["ms_per_token"] > 0 and 0 <= form["agreement"]["all"] <= 1
+        assert set(form["agreement"]) == {"code", "creative", "all"}
     assert set(result["by_category"]) == {"code", "creative"}
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "greedy match (fp32): 2/2 prompts" in capsys.readouterr().out
@@ -94,13 +101,36 @@ def test_serve_config_needs_service_mode(capsys: pytest.CaptureFixture[str]) -> 
 
 
 @pytest.mark.parametrize("lookup", [False, True])
-def test_the_benched_service_gets_each_router_feature_as_asked(lookup: bool) -> None:
-    """The service turns both on by default: a bench run without them must say so."""
-    args = SimpleNamespace(prompt_lookup=lookup, adaptive_draft=False, serve_config=None)
-    flags = _serve_flags(args)
+def test_the_benched_service_gets_each_setting_as_asked(lookup: bool) -> None:
+    """The service turns both router features on by default: a bench run without them must
+    say so; the draft's form is stated too."""
+    settings = {"prompt_lookup": lookup, "adaptive_draft": False,
+                "draft_quantization": "int8-dynamic", "draft_vocab": 4096}  # fmt: skip
+    flags = _serve_flags(SimpleNamespace(serve_config=None), settings)
     assert ("--prompt-lookup" in flags) is lookup and ("--no-prompt-lookup" in flags) is not lookup
     assert "--no-adaptive-draft" in flags
     parser = argparse.ArgumentParser()
     cli_service.add_to(parser.add_subparsers())
     config = cli_service._config(parser.parse_args(["serve", *flags]))
     assert config.prompt_lookup.enabled is lookup and not config.draft_length.enabled
+    assert config.pair().draft.quantization == "int8-dynamic"
+    assert config.pair().draft.trimmed_vocab == 4096
+
+
+def test_without_flags_the_bench_runs_the_service_defaults() -> None:
+    """`tandem bench --mode service` measures what `tandem serve` runs: prompt lookup, the
+    adaptive plan and the preset's draft, with threads fitted to the machine."""
+    parser = argparse.ArgumentParser()
+    from cluster.cli import bench as cli_bench
+
+    cli_bench.add_to(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--preset", "qwen-coder", "--mode", "service"])
+    settings = bench_settings(args)
+    assert settings["prompt_lookup"] is True and settings["adaptive_draft"] is True
+    assert settings["draft_quantization"] == "int8"
+    assert settings["verifier_threads"] == settings["drafter_threads"] >= 1
+    off = parser.parse_args(["bench", "--mode", "service", "--no-prompt-lookup",
+                             "--draft-quantization", "none", "--draft-vocab", "0"])  # fmt: skip
+    settings = bench_settings(off)
+    assert settings["prompt_lookup"] is False and settings["adaptive_draft"] is True
+    assert settings["draft_quantization"] == "none" and settings["draft_vocab"] == 0

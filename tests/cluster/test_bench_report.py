@@ -97,9 +97,23 @@ def test_none_and_absent_values_print_as_missing() -> None:
 def test_category_table_lists_every_category() -> None:
     text = format_table(make_result())
     assert "| category " in text
-    assert "tandem_pipelined tokens/s" in text
+    assert "acceptance (tandem_pipelined)" in text
     for category in ("code", "chat", "math"):
         assert f"| {category} " in text
+
+
+def test_draft_forms_and_settings_are_tabled_when_measured() -> None:
+    result = make_result()
+    assert "| draft " not in format_table(result)
+    result["config"]["settings"] = {"draft_quantization": "int8", "draft_vocab": 65536}
+    result["draft_forms"] = [
+        {"quantization": "int8", "vocab": 65536, "ms_per_token": 70.04,
+         "agreement": {"code": 0.9, "prose": 0.6, "all": 0.8}},
+    ]  # fmt: skip
+    text = format_table(result)
+    assert "settings: draft_quantization=int8, draft_vocab=65536" in text
+    assert "| draft | vocab | ms/token | agree code | agree prose | agree all |" in text
+    assert "| int8  | 65536 | 70.0     | 90.0%      | 60.0%       | 80.0%     |" in text
 
 
 def test_plot_writes_a_png_and_skips_empty_categories(tmp_path: Path) -> None:

@@ -196,7 +196,7 @@ def test_check_reads_the_tandem_apps_of_a_serve_config(tmp_path: Path) -> None:
     assert cli_config.check_file(str(path)) == [
         f"{path}: applications[0].args: drafter.gpus: unknown key (known: accelerator_type, "
         "autoscaling, cpus, num_cpus, num_gpus, num_replicas, quantization, resources, "
-        "torch_threads)"
+        "torch_threads, trimmed_vocab)"
     ]
     path.write_text(yaml.safe_dump({"applications": [{"import_path": "elsewhere:app"}]}))
     assert cli_config.check_file(str(path)) == [
@@ -237,8 +237,8 @@ def test_the_draft_is_quantized_as_the_preset_the_config_or_the_cli_says() -> No
     ("data", "message"),
     [
         ({"drafter": {"quantization": "int4"}}, "quantization must be one of"),
-        ({"verifier": {"quantization": "int8"}}, "only the drafter's model may be quantized"),
-        ({"router": {"quantization": "none"}}, "only the drafter's model may be quantized"),
+        ({"verifier": {"quantization": "int8"}}, "only the drafter's model may be changed"),
+        ({"router": {"quantization": "none"}}, "only the drafter's model may be changed"),
     ],
 )
 def test_bad_quantizations_are_refused(data: dict[str, Any], message: str) -> None:

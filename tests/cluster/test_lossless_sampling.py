@@ -151,6 +151,38 @@ def test_first_two_tokens_follow_the_target(
     assert chi_square_p_value(counts, joint_first_two(tiny_target, sampling)) > ALPHA
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sampling", "draft_tokens", "max_tokens", "pipelined"),
+    [
+        (SamplingParams(temperature=1.0), 2, 3, False),
+        (SamplingParams(temperature=1.0, top_p=0.8), 1, 3, True),
+    ],
+    ids=["temperature-k2", "pipelined-top-p"],
+)
+def test_a_trimmed_draft_vocabulary_keeps_sampling_exact(
+    trimmed_tandem: LocalTandem,
+    tiny_target: LoadedModel,
+    sampling: SamplingParams,
+    draft_tokens: int,
+    max_tokens: int,
+    pipelined: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The draft scores only its kept ids (q is zero elsewhere); tokens outside them still come
+    from the target, as residual draws or bonus tokens, and the pairs follow the target."""
+    monkeypatch.setattr(trimmed_tandem.router, "first_token_alone", False)
+    counts, tally = sample_first_two(
+        trimmed_tandem.router, tiny_target.vocab_size, sampling, draft_tokens, max_tokens, pipelined
+    )
+    assert 0 < tally.accepted < tally.drafted
+    kept = trimmed_tandem.draft.model.get_output_embeddings().kept
+    outside = torch.ones(tiny_target.vocab_size, dtype=torch.bool)
+    outside[kept] = False
+    assert counts[outside].sum() > 0  # the target produced ids the draft cannot propose
+    assert chi_square_p_value(counts, joint_first_two(tiny_target, sampling)) > ALPHA
+
+
 def test_statistic_detects_unchecked_drafts(
     tiny_target: LoadedModel, tiny_draft: LoadedModel
 ) -> None:

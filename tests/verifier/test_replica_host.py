@@ -23,6 +23,18 @@ def test_pins_the_process_and_sets_threads() -> None:
     assert out.stdout.split("\n")[-2] == "[0] 1"
 
 
+def test_zero_threads_fits_the_cpus_the_process_may_use() -> None:
+    code = (
+        "import os, torch; from verifier.replica.host import place_threads; "
+        "n = place_threads(0, [0]); m = place_threads(0); "
+        "print(n, torch.get_num_threads(), m == len(os.sched_getaffinity(0)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.split("\n")[-2] == "1 1 True"
+
+
 def test_a_cpu_that_does_not_exist_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="cannot pin the replica to CPUs"):
         place_threads(0, [4096])

@@ -25,7 +25,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from verifier.runtime import tiny
+from verifier.runtime import tiny, vocab
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.quantize import (
     check_quantization,
@@ -59,6 +59,9 @@ class ModelSpec:
     """`none`; `int8`: int8 weights per output channel for the Linear layers; `int8-dynamic`
     (CPU): activations quantized too, the rest in float32. Drafts only: see
     `verifier.runtime.quantize`."""
+    trimmed_vocab: int = 0
+    """Score only this many most frequent token ids (0: all); the logits keep their width,
+    -inf elsewhere. Drafts only: see `verifier.runtime.vocab`."""
 
     def __post_init__(self) -> None:
         if not self.source.strip():
@@ -71,6 +74,8 @@ class ModelSpec:
             check_quantization(self.quantization)
         except ValueError as error:
             raise InvalidArgumentError(str(error)) from None
+        if self.trimmed_vocab < 0:
+            raise InvalidArgumentError(f"trimmed_vocab must be >= 0, got {self.trimmed_vocab}")
         if self.source.startswith(TINY_SCHEME) and self.source not in (TINY_TARGET, TINY_DRAFT):
             raise InvalidArgumentError(
                 f"unknown tiny model {self.source!r}: use {TINY_TARGET} or {TINY_DRAFT}"
@@ -189,6 +194,21 @@ def _check_local_path(spec: ModelSpec) -> None:
     raise InvalidArgumentError(f"model folder {spec.source} does not exist{hint}")
 
 
+def trim_vocab(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spec: ModelSpec) -> None:
+    """Give `model` a head over its `spec.trimmed_vocab` most frequent ids (and its end of
+    sequence ids), counted once per tokenizer and stored (`verifier.runtime.vocab`)."""
+    width = output_width(model)
+    if spec.trimmed_vocab >= width:
+        return  # every id is kept: nothing to trim
+    path = vocab.table_path(spec.source, tokenizer)
+    table = vocab.load_or_build(path, tokenizer, width)
+    eos = _eos_ids(model.generation_config, tokenizer)
+    try:
+        vocab.trim_output_head(model, vocab.kept_token_ids(table.counts, spec.trimmed_vocab, eos))
+    except ValueError as error:
+        raise InvalidArgumentError(str(error)) from None
+
+
 def load_model(spec: ModelSpec) -> LoadedModel:
     """Load `spec` onto its device, in eval mode."""
     _check_local_path(spec)
@@ -199,6 +219,8 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     dtype = compute_dtype(spec.quantization, DTYPES[spec.dtype], device)
     torch.nn.Module.to(model, device=device, dtype=dtype)
     model.eval()
+    if spec.trimmed_vocab:
+        trim_vocab(model, tokenizer, spec)
     try:
         quantize_weights(model, spec.quantization, device)
     except ValueError as error:
