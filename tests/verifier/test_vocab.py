@@ -19,6 +19,7 @@ from verifier.runtime import vocab
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.models import TINY_DRAFT, ModelSpec, load_model
 from verifier.runtime.quantize import Int8WeightOnlyLinear
+from verifier.runtime.runner import PagedModelRunner, build_runner
 from verifier.runtime.tiny import END_OF_TEXT_ID
 
 
@@ -101,6 +102,17 @@ def test_trimming_and_quantizing_compose(vocab_cache: Path) -> None:
     with models_cache(vocab_cache):
         full = load_model(ModelSpec(TINY_DRAFT, device="cpu", trimmed_vocab=1000))
     assert not isinstance(full.model.get_output_embeddings(), vocab.TrimmedHead)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_a_trimmed_draft_is_batched_by_the_paged_runner(vocab_cache: Path, quantization: str) -> None:
+    """Its -inf logits pass the runner's self-test: a trimmed draft batches its sessions."""
+    spec = ModelSpec(
+        TINY_DRAFT, device="cpu", quantization=quantization, trimmed_vocab=TRIMMED_VOCAB
+    )
+    with models_cache(vocab_cache):
+        draft = load_model(spec)
+    assert isinstance(build_runner(draft, kv_cache_bytes=1 << 20), PagedModelRunner)
 
 
 def test_only_the_drafter_may_be_trimmed() -> None:
