@@ -105,7 +105,9 @@ def test_trimming_and_quantizing_compose(vocab_cache: Path) -> None:
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_a_trimmed_draft_is_batched_by_the_paged_runner(vocab_cache: Path, quantization: str) -> None:
+def test_a_trimmed_draft_is_batched_by_the_paged_runner(
+    vocab_cache: Path, quantization: str
+) -> None:
     """Its -inf logits pass the runner's self-test: a trimmed draft batches its sessions."""
     spec = ModelSpec(
         TINY_DRAFT, device="cpu", quantization=quantization, trimmed_vocab=TRIMMED_VOCAB
