@@ -25,6 +25,9 @@ from cluster.metrics import TandemMetrics
 from verifier.replica.host import REGISTRY_NAMESPACE, ReplicaInfo
 
 DEFAULT_TTL_S = 5.0
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+"""The resource Ray gives the head node alone (1 of it)."""
+HEAD_NODE_SHARE = 0.001
 
 
 def registry_name(app_name: str) -> str:
@@ -75,7 +78,11 @@ class ReplicaRegistry:
 
 
 def ensure_registry(app_name: str) -> Any:
-    """The application's registry actor, created if it does not exist yet."""
+    """The application's registry actor, created if it does not exist yet, on the head node.
+    Ray would otherwise put it on any node, a drafter's say, and losing that node would leave
+    routers without a registry until Ray restarted it elsewhere: new requests would fail
+    meanwhile. Asking for a sliver of the head's own resource keeps it on whichever node is the
+    head, a restarted head included."""
     import ray
 
     actor_class = ray.remote(ReplicaRegistry)
@@ -87,6 +94,7 @@ def ensure_registry(app_name: str) -> Any:
         num_cpus=0,
         max_restarts=-1,
         max_task_retries=-1,
+        resources={HEAD_NODE_RESOURCE: HEAD_NODE_SHARE},
     ).remote()
 
 
