@@ -20,7 +20,7 @@ HTTP_PORT ?= 8000
 # The chat request `make demo` sends with curl to the OpenAI-compatible API.
 CHAT_REQUEST = {"model": "$(PRESET)", "max_tokens": 32, "messages": [{"role": "user", "content": "Write a Python function that adds two numbers."}]}
 
-.PHONY: setup test test-fast lint format protos demo demo-local clean
+.PHONY: setup test test-fast lint format protos demo demo-local demo-nodes clean
 
 setup: $(STAMP)
 
@@ -79,6 +79,14 @@ endif
 	  test $$ok = 0; } && \
 	$(BIN)/tandem status || status=$$?; \
 	$(BIN)/tandem shutdown; exit $$status
+
+# Disaggregation across Ray nodes, on this machine: three nodes on loopback (the head with the
+# router, a drafter node and a verifier node, told apart by Ray custom resources), the tiny
+# preset placed by deploy/placement/nodes.yaml, one generation through the gRPC API, `tandem
+# status`, then a check that every replica ran on its node type (the last line); everything is
+# stopped afterwards, also on Ctrl-C (cluster/tools/demo_nodes.py).
+demo-nodes: setup
+	$(BIN)/python -m cluster.tools.demo_nodes
 
 # The same loop in one process, no Ray (tiny models).
 demo-local: setup

@@ -132,7 +132,9 @@ class ReplicaGroupConfig:
     accelerator_type: str | None = None
     """Ray accelerator type, e.g. "L4" for drafters and "H100" for verifiers."""
     resources: dict[str, float] = field(default_factory=dict)
-    """Custom Ray resources, e.g. {"drafter_node": 1} to pin a side to labelled nodes."""
+    """Ray resources each replica asks for beyond CPUs and GPUs: a custom resource some nodes
+    advertise pins the side to those nodes (a node type), e.g. {"tandem_drafter_node": 0.01}
+    (see deploy/placement/nodes.yaml and deploy/README.md)."""
     torch_threads: int = 0
     """Intra-op threads per replica (0: fit the machine, one per CPU the replica may run on,
     after pinning to `cpus`; on the 2-core CPU this measured fastest for one stream, and the

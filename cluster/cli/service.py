@@ -7,8 +7,9 @@ HTTP proxy; the application is served at the route prefix `/`, so its base URL i
 `http://127.0.0.1:<port>/v1`). A cluster already running keeps the HTTP port it was started
 with (Serve's proxy is started once per cluster). A config with no tenants is served to one
 tenant, `local`, whose key the home keeps and the command line sends; `--detach` leaves it
-running, otherwise Ctrl-C stops it. `status` shows deployments, replicas with their sessions,
-load and engine (batch, KV blocks used of total; all its figures in `--json`), and a summary of
+running, otherwise Ctrl-C stops it. `status` shows deployments, replicas with their Ray node,
+address, sessions, load, engine (batch, KV blocks used of total; all its figures in `--json`)
+and the resources Ray granted them (their group's: how they were placed), and a summary of
 the metrics every node's metrics agent serves (`cluster.metrics`): acceptance, tokens per verify
 pass, pipeline hit rate, tokens generated, the queue, usage per tenant. `shutdown` removes the
 application and stops the cluster if Tandem started it. Ray is imported only after the cluster
@@ -265,26 +266,43 @@ def _print_replicas(replicas: list[dict[str, Any]]) -> None:
         print(line)
 
 
+NODE_ID_CHARS = 12
+"""How much of a Ray node id the replica table shows: enough to tell nodes apart (the ids are
+random); `--json` has the whole id."""
+
+
 def replica_lines(replicas: list[dict[str, Any]]) -> list[str]:
-    """The replica table of `tandem status`: a header, then one line per replica (its load
-    fields, then its engine's batch (smoothed, and the most since start) and KV blocks used of
-    total; `-` where no engine runs)."""
+    """The replica table of `tandem status`: a header, then one line per replica: its Ray node
+    (the id's first `NODE_ID_CHARS` hex digits) and internal gRPC address, its load fields, its
+    engine's batch (smoothed, and the most since start) and KV blocks used of total, and the
+    resources Ray granted it (its group's). `-` where there is nothing to show: no engine runs,
+    no resources were asked for, or a replica too old to report its node."""
     shown = {"num_sessions", "num_cached_tokens"}
     load = sorted({f for r in replicas for f in replica_numbers(r)} - shown)
     lines = [
-        f"  {'replica':<22} {'side':<8} {'address':<17} {'sessions':>8} {'cached tokens':>14}"
+        f"  {'replica':<22} {'side':<8} {'node':<{NODE_ID_CHARS}} {'address':<17} "
+        f"{'sessions':>8} {'cached tokens':>14}"
         + "".join(f" {field:>{max(len(field), 12)}}" for field in load)
-        + f" {'batch (max)':>12} {'kv blocks':>15}"
+        + f" {'batch (max)':>12} {'kv blocks':>15}  resources"
     ]
     for replica in replicas:
         batch, kv_blocks = _engine_columns(replica.get("engine"))
+        node = str(replica.get("node_id") or "-")[:NODE_ID_CHARS]
         lines.append(
-            f"  {replica['replica_id']:<22} {replica['side']:<8} {replica['address']:<17} "
+            f"  {replica['replica_id']:<22} {replica['side']:<8} {node:<{NODE_ID_CHARS}} "
+            f"{replica['address']:<17} "
             f"{replica['num_sessions']:>8} {replica['num_cached_tokens']:>14}"
             + "".join(f" {_number(replica.get(f)):>{max(len(f), 12)}}" for f in load)
-            + f" {batch:>12} {kv_blocks:>15}"
+            + f" {batch:>12} {kv_blocks:>15}  {resource_list(replica.get('resources'))}"
         )
     return lines
+
+
+def resource_list(resources: Any) -> str:
+    """Ray resources as `name=amount`, comma-separated by name (`-` for none)."""
+    if not isinstance(resources, dict) or not resources:
+        return "-"
+    return ",".join(f"{name}={amount:g}" for name, amount in sorted(resources.items()))
 
 
 def _engine_columns(engine: Any) -> tuple[str, str]:

@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -156,8 +157,10 @@ def _ray_bin() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
-def start_cluster(num_cpus: int) -> ClusterState:
-    """Start a Ray head node on loopback, in this home; returns its state (saved)."""
+def start_cluster(num_cpus: int, extra_arguments: Sequence[str] = ()) -> ClusterState:
+    """Start a Ray head node on loopback, in this home; returns its state (saved).
+    `extra_arguments`: more `ray start` flags (`cluster.tools.demo_nodes` moves the head's
+    other fixed ports)."""
     temp_dir = home() / "ray"
     temp_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -166,18 +169,9 @@ def start_cluster(num_cpus: int) -> ClusterState:
         _ray_bin(), "start", "--head",
         f"--node-ip-address={LOOPBACK}", f"--port={port}", f"--temp-dir={temp_dir}",
         f"--num-cpus={num_cpus}", "--include-dashboard=false", "--disable-usage-stats",
-        f"--metrics-export-port={metrics_port}",
+        f"--metrics-export-port={metrics_port}", *extra_arguments,
     ]  # fmt: skip
-    result = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=START_TIMEOUT_S,
-        check=False,
-        env={**os.environ, **ray_environment()},
-    )
-    if result.returncode != 0:
-        raise ClusterError(f"ray start failed:\n{result.stdout}{result.stderr}")
+    _start(command, "ray start failed")
     state = ClusterState(
         address=f"{LOOPBACK}:{port}",
         temp_dir=str(temp_dir),
@@ -186,6 +180,52 @@ def start_cluster(num_cpus: int) -> ClusterState:
     )
     save_state(state)
     return state
+
+
+def worker_node_options(
+    head_address: str,
+    temp_dir: Path,
+    num_cpus: int,
+    resources: Mapping[str, float],
+    env: Mapping[str, str] | None = None,
+    object_store_bytes: int | None = None,
+) -> dict[str, Any]:
+    """Ray's `RayParams` of a worker node joining `head_address` on loopback, in its own
+    `temp_dir`, offering `resources`: the options `ray start --address` would set, with a free
+    port for whatever Ray would put on a fixed one (other nodes on 127.0.0.1 hold those).
+    `env`: its raylet's environment on top of this process's (its workers inherit it)."""
+    return {
+        "gcs_address": head_address, "node_ip_address": LOOPBACK, "temp_dir": str(temp_dir),
+        "num_cpus": num_cpus, "resources": dict(resources), "env_vars": dict(env or {}),
+        "object_store_memory": object_store_bytes,
+        "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port(),
+        "node_manager_port": 0, "min_worker_port": 0, "max_worker_port": 0,
+        # One log monitor per machine is enough (the head's); the driver takes no logs.
+        "include_log_monitor": False,
+    }  # fmt: skip
+
+
+def start_worker_node(options: Mapping[str, Any]) -> None:
+    """Start a worker node of this home's cluster from its `worker_node_options`
+    (`cluster.serve.worker_node`, which says why not `ray start --address`); its processes
+    outlive this one and stop with the processes of its temp dir."""
+    command = [sys.executable, "-m", "cluster.serve.worker_node", json.dumps(dict(options))]
+    _start(command, f"the node in {options['temp_dir']} did not start")
+
+
+def _start(command: Sequence[str], failure: str) -> None:
+    """Run a command that starts a node, in this home's Ray environment; raises ClusterError
+    (`failure`, then its output) if it fails."""
+    result = subprocess.run(
+        list(command),
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+        check=False,
+        env={**os.environ, **ray_environment()},
+    )
+    if result.returncode != 0:
+        raise ClusterError(f"{failure}:\n{result.stdout}{result.stderr}")
 
 
 def connect(state: ClusterState) -> None:

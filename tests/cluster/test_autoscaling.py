@@ -406,6 +406,24 @@ def test_replica_info_from_other_versions_reads_back() -> None:
     assert read.engine is not None and read.engine["prefix_hits"] == 9
     assert read.engine_stats() == EngineStats(steps=3)
     assert ReplicaInfo.from_dict({**older, "engine": "garbled"}).engine is None
+    # An older replica says nothing of its placement; a garbled placement reads as none.
+    before_nodes = {k: v for k, v in older.items() if k not in ("node_id", "resources")}
+    read = ReplicaInfo.from_dict(before_nodes)
+    assert (read.node_id, read.resources) == ("", {})
+    garbled = ReplicaInfo.from_dict({**older, "node_id": 7, "resources": ["CPU"]})
+    assert (garbled.node_id, garbled.resources) == ("", {})
+
+
+def test_a_replica_reports_where_ray_placed_it() -> None:
+    node_id = "ab" * 28  # a Ray node id: 28 bytes in hex
+    resources = {"tandem_verifier_node": 0.01, "CPU": 1.0}
+    replica = host(FakeStats(), node_id=node_id, resources=resources)
+    try:
+        info = replica.sample()
+        assert (info.node_id, info.resources) == (node_id, resources)
+        assert ReplicaInfo.from_dict(info.to_dict()) == info  # what the registry reads back
+    finally:
+        replica.stop()
 
 
 def test_queue_depth_counts_calls_waiting_inside_the_server() -> None:
@@ -479,6 +497,8 @@ def test_record_autoscaling_stats_is_what_the_replica_last_sampled() -> None:
             "queue_wait_s": 0.0,
         }
         assert shell.info()["num_sessions"] == 5 and shell.info()["busy_fraction"] == 0.0
+        # Outside Ray, no node and no resources (under Serve: `ray_placement`).
+        assert (shell.info()["node_id"], shell.info()["resources"]) == ("", {})
     finally:
         stats.now = ReplicaStats(num_sessions=0, num_cached_tokens=0)
         shell.__del__()  # what Serve calls: nothing open, so it stops at once

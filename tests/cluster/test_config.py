@@ -166,7 +166,13 @@ def test_the_schema_validates_the_examples_and_rejects_typos(
 
 @pytest.mark.parametrize(
     "name",
-    ["tandem.yaml", "serve-local.yaml", "kuberay/rayservice.yaml", "placement/shared-cores.yaml"],
+    [
+        "tandem.yaml",
+        "serve-local.yaml",
+        "kuberay/rayservice.yaml",
+        "placement/shared-cores.yaml",
+        "placement/nodes.yaml",
+    ],
 )
 def test_check_passes_the_deploy_files(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config", "check", str(DEPLOY / name)]) == 0

@@ -448,10 +448,33 @@ def test_status_shows_each_replicas_batch_and_kv_blocks() -> None:
     without = ReplicaInfo("drafter-b", "drafter", "127.0.0.1:2", 1, 10)
     header, engine_line, plain_line = replica_lines([with_engine.to_dict(), without.to_dict()])
     assert "batch (max)" in header and "kv blocks" in header
-    assert engine_line.split()[-3:] == ["6.50", "(16)", "200/512"]
-    assert plain_line.split()[-2:] == ["-", "-"]  # no engine runs
+    assert engine_line.split()[-4:-1] == ["6.50", "(16)", "200/512"]
+    assert plain_line.split()[-3:-1] == ["-", "-"]  # no engine runs
     # The engine is its own columns, not one per figure among the load fields.
     assert "steps" not in header and "engine" not in header
+
+
+NODE_ID = "3f9c1a2b7d4e" + "0" * 44  # a Ray node id: 28 bytes in hex
+
+
+def test_status_shows_each_replicas_node_address_and_resources() -> None:
+    drafter = ReplicaInfo(
+        "drafter-a", "drafter", "127.0.0.1:41000", 1, 10, node_id=NODE_ID,
+        resources={"tandem_drafter_node": 0.01, "accelerator_type:L4": 0.001, "GPU": 1.0},
+    )  # fmt: skip
+    plain = ReplicaInfo("v", "verifier", "127.0.0.1:41001", 0, 0).to_dict()
+    older = {k: v for k, v in plain.items() if k not in ("node_id", "resources")}
+    header, line, older_line = replica_lines([drafter.to_dict(), older])
+    assert header.split()[:4] == ["replica", "side", "node", "address"]
+    assert header.split()[-1] == "resources"
+    # The node as its first 12 hex digits (--json has the whole id); the address in full.
+    assert line.split()[:4] == ["drafter-a", "drafter", "3f9c1a2b7d4e", "127.0.0.1:41000"]
+    assert line.split()[-1] == "GPU=1,accelerator_type:L4=0.001,tandem_drafter_node=0.01"
+    # A replica from before nodes were reported still gets a row.
+    assert older_line.split()[:4] == ["v", "verifier", "-", "127.0.0.1:41001"]
+    assert older_line.split()[-1] == "-"
+    # `tandem status --json` lists the registry's entries as they are: the whole node id.
+    assert json.loads(json.dumps(drafter.to_dict()))["node_id"] == NODE_ID
 
 
 def dashboard_queries() -> list[str]:

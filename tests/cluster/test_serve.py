@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,6 +65,11 @@ def test_deployments_and_replicas(service: dict[str, object]) -> None:
     sides = [r["side"] for r in status["replicas"]]  # type: ignore[index]
     assert sides.count("drafter") == 2 and sides.count("verifier") == 2
     assert all(r["address"].startswith("127.0.0.1:") for r in status["replicas"])  # type: ignore[index]
+    # Where Ray placed each: the one node of this cluster, and no resources asked for (the
+    # default groups reserve no CPUs and name no node type).
+    nodes = {r["node_id"] for r in status["replicas"]}  # type: ignore[index]
+    assert len(nodes) == 1 and re.fullmatch(r"[0-9a-f]{56}", nodes.pop())
+    assert all(r["resources"] == {} for r in status["replicas"])  # type: ignore[index]
     for replica in status["replicas"]:  # type: ignore[index]
         engine = replica["engine"]  # every replica runs a batching engine
         assert {"steps", "max_batch_sequences", "kv_blocks_total", "kv_blocks_used"} <= set(engine)

@@ -13,6 +13,7 @@ the manifest's field names are checked against KubeRay's API reference (v1.6), c
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import shlex
 import tomllib
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 import ray
 import yaml
+from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 from ray.autoscaler._private.kuberay.autoscaling_config import _get_ray_resources_from_group_spec
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
@@ -34,6 +36,7 @@ from cluster.serve.app import GRPC_SERVICER_FUNCTIONS, app_builder
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RAYSERVICE = REPO_ROOT / "deploy" / "kuberay" / "rayservice.yaml"
 SERVE_LOCAL = REPO_ROOT / "deploy" / "serve-local.yaml"
+NODES = REPO_ROOT / "deploy" / "placement" / "nodes.yaml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
 GRPC_PORT = 9000
@@ -206,6 +209,61 @@ def _demand(options: dict[str, Any]) -> dict[str, float]:
 
 def _fits(options: dict[str, Any], offered: Mapping[str, float]) -> bool:
     return all(offered.get(key, 0) >= amount for key, amount in _demand(options).items())
+
+
+def declared_resources(group: Mapping[str, Any]) -> dict[str, float]:
+    """The custom resources a group's pods advertise: its rayStartParams `resources` as `ray
+    start` reads it. KubeRay puts `--resources=<value>` in the pod's shell command, so the shell
+    drops the outer quotes and the escapes, and `ray start` parses what is left as JSON."""
+    value = group.get("rayStartParams", {}).get("resources")
+    if value is None:
+        return {}
+    (argument,) = shlex.split(value)
+    resources = json.loads(argument)
+    assert isinstance(resources, dict)
+    return {str(name): float(amount) for name, amount in resources.items()}
+
+
+def test_every_resource_a_side_asks_for_is_declared_by_one_worker_group() -> None:
+    # A replica asking for a custom resource that no group declares stays pending for good:
+    # Ray's autoscaler has no group to add a pod of.
+    rayservice = load_rayservice()
+    config = TandemConfig.from_dict(the_app(serve_config(rayservice))["args"])
+    declared = {name: declared_resources(group) for name, group in groups(rayservice).items()}
+    for name, group in groups(rayservice).items():
+        assert declared[name], f"group {name} declares no node type"
+        # The shell's reading agrees with the Ray autoscaler's own reading of the field.
+        autoscaler = _get_ray_resources_from_group_spec(group, is_head=False)
+        assert {key: autoscaler[key] for key in declared[name]} == declared[name]
+    head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert declared_resources(head) == {}, "no node type on the head: it runs no replica"
+    for side in SIDES:
+        asked = getattr(config, side).resources
+        assert asked, f"{side} asks for no node type, so it may land on any pod"
+        homes = [
+            name
+            for name, offered in declared.items()
+            if all(offered.get(key, 0) >= amount for key, amount in asked.items())
+        ]
+        assert len(homes) == 1, f"{side} asks for {asked}; groups declaring it: {homes}"
+
+
+def test_the_local_node_types_are_the_rayservices() -> None:
+    # deploy/placement/nodes.yaml (`make demo-nodes`) places each side by the same custom
+    # resource as the RayService, so what the demo checks on one machine is what the pods
+    # advertise; its router goes to the head, which every Ray cluster has.
+    local = TandemConfig.from_yaml(NODES)
+    rayservice = load_rayservice()
+    service = TandemConfig.from_dict(the_app(serve_config(rayservice))["args"])
+    declared = {key for group in groups(rayservice).values() for key in declared_resources(group)}
+    for side in ("drafter", "verifier"):
+        group = getattr(local, side)
+        assert set(group.resources) == {f"tandem_{side}_node"}
+        assert set(group.resources) == set(getattr(service, side).resources)
+        assert set(group.resources) <= declared
+        # A share of a node: all the demo's replicas of a side fit on one node advertising 1.
+        assert all(0 < amount <= 1 / group.num_replicas for amount in group.resources.values())
+    assert set(local.router.resources) == {HEAD_NODE_RESOURCE_NAME}
 
 
 def test_the_grpc_and_http_apis_are_a_service_on_ports_9000_and_8000() -> None:

@@ -3,9 +3,9 @@
 Per-block traffic must not go through Serve (docs/architecture.md, invariant 4), so every replica
 serves the internal API on its own port (to callers holding the cluster's shared secret only),
 evicts sessions left idle past their TTL or past their request's time limit, and tells the cluster's
-replica registry (a named Ray actor that the app builder creates) where it is and how loaded it
-is, once per heartbeat. The registry forgets a replica whose heartbeats stop, so a dead replica
-drops out by itself.
+replica registry (a named Ray actor that the app builder creates) where it is (its address, its
+Ray node and the resources Ray granted it) and how loaded it is, once per heartbeat. The
+registry forgets a replica whose heartbeats stop, so a dead replica drops out by itself.
 
 Load is measured here, where it is real: open sessions, the share of the last heartbeat interval
 the component spent computing (`busy_fraction`, from its `ReplicaStats.busy_s`), calls waiting
@@ -32,8 +32,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import grpc
@@ -89,6 +89,12 @@ class ReplicaInfo:
     """Its batching engine's figures (`EngineStats.to_dict()`); None where no engine runs. A
     dict, not an `EngineStats`, so it travels as plain data and keeps the figures of a newer
     engine that this version does not know."""
+    node_id: str = ""
+    """The Ray node it runs on (hex id); empty outside Ray, and from an older replica."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """The Ray resources its process holds: its group's `ray_actor_options` as Ray granted
+    them (custom resources such as `tandem_drafter_node`, CPU, GPU, `accelerator_type:<GPU>`;
+    none asked, none held); empty outside Ray."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,6 +108,10 @@ class ReplicaInfo:
         fields = {k: v for k, v in data.items() if k in known}
         if not isinstance(fields.get("engine"), dict):
             fields["engine"] = None
+        if not isinstance(fields.get("node_id", ""), str):
+            fields["node_id"] = ""
+        if not isinstance(fields.get("resources", {}), dict):
+            fields["resources"] = {}
         return cls(**fields)
 
     def engine_stats(self) -> EngineStats | None:
@@ -229,6 +239,19 @@ def node_ip_address() -> str:
     return str(ray.util.get_node_ip_address())
 
 
+def ray_placement() -> tuple[str, dict[str, float]]:
+    """Where Ray placed this replica: its node's id (hex) and the resources Ray granted its
+    process (what `ReplicaInfo.node_id` and `resources` report); outside Ray (a process with
+    no Ray connection, as in tests), nothing."""
+    import ray
+
+    if not ray.is_initialized():
+        return "", {}
+    context = ray.get_runtime_context()
+    granted = context.get_assigned_resources()
+    return str(context.get_node_id()), {str(k): float(v) for k, v in granted.items()}
+
+
 def place_threads(num_threads: int, cpus: Sequence[int] = ()) -> int:
     """Pin this replica process to `cpus` (empty: wherever the OS likes) and set torch's
     intra-op threads; returns the thread count. 0 fits the machine: one thread per CPU the
@@ -271,12 +294,17 @@ class ReplicaHost:
         kv_bytes_per_token: int = 0,
         clock: Callable[[], float] = time.monotonic,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+        node_id: str = "",
+        resources: Mapping[str, float] | None = None,
     ) -> None:
         """`secret`: the cluster's shared secret, required of every call to this replica.
         `evict_idle`: the component's eviction of idle and expired sessions; returns how many
-        went. `kv_bytes_per_token`: see `kv_cache_bytes_per_token` (0: unknown). `clock` and
+        went. `kv_bytes_per_token`: see `kv_cache_bytes_per_token` (0: unknown). `node_id` and
+        `resources`: where Ray placed it (`ray_placement`), reported as they are. `clock` and
         `heartbeat_interval_s` (how often housekeeping runs) are for tests."""
         self.side = side
+        self._node_id = node_id
+        self._resources = dict(resources or {})
         self.replica_id = f"{side}-{uuid.uuid4().hex[:12]}"
         self._in_flight = InFlightCalls()
         self._server, bound_port = start_server(
@@ -338,6 +366,8 @@ class ReplicaHost:
                 ),
                 kv_bytes=stats.num_cached_tokens * self._kv_bytes_per_token,
                 engine=None if stats.engine is None else stats.engine.to_dict(),
+                node_id=self._node_id,
+                resources=dict(self._resources),
             )
             return self._latest
 
@@ -446,6 +476,7 @@ class ReplicaShell:
         evict_idle: Callable[[], int],
         kv_bytes_per_token: int = 0,
     ) -> None:
+        node_id, resources = ray_placement()
         self._host = ReplicaHost(
             side=side,
             add_servicer=add_servicer,
@@ -455,6 +486,8 @@ class ReplicaShell:
             secret=secret,
             evict_idle=evict_idle,
             kv_bytes_per_token=kv_bytes_per_token,
+            node_id=node_id,
+            resources=resources,
         )
 
     def info(self) -> dict[str, Any]:
