@@ -398,6 +398,8 @@ class Engine:
         self, running: _Running, result: Any, failure: BaseException | None, keyed: bool
     ) -> None:
         running.waiting = None
+        if self._in_step:
+            self._count_busy()  # before the caller can return and read `busy_s`
         if failure is None:
             running.future.set_result(result)
         else:
@@ -426,11 +428,21 @@ class Engine:
         if not batch:
             return
         self._in_step = True
+        self._busy_since = started
         try:
             self._run_batch(batch, chunks, started)
         finally:
             self._in_step = False
-            self.busy_s += self._clock() - started
+            self._count_busy()
+
+    _busy_since = 0.0
+
+    def _count_busy(self) -> None:
+        """Add the step's time so far to `busy_s`: when the step ends, and before it resolves a
+        task's future, so that a caller never sees its call's compute missing from it."""
+        now = self._clock()
+        self.busy_s += now - self._busy_since
+        self._busy_since = now
 
     def _pack(self) -> tuple[list[_Running], list[SequenceWork]]:
         """Choose this step's items under the budgets and the free KV blocks; fail at once an
