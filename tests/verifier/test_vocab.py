@@ -40,13 +40,17 @@ def test_a_trimmed_head_scores_the_kept_ids_exactly_and_nothing_else() -> None:
     x = torch.randn(3, 2, 8)
     full, got = head(x), trimmed(x)
     assert got.shape == full.shape
-    assert torch.equal(got[..., kept], full[..., kept])
+    # The sub-matrix product may round differently from the full one in the last bit (the
+    # kernel blocks the reduction by shape), so the kept scores agree within fp32 rounding;
+    # losslessness needs only that the q sampled is the q sent, which the lines below check.
+    torch.testing.assert_close(got[..., kept], full[..., kept], rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[..., kept], trimmed.proj(x))  # the head's own scores, unaltered
     outside = torch.ones(20, dtype=torch.bool)
     outside[kept] = False
     assert torch.isinf(got[..., outside]).all() and (got[..., outside] < 0).all()
     q = got.softmax(-1)
     assert torch.equal(q[..., outside], torch.zeros_like(q[..., outside]))
-    assert torch.allclose(q[..., kept], full[..., kept].softmax(-1))
+    torch.testing.assert_close(q[..., kept], full[..., kept].softmax(-1))
 
 
 def test_the_table_counts_the_corpus_once_and_is_reused(tmp_path: Path) -> None:
