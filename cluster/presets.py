@@ -67,6 +67,25 @@ PRESETS: dict[str, Preset] = {
     # with the target unchanged, and batch-invariant (verifier.runtime.quantize); scoring the
     # 65,536 most frequent of 151,936 ids: ~69 ms/token, agreement 80.3% against 80.9%
     # (verifier.runtime.vocab; docs/models.md).
+    # Simulated devices (verifier.runtime.sim; docs/simulated-device.md): the real path with the
+    # forward pass replaced by modelled time. An 8B target on an H100 beside a 0.5B draft on
+    # an A10G, the draft agreeing with the target's greedy choice at 0.8 (or 0.6).
+    "sim-h100-8b": Preset(
+        default_dtype="float32",
+        target="sim://target/h100-8b",
+        draft="sim://draft/a10g-0.5b?alpha=0.8",
+    ),
+    "sim-h100-8b-a06": Preset(
+        default_dtype="float32",
+        target="sim://target/h100-8b",
+        draft="sim://draft/a10g-0.5b?alpha=0.6",
+    ),
+    # No modelled time: whatever is measured is the system's own.
+    "sim-instant": Preset(
+        default_dtype="float32",
+        target="sim://target/instant",
+        draft="sim://draft/instant?alpha=0.8",
+    ),
     "qwen-coder": Preset(
         default_dtype="bfloat16", pack="qwen-coder", draft_quantization="int8", draft_vocab=65536
     ),

@@ -6,6 +6,8 @@ either side. Sources:
 
 - `tiny://target`, `tiny://draft`: the random-weight test pair of `verifier.runtime.tiny` (no
   download);
+- `sim://target/PROFILE`, `sim://draft/PROFILE?alpha=A`: a simulated device
+  (`verifier.runtime.sim`): modelled forward-pass time, cheap deterministic logits;
 - a path ending in `.gguf`: a GGUF file, dequantised by transformers (needs the `gguf` package);
 - an existing folder: a `save_pretrained` directory;
 - anything else: a Hugging Face hub id (needs hub access).
@@ -25,7 +27,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from verifier.runtime import tiny, vocab
+from verifier.runtime import sim, tiny, vocab
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.quantize import (
     check_quantization,
@@ -80,6 +82,15 @@ class ModelSpec:
             raise InvalidArgumentError(
                 f"unknown tiny model {self.source!r}: use {TINY_TARGET} or {TINY_DRAFT}"
             )
+        if self.source.startswith(sim.SIM_SCHEME):
+            try:
+                sim.SimSource.parse(self.source)
+            except ValueError as error:
+                raise InvalidArgumentError(str(error)) from None
+            if self.quantization != "none" or self.trimmed_vocab:
+                raise InvalidArgumentError(
+                    "a simulated model takes no quantization and no trimmed vocabulary"
+                )
         if self.device != AUTO_DEVICE and not (
             self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")
         ):
@@ -132,6 +143,13 @@ def load_tokenizer(spec: ModelSpec) -> LoadedTokenizer:
     """The tokenizer of `spec` and the ids that end its generations; loads no weights."""
     if spec.source.startswith(TINY_SCHEME):
         return LoadedTokenizer(tiny.build_tokenizer(), frozenset({tiny.END_OF_TEXT_ID}))
+    if spec.source.startswith(sim.SIM_SCHEME):
+        from verifier.runtime import sim_model  # it builds on the runners, which import this
+
+        vocab_size = sim.SimSource.parse(spec.source).vocab_size
+        return LoadedTokenizer(
+            sim_model.build_tokenizer(vocab_size), frozenset({sim.END_OF_TEXT_ID})
+        )
     _check_local_path(spec)
     path = Path(spec.source).expanduser()
     if spec.source.endswith(".gguf"):
@@ -163,6 +181,12 @@ def _load_weights(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizer
         return tiny.build_target(), tiny.build_tokenizer()
     if spec.source == TINY_DRAFT:
         return tiny.build_draft(), tiny.build_tokenizer()
+    if spec.source.startswith(sim.SIM_SCHEME):
+        from verifier.runtime import sim_model  # it builds on the runners, which import this
+
+        source = sim.SimSource.parse(spec.source)
+        simulated = sim_model.SimCausalLM.from_source(source)
+        return simulated, sim_model.build_tokenizer(source.vocab_size)
     path = Path(spec.source).expanduser()
     if spec.source.endswith(".gguf"):
         if not path.is_file():

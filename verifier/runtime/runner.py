@@ -14,7 +14,8 @@ defer or preempt by blocks whatever runner it got.
 - `SerialModelRunner`: the fallback for models that cannot switch attention (remote code,
   recurrent or hybrid models, attention sinks): a `DynamicCache` per sequence, one model call
   per item.
-- `build_runner` sizes the memory and picks the runner with a load-time self-test.
+- `build_runner` sizes the memory and picks the runner with a load-time self-test (a simulated
+  model gets `verifier.runtime.sim_model.SimModelRunner`).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class PoolExhaustedError(ResourceExhaustedError):
 
 class ModelRunner(Protocol):
     kind: str
-    """"paged" or "serial"."""
+    """"paged", "serial" or "sim"."""
     block_size: int
     num_blocks: int
 
@@ -379,6 +380,11 @@ def build_runner(
         block_size=block_size,
     )
     name = type(model.model).__name__
+    from verifier.runtime.sim_model import SimCausalLM, SimModelRunner  # builds on this module
+
+    if isinstance(model.model, SimCausalLM):
+        logger.info("%s: simulated device, %d blocks of %d tokens", name, num_blocks, block_size)
+        return SimModelRunner(model.model, num_blocks=num_blocks, block_size=block_size)
     reason = paged_self_test(model.model, block_size)
     if reason is None:
         logger.info("%s: paged runner, %d blocks of %d tokens", name, num_blocks, block_size)

@@ -1,0 +1,147 @@
+"""The simulated device: deterministic logits, a draft at the requested agreement, modelled time
+honoured (on a fake clock), greedy output through the router equal to the sim target alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.local import build_local
+from cluster.presets import resolve_pair
+from cluster.routing.request import GenerationRequest
+from verifier.runtime import sim
+from verifier.runtime.errors import InvalidArgumentError
+from verifier.runtime.models import LoadedModel, ModelSpec, load_model
+from verifier.runtime.runner import SequenceWork, build_runner
+from verifier.runtime.sim_model import SimCausalLM, SimModelRunner
+
+VOCAB = 4_000
+
+
+def _model(source: str) -> LoadedModel:
+    return load_model(ModelSpec(source, device="cpu"))
+
+
+def _greedy(model: SimCausalLM, prompt: list[int], num_tokens: int) -> list[int]:
+    """The sim target alone: a full forward over the whole history for every token."""
+    ids = list(prompt)
+    for _ in range(num_tokens):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_sources_parse_and_bad_ones_are_refused() -> None:
+    parsed = sim.SimSource.parse("sim://draft/a10g-0.5b?alpha=0.6&vocab=5000&seed=3")
+    assert (parsed.role, parsed.profile_name, parsed.alpha, parsed.vocab_size, parsed.seed) == (
+        "draft", "a10g-0.5b", 0.6, 5000, 3,
+    )  # fmt: skip
+    for bad, words in [
+        ("sim://drafter/h100-8b", "role"),
+        ("sim://target/h200", "unknown device profile"),
+        ("sim://draft/instant?alpha=1.5", "alpha"),
+        ("sim://draft/instant?beta=1", "unknown options"),
+        ("sim://target/instant?vocab=10", "vocab"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=words):
+            ModelSpec(bad)
+    with pytest.raises(InvalidArgumentError, match="no quantization"):
+        ModelSpec("sim://draft/instant", quantization="int8")
+
+
+def test_logits_are_a_function_of_context_and_position_alone() -> None:
+    a = _model(f"sim://target/instant?vocab={VOCAB}").model
+    b = _model(f"sim://target/instant?vocab={VOCAB}").model  # another load, same function
+    ids = torch.tensor([[5, 9, 300, 17, 17, 2000]])
+    first, again = a(ids).logits, b(ids).logits
+    assert torch.equal(first, again)
+    assert first.shape == (1, 6, VOCAB)
+    # A row depends on the last two tokens and the position: change an earlier token and the
+    # later rows stay; change the position and they move.
+    other = a(torch.tensor([[6, 9, 300, 17, 17, 2000]])).logits
+    assert torch.equal(other[0, 2:], first[0, 2:]) and not torch.equal(other[0, :2], first[0, :2])
+    shifted = a(torch.tensor([[1, 5, 9, 300, 17, 17, 2000]])).logits
+    assert not torch.equal(shifted[0, 1:], first[0])
+    probs = first.softmax(-1)
+    assert 0.3 < float(probs.max(-1).values.mean()) < 0.9  # peaked, yet sampling varies
+    assert float(probs[..., sim.END_OF_TEXT_ID].max()) < 1e-12  # texts run to max_tokens
+
+
+@pytest.mark.parametrize("alpha", [0.6, 0.8])
+def test_the_draft_agrees_with_the_target_at_the_requested_rate(alpha: float) -> None:
+    target = _model(f"sim://target/instant?vocab={VOCAB}").model
+    draft = _model(f"sim://draft/instant?vocab={VOCAB}&alpha={alpha}").model
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (1, 20_000), generator=generator)
+    agree = (target(ids).logits.argmax(-1) == draft(ids).logits.argmax(-1)).double().mean()
+    # 20,000 independent positions: the standard error is at most 0.0035, so 0.015 is > 4 sigma.
+    assert abs(float(agree) - alpha) < 0.015
+
+
+def test_the_runner_returns_the_full_forward_rows_and_rolls_back() -> None:
+    loaded = _model(f"sim://target/instant?vocab={VOCAB}")
+    runner = build_runner(loaded, kv_cache_bytes=1 << 20)
+    assert isinstance(runner, SimModelRunner) and runner.kind == "sim"
+    a, b = [3, 7, 400, 401, 9, 10, 11], [50, 60]
+    rows = runner.forward(
+        [SequenceWork("a", tuple(a[:4]), (3,)), SequenceWork("b", tuple(b), (0, 1))]
+    )
+    full_a = loaded.model(torch.tensor([a])).logits[0]
+    full_b = loaded.model(torch.tensor([b])).logits[0]
+    assert torch.equal(rows, torch.stack([full_a[3], full_b[0], full_b[1]]))
+    runner.forward([SequenceWork("a", (999, 998), (1,))])  # a block that will be rejected
+    runner.truncate("a", 4)
+    rows = runner.forward([SequenceWork("a", tuple(a[4:]), (0, 1, 2))])
+    assert torch.equal(rows, full_a[4:7])
+    assert runner.length("a") == 7
+    runner.release("a")
+    assert runner.length("a") == 0
+
+
+def test_the_modelled_time_is_honoured() -> None:
+    loaded = _model(f"sim://target/h100-8b?vocab={VOCAB}")
+    now = [100.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    runner = SimModelRunner(
+        loaded.model, num_blocks=64, block_size=16, sleep=sleep, clock=lambda: now[0]
+    )
+    profile = sim.PROFILES["h100-8b"]
+    runner.forward([SequenceWork("a", tuple(range(10)), (9,))])
+    runner.forward(
+        [SequenceWork("a", (1, 2, 3), (0, 1, 2)), SequenceWork("b", (4,), (0,))]
+    )  # 4 new tokens; "a" reads 13 KV entries, "b" one
+    want = [profile.step_s(10, 10), profile.step_s(4, 14)]
+    assert slept == pytest.approx(want)
+    assert runner.device_s == pytest.approx(sum(want))
+    assert want[0] == pytest.approx(6.3e-3 + 10 * 3e-5 + 10 * 4e-8)
+
+
+def test_greedy_through_the_router_equals_the_sim_target_alone() -> None:
+    local = build_local(resolve_pair("sim-instant", device="cpu"))
+    prompt = list(local.tokenizer.encode("def add(a, b):", add_special_tokens=False))
+    reference = _greedy(local.target.model, prompt, 40)
+    for k, pipelined in [(0, False), (1, False), (4, False), (4, True), (8, True)]:
+        result = local.router.generate(
+            GenerationRequest(tuple(prompt), 40, draft_tokens=k), pipelined=pipelined
+        )
+        assert list(result.tokens) == reference, (k, pipelined)
+        if k:
+            assert result.stats.num_accepted > 0
+    assert local.tokenizer.decode(reference).startswith(" ")  # ids decode to words
+
+
+def test_ideal_rates_follow_the_acceptance_model() -> None:
+    target, draft = sim.PROFILES["h100-8b"], sim.PROFILES["a10g-0.5b"]
+    rates = sim.ideal_rates(target, draft, alpha=0.8, k=4, context_tokens=0)
+    assert rates.target_only == pytest.approx(1 / target.step_s(1, 0))
+    assert rates.tokens_per_verify == pytest.approx((1 - 0.8**5) / 0.2)
+    serial_s = 4 * draft.step_s(1, 0) + target.step_s(5, 0)
+    assert rates.serial == pytest.approx(rates.tokens_per_verify / serial_s)
+    assert rates.target_only < rates.serial < rates.pipelined
+    assert sim.ideal_rates(target, draft, alpha=1.0, k=4).tokens_per_verify == 5
+    batched = sim.ideal_rates(target, draft, alpha=0.8, k=0, streams=64, context_tokens=0)
+    assert batched.target_only == pytest.approx(64 / target.step_s(64, 0))
