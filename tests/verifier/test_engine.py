@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import TimeoutError as FutureTimeoutError
 
 import pytest
 import torch
@@ -200,3 +201,58 @@ def test_sessions_that_come_back_quickly_are_gathered_into_one_step(
     sizes = [len(step) for step in runner.steps]
     assert sum(sizes) == 30
     assert len(sizes) <= 22  # mostly steps of both; alternating would take 30
+
+
+class FrozenClock:
+    """A clock that moves only when a step runs: a gather window never runs out on its own, so
+    a step that waits for a session waits until that session comes back."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ClockedRunner(RecordingRunner):
+    """Each forward pass takes `STEP_S` of the frozen clock's time (and none of the wall's)."""
+
+    STEP_S = 0.1
+
+    def __init__(self, clock: FrozenClock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def forward(self, batch: Sequence[SequenceWork]) -> torch.Tensor:
+        self.clock.now += self.STEP_S
+        return super().forward(batch)
+
+
+@pytest.mark.parametrize("last_call_closes", [False, True])
+def test_a_step_waits_for_a_session_that_comes_back_but_not_for_one_closed(
+    last_call_closes: bool,
+) -> None:
+    clock = FrozenClock()
+    runner = ClockedRunner(clock)
+    engine = Engine(runner, max_step_tokens=64, max_step_sequences=8, clock=clock)
+    try:
+        # "a" comes back at once after each call (no clock time passes): a step expects it.
+        for _ in range(3):
+            engine.run(forward_task("a", 1, [0]), key="a")
+        if last_call_closes:
+            engine.call(lambda: runner.release("a"), key="a", closes=True)
+        other = engine.submit(forward_task("b", 1, [0]), key="b")
+        if last_call_closes:
+            # Nothing of "a" will come back: "b" steps at once. (Waiting for "a" on this clock
+            # would never end.)
+            other.result(timeout=10)
+            assert [w.seq_id for w in runner.steps[-1]] == ["b"]
+        else:
+            with pytest.raises(FutureTimeoutError):  # the step waits for "a"...
+                other.result(timeout=0.2)
+            engine.run(forward_task("a", 1, [0]), key="a")
+            other.result(timeout=10)
+            # ...which joins it: one step of both.
+            assert sorted(w.seq_id for w in runner.steps[-1]) == ["a", "b"]
+    finally:
+        engine.stop()

@@ -18,6 +18,7 @@ import torch
 
 from drafter.drafter import Drafter, DrafterConfig
 from verifier.runtime.block import DraftBlock
+from verifier.runtime.engine import Engine
 from verifier.runtime.errors import ResourceExhaustedError
 from verifier.runtime.models import TINY_DRAFT, TINY_TARGET, LoadedModel, ModelSpec, load_model
 from verifier.runtime.sampling import SamplingParams
@@ -278,3 +279,17 @@ def _kv_bytes_per_token(model: LoadedModel) -> int:
     from verifier.runtime.runner import kv_bytes_per_token
 
     return kv_bytes_per_token(model.model)
+
+
+def test_a_closed_session_is_not_expected_back_by_either_engine(
+    pair: tuple[Drafter, Verifier],
+) -> None:
+    # Read on the engine thread (a keyless call runs after the last task has fully finished).
+    def expected(engine: Engine) -> bool:
+        return engine.call(lambda: "closing" in engine._finished_at)
+
+    for side in pair:
+        side.open_session("closing", prompts(1, seed=21)[0], GREEDY, 0)
+        assert expected(side.engine)  # an ordinary call: its session may come back at once
+        assert side.close_session("closing")
+        assert not expected(side.engine)  # closed: no step waits for it

@@ -140,7 +140,9 @@ class SessionComponent(Generic[C]):
     def close_session(self, session_id: str) -> bool:
         """Free the session and its KV blocks (after a call on it still running); True if it
         existed."""
-        return self._engine.call(lambda: self._sessions.remove(session_id), key=session_id)
+        return self._engine.call(
+            lambda: self._sessions.remove(session_id), key=session_id, closes=True
+        )
 
     def evict_idle(self) -> int:
         """Evict the sessions past their time limit or idle past the TTL (the replica host

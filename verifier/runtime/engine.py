@@ -18,7 +18,8 @@ across a forward pass. A task yields what it needs next:
 
 Tasks with the same `key` (a session id) run one after another, in submission order; tasks
 with different keys interleave freely. A task with no key runs between steps (housekeeping:
-eviction, stats).
+eviction, stats). A task submitted with `closes=True` ends its key's session (closing it): the
+engine forgets the key after it, so no step waits for that session to come back (`_gather`).
 
 Each step has a budget in tokens and in sequences. Small items (decodes, draft steps, verify
 blocks) go first, oldest first; long items (prefill chunks) fill what is left, and the oldest of
@@ -112,6 +113,8 @@ class _Running:
     """Logit rows of the current Forward gathered so far."""
     waited: bool = False
     """Its queue wait (submission to first step) has been counted."""
+    closes: bool = False
+    """It ends its key's session: nothing of the key comes back after it (`Engine._finish`)."""
 
 
 class CostCurve:
@@ -186,9 +189,14 @@ class Engine:
 
     # ------------------------------------------------------------------ callers (any thread)
 
-    def submit(self, task: Task[R], key: str | None = None) -> Future[R]:
-        """Queue `task`; its future resolves to what it returns (or raises what it raises)."""
-        running = _Running(task, key, Future(), self._clock())
+    def submit(self, task: Task[R], key: str | None = None, *, closes: bool = False) -> Future[R]:
+        """Queue `task`; its future resolves to what it returns (or raises what it raises).
+
+        `closes`: the task ends the session of `key` (a close), so the engine does not expect
+        the key back after it; a later task of the key is a new session's."""
+        if closes and key is None:
+            raise InvalidArgumentError("only a keyed task can close its key")
+        running = _Running(task, key, Future(), self._clock(), closes=closes)
         with self._condition:
             if self._stopped:
                 task.close()
@@ -197,18 +205,19 @@ class Engine:
             self._condition.notify()
         return running.future
 
-    def run(self, task: Task[R], key: str | None = None) -> R:
-        """Run `task` and return its result (blocking the calling thread, not the engine)."""
-        return self.submit(task, key).result()
+    def run(self, task: Task[R], key: str | None = None, *, closes: bool = False) -> R:
+        """Run `task` and return its result (blocking the calling thread, not the engine);
+        `closes` as for `submit`."""
+        return self.submit(task, key, closes=closes).result()
 
-    def call(self, fn: Callable[[], R], key: str | None = None) -> R:
-        """Run `fn()` on the engine thread, between steps."""
+    def call(self, fn: Callable[[], R], key: str | None = None, *, closes: bool = False) -> R:
+        """Run `fn()` on the engine thread, between steps; `closes` as for `submit`."""
 
         def task() -> Task[R]:
             return fn()
             yield  # a generator that yields nothing
 
-        return self.run(task(), key)
+        return self.run(task(), key, closes=closes)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the loop; tasks not finished fail with RuntimeError."""
@@ -298,7 +307,8 @@ class Engine:
         steps. A session whose calls usually come back quickly after its last one finished
         (`_return_s`: the client's turnaround, a few milliseconds for a decode loop) is waited
         for, up to a small share of the predicted step time; one that takes longer (a router
-        drafting before its next verify) is not, so one stream never waits for nothing.
+        drafting before its next verify) is not, so one stream never waits for nothing. A
+        session whose last task closed it is not expected at all (`_finish` forgot it).
         """
         ready = sum(isinstance(r.waiting, Forward) for r in self._active.values())
         if ready >= self.max_step_sequences:
@@ -407,9 +417,12 @@ class Engine:
         if not keyed or running.key is None:
             return
         del self._active[running.key]
-        if not self._queued.get(running.key):
+        if running.closes:  # the session ended: waiting for it to come back would be for nothing
+            self._finished_at.pop(running.key, None)
+            self._return_s.pop(running.key, None)
+        elif not self._queued.get(running.key):
             self._finished_at[running.key] = self._clock()
-        if len(self._finished_at) > 4 * max(len(self._active), 64):  # forget closed sessions
+        if len(self._finished_at) > 4 * max(len(self._active), 64):  # sessions gone unclosed
             horizon = self._clock() - 60.0
             for key in [k for k, t in self._finished_at.items() if t < horizon]:
                 del self._finished_at[key]
