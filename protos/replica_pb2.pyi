@@ -128,7 +128,7 @@ class ReplicaStats(_message.Message):
     def __init__(self, num_sessions: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., engine: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("runner", "steps", "max_batch_sequences", "kv_blocks_total", "kv_blocks_used", "block_size", "batch_sequences", "step_tokens", "queue_wait_s", "queued", "cost_base_s", "cost_per_token_s")
+    __slots__ = ("runner", "steps", "max_batch_sequences", "kv_blocks_total", "kv_blocks_used", "block_size", "batch_sequences", "step_tokens", "queue_wait_s", "queued", "cost_base_s", "cost_per_token_s", "busy_s", "forward_s", "device_s", "batched_s", "gather_s", "gathers")
     RUNNER_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,12 @@ class EngineStats(_message.Message):
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     COST_BASE_S_FIELD_NUMBER: _ClassVar[int]
     COST_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_S_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_S_FIELD_NUMBER: _ClassVar[int]
+    GATHER_S_FIELD_NUMBER: _ClassVar[int]
+    GATHERS_FIELD_NUMBER: _ClassVar[int]
     runner: str
     steps: int
     max_batch_sequences: int
@@ -153,4 +159,10 @@ class EngineStats(_message.Message):
     queued: int
     cost_base_s: float
     cost_per_token_s: float
-    def __init__(self, runner: _Optional[str] = ..., steps: _Optional[int] = ..., max_batch_sequences: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., batch_sequences: _Optional[float] = ..., step_tokens: _Optional[float] = ..., queue_wait_s: _Optional[float] = ..., queued: _Optional[int] = ..., cost_base_s: _Optional[float] = ..., cost_per_token_s: _Optional[float] = ...) -> None: ...
+    busy_s: float
+    forward_s: float
+    device_s: float
+    batched_s: float
+    gather_s: float
+    gathers: int
+    def __init__(self, runner: _Optional[str] = ..., steps: _Optional[int] = ..., max_batch_sequences: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., batch_sequences: _Optional[float] = ..., step_tokens: _Optional[float] = ..., queue_wait_s: _Optional[float] = ..., queued: _Optional[int] = ..., cost_base_s: _Optional[float] = ..., cost_per_token_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., device_s: _Optional[float] = ..., batched_s: _Optional[float] = ..., gather_s: _Optional[float] = ..., gathers: _Optional[int] = ...) -> None: ...

@@ -72,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(f"[{time.monotonic() - started:7.1f}s] {message}", file=sys.stderr, flush=True)
 
+    from cluster.tools.sim_bench import format_sim_table, is_sim_preset, run_sim_bench
+
+    if is_sim_preset(args.preset):
+        result = run_sim_bench(args, progress)
+        write_result(result, args.json_out, None, plot, format_sim_table)
+        return 0
     result = run_bench(args, progress)
     write_result(result, args.json_out, args.plot, plot, format_table)
     return 0

@@ -132,6 +132,11 @@ def test_greedy_through_the_router_equals_the_sim_target_alone() -> None:
         if k:
             assert result.stats.num_accepted > 0
     assert local.tokenizer.decode(reference).startswith(" ")  # ids decode to words
+    verifier, drafter = local.verifier.engine.stats(), local.drafter.engine.stats()
+    assert verifier.runner == "sim" and verifier.device_s == 0.0  # the instant profile
+    for engine in (verifier, drafter):
+        assert engine.busy_s >= engine.forward_s + engine.batched_s > 0
+    assert verifier.batched_s > 0  # acceptance runs in a batched handler
 
 
 def test_ideal_rates_follow_the_acceptance_model() -> None:

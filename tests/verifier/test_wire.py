@@ -261,6 +261,12 @@ ENGINE = EngineStats(
     queued=3,
     cost_base_s=0.011,
     cost_per_token_s=2.5e-5,
+    busy_s=12.5,
+    forward_s=10.25,
+    device_s=9.75,
+    batched_s=0.5,
+    gather_s=0.125,
+    gathers=17,
 )
 
 

@@ -210,6 +210,12 @@ def engine_stats_to_wire(engine: EngineStats) -> replica_pb2.EngineStats:
         queued=uint_to_wire(engine.queued, "engine.queued", MAX_UINT32),
         cost_base_s=engine.cost_base_s,
         cost_per_token_s=engine.cost_per_token_s,
+        busy_s=engine.busy_s,
+        forward_s=engine.forward_s,
+        device_s=engine.device_s,
+        batched_s=engine.batched_s,
+        gather_s=engine.gather_s,
+        gathers=uint_to_wire(engine.gathers, "engine.gathers"),
     )
 
 
@@ -227,6 +233,12 @@ def engine_stats_from_wire(message: replica_pb2.EngineStats) -> EngineStats:
         queued=message.queued,
         cost_base_s=message.cost_base_s,
         cost_per_token_s=message.cost_per_token_s,
+        busy_s=message.busy_s,
+        forward_s=message.forward_s,
+        device_s=message.device_s,
+        batched_s=message.batched_s,
+        gather_s=message.gather_s,
+        gathers=message.gathers,
     )
 
 

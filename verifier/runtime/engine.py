@@ -179,6 +179,12 @@ class Engine:
         self._load: StepLoad | None = None
         # Figures (written by the engine thread, read by anyone).
         self.busy_s = 0.0
+        # Seconds since start, for the split of a round's time (`EngineStats`): in the
+        # runner's forward, in Batched handlers (acceptance), and waiting in `_gather`.
+        self.forward_s = 0.0
+        self.batched_s = 0.0
+        self.gather_s = 0.0
+        self.gathers = 0
         self._steps = 0
         self._max_batch = 0
         self._mean_batch = 0.0
@@ -253,6 +259,12 @@ class Engine:
             queued=len(self._inbox) + self._num_queued,
             cost_base_s=base,
             cost_per_token_s=per_token,
+            busy_s=self.busy_s,
+            forward_s=self.forward_s,
+            device_s=float(getattr(runner, "device_s", self.forward_s)),
+            batched_s=self.batched_s,
+            gather_s=self.gather_s,
+            gathers=self.gathers,
         )
 
     def calibrate(self, token_counts: Sequence[int] = (1, 16, 64), repeats: int = 2) -> None:
@@ -322,7 +334,17 @@ class Engine:
             and self._return_s.get(key, window_s + 1) <= window_s
             and self._clock() - finished < window_s
         }
-        deadline = self._clock() + window_s
+        if not expected:
+            return
+        self.gathers += 1
+        started = self._clock()
+        try:
+            self._wait_for(expected, started + window_s)
+        finally:
+            self.gather_s += self._clock() - started
+
+    def _wait_for(self, expected: set[str], deadline: float) -> None:
+        """Admit what arrives until every `expected` key is back or `deadline` passes."""
         while expected:
             with self._condition:
                 left_s = deadline - self._clock()
@@ -514,6 +536,7 @@ class Engine:
                 running.waited = True
                 self._queue_wait_s = _smooth(self._queue_wait_s, started - running.submitted_at)
         tokens = sum(len(c.tokens) for c in chunks)
+        forward_started = self._clock()
         try:
             logits = self.runner.forward(chunks)
         except BaseException as error:  # a failed step fails its tasks, never the loop
@@ -522,7 +545,9 @@ class Engine:
                 running.waiting = None
                 self._advance(running, None, error)
             return
-        elapsed = self._clock() - started
+        finished = self._clock()
+        self.forward_s += finished - forward_started
+        elapsed = finished - started
         self._record(len(batch), tokens, elapsed)
         rows = logits.split([len(c.logits_at) for c in chunks])
         resumed: list[tuple[_Running, torch.Tensor]] = []
@@ -550,12 +575,14 @@ class Engine:
                 return
             for handler, group in groups.items():
                 payloads = [r.waiting.payload for r in group]  # type: ignore[union-attr]
+                handler_started = self._clock()
                 try:
                     results = handler(payloads)
                     if len(results) != len(group):
                         raise RuntimeError("a batched handler returned the wrong number")
                 except BaseException as failure:
                     results = [failure] * len(group)
+                self.batched_s += self._clock() - handler_started
                 for running, result in zip(group, results, strict=True):
                     running.waiting = None
                     value, thrown = _one([result])

@@ -16,8 +16,9 @@ class EngineStats:
     """A replica engine's counters since start and gauges of now."""
 
     runner: str = "paged"
-    """How forward passes run: `paged` (one batched pass over the paged KV pool) or `serial`
-    (the fallback for models whose attention cannot be swapped: one session at a time)."""
+    """How forward passes run: `paged` (one batched pass over the paged KV pool), `serial`
+    (the fallback for models whose attention cannot be swapped: one session at a time) or
+    `sim` (a simulated device)."""
     steps: int = 0
     """Forward passes run since start."""
     max_batch_sequences: int = 0
@@ -37,6 +38,19 @@ class EngineStats:
     cost_base_s: float = 0.0
     cost_per_token_s: float = 0.0
     """The measured step cost curve: seconds = cost_base_s + cost_per_token_s x tokens."""
+    busy_s: float = 0.0
+    """Seconds spent in steps since start."""
+    forward_s: float = 0.0
+    """Seconds of those in the runner's forward passes."""
+    device_s: float = 0.0
+    """Seconds of device time in the forward passes: the modelled time of a simulated device
+    (`verifier.runtime.sim`), else the same as `forward_s`."""
+    batched_s: float = 0.0
+    """Seconds in Batched handlers after steps (a verifier's batched acceptance)."""
+    gather_s: float = 0.0
+    """Seconds spent waiting for sessions about to come back before steps."""
+    gathers: int = 0
+    """Steps that waited for such sessions."""
 
     @property
     def kv_blocks_free(self) -> int:
