@@ -4,6 +4,10 @@ what the drafter's session holds as far as the router knows.
 Plain data and bookkeeping, no I/O: `cluster.routing.router` drives it. `history` is the single
 source of truth of the request's tokens (docs/architecture.md): the replicas' sessions are caches
 of it, which is why a failed replica can be replaced by a spare opened on `history`.
+
+A round's bookkeeping costs O(tokens it commits), never O(tokens so far): `history` only grows
+(`commit`), and what reads it each round (prompt lookup, the output's text) keeps its own
+incremental state rather than copying or re-reading it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from cluster.routing.draft_length import DraftLength, DraftLengthConfig
 from cluster.routing.ports import DrafterPort, Pinned
 from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.routing.text import TextAssembler
+from drafter.ngram import NgramConfig, PromptLookup
 from verifier.runtime.block import DraftBlock
 from verifier.runtime.errors import DeadlineExceededError
 
@@ -60,8 +65,10 @@ class Generation:
         draft_length: DraftLengthConfig,
         releases: list[Callable[[], None]],
         clock: Callable[[], float] = time.monotonic,
+        ngram: NgramConfig | None = None,
     ) -> None:
-        """`clock`: what `request.deadline` is an instant of."""
+        """`clock`: what `request.deadline` is an instant of; `ngram`: prompt lookup's settings
+        (None: no lookup)."""
         self.request = request
         self._clock = clock
         self.verifier = pinned.verifier
@@ -78,7 +85,9 @@ class Generation:
         self.text = TextAssembler(decode, request.stop)
         self.lengths = DraftLength(draft_length, request.draft_tokens, pipelined)
         self.history = list(request.prompt_tokens)
-        """Every committed token: what prompt lookup searches."""
+        """Every committed token: what prompt lookup searches. Only `commit` changes it."""
+        self.lookup = PromptLookup(ngram) if ngram is not None else None
+        """Prompt lookup's index over `history`."""
         self.drafter = DrafterView(base_length=len(self.history))
         self.drafter_opening: Future[int] | None = None
         """The drafter's session being opened in the background; None once known open."""
@@ -90,7 +99,7 @@ class Generation:
         deadline = self.request.deadline
         if deadline is not None and self._clock() >= deadline:
             raise DeadlineExceededError(
-                f"the request's deadline passed after {len(self.text.tokens)} of its "
+                f"the request's deadline passed after {self.text.num_tokens} of its "
                 f"{self.request.max_tokens} tokens"
             )
 
@@ -102,10 +111,24 @@ class Generation:
             self.drafter_opening = None
         return self.drafter_port
 
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Append verified tokens to `history`."""
+        self.history.extend(tokens)
+
+    def look_up(self, num_tokens: int, ahead: Sequence[int] = ()) -> DraftBlock | None:
+        """The block prompt lookup proposes after `history` and then `ahead` (a block not yet
+        verified), or None when lookup is off or finds nothing."""
+        if self.lookup is None:
+            return None
+        tokens = self.lookup.propose(self.history, num_tokens, ahead)
+        return (
+            DraftBlock(base_length=self.committed + len(ahead), tokens=tokens) if tokens else None
+        )
+
     @property
     def committed(self) -> int:
         return len(self.history)
 
     @property
     def remaining(self) -> int:
-        return self.request.max_tokens - len(self.text.tokens)
+        return self.request.max_tokens - self.text.num_tokens

@@ -32,7 +32,9 @@ Prompt lookup (optional, `ngram`): the router holds the whole token history, so 
 the drafter for a block it looks for the history's last few tokens earlier in the history and,
 when they recur, proposes what followed them (`drafter.ngram`): no model, no network hop. The
 drafter model drafts only when lookup finds nothing. A looked-up block never reaches the
-drafter, so the drafter's view simply gains its committed tokens like any others.
+drafter, so the drafter's view simply gains its committed tokens like any others. Each request
+keeps an index of its history (`drafter.ngram.PromptLookup`), so a lookup, like the rest of a
+round's bookkeeping (`cluster.routing.generation`), costs O(new tokens), not O(history).
 
 Failover: replicas hold only soft state and the router holds every committed token, so when
 a replica fails a call (unreachable, or it no longer knows the session) the request moves on.
@@ -63,7 +65,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypedDict, Unpack
 
@@ -79,7 +81,7 @@ from cluster.routing.request import (
     SpeculationStats,
 )
 from cluster.routing.speculation_gate import GateConfig, SpeculationGate
-from drafter.ngram import NgramConfig, propose
+from drafter.ngram import NgramConfig
 from verifier.runtime.block import DraftBlock, Verdict
 from verifier.runtime.errors import (
     ReplicaUnavailableError,
@@ -233,6 +235,7 @@ class Router:
                 self.draft_length,
                 releases,
                 self._clock,
+                self.ngram,
             )
             if self._recent_lengths is not None:  # price the first rounds with today's load
                 gen.lengths.inherit(self._recent_lengths)
@@ -363,7 +366,7 @@ class Router:
                 except DRAFTER_LOST as error:  # the drafter failed while drafting ahead
                     next_draft, lost = None, error
                 ahead = None
-                gen.history.extend(verdict.tokens)
+                gen.commit(verdict.tokens)
                 self.gate.committed(len(verdict.tokens))
                 assert gen.committed == verdict.committed_length, "verifier and router disagree"
                 self._count(gen.stats, block, verdict, next_draft)
@@ -380,17 +383,11 @@ class Router:
                 # Let a draft in flight finish before the sessions are closed under it.
                 ahead.exception()
 
-    def _look_up(self, history: Sequence[int], num_tokens: int) -> DraftBlock | None:
-        if self.ngram is None:
-            return None
-        tokens = propose(history, num_tokens, self.ngram)
-        return DraftBlock(base_length=len(history), tokens=tokens) if tokens else None
-
     def _draft_now(self, gen: Generation, num_tokens: int, by_drafter: bool = True) -> Draft:
         """A block to verify now: looked up, else drafted (if `by_drafter`), else empty."""
         if num_tokens <= 0:
             return Draft(DraftBlock(base_length=gen.committed, tokens=()), by_drafter=False)
-        looked_up = self._look_up(gen.history, num_tokens)
+        looked_up = gen.look_up(num_tokens)
         if looked_up is not None or gen.drafter_port is None or not by_drafter:
             empty = DraftBlock(base_length=gen.committed, tokens=())
             return Draft(looked_up or empty, by_drafter=False)
@@ -415,7 +412,7 @@ class Router:
     ) -> Future[Draft] | None:
         """Propose the block after `block` as if all of it were accepted: looked up at once,
         or drafted in the background; None if neither can."""
-        looked_up = self._look_up(gen.history + list(block.tokens), num_tokens)
+        looked_up = gen.look_up(num_tokens, ahead=block.tokens)
         if looked_up is not None:
             done: Future[Draft] = Future()
             done.set_result(Draft(looked_up, by_drafter=False))

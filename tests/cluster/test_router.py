@@ -263,3 +263,34 @@ def test_a_drafter_that_fails_to_open_fails_the_request_and_frees_the_verifier(
     finally:
         router.close()
     assert local_tandem.verifier.stats().num_sessions == 0
+
+
+@pytest.mark.parametrize(
+    ("temperature", "pipelined"), [(0.0, True), (1.0, False)], ids=["greedy", "sampled"]
+)
+def test_long_generation_text_is_the_full_decode_from_short_windows(
+    local_tandem: LocalTandem, temperature: float, pipelined: bool
+) -> None:
+    """Hundreds of tokens of the tiny pair (byte tokens: characters split across rounds, bytes
+    that never decode), prompt lookup on: the text is the decode of all the tokens, and no round
+    decodes more than a few rounds' tokens (a full re-decode reaches them all)."""
+    from cluster.local import text_decoder
+    from drafter.ngram import NgramConfig
+
+    decode_all = text_decoder(local_tandem.tokenizer)
+    decoded: list[int] = []
+
+    def decode(ids: Sequence[int]) -> str:
+        decoded.append(len(ids))
+        return decode_all(ids)
+
+    router = Router(local_tandem.verifier, local_tandem.drafter, decode,
+                    local_tandem.target.eos_token_ids, ngram=NgramConfig(enabled=True))  # fmt: skip
+    prompt = encode(local_tandem, "Café ☕ crème brûlée: ")
+    request = GenerationRequest(prompt, 300, SamplingParams(temperature), seed=1, draft_tokens=4)
+    try:
+        result = router.generate(request, pipelined=pipelined)
+    finally:
+        router.close()
+    assert len(result.tokens) >= 100 and result.text == decode_all(result.tokens)
+    assert max(decoded) <= 40
