@@ -31,6 +31,7 @@ from verifier.runtime.runner import ModelRunner
 from verifier.runtime.sampling import (
     SamplingParams,
     SparseDistribution,
+    argmax_rows,
     logits_to_probs,
     sample,
     to_sparse,
@@ -145,7 +146,7 @@ class Drafter(SessionComponent[DrafterConfig]):
             assert logits is not None  # one logit row is always computed
             load = self._engine.step_load()
             if session.sampling.is_greedy:
-                drafted.append(int(logits[0].argmax()))
+                drafted.append(int(argmax_rows(logits)[0]))
             else:
                 q = logits_to_probs(logits, session.sampling)  # [1, vocab]
                 drafted.append(int(sample(q, session.generator)[0]))

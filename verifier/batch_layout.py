@@ -28,7 +28,7 @@ from verifier.batch_inputs import (
     owner,
     problem_of,
 )
-from verifier.runtime.sampling import SparseDistribution
+from verifier.runtime.sampling import SparseDistribution, argmax_rows
 
 
 class Batch:
@@ -99,7 +99,7 @@ class Batch:
         parts = []
         for start, stop in self.runs(greedy=True):
             rows = self.rows[start:stop]
-            best = rows.argmax(dim=-1)  # ties: the lowest id, as `logits_to_probs` breaks them
+            best = argmax_rows(rows)  # ties: the lowest id, as `logits_to_probs` breaks them
             # argmax picks a NaN if there is one; a finite top also rules out +inf, all -inf.
             top = rows.gather(1, best[:, None]).squeeze(1)
             self.expect_rows(start, torch.isfinite(top), "a greedy row has NaN, +inf or no max")

@@ -14,6 +14,7 @@ from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.sampling import (
     SamplingParams,
     SparseDistribution,
+    argmax_rows,
     logits_to_probs,
     sample,
     to_dense,
@@ -285,3 +286,19 @@ def test_sparse_distribution_rejects_bad_tensors(
 ) -> None:
     with pytest.raises(InvalidArgumentError, match="SparseDistribution"):
         SparseDistribution(token_ids, probs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_argmax_rows_is_torch_argmax_ties_and_nan_included(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(7, 5000, generator=generator).to(dtype)
+    rows[1, 10] = rows[1, 20] = rows[1].max() + 1  # a tie: the lower id wins
+    rows[2, :] = float("-inf")  # no finite entry: id 0, as torch says
+    rows[3, 4000] = float("nan")  # a NaN counts as the maximum
+    rows[4, 30] = rows[4, 3000] = float("nan")
+    got = argmax_rows(rows)
+    assert got.dtype == torch.long
+    assert torch.equal(got, rows.argmax(dim=-1))
+    assert got[1:5].tolist() == [10, 0, 4000, 30]
+    view = rows[:, 100:]  # a view with a row stride wider than its width
+    assert torch.equal(argmax_rows(view), view.argmax(dim=-1))
