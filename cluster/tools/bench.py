@@ -133,10 +133,11 @@ def _service_runner(client: Any, max_tokens: int, draft_tokens: int, pipelined: 
 @contextmanager
 def _service(
     preset: str, flags: list[str], progress: Callable[[str], None]
-) -> Iterator[tuple[str, str]]:
-    """A `tandem serve` of `preset` in a private home; yields its address and the API key it
-    made for its local tenant. Whatever ends the block (its end, an error, Ctrl-C, SIGTERM),
-    everything the service runs is stopped and the home removed (`cluster.tools.cleanup`)."""
+) -> Iterator[tuple[str, str, Path]]:
+    """A `tandem serve` of `preset` in a private home; yields its address, the API key it
+    made for its local tenant and the home. Whatever ends the block (its end, an error,
+    Ctrl-C, SIGTERM), everything the service runs is stopped and the home removed
+    (`cluster.tools.cleanup`)."""
     from cluster.serve.local_cluster import HOME_ENV, free_port
     from cluster.tools import cleanup
 
@@ -155,7 +156,7 @@ def _service(
             )  # fmt: skip
             if started.returncode != 0:
                 raise InvalidArgumentError(f"tandem serve failed:\n{started.stderr[-2000:]}")
-            yield f"127.0.0.1:{port}", (home / "api_key").read_text()
+            yield f"127.0.0.1:{port}", (home / "api_key").read_text(), home
         finally:
             with cleanup.signals_held():
                 progress(f"stopping the service in {home}")
@@ -380,7 +381,7 @@ def _maybe_service(
     from cluster.api.client import TandemClient
 
     with (
-        _service(args.preset, _serve_flags(args, settings), progress) as (address, api_key),
+        _service(args.preset, _serve_flags(args, settings), progress) as (address, api_key, _),
         TandemClient(address, timeout_s=3600, api_key=api_key) as client,
     ):
         yield client

@@ -20,9 +20,13 @@ against ideal.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from cluster.tools.bench import Prompt, load_prompts
@@ -39,10 +43,6 @@ def is_sim_preset(preset: str) -> bool:
 
     known = PRESETS.get(preset)
     return known is not None and known.target.startswith(SIM_SCHEME)
-
-
-def _engines(local: Any) -> tuple[EngineStats, EngineStats]:
-    return local.verifier.engine.stats(), local.drafter.engine.stats()
 
 
 def _split(
@@ -65,11 +65,84 @@ def _split(
     return parts
 
 
-def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
+Generate = Callable[[tuple[int, ...], int, bool], Any]
+Engines = Callable[[], tuple[EngineStats, EngineStats]]
+
+
+@contextmanager
+def _in_process(pair: Any, settings: dict[str, Any], max_tokens: int) -> Iterator[Any]:
+    """(encode, generate, engines) over drafter, verifier and router in this process."""
     from cluster.local import build_local
-    from cluster.presets import resolve_pair
     from cluster.routing.request import GenerationRequest
-    from cluster.tools.bench import _router_settings, bench_settings
+    from cluster.tools.bench import _router_settings
+
+    local = build_local(pair, **_router_settings(settings))
+
+    def generate(prompt: tuple[int, ...], k: int, pipelined: bool) -> Any:
+        request = GenerationRequest(prompt, max_tokens, draft_tokens=k)
+        result = local.router.generate(request, pipelined=pipelined)
+        return result.tokens, result.stats
+
+    def engines() -> tuple[EngineStats, EngineStats]:
+        return local.verifier.engine.stats(), local.drafter.engine.stats()
+
+    try:
+        yield local.tokenizer.encode, generate, engines
+    finally:
+        local.router.close()
+
+
+@contextmanager
+def _through_service(
+    args: Any, settings: dict[str, Any], progress: Callable[[str], None]
+) -> Iterator[Any]:
+    """(encode, generate, engines) through a `tandem serve` of one drafter and one verifier
+    started in a private home (`cluster.tools.bench._service`): requests go through the public
+    gRPC API, each replica's counters come from its Stats call, outside the timed region."""
+    from cluster.api.client import TandemClient
+    from cluster.config import CLUSTER_SECRET_ENV
+    from cluster.presets import resolve_pair
+    from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+    from cluster.serve import local_cluster
+    from cluster.tools import cleanup
+    from cluster.tools.bench import _serve_flags, _service
+    from verifier.runtime.models import load_tokenizer
+
+    flags = [*_serve_flags(args, settings), "--drafters", "1", "--verifiers", "1"]
+    with _service(args.preset, flags, progress) as (address, api_key, home):
+        # Asked of `tandem status` in its own process: a process that joined the cluster would
+        # hold files in its temp dir and be stopped with it.
+        status = subprocess.run(
+            [cleanup.tandem_command(), "status", "--json"],
+            env={**os.environ, local_cluster.HOME_ENV: str(home)},
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        replicas = {r["side"]: r["address"] for r in json.loads(status.stdout)["replicas"]}
+        secret = os.environ.get(CLUSTER_SECRET_ENV) or (home / "cluster_secret").read_text()
+        tokenizer = load_tokenizer(resolve_pair(args.preset).target).tokenizer
+        with (
+            TandemClient(address, timeout_s=600, api_key=api_key) as client,
+            GrpcVerifier(replicas["verifier"], secret=secret) as verifier,
+            GrpcDrafter(replicas["drafter"], secret=secret) as drafter,
+        ):
+
+            def generate(prompt: tuple[int, ...], k: int, pipelined: bool) -> Any:
+                result = client.generate(
+                    list(prompt), max_tokens=args.max_tokens, draft_tokens=k, pipelined=pipelined
+                )
+                return result.tokens, result
+
+            def engines() -> tuple[EngineStats, EngineStats]:
+                stats = verifier.stats().engine, drafter.stats().engine
+                assert stats[0] is not None and stats[1] is not None, "replicas run engines"
+                return stats[0], stats[1]
+
+            yield tokenizer.encode, generate, engines
+
+
+def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
+    from cluster.presets import resolve_pair
+    from cluster.tools.bench import bench_settings
     from verifier.runtime import sim
 
     prompts: list[Prompt] = load_prompts(args.prompts)
@@ -77,42 +150,24 @@ def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     pair = resolve_pair(args.preset)
     target_source = sim.SimSource.parse(pair.target.source)
     draft_source = sim.SimSource.parse(pair.draft.source)
-    if args.mode != "local":
-        raise NotImplementedError("a simulated preset is benchmarked with --mode local")
     progress(f"simulated pair {pair.target.source} + {pair.draft.source}; settings {settings}")
-    local = build_local(pair, **_router_settings(settings))
-    ids = [tuple(local.tokenizer.encode(p.text, add_special_tokens=False)) for p in prompts]
     configs = {"tandem_target": (0, False), "tandem_serial": (args.draft_tokens, False),
                "tandem_pipelined": (args.draft_tokens, True)}  # fmt: skip
-    records: dict[str, list[list[dict[str, Any]]]] = {n: [[] for _ in ids] for n in configs}
     names = list(configs)
-    for repeat in range(args.repeats):
-        for index, prompt in enumerate(ids):
-            shift = (repeat + index) % len(names)
-            for name in names[shift:] + names[:shift]:
-                k, pipelined = configs[name]
-                request = GenerationRequest(prompt, args.max_tokens, draft_tokens=k)
-                before = _engines(local)
-                started = time.perf_counter()
-                result = local.router.generate(request, pipelined=pipelined)
-                wall_s = time.perf_counter() - started
-                stages = _split(before, _engines(local), wall_s)
-                if pipelined:  # draft and verify overlap: the device split is not additive
-                    stages["device"] = stages["router_and_handoffs"] = float("nan")
-                records[name][index].append(
-                    {
-                        "wall_s": wall_s,
-                        "tokens": len(result.tokens),
-                        "passes": result.stats.num_verify_passes,
-                        "drafted": result.stats.num_drafted,
-                        "accepted": result.stats.num_accepted,
-                        "hits": result.stats.pipeline_hits,
-                        "misses": result.stats.pipeline_misses,
-                        "stages": stages,
-                    }
-                )
-        progress(f"repeat {repeat + 1}/{args.repeats} done")
-    local.router.close()
+    with (
+        _in_process(pair, settings, args.max_tokens)
+        if args.mode == "local"
+        else _through_service(args, settings, progress)
+    ) as (encode, generate, engines):
+        ids = [tuple(encode(p.text, add_special_tokens=False)) for p in prompts]
+        records: dict[str, list[list[dict[str, Any]]]] = {n: [[] for _ in ids] for n in configs}
+        for repeat in range(args.repeats):
+            for index, prompt in enumerate(ids):
+                shift = (repeat + index) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    k, pipelined = configs[name]
+                    records[name][index].append(_one(generate, engines, prompt, k, pipelined))
+            progress(f"repeat {repeat + 1}/{args.repeats} done")
     context = statistics.mean(len(p) for p in ids) + args.max_tokens / 2
     runs = {name: _summarize(records[name]) for name in names}
     serial = runs["tandem_serial"]
@@ -151,6 +206,29 @@ def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
             "pipelining": runs["tandem_pipelined"]["tokens_per_s"] / serial["tokens_per_s"],
         },
     }  # fmt: skip
+
+
+def _one(
+    generate: Generate, engines: Engines, prompt: tuple[int, ...], k: int, pipelined: bool
+) -> dict[str, Any]:
+    """One request, timed, with its engines' counters read before and after."""
+    before = engines()
+    started = time.perf_counter()
+    tokens, stats = generate(prompt, k, pipelined)
+    wall_s = time.perf_counter() - started
+    stages = _split(before, engines(), wall_s)
+    if pipelined:  # draft and verify overlap: the device split is not additive
+        stages["device"] = stages["router_and_handoffs"] = float("nan")
+    return {
+        "wall_s": wall_s,
+        "tokens": len(tokens),
+        "passes": stats.num_verify_passes,
+        "drafted": stats.num_drafted,
+        "accepted": stats.num_accepted,
+        "hits": stats.pipeline_hits,
+        "misses": stats.pipeline_misses,
+        "stages": stages,
+    }
 
 
 def _summarize(per_prompt: list[list[dict[str, Any]]]) -> dict[str, Any]:
