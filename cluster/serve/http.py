@@ -10,7 +10,7 @@ TandemService, router and tenants as the gRPC API) and frames what comes back:
   "code"}}`), as is every other error (`cluster.api.openai.error_response` picks the status).
 - The body must be a JSON object: anything else is 400 before the service sees it.
 - The caller: `Authorization: Bearer <key>` and the optional `x-tandem-deadline-ms` header,
-  read exactly as the gRPC ingress reads the same metadata (`cluster.serve.ingress`).
+  read exactly as the gRPC ingress reads the same metadata (`cluster.serve.calls.deadline_of`).
 - Unary: a `JSONResponse`. The router loop blocks, so the call runs on the ingress's thread
   pool; if Serve cancels the request (the client went away) the thread stops the generation
   after the step in flight (`is_active`).
@@ -41,7 +41,7 @@ from starlette.types import Receive, Scope, Send
 from cluster.api.openai import OpenAIService, Route, error_response
 from cluster.api.service import Caller
 from cluster.api.tenants import bearer_key
-from cluster.serve.ingress import deadline_of, iterate_in_thread
+from cluster.serve.calls import deadline_of, iterate_in_thread
 from verifier.runtime.errors import InvalidArgumentError
 
 ROUTES: dict[str, tuple[str, Route | None]] = {

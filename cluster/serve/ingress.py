@@ -17,8 +17,9 @@ prompt plus `max_tokens` cannot fit is INVALID_ARGUMENT before it runs (`cluster
 Deadlines: Serve's gRPC proxy (Ray 2.60) passes this ingress the client's metadata
 (`RayServegRPCContext.invocation_metadata`) but not its gRPC deadline: `grpc-timeout` is a
 transport header that gRPC consumes, and the proxy's context keeps no `time_remaining`. So a
-client states its deadline in the `x-tandem-deadline-ms` metadata (`DEADLINE_METADATA_KEY`):
-the milliseconds it has left when it sends the call, an integer (0 or less: already passed).
+client states its deadline in the `x-tandem-deadline-ms` metadata (`DEADLINE_METADATA_KEY`,
+read by `cluster.serve.calls.deadline_of`, which reads the HTTP face's header too): the
+milliseconds it has left when it sends the call, an integer (0 or less: already passed).
 `TandemClient` and `AsyncTandemClient` send it with every Generate and GenerateStream call
 that has a timeout. On Generate and GenerateStream the deadline is then this replica's clock
 at arrival plus that many milliseconds (the time the call spent in the proxy is not counted,
@@ -37,16 +38,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import AsyncIterator, Callable, Generator, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NoReturn, TypeVar
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NoReturn
 
 from grpc_health.v1 import health_pb2
 from starlette.requests import Request
 from starlette.responses import Response
 
-from cluster.api.client import DEADLINE_METADATA_KEY
 from cluster.api.openai import OpenAIService, served_model_name
 from cluster.api.service import Caller, TandemService
 from cluster.api.status import status_of, trailers_of
@@ -56,38 +55,13 @@ from cluster.local import text_decoder
 from cluster.routing.directory import RegistryPool, from_registry_actor
 from cluster.routing.registry import get_registry
 from cluster.routing.router import Router
+from cluster.serve.calls import deadline_of, iterate_in_thread
+from cluster.serve.http import OpenAIHttp
 from protos import generate_pb2
-from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.models import load_tokenizer
 
 MAX_CONCURRENT_REQUESTS = 256
 HEALTH_WATCH_PERIOD_S = 1.0
-T = TypeVar("T")
-_DONE = object()
-
-
-async def iterate_in_thread(
-    items: Generator[T, None, None], threads: ThreadPoolExecutor
-) -> AsyncIterator[T]:
-    """Yield from a blocking generator, each step on `threads`; closing this closes it there."""
-    step: Future[Any] | None = None
-    try:
-        while True:
-            step = threads.submit(next, items, _DONE)
-            item = await asyncio.wrap_future(step)
-            step = None
-            if item is _DONE:
-                return
-            yield item
-    finally:
-        in_flight = step
-
-        def close() -> None:
-            if in_flight is not None:
-                in_flight.exception()  # a generator cannot be closed while it runs
-            items.close()
-
-        threads.submit(close)
 
 
 class RouterIngress:
@@ -119,9 +93,6 @@ class RouterIngress:
             max_context_tokens=config.verifier_limits.max_context_tokens,
         )
         self._threads = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="request")
-        # Imported here: cluster.serve.http builds on this module's helpers.
-        from cluster.serve.http import OpenAIHttp
-
         openai = OpenAIService(self._service, served_model_name(config.models))
         self._http = OpenAIHttp(openai, self._threads)
 
@@ -214,25 +185,6 @@ def _caller(grpc_context: Any, timed: bool = False) -> Caller:
     `x-tandem-deadline-ms` metadata states (see the module docstring)."""
     metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
     return Caller(bearer_key(metadata), deadline_of(metadata) if timed else None)
-
-
-def deadline_of(
-    metadata: Iterable[tuple[str, str]], now: Callable[[], float] = time.monotonic
-) -> float | None:
-    """The `now()` instant the `x-tandem-deadline-ms` entry of `metadata` ends at; None
-    without one. Raises `InvalidArgumentError` for a value that is not an integer."""
-    values = [value for key, value in metadata if key.lower() == DEADLINE_METADATA_KEY]
-    if not values:
-        return None
-    text = str(values[-1]).strip()
-    try:
-        left_ms = int(text)
-    except ValueError:
-        raise InvalidArgumentError(
-            f"{DEADLINE_METADATA_KEY} metadata must be an integer count of milliseconds left, "
-            f"got {text!r}"
-        ) from None
-    return now() + left_ms / 1000
 
 
 def _fail(grpc_context: Any, error: Exception) -> NoReturn:

@@ -20,7 +20,8 @@ from cluster.api.service import Caller, TandemService
 from cluster.api.status import status_of
 from cluster.api.tenants import Tenants
 from cluster.local import LocalTandem
-from cluster.serve.ingress import DEADLINE_METADATA_KEY, _caller, deadline_of
+from cluster.serve.calls import DEADLINE_METADATA_KEY, deadline_of
+from cluster.serve.ingress import _caller
 from protos import generate_pb2
 from tests.cluster.conftest import (
     TENANT_KEYS,

@@ -286,7 +286,7 @@ def test_a_closed_session_is_not_expected_back_by_either_engine(
 ) -> None:
     # Read on the engine thread (a keyless call runs after the last task has fully finished).
     def expected(engine: Engine) -> bool:
-        return engine.call(lambda: "closing" in engine._finished_at)
+        return engine.call(lambda: "closing" in engine._scheduler.finished_at)
 
     for side in pair:
         side.open_session("closing", prompts(1, seed=21)[0], GREEDY, 0)

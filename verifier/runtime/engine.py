@@ -5,7 +5,7 @@ Callers (gRPC handler threads, or a router in the same process) never touch the 
 pool or the session table. They hand the engine a *task*, a generator that holds one call's
 logic, and wait for its result (`run`, or `submit` for a future). The engine thread drives every
 task, so a component's state has a single writer and needs no lock, and nothing is ever held
-across a forward pass. A task yields what it needs next:
+across a forward pass. A task yields what it needs next (`verifier.runtime.task`):
 
 - `Forward(work)`: logits for a `SequenceWork` (the runner's unit). Every task waiting on one
   joins the next step; the engine sends back the rows (float32 `[len(logits_at), vocab]`), or
@@ -21,16 +21,18 @@ with different keys interleave freely. A task with no key runs between steps (ho
 eviction, stats). A task submitted with `closes=True` ends its key's session (closing it): the
 engine forgets the key after it, so no step waits for that session to come back (`_gather`).
 
-Each step has a budget in tokens and in sequences. Small items (decodes, draft steps, verify
-blocks) go first, oldest first; long items (prefill chunks) fill what is left, and the oldest of
-them always gets a share, so neither kind starves. An item whose KV blocks do not fit beside the
-others waits for the next step; one that cannot fit even alone fails at once (RESOURCE_EXHAUSTED
-with a retry hint: sessions must close before it can run), never an out-of-memory crash.
+This module is the step loop: the inbox and the thread, admitting tasks, driving them, running
+each step's forward pass and its Batched handlers, and waiting (`_gather`) for the sessions the
+scheduler expects back. What goes into a step (the token and sequence budgets, small items
+before prefill chunks, admission by free KV blocks) and whom a step waits for, and how long,
+are the scheduler's policy (`verifier.runtime.scheduler`). An item that cannot fit in the KV
+pool even alone fails at once here (RESOURCE_EXHAUSTED with a retry hint: sessions must close
+before it can run), never an out-of-memory crash.
 
 The engine measures itself: steps, the largest batch, tokens and sessions per step, queue
-wait, and the step cost curve (seconds = base + per_token x tokens, an exponentially weighted
-least-squares fit over recent steps, seeded by `calibrate` at startup), which the router uses
-to price speculation under load (`StepLoad`).
+wait, the split of its time (`busy_s`, `forward_s`, `batched_s`, `gather_s`, `gathers`), and
+the step cost curve (`verifier.runtime.cost_curve`, seeded by `calibrate` at startup), which
+the router uses to price speculation under load (`StepLoad`).
 """
 
 from __future__ import annotations
@@ -39,110 +41,42 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
 from verifier.runtime.block import StepLoad
+from verifier.runtime.cost_curve import CostCurve, smooth
 from verifier.runtime.engine_stats import EngineStats
 from verifier.runtime.errors import InvalidArgumentError, ResourceExhaustedError
 from verifier.runtime.runner import ModelRunner, PoolExhaustedError, SequenceWork
+from verifier.runtime.scheduler import (
+    DEFAULT_MAX_STEP_SEQUENCES,
+    DEFAULT_MAX_STEP_TOKENS,
+    Scheduler,
+    remaining,
+)
+from verifier.runtime.task import Batched, Forward, Running, Task
+
+__all__ = [
+    "DEFAULT_MAX_STEP_SEQUENCES",
+    "DEFAULT_MAX_STEP_TOKENS",
+    "Batched",
+    "Engine",
+    "Forward",
+    "Task",
+]
+"""The engine's public names; the task protocol and the budgets' defaults live in `task` and
+`scheduler` and are re-exported here."""
 
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
-DEFAULT_MAX_STEP_TOKENS = 256
-"""Tokens one forward pass takes at most (prefill chunks fill what decodes leave)."""
-DEFAULT_MAX_STEP_SEQUENCES = 64
-"""Sessions one forward pass takes at most."""
-SMALL_ITEM_TOKENS = 33
-"""Items of up to this many tokens (a decode, a draft step, a verify block of up to 32 drafts)
-are served before prefill chunks."""
-LONG_SHARE = 4
-"""The oldest long item always gets at least max_step_tokens // LONG_SHARE tokens of a step."""
-STATS_DECAY = 0.9
-"""Weight kept by the smoothed figures per step or call."""
-COST_DECAY = 0.98
-"""Weight kept by past steps in the cost-curve fit (about the last 50 steps count)."""
-MAX_GATHER_S = 0.05
-GATHER_SHARE = 0.2
-"""A step waits for sessions about to come back at most GATHER_SHARE of its predicted time,
-and never more than MAX_GATHER_S (`Engine._gather`)."""
 RETRY_AFTER_S = 1.0
 """Retry hint sent with a refusal for lack of KV blocks."""
-
-
-@dataclass(frozen=True)
-class Forward:
-    """A task's request for logits: the rows of `work.logits_at`, after appending its tokens."""
-
-    work: SequenceWork
-
-
-@dataclass(frozen=True)
-class Batched:
-    """A task's request to be served with every other task yielding the same `handler` after
-    this step: `handler(payloads)` returns one result or exception per payload, in order."""
-
-    handler: Callable[[list[Any]], list[Any]]
-    payload: Any
-
-
-Task = Generator[Forward | Batched, Any, R]
-
-
-@dataclass(eq=False)
-class _Running:
-    """A task the engine drives, and where it stands."""
-
-    task: Task[Any]
-    key: str | None
-    future: Future[Any]
-    submitted_at: float
-    waiting: Forward | Batched | None = None
-    """What the task yielded last (None: not started)."""
-    ready_since: float = 0.0
-    """When it started waiting for its current Forward (the fairness order)."""
-    done_tokens: int = 0
-    """Tokens of the current Forward already run (chunked prefill)."""
-    rows: list[torch.Tensor] = field(default_factory=list)
-    """Logit rows of the current Forward gathered so far."""
-    waited: bool = False
-    """Its queue wait (submission to first step) has been counted."""
-    closes: bool = False
-    """It ends its key's session: nothing of the key comes back after it (`Engine._finish`)."""
-
-
-class CostCurve:
-    """Step seconds against step tokens: an exponentially weighted least-squares line."""
-
-    def __init__(self, decay: float = COST_DECAY) -> None:
-        self._decay = decay
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        d = self._decay
-        self._w = d * self._w + 1.0
-        self._x = d * self._x + tokens
-        self._y = d * self._y + seconds
-        self._xx = d * self._xx + tokens * tokens
-        self._xy = d * self._xy + tokens * seconds
-
-    def line(self) -> tuple[float, float]:
-        """(base_s, per_token_s), both >= 0; (0, 0) before any step."""
-        if self._w == 0:
-            return 0.0, 0.0
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        var_x = self._xx / self._w - mean_x * mean_x
-        if var_x <= 1e-9 * max(1.0, mean_x * mean_x):  # one step size seen so far: no slope
-            return mean_y, 0.0
-        slope = max(0.0, (self._xy / self._w - mean_x * mean_y) / var_x)
-        base = max(0.0, mean_y - slope * mean_x)
-        return base, slope
 
 
 class Engine:
@@ -163,18 +97,15 @@ class Engine:
         self.max_step_tokens = max_step_tokens
         self.max_step_sequences = max_step_sequences
         self._clock = clock
+        self._scheduler = Scheduler(max_step_tokens, max_step_sequences, clock=clock)
         self._condition = threading.Condition()
-        self._inbox: deque[_Running] = deque()
+        self._inbox: deque[Running] = deque()
         self._stopped = False
         # Engine-thread state.
-        self._active: dict[str | None, _Running] = {}
-        self._keyless: list[_Running] = []
-        self._queued: dict[str, deque[_Running]] = {}
+        self._active: dict[str | None, Running] = {}
+        self._keyless: list[Running] = []
+        self._queued: dict[str, deque[Running]] = {}
         self._num_queued = 0
-        self._finished_at: dict[str, float] = {}
-        """When each key's last task finished (until its next arrives)."""
-        self._return_s: dict[str, float] = {}
-        """Each key's smoothed turnaround: from a task finishing to its next arriving."""
         self._curve = CostCurve()
         self._load: StepLoad | None = None
         # Figures (written by the engine thread, read by anyone).
@@ -202,7 +133,7 @@ class Engine:
         the key back after it; a later task of the key is a new session's."""
         if closes and key is None:
             raise InvalidArgumentError("only a keyed task can close its key")
-        running = _Running(task, key, Future(), self._clock(), closes=closes)
+        running = Running(task, key, Future(), self._clock(), closes=closes)
         with self._condition:
             if self._stopped:
                 task.close()
@@ -312,28 +243,13 @@ class Engine:
             self._fail_all(RuntimeError("the engine has stopped"))
 
     def _gather(self) -> None:
-        """Wait a little for sessions about to come back before stepping.
-
-        Sessions drift out of phase: one's next call arrives just after a step has started
-        without it, so it waits a whole step, and the batch splits into small alternating
-        steps. A session whose calls usually come back quickly after its last one finished
-        (`_return_s`: the client's turnaround, a few milliseconds for a decode loop) is waited
-        for, up to a small share of the predicted step time; one that takes longer (a router
-        drafting before its next verify) is not, so one stream never waits for nothing. A
-        session whose last task closed it is not expected at all (`_finish` forgot it).
-        """
-        ready = sum(isinstance(r.waiting, Forward) for r in self._active.values())
-        if ready >= self.max_step_sequences:
-            return
+        """Wait a little for sessions about to come back before stepping: the scheduler names
+        them and the longest wait (`Scheduler.to_gather`); this admits what arrives meanwhile.
+        Counts `gathers` and `gather_s` only when some session is expected."""
         base, per_token = self._curve.line()
-        window_s = min(MAX_GATHER_S, GATHER_SHARE * (base + per_token * self._mean_tokens))
-        expected = {
-            key
-            for key, finished in self._finished_at.items()
-            if key not in self._active
-            and self._return_s.get(key, window_s + 1) <= window_s
-            and self._clock() - finished < window_s
-        }
+        expected, window_s = self._scheduler.to_gather(
+            self._active, base + per_token * self._mean_tokens
+        )
         if not expected:
             return
         self.gathers += 1
@@ -362,12 +278,8 @@ class Engine:
     def _has_forward(self) -> bool:
         return any(isinstance(r.waiting, Forward) for r in self._active.values())
 
-    def _admit(self, running: _Running) -> None:
-        finished = self._finished_at.pop(running.key, None) if running.key is not None else None
-        if finished is not None and running.key is not None:
-            gap_s = running.submitted_at - finished
-            old = self._return_s.get(running.key)
-            self._return_s[running.key] = gap_s if old is None else _smooth(old, gap_s)
+    def _admit(self, running: Running) -> None:
+        self._scheduler.arrived(running)
         if running.key is None:
             self._keyless.append(running)
         elif running.key in self._active:
@@ -381,13 +293,13 @@ class Engine:
             running = self._keyless.pop(0)
             self._advance(running, None, None, keyed=False)
 
-    def _start(self, running: _Running) -> None:
+    def _start(self, running: Running) -> None:
         self._active[running.key] = running
         self._advance(running, None, None)
 
     def _advance(
         self,
-        running: _Running,
+        running: Running,
         value: Any,
         error: BaseException | None,
         keyed: bool = True,
@@ -427,7 +339,7 @@ class Engine:
     _in_step = False
 
     def _finish(
-        self, running: _Running, result: Any, failure: BaseException | None, keyed: bool
+        self, running: Running, result: Any, failure: BaseException | None, keyed: bool
     ) -> None:
         running.waiting = None
         if self._in_step:
@@ -439,16 +351,9 @@ class Engine:
         if not keyed or running.key is None:
             return
         del self._active[running.key]
-        if running.closes:  # the session ended: waiting for it to come back would be for nothing
-            self._finished_at.pop(running.key, None)
-            self._return_s.pop(running.key, None)
-        elif not self._queued.get(running.key):
-            self._finished_at[running.key] = self._clock()
-        if len(self._finished_at) > 4 * max(len(self._active), 64):  # sessions gone unclosed
-            horizon = self._clock() - 60.0
-            for key in [k for k, t in self._finished_at.items() if t < horizon]:
-                del self._finished_at[key]
-                self._return_s.pop(key, None)
+        self._scheduler.finished(
+            running, active=len(self._active), queued=bool(self._queued.get(running.key))
+        )
         queue = self._queued.get(running.key)
         if queue:
             following = queue.popleft()
@@ -459,7 +364,7 @@ class Engine:
 
     def _step(self) -> None:
         started = self._clock()
-        batch, chunks = self._pack()
+        batch, chunks = self._scheduler.pack(self._active.values(), self.runner, self._refuse)
         if not batch:
             return
         self._in_step = True
@@ -479,47 +384,7 @@ class Engine:
         self.busy_s += now - self._busy_since
         self._busy_since = now
 
-    def _pack(self) -> tuple[list[_Running], list[SequenceWork]]:
-        """Choose this step's items under the budgets and the free KV blocks; fail at once an
-        item that could not fit even alone."""
-        ready = [r for r in self._active.values() if isinstance(r.waiting, Forward)]
-        small = sorted(
-            (r for r in ready if _remaining(r) <= SMALL_ITEM_TOKENS), key=lambda r: r.ready_since
-        )
-        long = sorted(
-            (r for r in ready if _remaining(r) > SMALL_ITEM_TOKENS), key=lambda r: r.ready_since
-        )
-        tokens_left = self.max_step_tokens
-        if long:  # the oldest long item keeps a share of every step
-            tokens_left -= self.max_step_tokens // LONG_SHARE
-        free = self.runner.num_free_blocks
-        batch: list[_Running] = []
-        chunks: list[SequenceWork] = []
-        for position, running in enumerate([*small, *long]):
-            if len(batch) >= self.max_step_sequences:
-                break
-            if position == len(small) and long:
-                tokens_left += self.max_step_tokens // LONG_SHARE
-            take = min(_remaining(running), tokens_left)
-            if take <= 0:
-                continue
-            chunk = _chunk(running, take)
-            runner = self.runner
-            need = runner.blocks_needed(chunk.seq_id, runner.length(chunk.seq_id) + take)
-            if need > free:
-                alone = runner.blocks_needed(
-                    chunk.seq_id, runner.length(chunk.seq_id) + _remaining(running)
-                )
-                if alone > runner.num_free_blocks:
-                    self._refuse(running, alone)
-                continue  # it fits alone: the next step
-            free -= need
-            tokens_left -= take
-            batch.append(running)
-            chunks.append(chunk)
-        return batch, chunks
-
-    def _refuse(self, running: _Running, blocks: int) -> None:
+    def _refuse(self, running: Running, blocks: int) -> None:
         error = PoolExhaustedError(
             f"the KV pool cannot hold this work: it needs {blocks} more blocks of "
             f"{self.runner.block_size} tokens, {self.runner.num_free_blocks} of "
@@ -530,11 +395,11 @@ class Engine:
         running.waiting = None
         self._advance(running, None, error)
 
-    def _run_batch(self, batch: list[_Running], chunks: list[SequenceWork], started: float) -> None:
+    def _run_batch(self, batch: list[Running], chunks: list[SequenceWork], started: float) -> None:
         for running in batch:
             if not running.waited:
                 running.waited = True
-                self._queue_wait_s = _smooth(self._queue_wait_s, started - running.submitted_at)
+                self._queue_wait_s = smooth(self._queue_wait_s, started - running.submitted_at)
         tokens = sum(len(c.tokens) for c in chunks)
         forward_started = self._clock()
         try:
@@ -550,11 +415,11 @@ class Engine:
         elapsed = finished - started
         self._record(len(batch), tokens, elapsed)
         rows = logits.split([len(c.logits_at) for c in chunks])
-        resumed: list[tuple[_Running, torch.Tensor]] = []
+        resumed: list[tuple[Running, torch.Tensor]] = []
         for running, chunk, chunk_rows in zip(batch, chunks, rows, strict=True):
             running.done_tokens += len(chunk.tokens)
             running.rows.append(chunk_rows)
-            if _remaining(running) == 0:
+            if remaining(running) == 0:
                 gathered = running.rows[0] if len(running.rows) == 1 else torch.cat(running.rows)
                 running.rows = []
                 resumed.append((running, gathered))
@@ -567,7 +432,7 @@ class Engine:
         """Serve every task waiting on a Batched, one handler call per handler, until none
         waits (a task may yield another Batched after the first)."""
         while True:
-            groups: dict[Any, list[_Running]] = {}
+            groups: dict[Any, list[Running]] = {}
             for running in self._active.values():
                 if isinstance(running.waiting, Batched):
                     groups.setdefault(running.waiting.handler, []).append(running)
@@ -591,8 +456,8 @@ class Engine:
     def _record(self, sequences: int, tokens: int, elapsed_s: float) -> None:
         self._steps += 1
         self._max_batch = max(self._max_batch, sequences)
-        self._mean_batch = _smooth(self._mean_batch, sequences, first=self._steps == 1)
-        self._mean_tokens = _smooth(self._mean_tokens, tokens, first=self._steps == 1)
+        self._mean_batch = smooth(self._mean_batch, sequences, first=self._steps == 1)
+        self._mean_tokens = smooth(self._mean_tokens, tokens, first=self._steps == 1)
         self._curve.observe(tokens, elapsed_s)
         base, per_token = self._curve.line()
         self._load = StepLoad(sequences, tokens, base, per_token)
@@ -613,31 +478,8 @@ class Engine:
             running.task.close()
 
 
-def _remaining(running: _Running) -> int:
-    assert isinstance(running.waiting, Forward)
-    return len(running.waiting.work.tokens) - running.done_tokens
-
-
-def _chunk(running: _Running, take: int) -> SequenceWork:
-    """The next `take` tokens of a task's Forward, with the logits that fall in them."""
-    assert isinstance(running.waiting, Forward)
-    work = running.waiting.work
-    start, stop = running.done_tokens, running.done_tokens + take
-    if start == 0 and stop == len(work.tokens):
-        return work
-    return SequenceWork(
-        work.seq_id,
-        tuple(work.tokens[start:stop]),
-        tuple(i - start for i in work.logits_at if start <= i < stop),
-    )
-
-
 def _one(results: list[Any]) -> tuple[Any, BaseException | None]:
     result = results[0]
     if isinstance(result, BaseException):
         return None, result
     return result, None
-
-
-def _smooth(old: float, new: float, first: bool = False) -> float:
-    return new if first else STATS_DECAY * old + (1 - STATS_DECAY) * new

@@ -1,0 +1,188 @@
+"""The engine's scheduling policy: what goes into a step, and whom a step waits for.
+
+A plain class over the engine's running tasks (`verifier.runtime.task.Running`) and its model
+runner's block counts; it starts no thread and never waits, so it can be driven directly. The
+engine (`verifier.runtime.engine`) calls it on its own thread only.
+
+Packing (`Scheduler.pack`). Each step has a budget in tokens and in sequences. Small items
+(decodes, draft steps, verify blocks: up to `SMALL_ITEM_TOKENS`) go first, oldest first; long
+items (prefill chunks) fill what is left, and the oldest of them always gets a share
+(`LONG_SHARE`), so neither kind starves. A long item is split into chunks over several steps
+(chunked prefill), so it never stalls the others for long. An item whose KV blocks do not fit
+beside the others waits for the next step; one that cannot fit even alone is handed to the
+caller's `refuse` at once (the engine fails it with RESOURCE_EXHAUSTED and a retry hint), never
+an out-of-memory crash.
+
+Gathering (`Scheduler.to_gather`). Sessions drift out of phase: one's next call arrives just
+after a step has started without it, so it waits a whole step, and the batch splits into small
+alternating steps. A session whose calls usually come back quickly after its last one finished
+(its return time: the client's turnaround, a few milliseconds for a decode loop) is expected
+back, and a step waits for it up to a small share of the predicted step time (`GATHER_SHARE`,
+at most `MAX_GATHER_S`); one that takes longer (a router drafting before its next verify) is
+not, so one stream never waits for nothing. A session whose last task closed it is not
+expected at all. The scheduler decides whom to wait for and how long; the engine does the
+waiting.
+
+Admission bookkeeping (`Scheduler.arrived`, `Scheduler.finished`): when each key's last task
+finished, and each key's smoothed return time (from a task finishing to its key's next
+arriving), forgotten when a task closes its key or when the key has been gone a minute while
+too many are kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from verifier.runtime.cost_curve import smooth
+from verifier.runtime.runner import ModelRunner, SequenceWork
+from verifier.runtime.task import Forward, Running
+
+DEFAULT_MAX_STEP_TOKENS = 256
+"""Tokens one forward pass takes at most (prefill chunks fill what decodes leave)."""
+DEFAULT_MAX_STEP_SEQUENCES = 64
+"""Sessions one forward pass takes at most."""
+SMALL_ITEM_TOKENS = 33
+"""Items of up to this many tokens (a decode, a draft step, a verify block of up to 32 drafts)
+are served before prefill chunks."""
+LONG_SHARE = 4
+"""The oldest long item always gets at least max_step_tokens // LONG_SHARE tokens of a step."""
+MAX_GATHER_S = 0.05
+GATHER_SHARE = 0.2
+"""A step waits for sessions about to come back at most GATHER_SHARE of its predicted time,
+and never more than MAX_GATHER_S (`Scheduler.to_gather`)."""
+
+
+class Scheduler:
+    """The step budgets, the packing and gather decisions, and the return-time bookkeeping
+    (see the module docstring)."""
+
+    def __init__(
+        self,
+        max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+        max_step_sequences: int = DEFAULT_MAX_STEP_SEQUENCES,
+        *,
+        clock: Callable[[], float],
+    ) -> None:
+        self.max_step_tokens = max_step_tokens
+        self.max_step_sequences = max_step_sequences
+        self._clock = clock
+        self.finished_at: dict[str, float] = {}
+        """When each key's last task finished (until its next arrives)."""
+        self.return_s: dict[str, float] = {}
+        """Each key's smoothed turnaround: from a task finishing to its next arriving."""
+
+    # ------------------------------------------------------------------ admission bookkeeping
+
+    def arrived(self, running: Running) -> None:
+        """A task arrived: its gap since its key's last task finished updates the key's
+        return time."""
+        finished = self.finished_at.pop(running.key, None) if running.key is not None else None
+        if finished is not None and running.key is not None:
+            gap_s = running.submitted_at - finished
+            old = self.return_s.get(running.key)
+            self.return_s[running.key] = gap_s if old is None else smooth(old, gap_s)
+
+    def finished(self, running: Running, *, active: int, queued: bool) -> None:
+        """A keyed task finished, `active` keys are left running and `queued`: another task of
+        its key is waiting to start."""
+        key = running.key
+        if key is None:
+            return
+        if running.closes:  # the session ended: waiting for it to come back would be for nothing
+            self.finished_at.pop(key, None)
+            self.return_s.pop(key, None)
+        elif not queued:
+            self.finished_at[key] = self._clock()
+        if len(self.finished_at) > 4 * max(active, 64):  # sessions gone unclosed
+            horizon = self._clock() - 60.0
+            for gone in [k for k, t in self.finished_at.items() if t < horizon]:
+                del self.finished_at[gone]
+                self.return_s.pop(gone, None)
+
+    # ------------------------------------------------------------------ gathering
+
+    def to_gather(
+        self, active: Mapping[str | None, Running], predicted_step_s: float
+    ) -> tuple[set[str], float]:
+        """The keys a step about to run should wait for, and the longest it may wait (s); no
+        keys when the step is full already or nobody is about to come back. `active`: the
+        running task of each key; `predicted_step_s`: the cost curve at the usual step size."""
+        ready = sum(isinstance(r.waiting, Forward) for r in active.values())
+        if ready >= self.max_step_sequences:
+            return set(), 0.0
+        window_s = min(MAX_GATHER_S, GATHER_SHARE * predicted_step_s)
+        expected = {
+            key
+            for key, finished in self.finished_at.items()
+            if key not in active
+            and self.return_s.get(key, window_s + 1) <= window_s
+            and self._clock() - finished < window_s
+        }
+        return expected, window_s
+
+    # ------------------------------------------------------------------ packing
+
+    def pack(
+        self,
+        active: Iterable[Running],
+        runner: ModelRunner,
+        refuse: Callable[[Running, int], None],
+    ) -> tuple[list[Running], list[SequenceWork]]:
+        """Choose this step's items among the `active` tasks waiting on a Forward, under the
+        budgets and `runner`'s free KV blocks: the tasks and the chunk each runs. A task that
+        could not fit even alone goes to `refuse(task, blocks it needs)` at once."""
+        ready = [r for r in active if isinstance(r.waiting, Forward)]
+        small = sorted(
+            (r for r in ready if remaining(r) <= SMALL_ITEM_TOKENS), key=lambda r: r.ready_since
+        )
+        long = sorted(
+            (r for r in ready if remaining(r) > SMALL_ITEM_TOKENS), key=lambda r: r.ready_since
+        )
+        tokens_left = self.max_step_tokens
+        if long:  # the oldest long item keeps a share of every step
+            tokens_left -= self.max_step_tokens // LONG_SHARE
+        free = runner.num_free_blocks
+        batch: list[Running] = []
+        chunks: list[SequenceWork] = []
+        for position, running in enumerate([*small, *long]):
+            if len(batch) >= self.max_step_sequences:
+                break
+            if position == len(small) and long:
+                tokens_left += self.max_step_tokens // LONG_SHARE
+            take = min(remaining(running), tokens_left)
+            if take <= 0:
+                continue
+            piece = chunk(running, take)
+            need = runner.blocks_needed(piece.seq_id, runner.length(piece.seq_id) + take)
+            if need > free:
+                alone = runner.blocks_needed(
+                    piece.seq_id, runner.length(piece.seq_id) + remaining(running)
+                )
+                if alone > runner.num_free_blocks:
+                    refuse(running, alone)
+                continue  # it fits alone: the next step
+            free -= need
+            tokens_left -= take
+            batch.append(running)
+            chunks.append(piece)
+        return batch, chunks
+
+
+def remaining(running: Running) -> int:
+    """Tokens of a task's current Forward not run yet."""
+    assert isinstance(running.waiting, Forward)
+    return len(running.waiting.work.tokens) - running.done_tokens
+
+
+def chunk(running: Running, take: int) -> SequenceWork:
+    """The next `take` tokens of a task's Forward, with the logits that fall in them."""
+    assert isinstance(running.waiting, Forward)
+    work = running.waiting.work
+    start, stop = running.done_tokens, running.done_tokens + take
+    if start == 0 and stop == len(work.tokens):
+        return work
+    return SequenceWork(
+        work.seq_id,
+        tuple(work.tokens[start:stop]),
+        tuple(i - start for i in work.logits_at if start <= i < stop),
+    )

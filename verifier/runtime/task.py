@@ -1,0 +1,70 @@
+"""Engine tasks: what a task yields to the engine, and the engine's record of a running task.
+
+A *task* is a generator that holds one call's logic (`verifier.runtime.engine`). It yields
+what it needs next and is resumed with the answer:
+
+- `Forward(work)`: logits for a `SequenceWork`; resumed with the rows (float32
+  `[len(logits_at), vocab]`), or with the runner's error thrown in.
+- `Batched(handler, payload)`: served after a step together with every other task waiting on
+  the same handler, by one call `handler([payload, ...])`; resumed with its own result (or
+  exception).
+
+`Running` is where one task stands: what it waits on, since when, and how much of a chunked
+Forward has run. The engine thread alone reads and writes it; the scheduler
+(`verifier.runtime.scheduler`) reads it to pack a step. Plain data, no threads, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from verifier.runtime.runner import SequenceWork
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Forward:
+    """A task's request for logits: the rows of `work.logits_at`, after appending its tokens."""
+
+    work: SequenceWork
+
+
+@dataclass(frozen=True)
+class Batched:
+    """A task's request to be served with every other task yielding the same `handler` after
+    this step: `handler(payloads)` returns one result or exception per payload, in order."""
+
+    handler: Callable[[list[Any]], list[Any]]
+    payload: Any
+
+
+Task = Generator[Forward | Batched, Any, R]
+
+
+@dataclass(eq=False)
+class Running:
+    """A task the engine drives, and where it stands."""
+
+    task: Task[Any]
+    key: str | None
+    future: Future[Any]
+    submitted_at: float
+    waiting: Forward | Batched | None = None
+    """What the task yielded last (None: not started)."""
+    ready_since: float = 0.0
+    """When it started waiting for its current Forward (the fairness order)."""
+    done_tokens: int = 0
+    """Tokens of the current Forward already run (chunked prefill)."""
+    rows: list[torch.Tensor] = field(default_factory=list)
+    """Logit rows of the current Forward gathered so far."""
+    waited: bool = False
+    """Its queue wait (submission to first step) has been counted."""
+    closes: bool = False
+    """It ends its key's session: nothing of the key comes back after it
+    (`Scheduler.finished`)."""
