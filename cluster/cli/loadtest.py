@@ -23,6 +23,18 @@ reports when `tandem serve` started it here; `--serve-config` for the rest), and
 (`--temperature 0`). `hf_baseline` in the JSON says which method ran and why. `goals` gives per
 level speculative's tokens/s over target_only's and over hf_target_batched's, and speculative at
 8 streams over 1 when both levels ran.
+
+`--preset NAME` says which pair the service runs (loadtest cannot always ask it). A simulated
+preset (`sim-...`, `verifier.runtime.sim`) adds the analytic ideal of every level and mode
+(`cluster.tools.loadtest_ideal`): `ideal` (aggregate tokens/s a perfect system would reach at
+that many streams: speculative, the better of serial and pipelined rounds, at the draft's
+alpha and the requests' block length, `--draft-tokens` else the service's default; target-only;
+at the mean prompt length in the preset's tokens plus half of `--max-tokens`) and
+`achieved_over_ideal` per mode, in the JSON, the table and (dashed) the plot; `sim` in the JSON
+says what they were computed from. The ideal takes the draft's greedy agreement alpha as the
+acceptance: sampled runs (`--temperature` > 0) accept differently. A simulated model has no
+device speed outside the service, so `--hf-baseline` refuses a sim preset. When the service
+`tandem serve` started here reports another preset, the run refuses to start.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ from verifier.runtime.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from cluster.tools.hf_levels import HFLevels
+    from cluster.tools.loadtest_ideal import SimIdeal
 
 MAX_CONCURRENCY = 256
 MAX_DURATION_S = 3600.0
@@ -64,6 +77,11 @@ def add_to(commands: Any) -> None:
     p.add_argument("--prompts", help="jsonl as for tandem bench (default: its prompt set)")
     p.add_argument("--json", dest="json_out", help="write the result here")
     p.add_argument("--plot", help="--compare: write tokens/s and speedup by concurrency (PNG)")
+    p.add_argument(
+        "--preset",
+        help="the pair the service runs: a sim preset adds the ideal of every level; "
+        "for --hf-baseline, default: the one the service reports",
+    )
     hf = p.add_argument_group("Hugging Face baseline (--compare --hf-baseline)")
     hf.add_argument(
         "--hf-baseline",
@@ -76,7 +94,6 @@ def add_to(commands: Any) -> None:
         default="auto",
         help="auto: the faster in a short probe of both",
     )
-    hf.add_argument("--preset", help="the pair the service runs (default: the one it reports)")
     hf.add_argument(
         "--serve-config",
         help="the TandemConfig YAML the service was started with "
@@ -88,6 +105,9 @@ def add_to(commands: Any) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    from cluster.presets import PRESETS
+    from cluster.tools.sim_bench import is_sim_preset
+
     if not all(1 <= c <= MAX_CONCURRENCY for c in args.concurrency):
         raise InvalidArgumentError(f"--concurrency must be in 1..{MAX_CONCURRENCY}")
     if not 0 < args.duration <= MAX_DURATION_S:
@@ -96,13 +116,22 @@ def _check(args: argparse.Namespace) -> None:
         raise InvalidArgumentError("--max-tokens must be >= 1")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise InvalidArgumentError("--temperature must be a finite number >= 0")
+    if args.preset is not None and args.preset not in PRESETS:
+        raise InvalidArgumentError(
+            f"unknown preset {args.preset!r}; known presets: {', '.join(sorted(PRESETS))}"
+        )
+    if args.hf_baseline and args.preset is not None and is_sim_preset(args.preset):
+        raise InvalidArgumentError(
+            f"--hf-baseline does not apply to the simulated preset {args.preset}: its model has "
+            "no device speed under Hugging Face generate (the ideal per level is its reference)"
+        )
     if args.plot and not args.compare:
         raise InvalidArgumentError("--plot needs --compare")
     if args.hf_baseline and not args.compare:
         raise InvalidArgumentError("--hf-baseline needs --compare")
     if args.hf_baseline and args.temperature != 0:
         raise InvalidArgumentError("--hf-baseline measures greedy decoding: use --temperature 0")
-    hf_flags = {"--preset": args.preset, "--serve-config": args.serve_config,
+    hf_flags = {"--serve-config": args.serve_config,
                 "--hf-threads": args.hf_threads,
                 "--hf-method": None if args.hf_method == "auto" else args.hf_method}  # fmt: skip
     given = [flag for flag, value in hf_flags.items() if value is not None]
@@ -119,9 +148,10 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     prompts = [p.text for p in load_prompts(args.prompts)]
     started = time.monotonic()
+    sim = _sim_ideal(args, prompts)
     hf = _load_baseline(args, prompts, started) if args.hf_baseline else None
     try:
-        result = _run(args, prompts, started, hf)
+        result = _run(args, prompts, started, hf, sim)
     finally:  # Ctrl-C too: free the baseline's model
         if hf is not None:
             hf.close()
@@ -130,11 +160,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(
-    args: argparse.Namespace, prompts: list[str], started: float, hf: HFLevels | None
+    args: argparse.Namespace,
+    prompts: list[str],
+    started: float,
+    hf: HFLevels | None,
+    sim: SimIdeal | None = None,
 ) -> dict[str, Any]:
     from cluster.api.client import TandemClient
     from cluster.tools import cleanup
     from cluster.tools.loadtest import run_load
+    from cluster.tools.loadtest_ideal import ideal_of_level
 
     modes = {"speculative": args.draft_tokens}
     if args.compare:
@@ -182,12 +217,17 @@ def _run(
                 level["speedup"] = (
                     level["speculative"]["tokens_per_s"] / level["target_only"]["tokens_per_s"]
                 )
+            if sim is not None:
+                level.update(ideal_of_level(sim, level))
+                _say(started, f"concurrency {concurrency} achieved/ideal: " + ", ".join(
+                    f"{mode} {_fixed(ratio)} (ideal {_ideal_text(level['ideal'], mode)})"
+                    for mode, ratio in level["achieved_over_ideal"].items()))  # fmt: skip
             levels.append(level)
     result = {
         "config": {"address": args.address, "duration_s": args.duration,
                    "max_tokens": args.max_tokens, "draft_tokens": args.draft_tokens,
                    "temperature": args.temperature, "kill": args.kill,
-                   "prompts": args.prompts or "default"},
+                   "prompts": args.prompts or "default", "preset": args.preset},
         "levels": levels,
         "lost": sum(lv[m]["lost"] for lv in levels for m in modes),
         "corrupted": None if reference is None
@@ -197,14 +237,52 @@ def _run(
                    "after": _drained_memory(replicas) if replicas is not None else None},
     }  # fmt: skip
     result["goals"] = goals(levels)
+    if sim is not None:
+        result["sim"] = sim.describe()
     if hf is not None:
         result["hf_baseline"] = hf.describe()
-        result["config"].update(preset=args.preset, serve_config=args.serve_config)
+        result["config"]["serve_config"] = args.serve_config
     return result
 
 
 def _say(started: float, message: str) -> None:
     print(f"[{time.monotonic() - started:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def _sim_ideal(args: argparse.Namespace, prompts: list[str]) -> SimIdeal | None:
+    """What the ideal of every level needs, when `--preset` names a simulated pair: its sources,
+    the block length requests draft, and the prompts' lengths in its tokens."""
+    from cluster.presets import resolve_pair
+    from cluster.routing.request import DEFAULT_DRAFT_TOKENS
+    from cluster.tools.hf_levels import reported_model
+    from cluster.tools.loadtest_ideal import SimIdeal
+    from cluster.tools.sim_bench import is_sim_preset
+    from verifier.runtime.models import load_tokenizer
+
+    if args.preset is None or not is_sim_preset(args.preset):
+        return None
+    pair = resolve_pair(args.preset)
+    reported = reported_model(args.address)
+    if reported is not None and reported not in (args.preset, pair.target.source):
+        raise InvalidArgumentError(
+            f"the service serves {reported!r}, not the preset {args.preset!r}: "
+            "give the --preset it was started with"
+        )
+    tokenizer = load_tokenizer(pair.target).tokenizer
+    lengths = [len(tokenizer.encode(text, add_special_tokens=False)) for text in prompts]
+    k = DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens
+    return SimIdeal.from_sources(args.preset, pair.target.source, pair.draft.source, k, lengths,
+                                 args.max_tokens)  # fmt: skip
+
+
+def _ideal_text(ideal: dict[str, float | None], mode: str) -> str:
+    value = ideal[f"{mode}_tokens_per_s"]
+    return "unbounded: the device costs nothing" if value is None else f"{value:.2f} tokens/s"
+
+
+def _fixed(value: float | None, digits: int = 2) -> str:
+    """A number to `digits` places; "–" for None (an unbounded ideal, or no ratio)."""
+    return "–" if value is None else f"{value:.{digits}f}"
 
 
 def _load_baseline(args: argparse.Namespace, prompts: list[str], started: float) -> HFLevels:
@@ -260,26 +338,56 @@ def _drained_memory(replicas: faults.Replicas, timeout_s: float = 30.0) -> dict[
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = ["| concurrency | mode | tokens/s | requests | TTFT p50 ms | ITL p50 ms | errors |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    """Markdown: a row per level and mode, then the level's speedups; with a sim preset, each
+    mode's ideal tokens/s and achieved/ideal ("–": unbounded, or no ideal for the mode)."""
+    with_ideal = any("ideal" in level for level in result["levels"])
+    header = ["concurrency", "mode", "tokens/s", "requests", "TTFT p50 ms", "ITL p50 ms",
+              "errors", *(["ideal tokens/s", "achieved/ideal"] if with_ideal else [])]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def row(*cells: str) -> str:
+        return "| " + " | ".join([*cells, *[""] * (len(header) - len(cells))]) + " |"
+
     for level in result["levels"]:
+        concurrency = str(level["concurrency"])
         for mode in ("speculative", "target_only", HF_MODE):
             if mode not in level:
                 continue
             run = level[mode]
             ttft, itl = run["ttft_ms"]["p50"], run["itl_ms"]["p50"]
-            lines.append(
-                f"| {level['concurrency']} | {mode} | {run['tokens_per_s']:.2f} | "
-                f"{run['requests']} | {'–' if ttft is None else f'{ttft:.0f}'} | "
-                f"{'–' if itl is None else f'{itl:.0f}'} | "
-                f"{sum(run['errors'].values()) if 'errors' in run else '–'} |"
-            )
+            cells = [concurrency, mode, f"{run['tokens_per_s']:.2f}", str(run["requests"]),
+                     _fixed(ttft, 0), _fixed(itl, 0),
+                     str(sum(run["errors"].values())) if "errors" in run else "–"]  # fmt: skip
+            if with_ideal:
+                ideal = level.get("ideal", {}).get(f"{mode}_tokens_per_s")
+                ratio = level.get("achieved_over_ideal", {}).get(mode)
+                cells += [_fixed(ideal), _fixed(ratio)]
+            lines.append(row(*cells))
         if "speedup" in level:
-            lines.append(f"| {level['concurrency']} | speedup | {level['speedup']:.2f}x | | | | |")
+            lines.append(row(concurrency, "speedup", f"{level['speedup']:.2f}x"))
         over_hf = goals([level])["levels"][0].get(f"speculative_over_{HF_MODE}")
         if over_hf is not None:
-            lines.append(f"| {level['concurrency']} | speedup vs HF | {over_hf:.2f}x | | | | |")
+            lines.append(row(concurrency, "speedup vs HF", f"{over_hf:.2f}x"))
+    sim = result.get("sim")
+    if sim is not None:
+        bounded = any(lv["ideal"]["speculative_tokens_per_s"] for lv in result["levels"])
+        lines += [
+            "",
+            f"ideal: {sim['preset']} ({sim['target']} + {sim['draft']}), alpha "
+            f"{sim['alpha']:.2f}, k {sim['draft_tokens']}, context {sim['context_tokens']:.1f} "
+            f"tokens (prompts {sim['mean_prompt_tokens']:.1f} + half of max_tokens); "
+            "speculative: the better of serial and pipelined"
+            + ("" if bounded else "; –: unbounded, the simulated device costs nothing"),
+        ]
     return "\n".join(lines) + "\n"
+
+
+def _ideal_series(levels: list[dict[str, Any]], mode: str) -> list[float] | None:
+    """`mode`'s ideal tokens/s per level (NaN where unbounded); None if no level has one."""
+    values = [lv.get("ideal", {}).get(f"{mode}_tokens_per_s") for lv in levels]
+    if all(v is None for v in values):
+        return None
+    return [math.nan if v is None else float(v) for v in values]
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -294,8 +402,12 @@ def plot(result: dict[str, Any], path: str) -> None:
     try:
         for mode in ("speculative", "target_only", HF_MODE):
             if all(mode in lv for lv in levels):
-                rate_ax.plot(concurrency, [lv[mode]["tokens_per_s"] for lv in levels],
-                             marker="o", label=mode)  # fmt: skip
+                (line,) = rate_ax.plot(concurrency, [lv[mode]["tokens_per_s"] for lv in levels],
+                                       marker="o", label=mode)  # fmt: skip
+                ideal = _ideal_series(levels, mode)
+                if ideal is not None:
+                    rate_ax.plot(concurrency, ideal, linestyle="--", color=line.get_color(),
+                                 label=f"{mode} ideal")  # fmt: skip
         rate_ax.set_xlabel("concurrent streams")
         rate_ax.set_ylabel("aggregate tokens/s")
         rate_ax.legend()

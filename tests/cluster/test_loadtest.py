@@ -92,7 +92,13 @@ def test_latencies_and_the_deadline_on_a_virtual_clock() -> None:
         (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
         (["--hf-baseline"], "--hf-baseline needs --compare"),
         (["--compare", "--hf-baseline", "--temperature", "1"], "measures greedy decoding"),
-        (["--preset", "tiny", "--hf-threads", "2"], "--preset, --hf-threads needs --hf-baseline"),
+        (["--preset", "tiny", "--hf-threads", "2"], "--hf-threads needs --hf-baseline"),
+        (["--preset", "nope"], "unknown preset 'nope'"),
+        (
+            ["--compare", "--hf-baseline", "--preset", "sim-h100-8b"],
+            "--hf-baseline does not apply to the simulated preset sim-h100-8b",
+        ),
+        (["--hf-baseline", "--preset", "sim-instant"], "does not apply to the simulated preset"),
         (["--compare", "--hf-baseline", "--hf-threads", "0"], "--hf-threads must be >= 1"),
     ],
 )
