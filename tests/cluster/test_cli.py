@@ -93,7 +93,11 @@ def test_streams_text_without_json(capsys: pytest.CaptureFixture[str]) -> None:
         (["--seed", "-4"], "seed"),
         (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
         (["--dtype", "int3"], "dtype must be one of float32, bfloat16, float16"),
-        (["--preset", "nope"], "unknown preset 'nope'; known presets: qwen-coder, sim-h100-8b, sim-h100-8b-a06, sim-instant, tiny"),
+        (
+            ["--preset", "nope"],
+            "unknown preset 'nope'; known presets: qwen-coder, sim-h100-8b, sim-h100-8b-a06, "
+            "sim-instant, tiny",
+        ),
     ],
 )
 def test_bad_flags_get_a_clear_error(
