@@ -116,7 +116,7 @@ class SimCausalLM(PreTrainedModel, GenerationMixin):
         return SimSource(self.config.role, self.config.profile_name).profile
 
     def rows(
-        self, previous: torch.Tensor, current: torch.Tensor, positions: torch.Tensor
+        self, previous: Sequence[int], current: Sequence[int], positions: Sequence[int]
     ) -> torch.Tensor:
         """float32 [n, vocab] next-token logits (see `sim_logits`)."""
         alpha = self.config.alpha if self.config.role == "draft" else None
@@ -129,7 +129,9 @@ class SimCausalLM(PreTrainedModel, GenerationMixin):
         ids = input_ids.long().cpu()
         previous = torch.cat([torch.full((batch, 1), -1), ids[:, :-1]], 1)
         positions = torch.arange(length).expand(batch, -1)
-        logits = self.rows(previous.reshape(-1), ids.reshape(-1), positions.reshape(-1))
+        logits = self.rows(
+            previous.reshape(-1).tolist(), ids.reshape(-1).tolist(), positions.reshape(-1).tolist()
+        )
         return CausalLMOutput(logits=logits.view(batch, length, -1).to(input_ids.device))
 
 
@@ -211,11 +213,7 @@ class SimModelRunner(_BlockAccountedRunner):
                 current.append(held[at])
                 positions.append(at)
             self._blocks.commit(w.seq_id, past + len(w.tokens))
-        logits = self.sim.rows(
-            torch.tensor(previous, dtype=torch.long),
-            torch.tensor(current, dtype=torch.long),
-            torch.tensor(positions, dtype=torch.long),
-        )
+        logits = self.sim.rows(previous, current, positions)
         self.device_s += modelled
         left_s = started + modelled - self._clock()
         if left_s > 0:
