@@ -23,6 +23,7 @@ Random-draw protocol (fixed, because tests replay it): when k > 0, one
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -172,3 +173,25 @@ def rejection_sample(
             row = p_row
     next_token = torch.multinomial(row, 1, generator=generator)  # [1]
     return torch.cat([draft_tokens[:num_accepted], next_token]), num_accepted
+
+
+def greedy_accept(
+    draft_tokens: Sequence[int], targets: Sequence[int], defer_bonus: bool = False
+) -> tuple[int, tuple[int, ...], int | None]:
+    """The greedy rule on argmaxes alone: `targets[i]` is the target's argmax after the block's
+    first i tokens (k + 1 of them). Keeps the longest prefix of `draft_tokens` that matches,
+    then emits the target's token there. Returns (accepted count, tokens, deferred): with
+    `defer_bonus` and all k > 0 drafts accepted, no bonus is emitted and `deferred` is the
+    bonus position's argmax (the next block's stored row); otherwise `deferred` is None.
+    Exactly what `rejection_sample` gives one-hot rows, without building them."""
+    if len(targets) != len(draft_tokens) + 1:
+        raise InvalidArgumentError(
+            f"need {len(draft_tokens) + 1} target tokens for {len(draft_tokens)} drafts, "
+            f"got {len(targets)}"
+        )
+    n = 0
+    while n < len(draft_tokens) and draft_tokens[n] == targets[n]:
+        n += 1
+    if defer_bonus and 0 < len(draft_tokens) == n:
+        return n, tuple(draft_tokens), targets[n]
+    return n, (*draft_tokens[:n], targets[n]), None

@@ -5,8 +5,10 @@ the replica's paged pool, the request's sampling settings and a seeded generator
 task of the replica's engine: the target runs over the last committed token plus the block in
 the engine's next batched step (beside every other session's block), the `k + 1` rows of logits
 become the distribution actually sampled from (temperature, top-k, top-p), and after the step
-every block of the step is accepted in one `batch_rejection_sample` call (each session with its
-own seeded generator, so a request gets the same tokens alone or batched). The emitted tokens are
+every sampled block of the step is accepted in one `batch_rejection_sample` call (each session
+with its own seeded generator, so a request gets the same tokens alone or batched). A greedy
+block needs only the argmaxes of its rows: its task takes them and applies the greedy rule
+(`verifier.rejection.greedy_accept`) itself, with no batched call. The emitted tokens are
 committed and the cache rolled back past the rejected positions (whole KV blocks freed). A block
 with no tokens is plain target decoding through the same path. A deferred bonus keeps only what
 the next block needs (`SessionOutcome.deferred_row`: an argmax, the nonzero entries, or a row).
@@ -19,15 +21,26 @@ from typing import ClassVar
 
 import torch
 
-from verifier.batch_rejection import BatchSession, SessionOutcome, batch_rejection_sample
+from verifier.batch_rejection import (
+    BatchSession,
+    DeferredRow,
+    SessionOutcome,
+    batch_rejection_sample,
+)
+from verifier.rejection import greedy_accept
 from verifier.runtime.block import DraftBlock, Verdict
 from verifier.runtime.component import SessionComponent
 from verifier.runtime.engine import Batched, Task
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.models import LoadedModel
 from verifier.runtime.runner import ModelRunner
-from verifier.runtime.sampling import SparseDistribution, logits_to_probs, to_dense
-from verifier.runtime.session import MAX_BLOCK_TOKENS, SessionLimits, check_token_ids
+from verifier.runtime.sampling import SparseDistribution, argmax_rows, logits_to_probs, to_dense
+from verifier.runtime.session import (
+    MAX_BLOCK_TOKENS,
+    ReplicaSession,
+    SessionLimits,
+    check_token_ids,
+)
 
 
 @dataclass(frozen=True)
@@ -96,26 +109,12 @@ class Verifier(SessionComponent[VerifierConfig]):
         num_rows = num_draft + (stored is None)
         logits = yield from self._forward(session, session.tokens + list(block.tokens), num_rows)
         load = self._engine.step_load() if logits is not None else None
-        if logits is None:
-            rows = torch.empty(0, self.vocab_size, device=self._target.device)
+        if greedy:
+            # Greedy acceptance reads only argmaxes: taken here, where the logits are, and
+            # the rule applied to those k + 1 ids at once (no batched call, no row copied).
+            outcome = _greedy_outcome(logits, stored, block.tokens, defer_bonus)
         else:
-            # A greedy session's acceptance reads only argmaxes: its logits stand for p.
-            rows = logits if greedy else logits_to_probs(logits, session.sampling)
-        outcome: SessionOutcome = yield Batched(
-            self._accept,
-            _Acceptance(
-                rows,
-                block.tokens,
-                BatchSession(
-                    num_draft=num_draft,
-                    greedy=greedy,
-                    generator=session.generator,
-                    draft_probs=_on_device(block.draft_probs, self._target.device),
-                    defer_bonus=defer_bonus,
-                    stored_row=stored,
-                ),
-            ),
-        )
+            outcome = yield from self._sampled_outcome(logits, session, block, defer_bonus)
         session.next_row = outcome.deferred_row
         if outcome.deferred_row is None:
             # Keep the accepted drafts; the newly emitted last token is fed next time.
@@ -129,6 +128,35 @@ class Verifier(SessionComponent[VerifierConfig]):
             bonus_deferred=outcome.deferred_row is not None,
             load=load,
         )
+
+    def _sampled_outcome(
+        self,
+        logits: torch.Tensor | None,
+        session: ReplicaSession,
+        block: DraftBlock,
+        defer_bonus: bool,
+    ) -> Task[SessionOutcome]:
+        """p as used, accepted with every other sampled block of the step in one call."""
+        if logits is None:
+            rows = torch.empty(0, self.vocab_size, device=self._target.device)
+        else:
+            rows = logits_to_probs(logits, session.sampling)
+        outcome: SessionOutcome = yield Batched(
+            self._accept,
+            _Acceptance(
+                rows,
+                block.tokens,
+                BatchSession(
+                    num_draft=len(block.tokens),
+                    greedy=False,
+                    generator=session.generator,
+                    draft_probs=_on_device(block.draft_probs, self._target.device),
+                    defer_bonus=defer_bonus,
+                    stored_row=session.next_row,
+                ),
+            ),
+        )
+        return outcome
 
     def _accept(self, batch: list[_Acceptance]) -> list[SessionOutcome | Exception]:
         """Accept every block of a step in one `batch_rejection_sample` call. A refused batch
@@ -153,6 +181,25 @@ def _accept_together(batch: list[_Acceptance]) -> list[SessionOutcome]:
     drafts = [token for item in batch for token in item.draft_tokens]
     draft_tokens = torch.tensor(drafts, dtype=torch.long, device=rows.device)
     return batch_rejection_sample(rows, draft_tokens, [item.session for item in batch])
+
+
+def _greedy_outcome(
+    logits: torch.Tensor | None,  # [k + 1 - (stored is not None), vocab]
+    stored: DeferredRow | None,
+    draft_tokens: tuple[int, ...],
+    defer_bonus: bool,
+) -> SessionOutcome:
+    """A greedy block's outcome from the argmaxes of its rows (and the stored argmax of a
+    deferred bonus, which stands for position 0)."""
+    targets: list[int] = [] if stored is None else [int(stored)]  # type: ignore[arg-type]
+    if logits is not None and logits.shape[0]:
+        best = argmax_rows(logits)
+        # argmax picks a NaN if there is one; a finite top also rules out +inf and all -inf.
+        if not bool(torch.isfinite(logits.gather(1, best[:, None].to(logits.device))).all()):
+            raise InvalidArgumentError("a greedy row has NaN, +inf or no max")
+        targets += best.tolist()
+    num_accepted, tokens, deferred = greedy_accept(draft_tokens, targets, defer_bonus)
+    return SessionOutcome(num_accepted, tokens, deferred)
 
 
 def _on_device(

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from tests.verifier.rejection_reference import reference_rejection_sample, seeded, token_ids
-from verifier.rejection import rejection_sample
+from verifier.rejection import greedy_accept, rejection_sample
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.sampling import SamplingParams, logits_to_probs, to_dense, to_sparse
 
@@ -224,3 +224,24 @@ def test_invalid_inputs_raise(
 ) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         rejection_sample(target, draft, draft_probs, seeded(0))
+
+
+def test_the_greedy_rule_on_argmaxes_is_rejection_sampling_on_one_hot_rows() -> None:
+    generator = torch.Generator().manual_seed(5)
+    vocab = 6
+    for _ in range(200):
+        k = int(torch.randint(0, 5, (1,), generator=generator))
+        targets = torch.randint(0, vocab, (k + 1,), generator=generator).tolist()
+        drafts = [t if bool(torch.rand(1, generator=generator) < 0.7) else (t + 1) % vocab
+                  for t in targets[:k]]  # fmt: skip
+        rows = torch.nn.functional.one_hot(torch.tensor(targets), vocab).float()
+        out, accepted = rejection_sample(rows, torch.tensor(drafts, dtype=torch.long), None, None)
+        n, tokens, deferred = greedy_accept(drafts, targets)
+        assert (n, list(tokens), deferred) == (accepted, out.tolist(), None)
+        n, tokens, deferred = greedy_accept(drafts, targets, defer_bonus=True)
+        if 0 < k == n:  # all accepted: the bonus waits for the next block
+            assert (tokens, deferred) == (tuple(drafts), targets[k])
+        else:
+            assert deferred is None and tokens[-1] == targets[n]
+    with pytest.raises(InvalidArgumentError, match="need 3 target tokens"):
+        greedy_accept([1, 2], [1, 2])

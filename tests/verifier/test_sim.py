@@ -13,6 +13,7 @@ from verifier.runtime import sim
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.models import LoadedModel, ModelSpec, load_model
 from verifier.runtime.runner import SequenceWork, build_runner
+from verifier.runtime.sampling import SamplingParams
 from verifier.runtime.sim_model import SimCausalLM, SimModelRunner
 
 VOCAB = 4_000
@@ -136,7 +137,10 @@ def test_greedy_through_the_router_equals_the_sim_target_alone() -> None:
     assert verifier.runner == "sim" and verifier.device_s == 0.0  # the instant profile
     for engine in (verifier, drafter):
         assert engine.busy_s >= engine.forward_s + engine.batched_s > 0
-    assert verifier.batched_s > 0  # acceptance runs in a batched handler
+    assert verifier.batched_s == 0  # greedy acceptance runs in each block's own task
+    sampled = GenerationRequest(tuple(prompt), 8, sampling=SamplingParams(temperature=1.0))
+    local.router.generate(sampled, pipelined=False)
+    assert local.verifier.engine.stats().batched_s > 0  # sampled blocks: one batched call
 
 
 def test_ideal_rates_follow_the_acceptance_model() -> None:
