@@ -34,7 +34,7 @@ from verifier.runtime.engine import Batched, Task
 from verifier.runtime.errors import InvalidArgumentError
 from verifier.runtime.models import LoadedModel
 from verifier.runtime.runner import ModelRunner
-from verifier.runtime.sampling import SparseDistribution, argmax_rows, logits_to_probs, to_dense
+from verifier.runtime.sampling import SparseDistribution, greedy_tokens, logits_to_probs, to_dense
 from verifier.runtime.session import (
     MAX_BLOCK_TOKENS,
     ReplicaSession,
@@ -193,11 +193,7 @@ def _greedy_outcome(
     deferred bonus, which stands for position 0)."""
     targets: list[int] = [] if stored is None else [int(stored)]  # type: ignore[arg-type]
     if logits is not None and logits.shape[0]:
-        best = argmax_rows(logits)
-        # argmax picks a NaN if there is one; a finite top also rules out +inf and all -inf.
-        if not bool(torch.isfinite(logits.gather(1, best[:, None].to(logits.device))).all()):
-            raise InvalidArgumentError("a greedy row has NaN, +inf or no max")
-        targets += best.tolist()
+        targets += greedy_tokens(logits)
     num_accepted, tokens, deferred = greedy_accept(draft_tokens, targets, defer_bonus)
     return SessionOutcome(num_accepted, tokens, deferred)
 

@@ -15,6 +15,7 @@ from verifier.runtime.sampling import (
     SamplingParams,
     SparseDistribution,
     argmax_rows,
+    greedy_tokens,
     logits_to_probs,
     sample,
     to_dense,
@@ -302,3 +303,16 @@ def test_argmax_rows_is_torch_argmax_ties_and_nan_included(dtype: torch.dtype) -
     assert got[1:5].tolist() == [10, 0, 4000, 30]
     view = rows[:, 100:]  # a view with a row stride wider than its width
     assert torch.equal(argmax_rows(view), view.argmax(dim=-1))
+
+
+def test_greedy_tokens_are_the_argmaxes_and_refuse_a_row_without_a_finite_best() -> None:
+    rows = torch.tensor([[0.0, 3.0, 3.0], [5.0, -1.0, 2.0]])
+    assert greedy_tokens(rows) == [1, 0]
+    assert greedy_tokens(rows.double()) == [1, 0]  # the torch path
+    for bad in (float("nan"), float("inf")):
+        broken = rows.clone()
+        broken[1, 2] = bad
+        with pytest.raises(InvalidArgumentError, match="greedy row"):
+            greedy_tokens(broken)
+    with pytest.raises(InvalidArgumentError, match="greedy row"):
+        greedy_tokens(torch.full((1, 3), float("-inf")))

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -98,6 +99,23 @@ def argmax_rows(rows: Tensor) -> Tensor:  # rows: [n, vocab] -> int64 [n]
     if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() == 2:
         return torch.from_numpy(rows.detach().numpy().argmax(axis=1)).long()
     return rows.argmax(dim=-1)
+
+
+def greedy_tokens(rows: Tensor) -> list[int]:  # rows: [n, vocab]
+    """Each row's argmax (`argmax_rows`) as ints; InvalidArgumentError when a row's maximum is
+    not finite (a NaN, +inf, or every entry -inf): a greedy choice needs a finite best."""
+    if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() == 2:
+        values = rows.detach().numpy()
+        best = values.argmax(axis=1)
+        finite = bool(np.isfinite(values[np.arange(len(best)), best]).all())
+        tokens = best.tolist()
+    else:
+        best_t = rows.argmax(dim=-1)
+        finite = bool(torch.isfinite(rows.gather(1, best_t[:, None])).all())
+        tokens = best_t.tolist()
+    if not finite:
+        raise InvalidArgumentError("a greedy row has NaN, +inf or no max")
+    return tokens
 
 
 def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:  # logits: [n, vocab]

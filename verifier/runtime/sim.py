@@ -173,8 +173,8 @@ def sim_logits(
     when `alpha` is None, else its draft's.
 
     The keys are hashed in plain integers (a step asks for a few rows; a handful of tensor
-    operations each would cost more than the hashing), then one gather and one scatter per
-    favoured rank build the rows. The first favoured token is the target's argmax: the
+    operations each would cost more than the hashing), then one gather and one scatter build
+    the rows. The first favoured token is the target's argmax: the
     background lies 12 standard deviations below it.
     """
     vocab = table.shape[1]
@@ -183,26 +183,28 @@ def sim_logits(
     rows = table.index_select(
         0, torch.tensor([k % NUM_TAIL_ROWS for k in keys], dtype=torch.long)
     )  # a copy
-    favoured: list[list[int]] = [[] for _ in FAVOURED]
-    for key in keys:
-        for rank in range(len(FAVOURED)):
-            key = _mix(key + 1)
-            favoured[rank].append(FIRST_WORD_ID + key % words)
-    index = torch.arange(len(keys))
-    for rank in reversed(range(len(FAVOURED))):  # the higher rank wins a shared id
-        rows[index, torch.tensor(favoured[rank], dtype=torch.long)] = FAVOURED[rank]
-    if alpha is None or alpha >= 1.0:
-        return rows
-    # The draft puts another word above the target's favourite at a seeded share of rows.
-    swapped, others = [], []
+    favoured: dict[int, float] = {}  # flat index in rows -> logit; the higher rank wins an id
+    top: list[int] = []
     for i, key in enumerate(keys):
-        draw = _mix(key ^ DRAFT_SALT)
-        if (draw % _UNIFORM_STEPS) / _UNIFORM_STEPS >= alpha:
-            offset = 1 + _mix(draw) % (words - 1)  # never the target's favourite itself
-            swapped.append(i)
-            others.append(FIRST_WORD_ID + (favoured[0][i] - FIRST_WORD_ID + offset) % words)
-    if swapped:
-        rows[torch.tensor(swapped), torch.tensor(others)] = FAVOURED[0] + 1.0  # non-empty: ints
+        for rank, value in enumerate(FAVOURED):
+            key = _mix(key + 1)
+            token = FIRST_WORD_ID + key % words
+            favoured.setdefault(i * vocab + token, value)
+            if rank == 0:
+                top.append(token)
+    if alpha is not None and alpha < 1.0:
+        # The draft puts another word above the target's favourite at a seeded share of rows.
+        for i, key in enumerate(keys):
+            draw = _mix(key ^ DRAFT_SALT)
+            if (draw % _UNIFORM_STEPS) / _UNIFORM_STEPS >= alpha:
+                offset = 1 + _mix(draw) % (words - 1)  # never the target's favourite itself
+                other = FIRST_WORD_ID + (top[i] - FIRST_WORD_ID + offset) % words
+                favoured[i * vocab + other] = FAVOURED[0] + 1.0
+    if favoured:
+        flat = rows.view(-1)
+        flat[torch.tensor(list(favoured), dtype=torch.long)] = torch.tensor(
+            list(favoured.values()), dtype=rows.dtype
+        )
     return rows
 
 

@@ -91,6 +91,9 @@ class SimCausalLM(PreTrainedModel, GenerationMixin):
         self.head = torch.nn.Linear(1, config.vocab_size, bias=False)
         self.table: torch.Tensor
         self.register_buffer("table", tail_table(config.vocab_size, config.sim_seed), False)
+        # Read once: a transformers config's attribute access is slow for a per-step path.
+        self._seed = int(config.sim_seed)
+        self._alpha = float(config.alpha) if config.role == "draft" else None
         self.post_init()
 
     @classmethod
@@ -119,8 +122,7 @@ class SimCausalLM(PreTrainedModel, GenerationMixin):
         self, previous: Sequence[int], current: Sequence[int], positions: Sequence[int]
     ) -> torch.Tensor:
         """float32 [n, vocab] next-token logits (see `sim_logits`)."""
-        alpha = self.config.alpha if self.config.role == "draft" else None
-        return sim_logits(self.table, self.config.sim_seed, previous, current, positions, alpha)
+        return sim_logits(self.table, self._seed, previous, current, positions, self._alpha)
 
     def forward(self, input_ids: torch.Tensor, **_: Any) -> CausalLMOutput:
         """Logits at every position of `input_ids` [batch, length], with no cache and no
