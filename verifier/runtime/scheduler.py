@@ -17,9 +17,10 @@ Gathering (`Scheduler.to_gather`). Sessions drift out of phase: one's next call 
 after a step has started without it, so it waits a whole step, and the batch splits into small
 alternating steps. A session whose calls usually come back quickly after its last one finished
 (its return time: the client's turnaround, a few milliseconds for a decode loop) is expected
-back, and a step waits for it up to a small share of the predicted step time (`GATHER_SHARE`,
-at most `MAX_GATHER_S`); one that takes longer (a router drafting before its next verify) is
-not, so one stream never waits for nothing. A session whose last task closed it is not
+back when it is due within a share of the predicted step time (`GATHER_SHARE`, at most
+`MAX_GATHER_S`), and a step waits for it that long at most; one whose return takes longer than
+a step (a router drafting before its next verify) is not, and one stream never waits at all (a
+step waits only when some other session is ready). A session whose last task closed it is not
 expected at all. The scheduler decides whom to wait for and how long; the engine does the
 waiting.
 
@@ -47,9 +48,11 @@ are served before prefill chunks."""
 LONG_SHARE = 4
 """The oldest long item always gets at least max_step_tokens // LONG_SHARE tokens of a step."""
 MAX_GATHER_S = 0.05
-GATHER_SHARE = 0.2
+GATHER_SHARE = 0.5
 """A step waits for sessions about to come back at most GATHER_SHARE of its predicted time,
-and never more than MAX_GATHER_S (`Scheduler.to_gather`)."""
+and never more than MAX_GATHER_S (`Scheduler.to_gather`). A session left behind waits a whole
+step, so waiting for it pays whenever it comes back within a step and the step's cost barely
+grows with its batch (a GPU's decode); half a step bounds what the others pay for it."""
 
 
 class Scheduler:
@@ -111,13 +114,15 @@ class Scheduler:
         if ready >= self.max_step_sequences:
             return set(), 0.0
         window_s = min(MAX_GATHER_S, GATHER_SHARE * predicted_step_s)
-        expected = {
-            key
-            for key, finished in self.finished_at.items()
-            if key not in active
-            and self.return_s.get(key, window_s + 1) <= window_s
-            and self._clock() - finished < window_s
-        }
+        now = self._clock()
+        expected = set()
+        for key, finished in self.finished_at.items():
+            return_s = self.return_s.get(key)
+            if key in active or return_s is None or return_s > predicted_step_s:
+                continue  # busy, never seen back, or slower than a step: not worth a wait
+            due_in_s = finished + return_s - now
+            if -window_s < due_in_s <= window_s:  # due within the window, not long overdue
+                expected.add(key)
         return expected, window_s
 
     # ------------------------------------------------------------------ packing
