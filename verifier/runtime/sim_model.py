@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     GenerationMixin,
     PretrainedConfig,
@@ -42,7 +41,6 @@ from verifier.runtime.sim import (
     tail_table,
 )
 
-END_OF_TEXT = tiny.END_OF_TEXT
 _LETTERS = string.ascii_lowercase
 
 
@@ -139,22 +137,9 @@ class SimCausalLM(PreTrainedModel, GenerationMixin):
 
 def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """Bytes, end of text, then one word per remaining id (" a", " b", ..., " ba", ...)."""
-    alphabet = tiny._byte_to_unicode()
-    vocab = {char: byte for byte, char in alphabet.items()}
-    vocab[END_OF_TEXT] = END_OF_TEXT_ID
-    space = alphabet[ord(" ")]
-    for token_id in range(FIRST_WORD_ID, vocab_size):
-        vocab[space + _word(token_id - FIRST_WORD_ID)] = token_id
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([END_OF_TEXT])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT
-    )
-    tokenizer.chat_template = tiny.CHAT_TEMPLATE
     assert NUM_BYTES == tiny.NUM_BYTES and END_OF_TEXT_ID == tiny.END_OF_TEXT_ID
-    return tokenizer
+    words = [" " + _word(i) for i in range(vocab_size - FIRST_WORD_ID)]
+    return tiny.build_tokenizer(words)
 
 
 def _word(index: int) -> str:

@@ -16,6 +16,8 @@ always gives the same models.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -57,10 +59,15 @@ def _byte_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte tokenizer: token id == byte value, plus the end-of-text token; ChatML template."""
-    vocab = {char: byte for byte, char in _byte_to_unicode().items()}
+def build_tokenizer(words: Sequence[str] = ()) -> PreTrainedTokenizerFast:
+    """A byte tokenizer: token id == byte value, plus the end-of-text token; ChatML template.
+    `words` take the ids after it, in order (decoded as they are written; never produced by
+    encoding, which has no merges)."""
+    alphabet = _byte_to_unicode()
+    vocab = {char: byte for byte, char in alphabet.items()}
     vocab[END_OF_TEXT] = END_OF_TEXT_ID
+    for token_id, word in enumerate(words, start=END_OF_TEXT_ID + 1):
+        vocab["".join(alphabet[b] for b in word.encode())] = token_id
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
