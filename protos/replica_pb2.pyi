@@ -45,9 +45,9 @@ class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+    token_ids: bytes
+    probs: bytes
+    def __init__(self, token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
     __slots__ = ("base_length", "token_ids", "draft_probs", "load")

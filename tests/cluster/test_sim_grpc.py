@@ -50,4 +50,3 @@ def test_greedy_over_grpc_equals_the_sim_target_alone() -> None:
     assert after.device_s - before.device_s >= steps * PROFILES["h100-8b"].base_s
     assert after.forward_s - before.forward_s >= after.device_s - before.device_s
     assert steps > 0
-

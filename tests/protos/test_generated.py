@@ -4,12 +4,14 @@ import shutil
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 import pytest
 from google.protobuf.descriptor import FileDescriptor
 from google.protobuf.message import Message
 
 from protos import generate_pb2, replica_pb2, sampling_pb2
 from protos.build import GENERATED_PATTERNS, PACKAGE, REPO_ROOT, find_drift
+from tests.wire_messages import raw_sparse
 
 
 def test_checked_in_code_matches_protos() -> None:
@@ -125,14 +127,20 @@ def test_draft_block_with_sparse_probs_round_trips() -> None:
         base_length=17,
         token_ids=[42, 7],
         draft_probs=[
-            replica_pb2.SparseDistribution(token_ids=[42, 3, 9], probs=[0.5, 0.25, 0.25]),
-            replica_pb2.SparseDistribution(token_ids=[7], probs=[1.0]),
+            raw_sparse(token_ids=[42, 3, 9], probs=[0.5, 0.25, 0.25]),
+            raw_sparse(token_ids=[7], probs=[1.0]),
         ],
     )
     parsed = _round_trip(block)
     assert parsed.base_length == 17
-    assert [list(q.token_ids) for q in parsed.draft_probs] == [[42, 3, 9], [7]]
-    assert [list(q.probs) for q in parsed.draft_probs] == [[0.5, 0.25, 0.25], [1.0]]
+    assert [np.frombuffer(q.token_ids, "<i4").tolist() for q in parsed.draft_probs] == [
+        [42, 3, 9],
+        [7],
+    ]
+    assert [np.frombuffer(q.probs, "<f4").tolist() for q in parsed.draft_probs] == [
+        [0.5, 0.25, 0.25],
+        [1.0],
+    ]
 
     request = replica_pb2.VerifyRequest(session_id="s-1", block=block)
     assert replica_pb2.VerifyRequest.FromString(request.SerializeToString()) == request

@@ -19,6 +19,7 @@ import pytest
 from drafter.drafter import Drafter
 from protos import replica_pb2, replica_pb2_grpc, sampling_pb2
 from tests.replicas import serve_drafter, serve_verifier
+from tests.wire_messages import raw_sparse
 from verifier.replica.rpc import INTERNAL_ERROR_MESSAGE, CallGuard, start_server, status_code
 from verifier.runtime import errors
 from verifier.runtime.models import LoadedModel
@@ -227,28 +228,24 @@ def test_garbage_draft_request_gets_a_precise_code(
 
 GARBAGE_BLOCKS = {
     "probs for some tokens": (
-        replica_pb2.DraftBlock(
-            token_ids=[1, 2], draft_probs=[replica_pb2.SparseDistribution(token_ids=[1])]
-        ),
+        replica_pb2.DraftBlock(token_ids=[1, 2], draft_probs=[raw_sparse(token_ids=[1])]),
         "block has 2 tokens but 1 draft distributions",
     ),
     "ids without probs": (
-        replica_pb2.DraftBlock(
-            token_ids=[1], draft_probs=[replica_pb2.SparseDistribution(token_ids=[1])]
-        ),
+        replica_pb2.DraftBlock(token_ids=[1], draft_probs=[raw_sparse(token_ids=[1])]),
         "draft_probs[0] has 1 token ids but 0 probabilities",
     ),
     "negative q": (
         replica_pb2.DraftBlock(
             token_ids=[1],
-            draft_probs=[replica_pb2.SparseDistribution(token_ids=[1, 2], probs=[1.5, -0.5])],
+            draft_probs=[raw_sparse(token_ids=[1, 2], probs=[1.5, -0.5])],
         ),
         "sparse row 0 has probabilities not finite and >= 0",
     ),
     "q id out of vocab": (
         replica_pb2.DraftBlock(
             token_ids=[1],
-            draft_probs=[replica_pb2.SparseDistribution(token_ids=[-1], probs=[1.0])],
+            draft_probs=[raw_sparse(token_ids=[-1], probs=[1.0])],
         ),
         "sparse row 0 has token ids outside",
     ),

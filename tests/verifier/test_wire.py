@@ -12,6 +12,7 @@ import torch
 from google.protobuf.message import Message
 
 from protos import replica_pb2, sampling_pb2
+from tests.wire_messages import raw_sparse
 from verifier.replica import wire
 from verifier.runtime.block import DraftBlock, StepLoad, Verdict
 from verifier.runtime.engine_stats import EngineStats
@@ -105,7 +106,7 @@ def test_sparse_q_round_trips_bit_for_bit() -> None:
 
 
 def test_sparse_with_mismatched_counts_is_refused_naming_the_row() -> None:
-    message = replica_pb2.SparseDistribution(token_ids=[1, 2, 3], probs=[0.5, 0.5])
+    message = raw_sparse(token_ids=[1, 2, 3], probs=[0.5, 0.5])
     with pytest.raises(InvalidArgumentError, match=r"draft_probs\[4\] has 3 token ids but 2"):
         wire.sparse_from_wire(message, "draft_probs[4]")
 
@@ -124,7 +125,7 @@ def test_sparse_contents_are_left_to_to_dense(
     ids: list[int], probs: list[float], reason: str
 ) -> None:
     # The wire cannot know the vocabulary; to_dense, which the verifier runs, rejects these.
-    row = wire.sparse_from_wire(replica_pb2.SparseDistribution(token_ids=ids, probs=probs))
+    row = wire.sparse_from_wire(raw_sparse(token_ids=ids, probs=probs))
     with pytest.raises(InvalidArgumentError, match=reason):
         to_dense([row], vocab_size=10)
 
@@ -178,7 +179,7 @@ def test_block_with_wrong_number_of_distributions_is_refused() -> None:
     message = replica_pb2.DraftBlock(
         base_length=3,
         token_ids=[1, 2],
-        draft_probs=[replica_pb2.SparseDistribution(token_ids=[1], probs=[1.0])],
+        draft_probs=[raw_sparse(token_ids=[1], probs=[1.0])],
     )
     with pytest.raises(InvalidArgumentError, match="2 tokens but 1 draft distributions"):
         wire.block_from_wire(message)
@@ -188,8 +189,8 @@ def test_block_row_mismatch_names_its_position() -> None:
     message = replica_pb2.DraftBlock(
         token_ids=[1, 2],
         draft_probs=[
-            replica_pb2.SparseDistribution(token_ids=[1], probs=[1.0]),
-            replica_pb2.SparseDistribution(token_ids=[2], probs=[0.5, 0.5]),
+            raw_sparse(token_ids=[1], probs=[1.0]),
+            raw_sparse(token_ids=[2], probs=[0.5, 0.5]),
         ],
     )
     with pytest.raises(InvalidArgumentError, match=r"draft_probs\[1\] has 1 token ids but 2"):

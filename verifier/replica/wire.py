@@ -12,10 +12,11 @@ replica's own state and is checked there: token ids against the vocabulary, leng
 the session, and a sparse row's contents (empty, repeated ids, negative or NaN probabilities)
 by `sampling.to_dense`. Each failure is an `InvalidArgumentError` naming the field.
 
-Exactness: sparse probabilities travel as float32 and `SparseDistribution.probs` is float32,
-so q round-trips bit for bit (docs/architecture.md, invariant 1). `SamplingParams.temperature` and
-`top_p` travel as float32 too, so a value that float32 cannot hold (0.7) comes back rounded to the
-nearest one; the sampling code computes in float32, so the distribution is the same.
+Exactness: sparse probabilities travel as raw float32 bytes (ids as int32 bytes, both
+little-endian) and `SparseDistribution.probs` is float32, so q round-trips bit for bit
+(docs/architecture.md, invariant 1). `SamplingParams.temperature` and `top_p` travel as
+float32 too, so a value that float32 cannot hold (0.7) comes back rounded to the nearest one;
+the sampling code computes in float32, so the distribution is the same.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from protos import replica_pb2, sampling_pb2
@@ -35,6 +37,9 @@ from verifier.runtime.session import ReplicaStats
 MAX_INT32 = 2**31 - 1
 MAX_UINT32 = 2**32 - 1
 MAX_UINT64 = 2**64 - 1
+_INT32_LE = np.dtype("<i4")
+_FLOAT32_LE = np.dtype("<f4")
+"""The byte layout of a sparse row's arrays on the wire, whatever the host's byte order."""
 
 
 def session_id_from_wire(session_id: str) -> str:
@@ -92,23 +97,36 @@ def sampling_from_wire(message: sampling_pb2.SamplingParams) -> SamplingParams:
 
 
 def sparse_to_wire(row: SparseDistribution) -> replica_pb2.SparseDistribution:
+    """Ids as little-endian int32 bytes, probabilities as little-endian float32 bytes."""
+    ids = row.token_ids.detach().cpu()
+    if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) <= MAX_INT32):
+        bad = int(((ids < 0) | (ids > MAX_INT32)).nonzero()[0, 0])
+        raise InvalidArgumentError(
+            f"token_ids[{bad}] = {int(ids[bad])} is not a token id (0..{MAX_INT32})"
+        )
     return replica_pb2.SparseDistribution(
-        token_ids=token_ids_to_wire(row.token_ids.tolist(), "token_ids"),
-        probs=row.probs.tolist(),
+        token_ids=ids.numpy().astype(_INT32_LE).tobytes(),
+        probs=row.probs.detach().cpu().to(torch.float32).numpy().astype(_FLOAT32_LE).tobytes(),
     )
 
 
 def sparse_from_wire(
     message: replica_pb2.SparseDistribution, what: str = "sparse distribution"
 ) -> SparseDistribution:
-    """Ids and probabilities as sent; only their counts are checked (see the module doc)."""
-    if len(message.token_ids) != len(message.probs):
+    """Ids and probabilities as sent; only their sizes and counts are checked (see the module
+    doc)."""
+    for field in ("token_ids", "probs"):
+        if len(getattr(message, field)) % 4:
+            raise InvalidArgumentError(f"{what}.{field} is not a whole number of 4-byte values")
+    ids = np.frombuffer(message.token_ids, dtype=_INT32_LE)
+    probs = np.frombuffer(message.probs, dtype=_FLOAT32_LE)
+    if len(ids) != len(probs):
         raise InvalidArgumentError(
-            f"{what} has {len(message.token_ids)} token ids but {len(message.probs)} probabilities"
+            f"{what} has {len(ids)} token ids but {len(probs)} probabilities"
         )
     return SparseDistribution(
-        token_ids=torch.tensor(list(message.token_ids), dtype=torch.int64),
-        probs=torch.tensor(list(message.probs), dtype=torch.float32),
+        token_ids=torch.from_numpy(ids.astype(np.int64)),
+        probs=torch.from_numpy(probs.astype(np.float32)),  # a native, writable copy
     )
 
 
