@@ -27,6 +27,7 @@ from protos import generate_pb2, generate_pb2_grpc, replica_pb2, replica_pb2_grp
 from tests.cluster.grpc_front import serve_local
 from tests.conftest import encode
 from tests.replicas import serve_drafter, serve_verifier
+from tests.wire_messages import raw_sparse
 from verifier.replica.rpc import SECRET_METADATA_KEY
 from verifier.runtime.models import LoadedModel
 from verifier.verifier import Verifier
@@ -120,10 +121,18 @@ def blocks(draw: st.DrawFn) -> replica_pb2.DraftBlock:
     tokens = draw(st.lists(st.one_of(st.integers(0, 300), int32s), max_size=6))
     rows = draw(
         st.lists(
-            st.builds(
-                replica_pb2.SparseDistribution,
-                token_ids=st.lists(st.one_of(st.integers(0, 300), int32s), max_size=5),
-                probs=st.lists(floats32, max_size=5),
+            st.one_of(
+                st.builds(
+                    raw_sparse,
+                    token_ids=st.lists(st.one_of(st.integers(0, 300), int32s), max_size=5),
+                    probs=st.lists(floats32, max_size=5),
+                ),
+                # Bytes that are no whole number of 4-byte values, or anything at all.
+                st.builds(
+                    replica_pb2.SparseDistribution,
+                    token_ids=st.binary(max_size=22),
+                    probs=st.binary(max_size=22),
+                ),
             ),
             max_size=7,
         )
