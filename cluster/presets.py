@@ -2,7 +2,7 @@
 
 A preset names the pair; `--target`, `--draft`, `--dtype` and `--device` override parts of it.
 Any Hugging Face hub id, local folder or GGUF file works as a source (see
-`verifier.runtime.models`). `qwen-coder` is a model pack (`verifier.runtime.packs`): its sources
+`cluster.runtime.models`). `qwen-coder` is a model pack (`cluster.runtime.packs`): its sources
 are the converted folders in the pack cache, the one of the requested dtype (bf16 by default;
 float16 loads the fp32 folder and casts). Building a pair does no I/O; loading an unfetched pack
 says how to fetch it.
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.models import TINY_DRAFT, TINY_TARGET, ModelSpec
-from verifier.runtime.packs import PACK_DTYPES, PACKS, model_dir
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.models import TINY_DRAFT, TINY_TARGET, ModelSpec
+from cluster.runtime.packs import PACK_DTYPES, PACKS, model_dir
 
 DEFAULT_PRESET = "tiny"
 
@@ -36,9 +36,9 @@ class Preset:
     draft: str = ""
     pack: str | None = None
     draft_quantization: str = "none"
-    """The draft's weights by default (`verifier.runtime.quantize`); the target's never."""
+    """The draft's weights by default (`cluster.runtime.quantize`); the target's never."""
     draft_vocab: int = 0
-    """The draft's trimmed vocabulary by default (`verifier.runtime.vocab`; 0: all ids)."""
+    """The draft's trimmed vocabulary by default (`cluster.runtime.vocab`; 0: all ids)."""
 
     def pair(self, dtype: str | None) -> ModelPair:
         chosen = dtype or self.default_dtype
@@ -64,10 +64,10 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(default_dtype="float32", target=TINY_TARGET, draft=TINY_DRAFT),
     # int8 weight-only drafts: 84 ms/token against 129 in bf16 on one CPU thread, agreement
-    # with the target unchanged, and batch-invariant (verifier.runtime.quantize); scoring the
+    # with the target unchanged, and batch-invariant (cluster.runtime.quantize); scoring the
     # 65,536 most frequent of 151,936 ids: ~69 ms/token, agreement 80.3% against 80.9%
-    # (verifier.runtime.vocab; docs/models.md).
-    # Simulated devices (verifier.runtime.sim; docs/simulated-device.md): the real path with the
+    # (cluster.runtime.vocab; docs/models.md).
+    # Simulated devices (cluster.runtime.sim; docs/simulated-device.md): the real path with the
     # forward pass replaced by modelled time. An 8B target on an H100 beside a 0.5B draft on
     # an A10G, the draft agreeing with the target's greedy choice at 0.8 (or 0.6).
     "sim-h100-8b": Preset(

@@ -2,6 +2,6 @@
 
 Core: `ngram` (prompt lookup, no model) and `drafter.Drafter` (a small causal LM with a
 per-session KV cache; a plain class). Shell: `servicer` (gRPC) and `deployment` (Serve body).
-It builds on the shared runtime (`verifier.runtime`, `verifier.replica`), never on the
-verifier's own modules, and never imports `cluster`.
+It builds on the shared runtime (`cluster.runtime`, `cluster.replica`), never on the
+verifier, and never imports the router side of `cluster`.
 """

@@ -1,15 +1,15 @@
 """The drafter replica as a Serve deployment body (the app builder applies `serve.deployment`).
 
-The shared body (`verifier.replica.deployment.ComponentReplica`) loads the draft model and
+The shared body (`cluster.replica.deployment.ComponentReplica`) loads the draft model and
 hosts a `Drafter` behind its `DrafterServicer`.
 """
 
 from __future__ import annotations
 
+from cluster.replica.deployment import ComponentReplica
+from cluster.runtime.models import LoadedModel
 from drafter.drafter import Drafter, DrafterConfig
 from drafter.servicer import DrafterServicer
-from verifier.replica.deployment import ComponentReplica
-from verifier.runtime.models import LoadedModel
 
 
 class DrafterReplica(ComponentReplica[DrafterConfig]):

@@ -22,13 +22,13 @@ from typing import ClassVar
 
 import torch
 
-from verifier.runtime.block import DraftBlock
-from verifier.runtime.component import SessionComponent
-from verifier.runtime.engine import Task
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.runner import ModelRunner
-from verifier.runtime.sampling import (
+from cluster.runtime.block import DraftBlock
+from cluster.runtime.component import SessionComponent
+from cluster.runtime.engine import Task
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.runner import ModelRunner
+from cluster.runtime.sampling import (
     SamplingParams,
     SparseDistribution,
     argmax_rows,
@@ -36,7 +36,7 @@ from verifier.runtime.sampling import (
     sample,
     to_sparse,
 )
-from verifier.runtime.session import MAX_BLOCK_TOKENS, SessionLimits, check_seed, check_token_ids
+from cluster.runtime.session import MAX_BLOCK_TOKENS, SessionLimits, check_seed, check_token_ids
 
 # XOR-ed into the request seed so that the drafter's draws are independent of the verifier's:
 # acceptance is only exact when the draft token and the acceptance test use separate randomness.

@@ -1,7 +1,7 @@
 """The drafter's gRPC servicer: `tandem.v1.Drafter` over a plain `Drafter`.
 
-A thin adapter: the session RPCs come from `SessionServicer` (verifier/replica/servicer.py); the
-one of its own, Draft, converts the request with `verifier.replica.wire`, calls the drafter
+A thin adapter: the session RPCs come from `SessionServicer` (cluster/replica/servicer.py); the
+one of its own, Draft, converts the request with `cluster.replica.wire`, calls the drafter
 under the servicer's `CallGuard` (errors become gRPC statuses; calls run concurrently, batched
 by the drafter's engine), and converts the block back.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import grpc
 
+from cluster.replica import wire
+from cluster.replica.servicer import SessionServicer
 from drafter.drafter import Drafter
 from protos import replica_pb2, replica_pb2_grpc
-from verifier.replica import wire
-from verifier.replica.servicer import SessionServicer
 
 
 class DrafterServicer(SessionServicer[Drafter], replica_pb2_grpc.DrafterServicer):

@@ -14,8 +14,8 @@ import torch
 from cluster.local import LocalTandem, build_local
 from cluster.presets import resolve_pair
 from cluster.routing.request import GenerationRequest
-from verifier.runtime.models import TINY_DRAFT, TINY_TARGET, LoadedModel, ModelSpec, load_model
-from verifier.runtime.packs import CACHE_ENV
+from cluster.runtime.models import TINY_DRAFT, TINY_TARGET, LoadedModel, ModelSpec, load_model
+from cluster.runtime.packs import CACHE_ENV
 
 # The tiny models are far too small to gain from intra-op threads, and pipelined tests run
 # drafter and verifier at once: one thread each keeps 2 cores from being oversubscribed.

@@ -1,6 +1,6 @@
 """A drafter or verifier replica's gRPC server on its own (no Serve, no registry), for tests.
 
-`serve_replica` starts a server with one side's servicer (see `verifier.replica.rpc.start_server`
+`serve_replica` starts a server with one side's servicer (see `cluster.replica.rpc.start_server`
 for the options); `serve_drafter` and `serve_verifier` build that servicer over a component.
 """
 
@@ -10,10 +10,10 @@ from typing import Any
 
 import grpc
 
+from cluster.replica.rpc import DEFAULT_MAX_CONCURRENT_RPCS, DEFAULT_MAX_WORKERS, start_server
+from cluster.replica.servicer import SessionServicer
 from drafter.drafter import Drafter
 from drafter.servicer import DrafterServicer
-from verifier.replica.rpc import DEFAULT_MAX_CONCURRENT_RPCS, DEFAULT_MAX_WORKERS, start_server
-from verifier.replica.servicer import SessionServicer
 from verifier.servicer import VerifierServicer
 from verifier.verifier import Verifier
 

@@ -1,15 +1,10 @@
-"""The verifier side, and the shared runtime that both sides stand on.
+"""The verifier side: the target checks a draft block in one forward pass.
 
-- `verifier.runtime`: the model runtime both the drafter and the verifier use, so that it lives
-  once: errors, sampling transforms (logits to the distribution actually used), draft blocks and
-  verdicts, model loading, the tiny test pair, model packs, the per-sequence KV cache and the
-  per-session state. No Ray, no gRPC (an import contract in `make lint`).
-- `verifier.replica`: hosting a replica of either side: the gRPC server and status codes
-  (`rpc`), proto <-> plain types (`wire`), heartbeats and draining (`host`), the session RPCs
-  (`servicer`) and the Serve body (`deployment`) both sides share.
-- Core: `rejection` (the lossless acceptance rule, pure tensors) and `verifier.Verifier` (the
-  target checks a block in one forward pass; a plain class).
+- Core: `rejection` (the lossless acceptance rule, pure tensors), `batch_rejection`,
+  `batch_layout` and `batch_inputs` (the same rule over a step's blocks at once) and
+  `verifier.Verifier` (a plain class).
 - Shell: `servicer` (the gRPC adapter) and `deployment` (the Serve body).
 
-Nothing here imports `drafter` or `cluster`.
+It stands on `cluster.runtime` (the model runtime both sides share) and `cluster.replica` (the
+replica host both sides share); it never imports `drafter` or the router side of `cluster`.
 """

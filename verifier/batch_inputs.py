@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.sampling import SparseDistribution
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.sampling import SparseDistribution
 
 DeferredRow = int | SparseDistribution | Tensor
 """p at the position after a fully accepted block whose bonus was deferred, stored exactly and

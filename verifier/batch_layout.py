@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from cluster.runtime.sampling import SparseDistribution, argmax_rows
 from verifier.batch_inputs import (
     BatchSession,
     Checks,
@@ -28,7 +29,6 @@ from verifier.batch_inputs import (
     owner,
     problem_of,
 )
-from verifier.runtime.sampling import SparseDistribution, argmax_rows
 
 
 class Batch:

@@ -14,7 +14,7 @@ Layout, flattened in session order
                   sampled session's rows are p as actually used (`logits_to_probs` output);
                   a greedy session's rows are its logits or its one-hot p: only the argmax is
                   read, so nobody builds one-hot rows for it. Turning logits into p stays in
-                  `verifier.runtime.sampling`, the one place that does it.
+                  `cluster.runtime.sampling`, the one place that does it.
     draft_tokens  [K] int64, K = sum(k_i).
 
 What is vectorised: one argmax per run of consecutive greedy sessions; one gather of p(x) and
@@ -46,9 +46,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cluster.runtime.sampling import SparseDistribution
 from verifier.batch_inputs import BatchSession, DeferredRow, SparseQ
 from verifier.batch_layout import Batch
-from verifier.runtime.sampling import SparseDistribution
 
 __all__ = ["BatchSession", "DeferredRow", "SessionOutcome", "batch_rejection_sample"]
 

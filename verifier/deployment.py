@@ -1,13 +1,13 @@
 """The verifier replica as a Serve deployment body (the app builder applies `serve.deployment`).
 
-The shared body (`verifier.replica.deployment.ComponentReplica`) loads the target and hosts a
+The shared body (`cluster.replica.deployment.ComponentReplica`) loads the target and hosts a
 `Verifier` behind its `VerifierServicer`.
 """
 
 from __future__ import annotations
 
-from verifier.replica.deployment import ComponentReplica
-from verifier.runtime.models import LoadedModel
+from cluster.replica.deployment import ComponentReplica
+from cluster.runtime.models import LoadedModel
 from verifier.servicer import VerifierServicer
 from verifier.verifier import Verifier, VerifierConfig
 

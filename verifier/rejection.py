@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from verifier.runtime.errors import InvalidArgumentError
+from cluster.runtime.errors import InvalidArgumentError
 
 
 def _rows_are_distributions(probs: Tensor) -> bool:  # probs: [rows, vocab]
@@ -110,7 +110,7 @@ def rejection_sample(
     (one-hot rows for a greedy target). `draft_probs[i]` is the q that draft token i was
     sampled from; None means the drafter chose deterministically, so q is one-hot at each
     draft token. A drafter that sent a sparse (truncated) q is expanded by the caller with
-    `verifier.runtime.sampling.to_dense` first: this function takes dense rows only, so there is one
+    `cluster.runtime.sampling.to_dense` first: this function takes dense rows only, so there is one
     code path and the residual max(0, p - q) is a plain vector difference. p and q are
     compared in float32 whatever their dtype.
 

@@ -1,7 +1,7 @@
 """The verifier's gRPC servicer: `tandem.v1.Verifier` over a plain `Verifier`.
 
-A thin adapter: the session RPCs come from `SessionServicer` (verifier/replica/servicer.py); the
-one of its own, Verify, converts the block with `verifier.replica.wire`, calls the verifier
+A thin adapter: the session RPCs come from `SessionServicer` (cluster/replica/servicer.py); the
+one of its own, Verify, converts the block with `cluster.replica.wire`, calls the verifier
 under the servicer's `CallGuard` (errors become gRPC statuses; calls run concurrently, batched
 by the verifier's engine), and converts the verdict back.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import grpc
 
+from cluster.replica import wire
+from cluster.replica.servicer import SessionServicer
 from protos import replica_pb2, replica_pb2_grpc
-from verifier.replica import wire
-from verifier.replica.servicer import SessionServicer
 from verifier.verifier import Verifier
 
 

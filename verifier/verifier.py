@@ -21,6 +21,19 @@ from typing import ClassVar
 
 import torch
 
+from cluster.runtime.block import DraftBlock, Verdict
+from cluster.runtime.component import SessionComponent
+from cluster.runtime.engine import Batched, Task
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.runner import ModelRunner
+from cluster.runtime.sampling import SparseDistribution, greedy_tokens, logits_to_probs, to_dense
+from cluster.runtime.session import (
+    MAX_BLOCK_TOKENS,
+    ReplicaSession,
+    SessionLimits,
+    check_token_ids,
+)
 from verifier.batch_rejection import (
     BatchSession,
     DeferredRow,
@@ -28,19 +41,6 @@ from verifier.batch_rejection import (
     batch_rejection_sample,
 )
 from verifier.rejection import greedy_accept
-from verifier.runtime.block import DraftBlock, Verdict
-from verifier.runtime.component import SessionComponent
-from verifier.runtime.engine import Batched, Task
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.runner import ModelRunner
-from verifier.runtime.sampling import SparseDistribution, greedy_tokens, logits_to_probs, to_dense
-from verifier.runtime.session import (
-    MAX_BLOCK_TOKENS,
-    ReplicaSession,
-    SessionLimits,
-    check_token_ids,
-)
 
 
 @dataclass(frozen=True)

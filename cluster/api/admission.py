@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.api.tenants import QuotaExceededError
-from verifier.runtime.errors import DeadlineExceededError, InvalidArgumentError
+from cluster.runtime.errors import DeadlineExceededError, InvalidArgumentError
 
 QUEUE_FULL_RETRY_S = 1.0
 """When to retry after a full queue: a few requests' worth of time at least."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from verifier.runtime.errors import InvalidArgumentError, TandemError
+from cluster.runtime.errors import InvalidArgumentError, TandemError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -52,8 +52,8 @@ from cluster.api.openai_schema import (
 )
 from cluster.api.service import ANONYMOUS_CALL, Caller, check_context
 from cluster.api.status import INTERNAL_ERROR_MESSAGE, status_of
+from cluster.runtime.errors import InvalidArgumentError, TandemError
 from protos import generate_pb2, sampling_pb2
-from verifier.runtime.errors import InvalidArgumentError, TandemError
 
 if TYPE_CHECKING:
     from cluster.api.service import TandemService

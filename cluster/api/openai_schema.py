@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from cluster.api.chat import CHAT_ROLES
 from cluster.routing.request import MAX_DRAFT_TOKENS, MAX_STOP_SEQUENCES
-from verifier.runtime.errors import InvalidArgumentError
+from cluster.runtime.errors import InvalidArgumentError
 
 Route = Literal["completions", "chat.completions"]
 MAX_INT32 = 2**31 - 1

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from verifier.runtime.errors import TandemError
+from cluster.runtime.errors import TandemError
 
 
 class RequestNotFoundError(TandemError):

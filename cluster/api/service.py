@@ -64,6 +64,7 @@ from cluster.api.convert import finish_reason_to_proto, stats_to_proto
 from cluster.api.running import RunningRequests
 from cluster.api.tenants import Tenant, Tenants
 from cluster.metrics import TandemMetrics
+from cluster.replica.wire import sampling_from_wire
 from cluster.routing.request import (
     DEFAULT_DRAFT_TOKENS,
     MAX_DRAFT_TOKENS,
@@ -73,10 +74,9 @@ from cluster.routing.request import (
     SpeculationStats,
 )
 from cluster.routing.router import Router
+from cluster.runtime.errors import DeadlineExceededError, InvalidArgumentError, TandemError
+from cluster.runtime.session import DEFAULT_MAX_CONTEXT_TOKENS
 from protos import generate_pb2
-from verifier.replica.wire import sampling_from_wire
-from verifier.runtime.errors import DeadlineExceededError, InvalidArgumentError, TandemError
-from verifier.runtime.session import DEFAULT_MAX_CONTEXT_TOKENS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from verifier.runtime.errors import InvalidArgumentError, ResourceExhaustedError, TandemError
+from cluster.runtime.errors import InvalidArgumentError, ResourceExhaustedError, TandemError
 
 AUTHORIZATION_METADATA_KEY = "authorization"
 BEARER_PREFIX = "Bearer "

@@ -53,9 +53,9 @@ def add_to(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cluster.cli.output import write_result
+    from cluster.runtime.errors import InvalidArgumentError
     from cluster.tools.bench import run_bench
     from cluster.tools.bench_report import format_table, plot
-    from verifier.runtime.errors import InvalidArgumentError
 
     if args.repeats < 3:
         raise InvalidArgumentError(

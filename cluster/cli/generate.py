@@ -12,7 +12,7 @@ which the server renders with the target model's chat template, as an instruct m
 `--prompt-lookup` and `--adaptive-draft` set up its router, so they belong to `--local`: a server
 has picked its own, and giving one with `--address` is an error. They default to None so
 that "given" can be told from "left alone"; names and values are checked by `cluster.presets`
-/ `verifier.runtime.models` when the models are loaded. Unset `--seed`,
+/ `cluster.runtime.models` when the models are loaded. Unset `--seed`,
 `--draft-tokens` and `--pipelined` leave the request field unset, meaning the service's default.
 """
 
@@ -32,9 +32,9 @@ from cluster.api.client_types import (
     chunk_from_proto,
     result_from_response,
 )
+from cluster.runtime.errors import InvalidArgumentError
 from cluster.serve import local_cluster
 from protos import generate_pb2
-from verifier.runtime.errors import InvalidArgumentError
 
 JSON_KEYS = (
     "tokens",

@@ -25,7 +25,7 @@ level speculative's tokens/s over target_only's and over hf_target_batched's, an
 8 streams over 1 when both levels ran.
 
 `--preset NAME` says which pair the service runs (loadtest cannot always ask it). A simulated
-preset (`sim-...`, `verifier.runtime.sim`) adds the analytic ideal of every level and mode
+preset (`sim-...`, `cluster.runtime.sim`) adds the analytic ideal of every level and mode
 (`cluster.tools.loadtest_ideal`): `ideal` (aggregate tokens/s a perfect system would reach at
 that many streams: speculative, the better of serial and pipelined rounds, at the draft's
 alpha and the requests' block length, `--draft-tokens` else the service's default; target-only;
@@ -45,9 +45,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from cluster.runtime.errors import InvalidArgumentError
 from cluster.serve import local_cluster
 from cluster.tools import faults
-from verifier.runtime.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from cluster.tools.hf_levels import HFLevels
@@ -254,10 +254,10 @@ def _sim_ideal(args: argparse.Namespace, prompts: list[str]) -> SimIdeal | None:
     the block length requests draft, and the prompts' lengths in its tokens."""
     from cluster.presets import resolve_pair
     from cluster.routing.request import DEFAULT_DRAFT_TOKENS
+    from cluster.runtime.models import load_tokenizer
     from cluster.tools.hf_levels import reported_model
     from cluster.tools.loadtest_ideal import SimIdeal
     from cluster.tools.sim_bench import is_sim_preset
-    from verifier.runtime.models import load_tokenizer
 
     if args.preset is None or not is_sim_preset(args.preset):
         return None

@@ -30,7 +30,7 @@ from cluster.cli import keys as cli_keys
 from cluster.cli import loadtest as cli_loadtest
 from cluster.cli import models as cli_models
 from cluster.cli import service as cli_service
-from verifier.runtime.errors import TandemError
+from cluster.runtime.errors import TandemError
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1

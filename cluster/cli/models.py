@@ -17,9 +17,9 @@ def add_to(commands: Any) -> None:
 
 
 def fetch_command(args: argparse.Namespace) -> int:
-    from verifier.runtime.errors import InvalidArgumentError
-    from verifier.runtime.packs import PACKS, fetch
-    from verifier.runtime.progress import Progress
+    from cluster.runtime.errors import InvalidArgumentError
+    from cluster.runtime.packs import PACKS, fetch
+    from cluster.runtime.progress import Progress
 
     if args.name not in PACKS:
         raise InvalidArgumentError(
@@ -32,7 +32,7 @@ def fetch_command(args: argparse.Namespace) -> int:
 
 
 def list_command(args: argparse.Namespace) -> int:
-    from verifier.runtime.packs import PACK_DTYPES, PACKS, cache_root, is_converted, model_dir
+    from cluster.runtime.packs import PACK_DTYPES, PACKS, cache_root, is_converted, model_dir
 
     print(f"model cache: {cache_root()}")
     for pack in PACKS.values():

@@ -29,8 +29,8 @@ import urllib.request
 from typing import TYPE_CHECKING, Any
 
 from cluster.metrics import parse_prometheus, replica_numbers, summarize
+from cluster.runtime.errors import InvalidArgumentError, TandemError
 from cluster.serve import local_cluster
-from verifier.runtime.errors import InvalidArgumentError, TandemError
 
 if TYPE_CHECKING:
     from cluster.config import ReplicaGroupConfig, TandemConfig

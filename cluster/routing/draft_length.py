@@ -65,8 +65,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from verifier.runtime.block import StepLoad
-from verifier.runtime.errors import InvalidArgumentError
+from cluster.runtime.block import StepLoad
+from cluster.runtime.errors import InvalidArgumentError
 
 VerifyCost = float | Callable[[int], float]
 """Seconds of a verify pass: a constant, or a function of the block's length (under load)."""

@@ -22,9 +22,9 @@ from cluster.routing.draft_length import DraftLength, DraftLengthConfig
 from cluster.routing.ports import DrafterPort, Pinned
 from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.routing.text import TextAssembler
+from cluster.runtime.block import DraftBlock
+from cluster.runtime.errors import DeadlineExceededError
 from drafter.ngram import NgramConfig, PromptLookup
-from verifier.runtime.block import DraftBlock
-from verifier.runtime.errors import DeadlineExceededError
 
 Decode = Callable[[Sequence[int]], str]
 """Token ids to text, special tokens left out."""

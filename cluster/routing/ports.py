@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from verifier.runtime.block import DraftBlock, Verdict
-from verifier.runtime.sampling import SamplingParams
+from cluster.runtime.block import DraftBlock, Verdict
+from cluster.runtime.sampling import SamplingParams
 
 
 class DrafterPort(Protocol):

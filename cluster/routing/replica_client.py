@@ -3,7 +3,7 @@
 `GrpcDrafter` implements `DrafterPort` and `GrpcVerifier` implements `VerifierPort`, so the
 router runs unchanged over replicas in other processes (docs/architecture.md, invariant 4: direct
 gRPC to the pinned replica, no Serve hop). Each wraps one `grpc.Channel`, given or opened from a
-"host:port" address, and converts values with `verifier.replica.wire`.
+"host:port" address, and converts values with `cluster.replica.wire`.
 
 Errors: a failed call raises the `TandemError` subclass the replica raised (matched by status
 code, with the replica's message), so callers handle a remote replica as they would a local
@@ -31,11 +31,10 @@ from typing import Any, Self
 
 import grpc
 
-from protos import replica_pb2, replica_pb2_grpc
-from verifier.replica import wire
-from verifier.replica.rpc import MESSAGE_SIZE_OPTIONS, SECRET_METADATA_KEY
-from verifier.runtime.block import DraftBlock, Verdict
-from verifier.runtime.errors import (
+from cluster.replica import wire
+from cluster.replica.rpc import MESSAGE_SIZE_OPTIONS, SECRET_METADATA_KEY
+from cluster.runtime.block import DraftBlock, Verdict
+from cluster.runtime.errors import (
     ClusterSecretError,
     DeadlineExceededError,
     InvalidArgumentError,
@@ -46,8 +45,9 @@ from verifier.runtime.errors import (
     StaleBaseError,
     TandemError,
 )
-from verifier.runtime.sampling import SamplingParams
-from verifier.runtime.session import ReplicaStats
+from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.session import ReplicaStats
+from protos import replica_pb2, replica_pb2_grpc
 
 ERRORS_BY_CODE: Mapping[grpc.StatusCode, type[TandemError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,

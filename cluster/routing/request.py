@@ -10,9 +10,9 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.sampling import SamplingParams
-from verifier.runtime.session import MAX_BLOCK_TOKENS, MAX_SEED
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.session import MAX_BLOCK_TOKENS, MAX_SEED
 
 MAX_DRAFT_TOKENS = MAX_BLOCK_TOKENS
 """Longest draft block a request may ask for: what replicas serve by default."""

@@ -81,13 +81,13 @@ from cluster.routing.request import (
     SpeculationStats,
 )
 from cluster.routing.speculation_gate import GateConfig, SpeculationGate
-from drafter.ngram import NgramConfig
-from verifier.runtime.block import DraftBlock, Verdict
-from verifier.runtime.errors import (
+from cluster.runtime.block import DraftBlock, Verdict
+from cluster.runtime.errors import (
     ReplicaUnavailableError,
     ResourceExhaustedError,
     SessionNotFoundError,
 )
+from drafter.ngram import NgramConfig
 
 logger = logging.getLogger(__name__)
 

@@ -16,14 +16,14 @@ from ray import serve
 from ray.serve import Application
 
 from cluster.config import ReplicaGroupConfig, TandemConfig
+from cluster.replica.host import DEREGISTER_TIMEOUT_S, DRAIN_TIMEOUT_S, SHUTDOWN_GRACE_S
 from cluster.routing.registry import ensure_registry, registry_name
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.models import ModelSpec
+from cluster.runtime.session import SessionLimits
 from cluster.serve.ingress import MAX_CONCURRENT_REQUESTS, RouterIngress
 from drafter.deployment import DrafterReplica
 from verifier.deployment import VerifierReplica
-from verifier.replica.host import DEREGISTER_TIMEOUT_S, DRAIN_TIMEOUT_S, SHUTDOWN_GRACE_S
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.models import ModelSpec
-from verifier.runtime.session import SessionLimits
 
 GRPC_SERVICER_FUNCTIONS = (
     "protos.generate_pb2_grpc.add_TandemServicer_to_server",

@@ -2,7 +2,7 @@
 
 Blocks bypass Serve (docs/architecture.md, invariant 4), so Serve's request counts see no load on
 the Drafter and Verifier deployments. Each replica reports its own instead, through Serve's custom
-metrics hook (`ReplicaShell.record_autoscaling_stats`, verifier/replica/host.py): `sessions`
+metrics hook (`ReplicaShell.record_autoscaling_stats`, cluster/replica/host.py): `sessions`
 open, `busy` (the share of the last second its model spent computing), `queue` (calls
 waiting for it), and from its batching engine `kv_used` (the share of its KV pool in use) and
 `queue_wait_s` (how long a call waits before a step takes it). Serve averages each per replica

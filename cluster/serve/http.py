@@ -41,8 +41,8 @@ from starlette.types import Receive, Scope, Send
 from cluster.api.openai import OpenAIService, Route, error_response
 from cluster.api.service import Caller
 from cluster.api.tenants import bearer_key
+from cluster.runtime.errors import InvalidArgumentError
 from cluster.serve.calls import deadline_of, iterate_in_thread
-from verifier.runtime.errors import InvalidArgumentError
 
 ROUTES: dict[str, tuple[str, Route | None]] = {
     "/v1/models": ("GET", None),

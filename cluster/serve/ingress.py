@@ -55,10 +55,10 @@ from cluster.local import text_decoder
 from cluster.routing.directory import RegistryPool, from_registry_actor
 from cluster.routing.registry import get_registry
 from cluster.routing.router import Router
+from cluster.runtime.models import load_tokenizer
 from cluster.serve.calls import deadline_of, iterate_in_thread
 from cluster.serve.http import OpenAIHttp
 from protos import generate_pb2
-from verifier.runtime.models import load_tokenizer
 
 MAX_CONCURRENT_REQUESTS = 256
 HEALTH_WATCH_PERIOD_S = 1.0

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from verifier.runtime.errors import TandemError
+from cluster.runtime.errors import TandemError
 
 HOME_ENV = "TANDEM_HOME"
 DEFAULT_HOME = "/tmp/tandem"

@@ -34,7 +34,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from verifier.runtime.errors import InvalidArgumentError
+from cluster.runtime.errors import InvalidArgumentError
 
 RUNS = ("hf_target", "hf_assisted", "tandem_target", "tandem_serial", "tandem_pipelined")
 TANDEM_RUNS = RUNS[2:]
@@ -235,7 +235,7 @@ def bench_settings(args: Any) -> dict[str, Any]:
     file's, else the defaults, else the preset's draft), so that the bench measures what users
     get."""
     from cluster.config import TandemConfig
-    from verifier.replica.host import fitted_threads
+    from cluster.replica.host import fitted_threads
 
     config = TandemConfig.from_yaml(args.serve_config) if args.serve_config else TandemConfig()
     config = dataclasses.replace(
@@ -263,7 +263,7 @@ def bench_settings(args: Any) -> dict[str, Any]:
 def run_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     from cluster.local import build_local
     from cluster.presets import PRESETS, resolve_pair
-    from verifier.runtime.models import load_model
+    from cluster.runtime.models import load_model
 
     prompts = load_prompts(args.prompts)
     settings = bench_settings(args)

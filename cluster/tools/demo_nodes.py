@@ -45,9 +45,9 @@ from typing import Any
 
 from cluster.config import ReplicaGroupConfig, TandemConfig
 from cluster.routing.registry import HEAD_NODE_RESOURCE
+from cluster.runtime.errors import InvalidArgumentError, TandemError
 from cluster.serve import local_cluster
 from cluster.tools import cleanup
-from verifier.runtime.errors import InvalidArgumentError, TandemError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "placement" / "nodes.yaml"
 PRESET = "tiny"

@@ -1,7 +1,7 @@
 """What each form of the draft costs and how often it agrees with the target.
 
-For every draft precision (`verifier.runtime.quantize`) and trimmed vocabulary size
-(`verifier.runtime.vocab`) in a grid, the draft is loaded on its own and measured two ways:
+For every draft precision (`cluster.runtime.quantize`) and trimmed vocabulary size
+(`cluster.runtime.vocab`) in a grid, the draft is loaded on its own and measured two ways:
 
 - `ms_per_token`: decoding one token with a KV cache on one intra-op thread (a replica's
   default), the median of `steps` steps after a warm-up;
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from verifier.runtime.models import ModelSpec, load_model
+from cluster.runtime.models import ModelSpec, load_model
 
 PRECISIONS = ("none", "int8", "int8-dynamic")
 VOCAB_SIZES = (0, 65536, 32768, 16384)

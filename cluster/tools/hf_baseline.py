@@ -42,9 +42,9 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.models import LoadedModel, ModelSpec, load_model
 from cluster.tools.loadtest import percentile
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.models import LoadedModel, ModelSpec, load_model
 
 METHODS = ("generate", "generate_batch")
 PAGE_TOKENS = 32

@@ -24,10 +24,10 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.models import ModelSpec
 from cluster.serve import local_cluster
 from cluster.tools.hf_baseline import METHODS, TargetBaseline, choose_method
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.models import ModelSpec
 
 AUTO = "auto"
 MODELS_TIMEOUT_S = 5.0

@@ -1,6 +1,6 @@
 """The ideal beside a load test on a simulated device: pure arithmetic, no I/O.
 
-A service running a simulated preset (`verifier.runtime.sim`) spends a modelled time per
+A service running a simulated preset (`cluster.runtime.sim`) spends a modelled time per
 forward pass; `sim.ideal_rates` gives the aggregate tokens/s a perfect system would reach with
 those costs at a number of concurrent streams. `tandem loadtest --preset sim-...` puts that
 ideal next to each level's achieved rate:
@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from verifier.runtime.sim import DeviceProfile, SimSource, ideal_rates
+from cluster.runtime.sim import DeviceProfile, SimSource, ideal_rates
 
 MODES = ("speculative", "target_only")
 """The modes of a load test that have an ideal (the HF baseline has none)."""

@@ -30,9 +30,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cluster.routing.ports import DrafterPort, VerifierPort
+from cluster.runtime.sampling import SamplingParams
 from cluster.serve import local_cluster
 from cluster.tools.cleanup import signals_raise
-from verifier.runtime.sampling import SamplingParams
 
 PROMPT = tuple(b"def add(a, b):\n    return a + b\n\n")
 GREEDY = SamplingParams()

@@ -179,8 +179,8 @@ def measure(
     from cluster.presets import resolve_pair
     from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
     from cluster.routing.router import Router
+    from cluster.runtime.models import load_tokenizer
     from cluster.tools.bench import load_prompts
-    from verifier.runtime.models import load_tokenizer
 
     loaded = load_tokenizer(resolve_pair(preset).target)
     encode = loaded.tokenizer.encode

@@ -1,6 +1,6 @@
 """`tandem bench --preset sim-...`: Tandem on a simulated device, against the analytic ideal.
 
-A simulated pair (`verifier.runtime.sim`) runs the real router, engines, KV blocks, sampling and
+A simulated pair (`cluster.runtime.sim`) runs the real router, engines, KV blocks, sampling and
 acceptance with every forward pass replaced by a modelled wait, so what the run takes beyond the
 modelled device time is Tandem's own. Three runs, interleaved per prompt and repeated (medians):
 `tandem_target` (draft length 0), `tandem_serial` and `tandem_pipelined`. Each is reported
@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from cluster.runtime.engine_stats import EngineStats
 from cluster.tools.bench import Prompt, load_prompts
 from cluster.tools.overhead import _percentile
-from verifier.runtime.engine_stats import EngineStats
 
 SIM_RUNS = ("tandem_target", "tandem_serial", "tandem_pipelined")
 STAGES = ("device", "forward_overhead", "acceptance", "engine", "gather", "router_and_handoffs")
@@ -39,7 +39,7 @@ STAGES = ("device", "forward_overhead", "acceptance", "engine", "gather", "route
 
 def is_sim_preset(preset: str) -> bool:
     from cluster.presets import PRESETS
-    from verifier.runtime.sim import SIM_SCHEME
+    from cluster.runtime.sim import SIM_SCHEME
 
     known = PRESETS.get(preset)
     return known is not None and known.target.startswith(SIM_SCHEME)
@@ -103,10 +103,10 @@ def _through_service(
     from cluster.config import CLUSTER_SECRET_ENV
     from cluster.presets import resolve_pair
     from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+    from cluster.runtime.models import load_tokenizer
     from cluster.serve import local_cluster
     from cluster.tools import cleanup
     from cluster.tools.bench import _serve_flags, _service
-    from verifier.runtime.models import load_tokenizer
 
     flags = [*_serve_flags(args, settings), "--drafters", "1", "--verifiers", "1"]
     with _service(args.preset, flags, progress) as (address, api_key, home):
@@ -142,8 +142,8 @@ def _through_service(
 
 def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     from cluster.presets import resolve_pair
+    from cluster.runtime import sim
     from cluster.tools.bench import bench_settings
-    from verifier.runtime import sim
 
     prompts: list[Prompt] = load_prompts(args.prompts)
     settings = bench_settings(args)

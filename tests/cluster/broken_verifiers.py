@@ -25,13 +25,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from cluster.runtime.block import DraftBlock, Verdict
+from cluster.runtime.engine import Task
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import logits_to_probs, to_dense
 from drafter.drafter import draft_sampling
 from verifier.batch_layout import Batch
 from verifier.batch_rejection import BatchSession, SessionOutcome, batch_rejection_sample
-from verifier.runtime.block import DraftBlock, Verdict
-from verifier.runtime.engine import Task
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.sampling import logits_to_probs, to_dense
 from verifier.verifier import Verifier, _Acceptance
 
 

@@ -25,8 +25,8 @@ import grpc
 from cluster.api.service import Caller, TandemService
 from cluster.api.status import status_of, trailers_of
 from cluster.api.tenants import bearer_key
+from cluster.replica.rpc import DEFAULT_MAX_WORKERS, start_server
 from protos import generate_pb2, generate_pb2_grpc
-from verifier.replica.rpc import DEFAULT_MAX_WORKERS, start_server
 
 NO_DEADLINE_S = 1e8
 """A `time_remaining()` beyond this (about three years) means the client set no deadline."""

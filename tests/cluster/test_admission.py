@@ -10,7 +10,7 @@ import pytest
 
 from cluster.api.admission import Admission
 from cluster.api.tenants import QuotaExceededError
-from verifier.runtime.errors import DeadlineExceededError, InvalidArgumentError
+from cluster.runtime.errors import DeadlineExceededError, InvalidArgumentError
 
 
 def wait_for(condition: object, timeout_s: float = 10.0) -> None:

@@ -25,7 +25,22 @@ import torch
 
 from cluster.api.tenants import AuthConfig
 from cluster.config import AutoscalingConfig, ReplicaGroupConfig, TandemConfig
+from cluster.replica.host import (
+    DEREGISTER_TIMEOUT_S,
+    DRAIN_TIMEOUT_S,
+    SHUTDOWN_GRACE_S,
+    ReplicaHost,
+    ReplicaInfo,
+    ReplicaShell,
+    kv_cache_bytes_per_token,
+)
+from cluster.replica.rpc import SECRET_METADATA_KEY
 from cluster.routing.replica_client import GrpcVerifier
+from cluster.runtime.engine_stats import EngineStats
+from cluster.runtime.errors import InvalidArgumentError, ReplicaUnavailableError
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.session import ReplicaStats
 from cluster.serve import autoscaling
 from cluster.serve.app import GRACEFUL_SHUTDOWN_S, replica_count
 from cluster.serve.autoscaling import (
@@ -37,21 +52,6 @@ from cluster.serve.autoscaling import (
 )
 from protos import replica_pb2_grpc
 from tests.polling import wait_until
-from verifier.replica.host import (
-    DEREGISTER_TIMEOUT_S,
-    DRAIN_TIMEOUT_S,
-    SHUTDOWN_GRACE_S,
-    ReplicaHost,
-    ReplicaInfo,
-    ReplicaShell,
-    kv_cache_bytes_per_token,
-)
-from verifier.replica.rpc import SECRET_METADATA_KEY
-from verifier.runtime.engine_stats import EngineStats
-from verifier.runtime.errors import InvalidArgumentError, ReplicaUnavailableError
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.sampling import SamplingParams
-from verifier.runtime.session import ReplicaStats
 from verifier.servicer import VerifierServicer
 from verifier.verifier import Verifier
 

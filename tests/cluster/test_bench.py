@@ -34,7 +34,7 @@ def test_prompt_subsets_are_taken_from_the_default_set(subset: str) -> None:
 
 
 def test_bad_prompt_files(tmp_path: Path) -> None:
-    from verifier.runtime.errors import InvalidArgumentError
+    from cluster.runtime.errors import InvalidArgumentError
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"category": "code"}\n')

@@ -13,12 +13,12 @@ from cluster.local import LocalTandem, text_decoder
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
+from cluster.runtime.errors import ClusterSecretError, InvalidArgumentError
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams
 from drafter.drafter import Drafter
 from tests.conftest import encode
 from tests.replicas import serve_drafter, serve_verifier
-from verifier.runtime.errors import ClusterSecretError, InvalidArgumentError
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.sampling import SamplingParams
 from verifier.verifier import Verifier
 
 SECRET = "0123456789abcdef" * 2

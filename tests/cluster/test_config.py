@@ -19,7 +19,7 @@ from cluster.cli import service as cli_service
 from cluster.cli.main import main
 from cluster.config import ReplicaGroupConfig, TandemConfig
 from cluster.config_parsing import ConfigError, json_schema
-from verifier.runtime.errors import InvalidArgumentError
+from cluster.runtime.errors import InvalidArgumentError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = REPO_ROOT / "deploy"

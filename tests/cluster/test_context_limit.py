@@ -19,12 +19,12 @@ from cluster.api.tenants import Tenants
 from cluster.local import LocalTandem
 from cluster.routing.request import FinishReason, GenerationRequest
 from cluster.routing.router import Router
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.models import LoadedModel
 from drafter.drafter import Drafter, DrafterConfig
 from protos import generate_pb2
 from tests.cluster.conftest import TANDEM, TENANT_KEYS, live_replicas, replica_sessions
 from tests.conftest import CODE_PROMPT, encode
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.models import LoadedModel
 from verifier.verifier import Verifier, VerifierConfig
 
 LIMIT = 64

@@ -12,18 +12,18 @@ from typing import Any
 import pytest
 
 from cluster.local import LocalTandem
+from cluster.replica.host import ReplicaInfo
 from cluster.routing.directory import RegistryPool
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
+from cluster.runtime.block import DraftBlock
+from cluster.runtime.errors import DeadlineExceededError, ReplicaUnavailableError
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams
 from drafter.drafter import Drafter
 from tests.conftest import CODE_PROMPT, encode
 from tests.replicas import serve_drafter, serve_verifier
-from verifier.replica.host import ReplicaInfo
-from verifier.runtime.block import DraftBlock
-from verifier.runtime.errors import DeadlineExceededError, ReplicaUnavailableError
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.sampling import SamplingParams
 from verifier.verifier import Verifier
 
 PROMPT = [5, 6, 7, 8]

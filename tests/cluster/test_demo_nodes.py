@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import ReplicaGroupConfig, TandemConfig
+from cluster.runtime.errors import InvalidArgumentError
 from cluster.serve.local_cluster import HOME_ENV, cluster_processes
 from cluster.tools import demo_nodes
 from cluster.tools.cleanup import stop_processes
@@ -33,7 +34,6 @@ from cluster.tools.demo_nodes import (
     worker_options,
 )
 from tests.polling import wait_until
-from verifier.runtime.errors import InvalidArgumentError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DRAFTER_NODE = "d" * 56  # Ray node ids: 28 bytes in hex

@@ -24,9 +24,9 @@ from cluster.routing.draft_length import (
 )
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
+from cluster.runtime.block import DraftBlock, StepLoad, Verdict
+from cluster.runtime.errors import InvalidArgumentError
 from tests.conftest import CODE_PROMPT
-from verifier.runtime.block import DraftBlock, StepLoad, Verdict
-from verifier.runtime.errors import InvalidArgumentError
 
 ON = DraftLengthConfig(enabled=True)
 

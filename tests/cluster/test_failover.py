@@ -11,17 +11,17 @@ from cluster.local import LocalTandem
 from cluster.routing.ports import Pinned, Spare
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
-from drafter.drafter import Drafter
-from tests.conftest import encode
-from verifier.runtime.errors import (
+from cluster.runtime.errors import (
     DeadlineExceededError,
     ReplicaUnavailableError,
     ResourceExhaustedError,
     SessionNotFoundError,
     TandemError,
 )
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.sampling import SamplingParams
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams
+from drafter.drafter import Drafter
+from tests.conftest import encode
 from verifier.verifier import Verifier
 
 MAX_TOKENS = 24

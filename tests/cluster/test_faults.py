@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from cluster.runtime.errors import InvalidArgumentError
 from cluster.tools import faults
 from cluster.tools.loadtest import run_load
-from verifier.runtime.errors import InvalidArgumentError
 
 
 def _replica(replica_id: str, side: str, sessions: int, pid: int) -> dict[str, Any]:

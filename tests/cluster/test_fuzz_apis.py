@@ -22,14 +22,14 @@ from hypothesis import strategies as st
 from cluster.api.service import ServiceConfig, TandemService
 from cluster.api.tenants import AuthConfig, TenantConfig, Tenants, hash_api_key, new_api_key
 from cluster.local import LocalTandem
+from cluster.replica.rpc import SECRET_METADATA_KEY
+from cluster.runtime.models import LoadedModel
 from drafter.drafter import Drafter
 from protos import generate_pb2, generate_pb2_grpc, replica_pb2, replica_pb2_grpc, sampling_pb2
 from tests.cluster.grpc_front import serve_local
 from tests.conftest import encode
 from tests.replicas import serve_drafter, serve_verifier
 from tests.wire_messages import raw_sparse
-from verifier.replica.rpc import SECRET_METADATA_KEY
-from verifier.runtime.models import LoadedModel
 from verifier.verifier import Verifier
 
 SECRET = "fuzz-secret-0123456789"

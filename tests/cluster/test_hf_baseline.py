@@ -22,12 +22,12 @@ import torch
 
 from cluster.api.client_types import StreamChunk
 from cluster.cli.main import main
+from cluster.runtime import tiny
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.models import TINY_TARGET, ModelSpec
 from cluster.tools import cleanup, hf_baseline
 from cluster.tools.hf_baseline import METHODS, LevelRun, TargetBaseline, choose_method
 from cluster.tools.hf_levels import reported_model, service_target
-from verifier.runtime import tiny
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.models import TINY_TARGET, ModelSpec
 
 MAX_TOKENS = 12
 # Different lengths, so that a padded batch really pads.

@@ -21,11 +21,11 @@ from cluster.api.service import ServiceConfig, TandemService
 from cluster.api.tenants import AuthConfig, TenantConfig, Tenants, hash_api_key, new_api_key
 from cluster.local import LocalTandem, text_decoder
 from cluster.routing.router import Router
+from cluster.runtime.block import DraftBlock, Verdict
 from protos import generate_pb2
 from tests.cluster.grpc_front import serve_local
 from tests.conftest import CODE_PROMPT
 from tests.polling import wait_until
-from verifier.runtime.block import DraftBlock, Verdict
 from verifier.verifier import Verifier
 
 LONG = 400

@@ -20,10 +20,10 @@ from cluster.cli.loadtest import format_table, plot
 from cluster.cli.main import main
 from cluster.presets import PRESETS, resolve_pair
 from cluster.routing.request import DEFAULT_DRAFT_TOKENS
+from cluster.runtime import sim
+from cluster.runtime.models import load_tokenizer
 from cluster.tools.bench import load_prompts
 from cluster.tools.loadtest_ideal import SimIdeal, achieved_over_ideal, ideal_of_level
-from verifier.runtime import sim
-from verifier.runtime.models import load_tokenizer
 
 H100_8B = PRESETS["sim-h100-8b"]
 INSTANT = PRESETS["sim-instant"]

@@ -28,8 +28,8 @@ from scipy import stats
 from cluster.local import LocalTandem
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.sampling import SamplingParams, logits_to_probs
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams, logits_to_probs
 
 ALPHA = 1e-4
 NUM_SEEDS = 2000

@@ -57,14 +57,14 @@ from cluster.metrics import (
     series,
     summarize,
 )
+from cluster.replica.host import ReplicaInfo
 from cluster.routing.registry import ReplicaRegistry
 from cluster.routing.request import SpeculationStats
+from cluster.runtime.engine_stats import EngineStats
 from cluster.serve import local_cluster
 from protos import generate_pb2
 from tests.conftest import CODE_PROMPT
 from tests.polling import wait_until
-from verifier.replica.host import ReplicaInfo
-from verifier.runtime.engine_stats import EngineStats
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "tandem-dashboard.json"
 KEYS = {"main": "tdm_main-key", "small": "tdm_small-key"}

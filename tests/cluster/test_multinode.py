@@ -32,6 +32,7 @@ from cluster.local import LocalTandem
 from cluster.routing.draft_length import DraftLengthConfig
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
+from cluster.runtime.errors import ClusterSecretError
 from cluster.serve.local_cluster import LOOPBACK, cluster_processes, free_port
 from cluster.tools.overhead import actor_table_nodes, measure
 from drafter.ngram import NgramConfig
@@ -47,7 +48,6 @@ from tests.cluster.multinode import (
 )
 from tests.conftest import PROMPTS, encode
 from tests.polling import wait_until
-from verifier.runtime.errors import ClusterSecretError
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -39,6 +39,7 @@ from torch import Tensor
 import verifier.verifier
 from cluster.local import LocalTandem, text_decoder
 from cluster.routing.router import Router
+from cluster.runtime.sampling import SamplingParams
 from drafter.drafter import draft_sampling
 from tests.cluster.broken_verifiers import BonusFromDraftVerifier, residual_not_renormalised
 from tests.cluster.test_lossless_sampling import (
@@ -49,7 +50,6 @@ from tests.cluster.test_lossless_sampling import (
     pooled_cells,
     sample_first_two,
 )
-from verifier.runtime.sampling import SamplingParams
 from verifier.verifier import Verifier
 
 SAMPLING = SamplingParams(temperature=1.0)

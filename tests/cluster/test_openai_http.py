@@ -30,6 +30,8 @@ from cluster.api.chat import render_chat
 from cluster.api.client import TandemClient
 from cluster.api.service import Caller
 from cluster.api.tenants import QuotaExceededError, UnauthenticatedError
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.tiny import build_tokenizer
 from cluster.serve.http import DONE_EVENT, OpenAIHttp
 from tests.cluster.conftest import (
     SMALL_LIMITS,
@@ -39,8 +41,6 @@ from tests.cluster.conftest import (
     wait_until_no_sessions,
 )
 from tests.conftest import CODE_PROMPT
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.tiny import build_tokenizer
 
 MODEL = "tiny"
 """The served model's name: the preset the session's service runs."""

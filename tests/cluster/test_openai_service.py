@@ -33,16 +33,16 @@ from cluster.api.tenants import (
 )
 from cluster.config import ModelsConfig
 from cluster.local import LocalTandem
-from protos import generate_pb2
-from tests.conftest import CODE_PROMPT
-from verifier.runtime import tiny
-from verifier.runtime.errors import (
+from cluster.runtime import tiny
+from cluster.runtime.errors import (
     ClusterSecretError,
     DeadlineExceededError,
     InvalidArgumentError,
     ReplicaUnavailableError,
     ResourceExhaustedError,
 )
+from protos import generate_pb2
+from tests.conftest import CODE_PROMPT
 
 MODEL = "tiny"
 LIMIT = 100

@@ -12,12 +12,12 @@ import torch
 from cluster.local import LocalTandem, text_decoder
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams, logits_to_probs
 from drafter.drafter import Drafter
 from drafter.ngram import NgramConfig
 from tests.cluster.test_lossless_sampling import ALPHA, chi_square_p_value
 from tests.conftest import MAX_TOKENS, encode
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.sampling import SamplingParams, logits_to_probs
 
 LOOKUP = NgramConfig(enabled=True, max_ngram=4, min_ngram=2)
 

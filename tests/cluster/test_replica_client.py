@@ -19,19 +19,19 @@ from cluster.routing.ports import DrafterPort, VerifierPort
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
-from drafter.drafter import Drafter
-from tests.conftest import PROMPTS
-from tests.replicas import serve_drafter, serve_verifier
-from verifier.runtime.block import DraftBlock
-from verifier.runtime.errors import (
+from cluster.runtime.block import DraftBlock
+from cluster.runtime.errors import (
     InvalidArgumentError,
     ReplicaUnavailableError,
     SessionExistsError,
     SessionNotFoundError,
     StaleBaseError,
 )
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.sampling import SamplingParams
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams
+from drafter.drafter import Drafter
+from tests.conftest import PROMPTS
+from tests.replicas import serve_drafter, serve_verifier
 from verifier.verifier import Verifier
 
 MAX_TOKENS = 40

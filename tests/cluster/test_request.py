@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from cluster.routing.request import GenerationRequest, SpeculationStats
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.sampling import SamplingParams
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.sampling import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -12,11 +12,11 @@ from cluster.local import LocalTandem
 from cluster.routing.ports import DrafterPort
 from cluster.routing.request import FinishReason, GenerationRequest
 from cluster.routing.router import Router
+from cluster.runtime import tiny
+from cluster.runtime.block import DraftBlock
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams
 from tests.conftest import CODE_PROMPT, MAX_TOKENS, PROMPTS, encode
-from verifier.runtime import tiny
-from verifier.runtime.block import DraftBlock
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.sampling import SamplingParams
 
 
 def test_target_only_equals_hugging_face_generate(

@@ -30,6 +30,7 @@ from cluster.api.client_types import TandemClientError
 from cluster.local import LocalTandem
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
+from cluster.runtime.errors import ClusterSecretError
 from cluster.serve.local_cluster import cluster_processes
 from cluster.tools.demo import format_report, run_demo
 from tests.cluster.conftest import (
@@ -40,7 +41,6 @@ from tests.cluster.conftest import (
     wait_until_no_sessions,
 )
 from tests.conftest import PROMPTS
-from verifier.runtime.errors import ClusterSecretError
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

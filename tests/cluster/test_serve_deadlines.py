@@ -20,6 +20,7 @@ from cluster.api.service import Caller, TandemService
 from cluster.api.status import status_of
 from cluster.api.tenants import Tenants
 from cluster.local import LocalTandem
+from cluster.runtime.errors import DeadlineExceededError, InvalidArgumentError
 from cluster.serve.calls import DEADLINE_METADATA_KEY, deadline_of
 from cluster.serve.ingress import _caller
 from protos import generate_pb2
@@ -30,7 +31,6 @@ from tests.cluster.conftest import (
     wait_until_no_sessions,
 )
 from tests.conftest import CODE_PROMPT
-from verifier.runtime.errors import DeadlineExceededError, InvalidArgumentError
 
 LONG_MAX_TOKENS = 1900
 """The tiny target's greedy run from CODE_PROMPT goes this far without an end-of-sequence:

@@ -22,15 +22,15 @@ from cluster.api.status import INTERNAL_ERROR_MESSAGE, status_of
 from cluster.api.tenants import Tenants
 from cluster.local import LocalTandem
 from cluster.routing.request import FinishReason, GenerationRequest, SpeculationStats
-from protos import generate_pb2, sampling_pb2
-from tests.conftest import CODE_PROMPT
-from verifier.runtime.errors import (
+from cluster.runtime.errors import (
     InvalidArgumentError,
     ReplicaUnavailableError,
     ResourceExhaustedError,
     SessionNotFoundError,
 )
-from verifier.runtime.sampling import SamplingParams
+from cluster.runtime.sampling import SamplingParams
+from protos import generate_pb2, sampling_pb2
+from tests.conftest import CODE_PROMPT
 
 LIMIT = 100
 

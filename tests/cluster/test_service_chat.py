@@ -17,10 +17,10 @@ from cluster.api.status import status_of
 from cluster.api.tenants import Tenants
 from cluster.cli.main import main
 from cluster.local import LocalTandem
+from cluster.runtime import tiny
+from cluster.runtime.errors import InvalidArgumentError
 from protos import generate_pb2, sampling_pb2
 from tests.cluster.grpc_front import serve_local
-from verifier.runtime import tiny
-from verifier.runtime.errors import InvalidArgumentError
 
 CONVERSATION = (("system", "You write Python."), ("user", "def add(a, b):"))
 RENDERED = (

@@ -11,10 +11,10 @@ from cluster.presets import resolve_pair
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
+from cluster.runtime.models import load_model
+from cluster.runtime.sim import PROFILES
 from drafter.drafter import Drafter
 from tests.replicas import serve_drafter, serve_verifier
-from verifier.runtime.models import load_model
-from verifier.runtime.sim import PROFILES
 from verifier.verifier import Verifier
 
 

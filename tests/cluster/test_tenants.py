@@ -21,7 +21,7 @@ from cluster.api.tenants import (
     new_api_key,
 )
 from cluster.config import TandemConfig
-from verifier.runtime.errors import InvalidArgumentError
+from cluster.runtime.errors import InvalidArgumentError
 
 
 class Clock:

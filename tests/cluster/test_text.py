@@ -11,7 +11,7 @@ import pytest
 from cluster.local import text_decoder
 from cluster.routing.generation import Decode
 from cluster.routing.text import REPLACEMENT_CHAR, TextAssembler
-from verifier.runtime import tiny
+from cluster.runtime import tiny
 
 
 def byte_decode(ids: Sequence[int]) -> str:

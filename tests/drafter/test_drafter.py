@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cluster.runtime.errors import InvalidArgumentError, StaleBaseError
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams, logits_to_probs, to_dense
 from drafter.drafter import Drafter, DrafterConfig, draft_sampling
-from verifier.runtime.errors import InvalidArgumentError, StaleBaseError
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.sampling import SamplingParams, logits_to_probs, to_dense
 
 PROMPT = tuple(b"def add(a, b):")
 GREEDY = SamplingParams()

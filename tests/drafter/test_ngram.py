@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from cluster.runtime.errors import InvalidArgumentError
 from drafter.ngram import NgramConfig, PromptLookup, propose
-from verifier.runtime.errors import InvalidArgumentError
 
 CONFIG = NgramConfig(max_ngram=3, min_ngram=2)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from verifier.runtime.runner import PoolExhaustedError, SequenceWork
-from verifier.runtime.session import ReplicaSession, SessionTable
+from cluster.runtime.runner import PoolExhaustedError, SequenceWork
+from cluster.runtime.session import ReplicaSession, SessionTable
 
 VOCAB = 4
 

@@ -19,6 +19,13 @@ import pytest
 import torch
 from torch import Tensor
 
+from cluster.runtime.sampling import (
+    SamplingParams,
+    SparseDistribution,
+    logits_to_probs,
+    to_dense,
+    to_sparse,
+)
 from tests.verifier.rejection_reference import reference_rejection_sample, seeded, token_ids
 from verifier.batch_rejection import (
     BatchSession,
@@ -27,13 +34,6 @@ from verifier.batch_rejection import (
     batch_rejection_sample,
 )
 from verifier.rejection import rejection_sample
-from verifier.runtime.sampling import (
-    SamplingParams,
-    SparseDistribution,
-    logits_to_probs,
-    to_dense,
-    to_sparse,
-)
 
 
 def _one_hot(ids: list[int], vocab: int) -> Tensor:

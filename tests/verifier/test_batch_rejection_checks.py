@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import Tensor
 
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.sampling import SparseDistribution
 from tests.verifier.rejection_reference import seeded, token_ids
 from verifier.batch_rejection import BatchSession, batch_rejection_sample
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.sampling import SparseDistribution
 
 
 def _valid_rows() -> Tensor:

@@ -9,6 +9,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from cluster.runtime.sampling import SparseDistribution, to_sparse
 from tests.verifier.rejection_reference import seeded
 from tests.verifier.test_rejection_statistics import (
     ALPHA,
@@ -18,7 +19,6 @@ from tests.verifier.test_rejection_statistics import (
     _chi_square_p_value,
 )
 from verifier.batch_rejection import BatchSession, batch_rejection_sample
-from verifier.runtime.sampling import SparseDistribution, to_sparse
 
 _REPLICAS = 10  # sessions per case in one call; divides NUM_TRIALS
 

@@ -17,10 +17,10 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 import pytest
 import torch
 
+from cluster.runtime.engine import Batched, Engine, Forward, Task
+from cluster.runtime.errors import ResourceExhaustedError
+from cluster.runtime.runner import SequenceWork
 from tests.verifier.fake_runner import VOCAB, RecordingRunner
-from verifier.runtime.engine import Batched, Engine, Forward, Task
-from verifier.runtime.errors import ResourceExhaustedError
-from verifier.runtime.runner import SequenceWork
 
 
 def forward_task(seq_id: str, tokens: int, logits_at: Sequence[int]) -> Task[torch.Tensor]:

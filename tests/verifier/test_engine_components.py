@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from cluster.runtime.block import DraftBlock
+from cluster.runtime.engine import Engine
+from cluster.runtime.errors import ResourceExhaustedError
+from cluster.runtime.models import TINY_DRAFT, TINY_TARGET, LoadedModel, ModelSpec, load_model
+from cluster.runtime.sampling import SamplingParams
 from drafter.drafter import Drafter, DrafterConfig
-from verifier.runtime.block import DraftBlock
-from verifier.runtime.engine import Engine
-from verifier.runtime.errors import ResourceExhaustedError
-from verifier.runtime.models import TINY_DRAFT, TINY_TARGET, LoadedModel, ModelSpec, load_model
-from verifier.runtime.sampling import SamplingParams
 from verifier.verifier import Verifier, VerifierConfig
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -276,7 +276,7 @@ def test_a_pool_too_small_refuses_and_keeps_serving_the_rest(
 
 
 def _kv_bytes_per_token(model: LoadedModel) -> int:
-    from verifier.runtime.runner import kv_bytes_per_token
+    from cluster.runtime.runner import kv_bytes_per_token
 
     return kv_bytes_per_token(model.model)
 

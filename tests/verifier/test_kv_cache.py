@@ -8,10 +8,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.kv_cache import SequenceKV, common_prefix_length
-from verifier.runtime.models import TINY_TARGET, LoadedModel, ModelSpec, load_model
-from verifier.runtime.runner import ModelRunner, build_runner
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.kv_cache import SequenceKV, common_prefix_length
+from cluster.runtime.models import TINY_TARGET, LoadedModel, ModelSpec, load_model
+from cluster.runtime.runner import ModelRunner, build_runner
 
 # fp32 on the CPU: a cached forward and a full forward differ only by summation order.
 ATOL = 1e-4

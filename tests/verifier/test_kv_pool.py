@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verifier.runtime import tiny
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.kv_pool import BlockAllocator, KVBlockPool, kv_bytes_per_token
-from verifier.runtime.paged_attention import pack_step
+from cluster.runtime import tiny
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.kv_pool import BlockAllocator, KVBlockPool, kv_bytes_per_token
+from cluster.runtime.paged_attention import pack_step
 
 
 def test_reserve_commit_truncate_release_return_blocks_to_baseline() -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from verifier.runtime import tiny
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.models import (
+from cluster.runtime import tiny
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.models import (
     TINY_DRAFT,
     TINY_TARGET,
     LoadedModel,

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from cluster.presets import resolve_pair
-from verifier.runtime import packs, wheels
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.models import ModelSpec, load_model
-from verifier.runtime.progress import Progress
+from cluster.runtime import packs, wheels
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.models import ModelSpec, load_model
+from cluster.runtime.progress import Progress
 
 PARTS = [b"first part|", b"second|", b"third and last"]
 WHOLE = b"".join(PARTS)

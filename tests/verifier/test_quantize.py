@@ -12,17 +12,17 @@ from torch import nn
 from cluster.local import build_local
 from cluster.presets import resolve_pair
 from cluster.routing.request import GenerationRequest
-from tests.conftest import MAX_TOKENS, PROMPTS, encode
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.models import TINY_DRAFT, ModelSpec, load_model
-from verifier.runtime.quantize import (
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.models import TINY_DRAFT, ModelSpec, load_model
+from cluster.runtime.quantize import (
     Int8WeightOnlyLinear,
     activations_quantized,
     output_width,
     quantize_rows,
     quantize_weights,
 )
-from verifier.runtime.runner import PagedModelRunner, SerialModelRunner, build_runner
+from cluster.runtime.runner import PagedModelRunner, SerialModelRunner, build_runner
+from tests.conftest import MAX_TOKENS, PROMPTS, encode
 
 CPU = torch.device("cpu")
 

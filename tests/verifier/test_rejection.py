@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import Tensor
 
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.sampling import SamplingParams, logits_to_probs, to_dense, to_sparse
 from tests.verifier.rejection_reference import reference_rejection_sample, seeded, token_ids
 from verifier.rejection import greedy_accept, rejection_sample
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.sampling import SamplingParams, logits_to_probs, to_dense, to_sparse
 
 
 def _one_hot(token_ids: list[int], vocab: int) -> Tensor:

@@ -12,13 +12,13 @@ import torch
 from scipy.stats import chi2
 from torch import Tensor
 
+from cluster.runtime.sampling import SamplingParams, logits_to_probs
 from tests.verifier.rejection_reference import (
     Sampler,
     reference_rejection_sample,
     seeded,
 )
 from verifier.rejection import rejection_sample
-from verifier.runtime.sampling import SamplingParams, logits_to_probs
 
 NUM_TRIALS = 15_000  # about 2.5 s per case on a 2-core box
 STAT_VOCAB = 6

@@ -16,13 +16,13 @@ from typing import Any, NoReturn
 import grpc
 import pytest
 
+from cluster.replica.rpc import INTERNAL_ERROR_MESSAGE, CallGuard, start_server, status_code
+from cluster.runtime import errors
+from cluster.runtime.models import LoadedModel
 from drafter.drafter import Drafter
 from protos import replica_pb2, replica_pb2_grpc, sampling_pb2
 from tests.replicas import serve_drafter, serve_verifier
 from tests.wire_messages import raw_sparse
-from verifier.replica.rpc import INTERNAL_ERROR_MESSAGE, CallGuard, start_server, status_code
-from verifier.runtime import errors
-from verifier.runtime.models import LoadedModel
 from verifier.verifier import Verifier, VerifierConfig
 
 PROMPT = list(b"def add(a, b):")
@@ -291,7 +291,7 @@ def test_unexpected_exception_is_internal_without_traceback(
         raise RuntimeError("secret detail from deep inside")
 
     monkeypatch.setattr(replicas.drafter, "draft", broken_draft)
-    with caplog.at_level(logging.ERROR, logger="verifier.replica.rpc"):
+    with caplog.at_level(logging.ERROR, logger="cluster.replica.rpc"):
         error = rpc_error(
             replicas.drafter_stub.Draft,
             replica_pb2.DraftRequest(session_id=session, base_length=len(PROMPT), num_tokens=1),
@@ -299,7 +299,7 @@ def test_unexpected_exception_is_internal_without_traceback(
     assert error.code() == grpc.StatusCode.INTERNAL
     assert error.details() == INTERNAL_ERROR_MESSAGE
     # The traceback is in the replica's log, and only there.
-    [record] = [r for r in caplog.records if r.name == "verifier.replica.rpc"]
+    [record] = [r for r in caplog.records if r.name == "cluster.replica.rpc"]
     assert record.getMessage() == "Drafter.Draft failed unexpectedly"
     assert record.exc_info is not None and "secret detail" in str(record.exc_info[1])
 

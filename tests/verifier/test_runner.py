@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from verifier.runtime import kv_pool, tiny
-from verifier.runtime import runner as runner_module
-from verifier.runtime.errors import InvalidArgumentError, ResourceExhaustedError
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.paged_attention import ATTENTION_NAME
-from verifier.runtime.runner import (
+from cluster.runtime import kv_pool, tiny
+from cluster.runtime import runner as runner_module
+from cluster.runtime.errors import InvalidArgumentError, ResourceExhaustedError
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.paged_attention import ATTENTION_NAME
+from cluster.runtime.runner import (
     ModelRunner,
     PagedModelRunner,
     PoolExhaustedError,

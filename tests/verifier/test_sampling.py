@@ -1,4 +1,4 @@
-"""Tests for verifier.runtime.sampling: the distribution actually used, sampling, and sparse
+"""Tests for cluster.runtime.sampling: the distribution actually used, sampling, and sparse
 rows."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.sampling import (
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.sampling import (
     SamplingParams,
     SparseDistribution,
     argmax_rows,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from verifier.runtime.scheduler import GATHER_SHARE, MAX_GATHER_S, Scheduler
+from cluster.runtime.scheduler import GATHER_SHARE, MAX_GATHER_S, Scheduler
 
 STEP_S = 0.0064  # a GPU-like decode step: waiting for a session due within half of it pays
 

@@ -10,10 +10,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 import pytest
 
+from cluster.replica.rpc import start_server
 from cluster.routing.replica_client import GrpcVerifier
+from cluster.runtime.errors import ResourceExhaustedError
 from protos import replica_pb2, replica_pb2_grpc
-from verifier.replica.rpc import start_server
-from verifier.runtime.errors import ResourceExhaustedError
 
 WAIT_S = 30.0
 """Upper bound on waits that end as soon as the server acts; never reached when it works."""

@@ -7,20 +7,20 @@ import time
 
 import pytest
 
-from drafter.drafter import Drafter
-from protos import replica_pb2
-from tests.verifier.fake_runner import PrefillingTable
-from verifier.replica import wire
-from verifier.runtime.block import DraftBlock
-from verifier.runtime.errors import (
+from cluster.replica import wire
+from cluster.runtime.block import DraftBlock
+from cluster.runtime.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     ResourceExhaustedError,
     SessionNotFoundError,
 )
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.sampling import SamplingParams
-from verifier.runtime.session import SessionTable
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.session import SessionTable
+from drafter.drafter import Drafter
+from protos import replica_pb2
+from tests.verifier.fake_runner import PrefillingTable
 from verifier.verifier import Verifier
 
 PROMPT = [5, 6, 7, 8]

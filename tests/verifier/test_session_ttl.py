@@ -7,17 +7,17 @@ import time
 
 import pytest
 
-from drafter.drafter import Drafter, DrafterConfig
-from tests.verifier.fake_runner import PrefillingTable
-from verifier.replica.host import ReplicaHost
-from verifier.runtime.errors import (
+from cluster.replica.host import ReplicaHost
+from cluster.runtime.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
     SessionNotFoundError,
 )
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.sampling import SamplingParams
-from verifier.runtime.session import ReplicaStats, SessionTable
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.session import ReplicaStats, SessionTable
+from drafter.drafter import Drafter, DrafterConfig
+from tests.verifier.fake_runner import PrefillingTable
 from verifier.verifier import Verifier, VerifierConfig
 
 PROMPT = [5, 6, 7, 8]

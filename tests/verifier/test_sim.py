@@ -9,12 +9,12 @@ import torch
 from cluster.local import build_local
 from cluster.presets import resolve_pair
 from cluster.routing.request import GenerationRequest
-from verifier.runtime import sim
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.models import LoadedModel, ModelSpec, load_model
-from verifier.runtime.runner import SequenceWork, build_runner
-from verifier.runtime.sampling import SamplingParams
-from verifier.runtime.sim_model import SimCausalLM, SimModelRunner
+from cluster.runtime import sim
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.models import LoadedModel, ModelSpec, load_model
+from cluster.runtime.runner import SequenceWork, build_runner
+from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sim_model import SimCausalLM, SimModelRunner
 
 VOCAB = 4_000
 

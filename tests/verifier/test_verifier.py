@@ -7,16 +7,16 @@ import time
 import pytest
 import torch
 
-from verifier.runtime.block import DraftBlock
-from verifier.runtime.errors import (
+from cluster.runtime.block import DraftBlock
+from cluster.runtime.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
     SessionExistsError,
     SessionNotFoundError,
     StaleBaseError,
 )
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.sampling import SamplingParams, SparseDistribution
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams, SparseDistribution
 from verifier.verifier import Verifier, VerifierConfig
 
 GREEDY = SamplingParams()

@@ -14,13 +14,13 @@ from cluster.config import ReplicaGroupConfig, TandemConfig
 from cluster.local import LocalTandem, build_local
 from cluster.presets import resolve_pair
 from cluster.routing.request import GenerationRequest
+from cluster.runtime import vocab
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.models import TINY_DRAFT, ModelSpec, load_model
+from cluster.runtime.quantize import Int8WeightOnlyLinear
+from cluster.runtime.runner import PagedModelRunner, build_runner
+from cluster.runtime.tiny import END_OF_TEXT_ID
 from tests.conftest import MAX_TOKENS, PROMPTS, TRIMMED_VOCAB, encode, models_cache
-from verifier.runtime import vocab
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.models import TINY_DRAFT, ModelSpec, load_model
-from verifier.runtime.quantize import Int8WeightOnlyLinear
-from verifier.runtime.runner import PagedModelRunner, build_runner
-from verifier.runtime.tiny import END_OF_TEXT_ID
 
 
 def test_the_most_frequent_ids_are_kept_ties_to_the_lower_id_and_eos_always() -> None:

@@ -1,4 +1,4 @@
-"""verifier.replica.wire: every plain value survives a trip through serialised replica.proto
+"""cluster.replica.wire: every plain value survives a trip through serialised replica.proto
 bytes."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import pytest
 import torch
 from google.protobuf.message import Message
 
+from cluster.replica import wire
+from cluster.runtime.block import DraftBlock, StepLoad, Verdict
+from cluster.runtime.engine_stats import EngineStats
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.sampling import SamplingParams, SparseDistribution, to_dense
+from cluster.runtime.session import ReplicaStats
 from protos import replica_pb2, sampling_pb2
 from tests.wire_messages import raw_sparse
-from verifier.replica import wire
-from verifier.runtime.block import DraftBlock, StepLoad, Verdict
-from verifier.runtime.engine_stats import EngineStats
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.sampling import SamplingParams, SparseDistribution, to_dense
-from verifier.runtime.session import ReplicaStats
 
 M = TypeVar("M", bound=Message)
 

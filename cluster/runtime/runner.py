@@ -15,7 +15,7 @@ defer or preempt by blocks whatever runner it got.
   recurrent or hybrid models, attention sinks): a `DynamicCache` per sequence, one model call
   per item.
 - `build_runner` sizes the memory and picks the runner with a load-time self-test (a simulated
-  model gets `verifier.runtime.sim_model.SimModelRunner`).
+  model gets `cluster.runtime.sim_model.SimModelRunner`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any, Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from verifier.runtime.errors import InvalidArgumentError, ResourceExhaustedError
-from verifier.runtime.kv_pool import (
+from cluster.runtime.errors import InvalidArgumentError, ResourceExhaustedError
+from cluster.runtime.kv_pool import (
     BlockAllocator,
     KVBlockPool,
     blocks_for,
@@ -40,9 +40,9 @@ from verifier.runtime.kv_pool import (
     num_input_ids,
     pool_blocks,
 )
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.paged_attention import ATTENTION_NAME, BATCH_KWARG, pack_step
-from verifier.runtime.quantize import activations_quantized, output_width
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.paged_attention import ATTENTION_NAME, BATCH_KWARG, pack_step
+from cluster.runtime.quantize import activations_quantized, output_width
 
 __all__ = [
     "ModelRunner",
@@ -343,7 +343,7 @@ def paged_self_test(model: PreTrainedModel, block_size: int) -> str | None:
         got = torch.cat([first, second])
         want = torch.cat(reference).float()
         tolerance = _SELF_TEST_TOLERANCE.get(model.dtype, 5e-2)
-        # A trimmed head's -inf logits (verifier.runtime.vocab) must come out where they are,
+        # A trimmed head's -inf logits (cluster.runtime.vocab) must come out where they are,
         # and the error is measured over the finite ones.
         finite = torch.isfinite(want)
         if not torch.equal(got[~finite], want[~finite]):
@@ -380,7 +380,7 @@ def build_runner(
         block_size=block_size,
     )
     name = type(model.model).__name__
-    from verifier.runtime.sim_model import SimCausalLM, SimModelRunner  # builds on this module
+    from cluster.runtime.sim_model import SimCausalLM, SimModelRunner  # builds on this module
 
     if isinstance(model.model, SimCausalLM):
         logger.info("%s: simulated device, %d blocks of %d tokens", name, num_blocks, block_size)

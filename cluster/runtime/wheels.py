@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from verifier.runtime.errors import TandemError
-from verifier.runtime.progress import Counter, Progress, megabytes
+from cluster.runtime.errors import TandemError
+from cluster.runtime.progress import Counter, Progress, megabytes
 
 CHUNK_BYTES = 16 * 1024 * 1024
 LOCK_LINE = re.compile(
@@ -61,8 +61,8 @@ class PinnedWheel:
 
 def load_pins(pack_name: str) -> dict[str, PinnedWheel]:
     """The pinned wheels of a pack by requirement (`name==version`)."""
-    source = resources.files("verifier.runtime") / "pack_locks" / f"{pack_name}.txt"
-    where = f"verifier/runtime/pack_locks/{pack_name}.txt"
+    source = resources.files("cluster.runtime") / "pack_locks" / f"{pack_name}.txt"
+    where = f"cluster/runtime/pack_locks/{pack_name}.txt"
     if not source.is_file():
         raise PackError(f"model pack {pack_name!r} has no lock file {where}")
     pins: dict[str, PinnedWheel] = {}

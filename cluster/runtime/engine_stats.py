@@ -44,7 +44,7 @@ class EngineStats:
     """Seconds of those in the runner's forward passes."""
     device_s: float = 0.0
     """Seconds of device time in the forward passes: the modelled time of a simulated device
-    (`verifier.runtime.sim`), else the same as `forward_s`."""
+    (`cluster.runtime.sim`), else the same as `forward_s`."""
     batched_s: float = 0.0
     """Seconds in Batched handlers after steps (a verifier's batched acceptance)."""
     gather_s: float = 0.0

@@ -1,9 +1,9 @@
 """What drafter and verifier both are: a model's sessions on a batching engine, and the calls on
 them.
 
-`SessionComponent` builds the replica's model runner (a paged KV pool, `verifier.runtime.runner`)
-and its `Engine` (`verifier.runtime.engine`), holds the `SessionTable`
-(`verifier.runtime.session`) and serves the session calls both sides share (open, close, evict,
+`SessionComponent` builds the replica's model runner (a paged KV pool, `cluster.runtime.runner`)
+and its `Engine` (`cluster.runtime.engine`), holds the `SessionTable`
+(`cluster.runtime.session`) and serves the session calls both sides share (open, close, evict,
 stats). Each call is a task the engine thread runs, so calls from any number of threads are
 safe and the table has one writer; every forward pass a task needs joins the engine's next
 batched step. Each side adds its own call (`draft`, `verify`) the same way and may derive the
@@ -17,11 +17,11 @@ from typing import Generic, TypeVar
 
 import torch
 
-from verifier.runtime.engine import Engine, Forward, Task
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.runner import ModelRunner, build_runner
-from verifier.runtime.sampling import SamplingParams
-from verifier.runtime.session import (
+from cluster.runtime.engine import Engine, Forward, Task
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.runner import ModelRunner, build_runner
+from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.session import (
     MAX_BLOCK_TOKENS,
     ReplicaSession,
     ReplicaStats,

@@ -27,12 +27,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from cluster.runtime.block import DraftBlock, StepLoad, Verdict
+from cluster.runtime.engine_stats import EngineStats
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.sampling import NO_TOP_P, SamplingParams, SparseDistribution
+from cluster.runtime.session import ReplicaStats
 from protos import replica_pb2, sampling_pb2
-from verifier.runtime.block import DraftBlock, StepLoad, Verdict
-from verifier.runtime.engine_stats import EngineStats
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.sampling import NO_TOP_P, SamplingParams, SparseDistribution
-from verifier.runtime.session import ReplicaStats
 
 MAX_INT32 = 2**31 - 1
 MAX_UINT32 = 2**32 - 1

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from verifier.runtime.errors import InvalidArgumentError
+from cluster.runtime.errors import InvalidArgumentError
 
 NO_TOP_K = 0
 """`SamplingParams.top_k` value that keeps the whole vocabulary."""

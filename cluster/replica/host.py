@@ -40,10 +40,10 @@ import grpc
 import torch
 from transformers import PreTrainedModel
 
-from verifier.replica.rpc import start_server
-from verifier.runtime.engine_stats import EngineStats
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.session import ReplicaStats
+from cluster.replica.rpc import start_server
+from cluster.runtime.engine_stats import EngineStats
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.session import ReplicaStats
 
 logger = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@
 `LoadedModel`. Drafter and verifier both load through here, so a model means the same thing on
 either side. Sources:
 
-- `tiny://target`, `tiny://draft`: the random-weight test pair of `verifier.runtime.tiny` (no
+- `tiny://target`, `tiny://draft`: the random-weight test pair of `cluster.runtime.tiny` (no
   download);
 - `sim://target/PROFILE`, `sim://draft/PROFILE?alpha=A`: a simulated device
-  (`verifier.runtime.sim`): modelled forward-pass time, cheap deterministic logits;
+  (`cluster.runtime.sim`): modelled forward-pass time, cheap deterministic logits;
 - a path ending in `.gguf`: a GGUF file, dequantised by transformers (needs the `gguf` package);
 - an existing folder: a `save_pretrained` directory;
 - anything else: a Hugging Face hub id (needs hub access).
@@ -27,9 +27,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from verifier.runtime import sim, tiny, vocab
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.quantize import (
+from cluster.runtime import sim, tiny, vocab
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.quantize import (
     check_quantization,
     compute_dtype,
     output_width,
@@ -60,10 +60,10 @@ class ModelSpec:
     quantization: str = "none"
     """`none`; `int8`: int8 weights per output channel for the Linear layers; `int8-dynamic`
     (CPU): activations quantized too, the rest in float32. Drafts only: see
-    `verifier.runtime.quantize`."""
+    `cluster.runtime.quantize`."""
     trimmed_vocab: int = 0
     """Score only this many most frequent token ids (0: all); the logits keep their width,
-    -inf elsewhere. Drafts only: see `verifier.runtime.vocab`."""
+    -inf elsewhere. Drafts only: see `cluster.runtime.vocab`."""
 
     def __post_init__(self) -> None:
         if not self.source.strip():
@@ -144,7 +144,7 @@ def load_tokenizer(spec: ModelSpec) -> LoadedTokenizer:
     if spec.source.startswith(TINY_SCHEME):
         return LoadedTokenizer(tiny.build_tokenizer(), frozenset({tiny.END_OF_TEXT_ID}))
     if spec.source.startswith(sim.SIM_SCHEME):
-        from verifier.runtime import sim_model  # it builds on the runners, which import this
+        from cluster.runtime import sim_model  # it builds on the runners, which import this
 
         vocab_size = sim.SimSource.parse(spec.source).vocab_size
         return LoadedTokenizer(
@@ -182,7 +182,7 @@ def _load_weights(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizer
     if spec.source == TINY_DRAFT:
         return tiny.build_draft(), tiny.build_tokenizer()
     if spec.source.startswith(sim.SIM_SCHEME):
-        from verifier.runtime import sim_model  # it builds on the runners, which import this
+        from cluster.runtime import sim_model  # it builds on the runners, which import this
 
         source = sim.SimSource.parse(spec.source)
         simulated = sim_model.SimCausalLM.from_source(source)
@@ -208,7 +208,7 @@ def _check_local_path(spec: ModelSpec) -> None:
         return  # hub ids are relative; a GGUF file gets its own message when loaded
     if Path(spec.source).exists():
         return
-    from verifier.runtime.packs import cache_root
+    from cluster.runtime.packs import cache_root
 
     hint = ""
     path = Path(spec.source)
@@ -220,7 +220,7 @@ def _check_local_path(spec: ModelSpec) -> None:
 
 def trim_vocab(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spec: ModelSpec) -> None:
     """Give `model` a head over its `spec.trimmed_vocab` most frequent ids (and its end of
-    sequence ids), counted once per tokenizer and stored (`verifier.runtime.vocab`)."""
+    sequence ids), counted once per tokenizer and stored (`cluster.runtime.vocab`)."""
     width = output_width(model)
     if spec.trimmed_vocab >= width:
         return  # every id is kept: nothing to trim

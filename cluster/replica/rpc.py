@@ -16,7 +16,7 @@
   rather than gRPC's own INTERNAL.
 
 Both servicers are thin adapters over a plain component (docs/architecture.md, "Layers"): they
-convert with `verifier.replica.wire`, call the component inside `CallGuard.run`, and convert the
+convert with `cluster.replica.wire`, call the component inside `CallGuard.run`, and convert the
 result back.
 """
 
@@ -30,8 +30,8 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from verifier.runtime.errors import TandemError
-from verifier.runtime.session import DEFAULT_MAX_SESSIONS
+from cluster.runtime.errors import TandemError
+from cluster.runtime.session import DEFAULT_MAX_SESSIONS
 
 logger = logging.getLogger(__name__)
 

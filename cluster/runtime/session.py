@@ -7,7 +7,7 @@ Everything here can be rebuilt from the router's token history. A session nobody
 opened with a time limit (what its request had left) is dropped once that passes, even if its
 router is gone: by `evict_idle`, or by the first call that finds it (DEADLINE_EXCEEDED).
 
-Both components are a `SessionComponent` (`verifier.runtime.component`) over a `SessionTable`,
+Both components are a `SessionComponent` (`cluster.runtime.component`) over a `SessionTable`,
 whose sessions keep their KV in the replica engine's paged pool (`SequenceKV`); the table is
 touched by the engine thread only. Admission is by count (`max_sessions`) and by KV memory (free
 blocks for the prompt and a block). Their configs extend `SessionLimits`. The limits' defaults
@@ -23,9 +23,9 @@ from typing import ClassVar
 
 import torch
 
-from verifier.runtime.engine import DEFAULT_MAX_STEP_SEQUENCES, DEFAULT_MAX_STEP_TOKENS
-from verifier.runtime.engine_stats import EngineStats
-from verifier.runtime.errors import (
+from cluster.runtime.engine import DEFAULT_MAX_STEP_SEQUENCES, DEFAULT_MAX_STEP_TOKENS
+from cluster.runtime.engine_stats import EngineStats
+from cluster.runtime.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     ResourceExhaustedError,
@@ -33,10 +33,10 @@ from verifier.runtime.errors import (
     SessionNotFoundError,
     StaleBaseError,
 )
-from verifier.runtime.kv_cache import SequenceKV
-from verifier.runtime.models import LoadedModel
-from verifier.runtime.runner import ModelRunner
-from verifier.runtime.sampling import SamplingParams, SparseDistribution
+from cluster.runtime.kv_cache import SequenceKV
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.runner import ModelRunner
+from cluster.runtime.sampling import SamplingParams, SparseDistribution
 
 MAX_SEED = 2**64 - 1
 

@@ -1,8 +1,8 @@
 """The engine's scheduling policy: what goes into a step, and whom a step waits for.
 
-A plain class over the engine's running tasks (`verifier.runtime.task.Running`) and its model
+A plain class over the engine's running tasks (`cluster.runtime.task.Running`) and its model
 runner's block counts; it starts no thread and never waits, so it can be driven directly. The
-engine (`verifier.runtime.engine`) calls it on its own thread only.
+engine (`cluster.runtime.engine`) calls it on its own thread only.
 
 Packing (`Scheduler.pack`). Each step has a budget in tokens and in sequences. Small items
 (decodes, draft steps, verify blocks: up to `SMALL_ITEM_TOKENS`) go first, oldest first; long
@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from verifier.runtime.cost_curve import smooth
-from verifier.runtime.runner import ModelRunner, SequenceWork
-from verifier.runtime.task import Forward, Running
+from cluster.runtime.cost_curve import smooth
+from cluster.runtime.runner import ModelRunner, SequenceWork
+from cluster.runtime.task import Forward, Running
 
 DEFAULT_MAX_STEP_TOKENS = 256
 """Tokens one forward pass takes at most (prefill chunks fill what decodes leave)."""

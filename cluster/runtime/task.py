@@ -1,6 +1,6 @@
 """Engine tasks: what a task yields to the engine, and the engine's record of a running task.
 
-A *task* is a generator that holds one call's logic (`verifier.runtime.engine`). It yields
+A *task* is a generator that holds one call's logic (`cluster.runtime.engine`). It yields
 what it needs next and is resumed with the answer:
 
 - `Forward(work)`: logits for a `SequenceWork`; resumed with the rows (float32
@@ -11,7 +11,7 @@ what it needs next and is resumed with the answer:
 
 `Running` is where one task stands: what it waits on, since when, and how much of a chunked
 Forward has run. The engine thread alone reads and writes it; the scheduler
-(`verifier.runtime.scheduler`) reads it to pack a step. Plain data, no threads, no I/O.
+(`cluster.runtime.scheduler`) reads it to pack a step. Plain data, no threads, no I/O.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from verifier.runtime.runner import SequenceWork
+from cluster.runtime.runner import SequenceWork
 
 R = TypeVar("R")
 

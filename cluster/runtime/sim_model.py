@@ -1,6 +1,6 @@
 """A simulated model as a loaded model: `SimCausalLM`, its tokenizer, and `SimModelRunner`.
 
-`sim://` sources (`verifier.runtime.sim`) load as a `SimCausalLM`: a `PreTrainedModel` with no
+`sim://` sources (`cluster.runtime.sim`) load as a `SimCausalLM`: a `PreTrainedModel` with no
 weights to speak of whose forward pass returns `sim_logits` for every position (so a plain full
 forward is the reference a test compares against), and whose runner replaces only the forward
 pass of a step. The runner keeps each sequence's tokens in blocks accounted like the paged
@@ -28,10 +28,10 @@ from transformers import (
 )
 from transformers.modeling_outputs import CausalLMOutput
 
-from verifier.runtime import tiny
-from verifier.runtime.kv_pool import BlockAllocator
-from verifier.runtime.runner import SequenceWork, _BlockAccountedRunner
-from verifier.runtime.sim import (
+from cluster.runtime import tiny
+from cluster.runtime.kv_pool import BlockAllocator
+from cluster.runtime.runner import SequenceWork, _BlockAccountedRunner
+from cluster.runtime.sim import (
     END_OF_TEXT_ID,
     FIRST_WORD_ID,
     NUM_BYTES,

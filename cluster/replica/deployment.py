@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
-from verifier.replica.host import ReplicaShell, kv_cache_bytes_per_token, place_threads
-from verifier.replica.servicer import SessionServicer
-from verifier.runtime.models import LoadedModel, ModelSpec, load_model
-from verifier.runtime.session import SessionLimits
+from cluster.replica.host import ReplicaShell, kv_cache_bytes_per_token, place_threads
+from cluster.replica.servicer import SessionServicer
+from cluster.runtime.models import LoadedModel, ModelSpec, load_model
+from cluster.runtime.session import SessionLimits
 
 C = TypeVar("C", bound=SessionLimits)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from verifier.runtime.errors import InvalidArgumentError
-from verifier.runtime.runner import ModelRunner, SequenceWork
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.runner import ModelRunner, SequenceWork
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

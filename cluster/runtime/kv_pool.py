@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from verifier.runtime.errors import InvalidArgumentError
+from cluster.runtime.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What the drafter's and the verifier's gRPC servicers share: the session RPCs.
 
 `SessionServicer` serves OpenSession, CloseSession and Stats over a `SessionComponent`: each
-handler converts the request with `verifier.replica.wire`, calls the component under the
+handler converts the request with `cluster.replica.wire`, calls the component under the
 servicer's `CallGuard` (errors become gRPC statuses; calls run concurrently, batched by the
 component's engine), and converts the result back. Each side's servicer (`drafter.servicer`,
 `verifier.servicer`) adds its own RPC (Draft, Verify) the same way, and says how it registers on
@@ -14,10 +14,10 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
+from cluster.replica import wire
+from cluster.replica.rpc import CallGuard
+from cluster.runtime.component import SessionComponent
 from protos import replica_pb2
-from verifier.replica import wire
-from verifier.replica.rpc import CallGuard
-from verifier.runtime.component import SessionComponent
 
 K = TypeVar("K", bound=SessionComponent[Any])
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verifier.runtime.sampling import SparseDistribution
+from cluster.runtime.sampling import SparseDistribution
 
 
 @dataclass(frozen=True)

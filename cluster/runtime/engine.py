@@ -5,7 +5,7 @@ Callers (gRPC handler threads, or a router in the same process) never touch the 
 pool or the session table. They hand the engine a *task*, a generator that holds one call's
 logic, and wait for its result (`run`, or `submit` for a future). The engine thread drives every
 task, so a component's state has a single writer and needs no lock, and nothing is ever held
-across a forward pass. A task yields what it needs next (`verifier.runtime.task`):
+across a forward pass. A task yields what it needs next (`cluster.runtime.task`):
 
 - `Forward(work)`: logits for a `SequenceWork` (the runner's unit). Every task waiting on one
   joins the next step; the engine sends back the rows (float32 `[len(logits_at), vocab]`), or
@@ -25,13 +25,13 @@ This module is the step loop: the inbox and the thread, admitting tasks, driving
 each step's forward pass and its Batched handlers, and waiting (`_gather`) for the sessions the
 scheduler expects back. What goes into a step (the token and sequence budgets, small items
 before prefill chunks, admission by free KV blocks) and whom a step waits for, and how long,
-are the scheduler's policy (`verifier.runtime.scheduler`). An item that cannot fit in the KV
+are the scheduler's policy (`cluster.runtime.scheduler`). An item that cannot fit in the KV
 pool even alone fails at once here (RESOURCE_EXHAUSTED with a retry hint: sessions must close
 before it can run), never an out-of-memory crash.
 
 The engine measures itself: steps, the largest batch, tokens and sessions per step, queue
 wait, the split of its time (`busy_s`, `forward_s`, `batched_s`, `gather_s`, `gathers`), and
-the step cost curve (`verifier.runtime.cost_curve`, seeded by `calibrate` at startup), which
+the step cost curve (`cluster.runtime.cost_curve`, seeded by `calibrate` at startup), which
 the router uses to price speculation under load (`StepLoad`).
 """
 
@@ -47,18 +47,18 @@ from typing import Any, TypeVar
 
 import torch
 
-from verifier.runtime.block import StepLoad
-from verifier.runtime.cost_curve import CostCurve, smooth
-from verifier.runtime.engine_stats import EngineStats
-from verifier.runtime.errors import InvalidArgumentError, ResourceExhaustedError
-from verifier.runtime.runner import ModelRunner, PoolExhaustedError, SequenceWork
-from verifier.runtime.scheduler import (
+from cluster.runtime.block import StepLoad
+from cluster.runtime.cost_curve import CostCurve, smooth
+from cluster.runtime.engine_stats import EngineStats
+from cluster.runtime.errors import InvalidArgumentError, ResourceExhaustedError
+from cluster.runtime.runner import ModelRunner, PoolExhaustedError, SequenceWork
+from cluster.runtime.scheduler import (
     DEFAULT_MAX_STEP_SEQUENCES,
     DEFAULT_MAX_STEP_TOKENS,
     Scheduler,
     remaining,
 )
-from verifier.runtime.task import Batched, Forward, Running, Task
+from cluster.runtime.task import Batched, Forward, Running, Task
 
 __all__ = [
     "DEFAULT_MAX_STEP_SEQUENCES",
