@@ -134,15 +134,16 @@ class Drafter(SessionComponent[DrafterConfig]):
             )
         check_token_ids(appended_tokens, self.vocab_size, "appended_tokens")
         self._sessions.check_context(keep + len(appended_tokens) + num_tokens)
-        del session.tokens[keep:]
-        session.tokens.extend(appended_tokens)
+        # The last block's drafts stay cached as far as the router's tokens agree with them.
+        session.kv.commit_at(keep, appended_tokens)
 
         drafted: list[int] = []
         draft_probs: list[SparseDistribution] = []
         load = None
         for _ in range(num_tokens):
-            # One engine step per token: other sessions' draft steps join the same pass.
-            logits = yield from self._forward(session, session.tokens + drafted, 1)
+            # One engine step per token: other sessions' draft steps join the same pass. Each
+            # drafted token joins the sequence as a tentative token, fed by the next step.
+            logits = yield from self._forward(session, 1)
             assert logits is not None  # one logit row is always computed
             load = self._engine.step_load()
             if session.sampling.is_greedy:
@@ -151,10 +152,11 @@ class Drafter(SessionComponent[DrafterConfig]):
                 q = logits_to_probs(logits, session.sampling)  # [1, vocab]
                 drafted.append(int(sample(q, session.generator)[0]))
                 draft_probs.append(to_sparse(q[0]))
+            session.kv.extend(drafted[-1:])
             if self._unsure(logits[0]):
                 break
         return DraftBlock(
-            base_length=len(session.tokens),
+            base_length=session.committed_length,
             tokens=tuple(drafted),
             draft_probs=None if session.sampling.is_greedy else tuple(draft_probs),
             load=load,

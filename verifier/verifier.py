@@ -97,7 +97,7 @@ class Verifier(SessionComponent[VerifierConfig]):
                 f"block of {num_draft} tokens exceeds the limit of {self.config.max_block_tokens}"
             )
         check_token_ids(block.tokens, self.vocab_size, "block.tokens")
-        self._sessions.check_context(len(session.tokens) + num_draft + 1)
+        self._sessions.check_context(session.committed_length + num_draft + 1)
         greedy = session.sampling.is_greedy
         if greedy and block.draft_probs is not None:
             # Greedy acceptance never reads q, but a malformed one is still refused (rare:
@@ -107,7 +107,9 @@ class Verifier(SessionComponent[VerifierConfig]):
         # p at the block positions plus the bonus position; the first comes from the stored row
         # when the last verdict deferred its bonus (the cache then holds every committed token).
         num_rows = num_draft + (stored is None)
-        logits = yield from self._forward(session, session.tokens + list(block.tokens), num_rows)
+        session.kv.drop_tentative()  # a block whose verdict never came (its call failed)
+        session.kv.extend(block.tokens)
+        logits = yield from self._forward(session, num_rows)
         load = self._engine.step_load() if logits is not None else None
         if greedy:
             # Greedy acceptance reads only argmaxes: taken here, where the logits are, and
@@ -116,15 +118,14 @@ class Verifier(SessionComponent[VerifierConfig]):
         else:
             outcome = yield from self._sampled_outcome(logits, session, block, defer_bonus)
         session.next_row = outcome.deferred_row
-        if outcome.deferred_row is None:
-            # Keep the accepted drafts; the newly emitted last token is fed next time.
-            session.kv.rollback(block.base_length + outcome.num_accepted)
-        session.tokens.extend(outcome.tokens)
+        # The accepted drafts stay cached, the rejected ones go; a newly emitted token (a
+        # correction or the bonus) is fed with the next block.
+        session.kv.commit_at(block.base_length, outcome.tokens)
         return Verdict(
             base_length=block.base_length,
             num_accepted=outcome.num_accepted,
             tokens=outcome.tokens,
-            committed_length=len(session.tokens),
+            committed_length=session.committed_length,
             bonus_deferred=outcome.deferred_row is not None,
             load=load,
         )

@@ -105,31 +105,26 @@ class SessionComponent(Generic[C]):
         )
         # The last committed token is fed with the next forward, whose logits need it.
         try:
-            yield from self._forward(session, prompt_tokens[:-1], 0)
+            yield from self._forward(session, 0, upto=len(prompt_tokens) - 1)
         except BaseException:
             self._sessions.remove(session_id)
             raise
-        return len(session.tokens)
+        return session.committed_length
 
     def _headroom_tokens(self) -> int:
         """Tokens past the prompt a new session must find room for: a block and its bonus."""
         return MAX_BLOCK_TOKENS + 1
 
     def _forward(
-        self, session: ReplicaSession, tokens: Sequence[int], num_logits: int
+        self, session: ReplicaSession, num_logits: int, upto: int | None = None
     ) -> Task[torch.Tensor | None]:
-        """Run what the session's KV lacks of `tokens` in the engine's next steps; returns the
-        logits at the last `num_logits` positions (float32 `[num_logits, vocab]`; None when
-        nothing had to run)."""
-        work = session.kv.work(tokens, num_logits)
+        """Run what the session's KV lacks of its sequence's first `upto` tokens (default: all)
+        in the engine's next steps; returns the logits at the last `num_logits` of them
+        (float32 `[num_logits, vocab]`; None when nothing had to run)."""
+        work = session.kv.work(num_logits, upto)
         if work is None:
             return None
-        try:
-            logits: torch.Tensor = yield Forward(work)
-        except BaseException:
-            session.kv.resync()
-            raise
-        session.kv.holds(tokens)
+        logits: torch.Tensor = yield Forward(work)
         return logits
 
     def _session_sampling(self, sampling: SamplingParams, seed: int) -> tuple[SamplingParams, int]:

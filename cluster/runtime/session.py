@@ -1,11 +1,12 @@
 """What drafter and verifier both keep per session, and the checks both apply to requests.
 
-A replica's session is soft state (docs/architecture.md, invariant 2): the committed tokens as this
-replica last heard them, a KV cache over them, the sampling settings and a seeded generator.
-Everything here can be rebuilt from the router's token history. A session nobody has used for
-`session_ttl_s` (its client gone, its router restarted) is evicted, KV cache and all. A session
-opened with a time limit (what its request had left) is dropped once that passes, even if its
-router is gone: by `evict_idle`, or by the first call that finds it (DEADLINE_EXCEEDED).
+A replica's session is soft state (docs/architecture.md, invariant 2): the committed tokens as
+this replica last heard them and a KV cache over them (one record: `SequenceKV`), the sampling
+settings and a seeded generator. Everything here can be rebuilt from the router's token history.
+A session nobody has used for `session_ttl_s` (its client gone, its router restarted) is
+evicted, KV cache and all. A session opened with a time limit (what its request had left) is
+dropped once that passes, even if its router is gone: by `evict_idle`, or by the first call that
+finds it (DEADLINE_EXCEEDED).
 
 Both components are a `SessionComponent` (`cluster.runtime.component`) over a `SessionTable`,
 whose sessions keep their KV in the replica engine's paged pool (`SequenceKV`); the table is
@@ -55,9 +56,9 @@ DEFAULT_KV_BLOCK_SIZE = 16
 class ReplicaSession:
     """One request's state on one replica."""
 
-    tokens: list[int]
-    """Committed token ids (prompt plus every committed generated token)."""
     kv: SequenceKV
+    """Its token sequence, the one record of it here: committed tokens (prompt plus every
+    committed generated token), a tentative tail, and the KV over them."""
     sampling: SamplingParams
     generator: torch.Generator
     next_row: int | SparseDistribution | torch.Tensor | None = field(default=None)
@@ -68,6 +69,10 @@ class ReplicaSession:
     """When a call last found this session (the table's clock)."""
     expires_at: float | None = None
     """When its request's time runs out (the table's clock); None: no limit."""
+
+    @property
+    def committed_length(self) -> int:
+        return self.kv.committed_length
 
 
 @dataclass(frozen=True)
@@ -194,8 +199,7 @@ class SessionTable:
         check_seed(seed)
         now = self._clock()
         session = ReplicaSession(
-            tokens=list(prompt_tokens),
-            kv=SequenceKV(self.runner, session_id),
+            kv=SequenceKV(self.runner, session_id, prompt_tokens),
             sampling=sampling,
             generator=make_generator(seed, self.model.device),
             last_used=now,
@@ -279,9 +283,9 @@ class SessionTable:
     def get_at(self, session_id: str, base_length: int) -> ReplicaSession:
         """The session, provided its committed length is `base_length` (invariant 3)."""
         session = self.get(session_id)
-        if base_length != len(session.tokens):
+        if base_length != session.committed_length:
             raise StaleBaseError(
-                f"session {session_id!r} has committed length {len(session.tokens)}, "
+                f"session {session_id!r} has committed length {session.committed_length}, "
                 f"but the request is based on length {base_length}"
             )
         return session

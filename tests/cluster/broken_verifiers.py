@@ -82,7 +82,8 @@ class BonusFromDraftVerifier(Verifier):
     def _verify(self, session_id: str, block: DraftBlock, defer_bonus: bool) -> Task[Verdict]:
         if block.tokens:
             session = self._sessions.get_at(session_id, block.base_length)
-            context = torch.tensor([[*session.tokens, *block.tokens]], device=self._draft.device)
+            committed = session.kv.committed_tokens
+            context = torch.tensor([[*committed, *block.tokens]], device=self._draft.device)
             with torch.inference_mode():
                 logits = self._draft.model(context).logits[:, -1]  # [1, vocab]
             sampling = draft_sampling(session.sampling, self._draft_top_k)

@@ -98,8 +98,7 @@ class PrefillingTable(SessionTable):
         self, session_id: str, prompt_tokens: Sequence[int], *args: Any, **kwargs: Any
     ) -> ReplicaSession:
         session = super().open(session_id, prompt_tokens, *args, **kwargs)
-        work = session.kv.work(prompt_tokens[:-1], 0)
+        work = session.kv.work(0, upto=len(prompt_tokens) - 1)
         if work is not None:
             self.recording.forward([work])
-            session.kv.holds(prompt_tokens[:-1])
         return session

@@ -29,12 +29,13 @@ def runner() -> ModelRunner:
 
 
 class KVSession:
-    """A session's KV driven directly, as the engine would: `work`, one forward, `holds`."""
+    """A session's sequence driven directly, as a component would: change the sequence, ask
+    for `work`, run one forward (the runner's length then says what is cached)."""
 
     def __init__(self, runner: ModelRunner, seq_id: str) -> None:
         self.runner = runner
-        self.kv = SequenceKV(runner, seq_id)
         runner.release(seq_id)
+        self.kv = SequenceKV(runner, seq_id)
 
     @property
     def num_cached_tokens(self) -> int:
@@ -48,17 +49,16 @@ class KVSession:
         self.kv.rollback(length)
 
     def logits(self, tokens: list[int], num_logits: int) -> torch.Tensor:
-        work = self.kv.work(tokens, num_logits)
+        self.kv.commit_at(0, tokens)
+        work = self.kv.work(num_logits)
         assert work is not None
-        rows = self.runner.forward([work])
-        self.kv.holds(tokens)
-        return rows
+        return self.runner.forward([work])
 
     def prefill(self, tokens: list[int]) -> None:
-        work = self.kv.work(tokens, 0)
+        self.kv.commit_at(0, tokens)
+        work = self.kv.work(0)
         if work is not None:
             self.runner.forward([work])
-            self.kv.holds(tokens)
 
 
 @pytest.fixture
@@ -137,8 +137,13 @@ def test_bad_arguments(runner: ModelRunner) -> None:
     with pytest.raises(InvalidArgumentError, match="num_logits"):
         session.logits([1, 2], num_logits=3)
     with pytest.raises(InvalidArgumentError, match="num_logits"):
-        session.kv.work([1, 2], num_logits=-1)
-    assert session.kv.work([], num_logits=0) is None
+        session.kv.work(num_logits=-1)
+    with pytest.raises(InvalidArgumentError, match="upto"):
+        session.kv.work(0, upto=3)
+    with pytest.raises(InvalidArgumentError, match="rewritten"):
+        session.kv.commit_at(3, [1])
+    session.kv.commit_at(0, [])
+    assert session.kv.work(num_logits=0) is None
     with pytest.raises(InvalidArgumentError, match="rollback"):
         session.rollback(-1)
 
@@ -155,11 +160,50 @@ def test_rollback_frees_whole_blocks(runner: ModelRunner, sequence: list[int]) -
     assert session.num_cached_tokens == 0
 
 
-def test_resync_after_a_failed_step_keeps_what_the_runner_holds(
+def test_a_step_that_never_ran_leaves_the_cache_as_the_runner_holds_it(
     runner: ModelRunner, sequence: list[int]
 ) -> None:
     session = KVSession(runner, "s")
     session.prefill(sequence[:20])
-    session.kv.work(sequence[:30], 1)  # rolls back nothing, plans 10 tokens; the step "fails"
-    session.kv.resync()
+    session.kv.extend(sequence[20:30])
+    assert session.kv.work(1) is not None  # plans 10 tokens; the step "fails"
     assert session.cached_tokens == tuple(sequence[:20])
+    assert session.kv.length == 30 and session.kv.committed_length == 20
+
+
+def test_one_record_committed_then_tentative_and_only_changed_positions_roll_back(
+    tiny_target: LoadedModel, runner: ModelRunner, sequence: list[int]
+) -> None:
+    session = KVSession(runner, "s")
+    kv = session.kv
+    reference = full_logits(tiny_target, sequence)
+    session.prefill(sequence[:20])
+    kv.extend([*sequence[20:24], 7])  # a block of five drafts, the last one wrong
+    block = session.runner.forward([kv.work(5)])  # type: ignore[list-item]
+    torch.testing.assert_close(block[:4], reference[20:24], atol=ATOL, rtol=0)
+    assert kv.committed_length == 20 and kv.num_cached_tokens == 25
+    # The verdict: four accepted and a correction. The accepted drafts stay cached.
+    kv.commit_at(20, sequence[20:25])
+    assert kv.committed_tokens == tuple(sequence[:25])
+    assert kv.num_cached_tokens == 24  # the wrong draft's position went
+    row = session.runner.forward([kv.work(1)])  # type: ignore[list-item]
+    torch.testing.assert_close(row, reference[24:25], atol=ATOL, rtol=0)
+    # A tentative tail is forgotten, cached positions and all.
+    kv.extend([1, 2, 3])
+    session.runner.forward([kv.work(0)])  # type: ignore[list-item]
+    assert kv.num_cached_tokens == 28
+    kv.drop_tentative()
+    assert kv.length == 25 and kv.num_cached_tokens == 25
+
+
+def test_the_router_can_take_back_committed_tokens(
+    tiny_target: LoadedModel, runner: ModelRunner, sequence: list[int]
+) -> None:
+    session = KVSession(runner, "s")
+    session.prefill(sequence[:30])
+    session.kv.commit_at(12, [9, 9])  # tokens 12.. were only assumed: the router undoes them
+    assert session.kv.committed_tokens == (*sequence[:12], 9, 9)
+    assert session.num_cached_tokens == 12
+    reference = full_logits(tiny_target, [*sequence[:12], 9, 9])
+    row = session.runner.forward([session.kv.work(1)])  # type: ignore[list-item]
+    torch.testing.assert_close(row, reference[13:14], atol=ATOL, rtol=0)
