@@ -85,6 +85,10 @@ class DraftLengthConfig:
     """Weight kept by past outcomes per verify pass: about the last 10 passes count."""
     latency_decay: float = 0.8
     """Weight kept by past draft and verify latencies per measurement."""
+    speculation_gate: bool = True
+    """While two or more requests run, the router also measures speculation against the
+    target alone for the router as a whole and keeps the better
+    (`cluster.routing.speculation_gate`); only with `enabled`."""
 
     def __post_init__(self) -> None:
         if self.prior_accepted <= 0 or self.prior_rejected <= 0:

@@ -168,7 +168,8 @@ class Router:
         self.ngram = ngram if ngram is not None and ngram.enabled else None
         """Prompt lookup settings; None: every block comes from the drafter."""
         self.draft_length = draft_length or DraftLengthConfig()
-        self.gate = SpeculationGate(GateConfig(enabled=self.draft_length.enabled), self._clock)
+        gated = self.draft_length.enabled and self.draft_length.speculation_gate
+        self.gate = SpeculationGate(GateConfig(enabled=gated), self._clock)
         """Whether speculation pays for all this router's requests at once, measured."""
         self._recent_lengths: DraftLength | None = None
         """The estimates of the request that last timed a verify pass: where a new request's

@@ -54,6 +54,7 @@ class SessionComponent(Generic[C]):
             runner,
             max_step_tokens=config.max_step_tokens,
             max_step_sequences=config.max_step_sequences,
+            gather_share=config.gather_share,
             name=f"{type(self).__name__.lower()}-engine",
         )
         self._engine.calibrate()

@@ -55,6 +55,7 @@ from cluster.runtime.runner import ModelRunner, PoolExhaustedError, SequenceWork
 from cluster.runtime.scheduler import (
     DEFAULT_MAX_STEP_SEQUENCES,
     DEFAULT_MAX_STEP_TOKENS,
+    GATHER_SHARE,
     Scheduler,
     remaining,
 )
@@ -90,14 +91,19 @@ class Engine:
         max_step_sequences: int = DEFAULT_MAX_STEP_SEQUENCES,
         name: str = "engine",
         clock: Callable[[], float] = time.perf_counter,
+        gather_share: float = GATHER_SHARE,
     ) -> None:
         if max_step_tokens < 1 or max_step_sequences < 1:
             raise InvalidArgumentError("max_step_tokens and max_step_sequences must be >= 1")
+        if not 0 <= gather_share <= 1:
+            raise InvalidArgumentError(f"gather_share must be in [0, 1], got {gather_share}")
         self.runner = runner
         self.max_step_tokens = max_step_tokens
         self.max_step_sequences = max_step_sequences
         self._clock = clock
-        self._scheduler = Scheduler(max_step_tokens, max_step_sequences, clock=clock)
+        self._scheduler = Scheduler(
+            max_step_tokens, max_step_sequences, clock=clock, gather_share=gather_share
+        )
         self._condition = threading.Condition()
         self._inbox: deque[Running] = deque()
         self._stopped = False

@@ -65,9 +65,13 @@ class Scheduler:
         max_step_sequences: int = DEFAULT_MAX_STEP_SEQUENCES,
         *,
         clock: Callable[[], float],
+        gather_share: float = GATHER_SHARE,
     ) -> None:
+        """`gather_share`: a step waits for sessions about to come back at most this share of
+        its predicted time (0: never waits)."""
         self.max_step_tokens = max_step_tokens
         self.max_step_sequences = max_step_sequences
+        self.gather_share = gather_share
         self._clock = clock
         self.finished_at: dict[str, float] = {}
         """When each key's last task finished (until its next arrives)."""
@@ -111,9 +115,9 @@ class Scheduler:
         keys when the step is full already or nobody is about to come back. `active`: the
         running task of each key; `predicted_step_s`: the cost curve at the usual step size."""
         ready = sum(isinstance(r.waiting, Forward) for r in active.values())
-        if ready >= self.max_step_sequences:
+        if ready >= self.max_step_sequences or self.gather_share <= 0:
             return set(), 0.0
-        window_s = min(MAX_GATHER_S, GATHER_SHARE * predicted_step_s)
+        window_s = min(MAX_GATHER_S, self.gather_share * predicted_step_s)
         now = self._clock()
         expected = set()
         for key, finished in self.finished_at.items():

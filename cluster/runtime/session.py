@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from cluster.runtime.engine import DEFAULT_MAX_STEP_SEQUENCES, DEFAULT_MAX_STEP_TOKENS
+from cluster.runtime.engine import DEFAULT_MAX_STEP_SEQUENCES, DEFAULT_MAX_STEP_TOKENS, GATHER_SHARE
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import (
     DeadlineExceededError,
@@ -109,6 +109,9 @@ class SessionLimits:
     """Tokens one batched forward pass takes at most (long prompts are prefilled in chunks)."""
     max_step_sequences: int = DEFAULT_MAX_STEP_SEQUENCES
     """Sessions one batched forward pass takes at most."""
+    gather_share: float = GATHER_SHARE
+    """A step waits for sessions about to come back (their next call due within this share of
+    the step's predicted time) at most that long, so that they share it; 0: never waits."""
 
     _counts: ClassVar[tuple[str, ...]] = (
         "max_sessions",
@@ -127,6 +130,8 @@ class SessionLimits:
             raise InvalidArgumentError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
         if self.kv_cache_bytes < 0:
             raise InvalidArgumentError(f"kv_cache_bytes must be >= 0, got {self.kv_cache_bytes}")
+        if not 0 <= self.gather_share <= 1:
+            raise InvalidArgumentError(f"gather_share must be in [0, 1], got {self.gather_share}")
         if not 0 < self.kv_cache_fraction <= 1:
             raise InvalidArgumentError(
                 f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}"

@@ -57,8 +57,12 @@ def test_nested_values_and_actor_options() -> None:
             "verifier": {"num_gpus": 1, "accelerator_type": "H100", "resources": {"big": 1}},
             "drafter_limits": {"top_k": 16},
             "prompt_lookup": {"enabled": True, "max_ngram": 5},
+            "verifier_limits": {"gather_share": 0},
+            "draft_length": {"enabled": True, "speculation_gate": False},
         }
     )
+    assert config.verifier_limits.gather_share == 0 and config.drafter_limits.gather_share > 0
+    assert config.draft_length.enabled and not config.draft_length.speculation_gate
     assert config.api.default_draft_tokens == 6
     assert config.prompt_lookup.enabled and config.prompt_lookup.max_ngram == 5
     assert config.drafter_limits.top_k == 16
@@ -78,6 +82,7 @@ def test_nested_values_and_actor_options() -> None:
         ({"verifier": {"num_replicas": True}}, r"^verifier\.num_replicas must be an integer"),
         ({"verifier": {"num_gpus": "one"}}, r"^verifier\.num_gpus must be a number, got 'one'"),
         ({"drafter_limits": {"top_k": 1.5}}, r"^drafter_limits\.top_k must be an integer"),
+        ({"verifier_limits": {"gather_share": 2}}, r"^verifier_limits: gather_share must be in"),
         ({"prompt_lookup": {"enabled": "no"}}, r"^prompt_lookup\.enabled must be true or false"),
         ({"models": {"preset": "huge"}}, r"^models: unknown preset 'huge'"),
         ({"grpc_port": 70000}, r"^grpc_port must be in 1\.\.65535"),

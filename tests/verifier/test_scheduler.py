@@ -27,3 +27,13 @@ def test_a_step_waits_only_for_sessions_due_within_its_window() -> None:
     assert expected == {"due-soon"}
     now[0] += 0.003  # now "due-later" is due within the window too
     assert scheduler.to_gather({}, STEP_S)[0] == {"due-soon", "due-later"}
+
+
+def test_a_gather_share_of_zero_never_waits() -> None:
+    now = [10.0]
+    scheduler = Scheduler(clock=lambda: now[0], gather_share=0.0)
+    scheduler.finished_at["due-soon"] = now[0] - 0.001
+    scheduler.return_s["due-soon"] = 0.002
+    assert scheduler.to_gather({}, STEP_S) == (set(), 0.0)
+    scheduler.gather_share = GATHER_SHARE
+    assert scheduler.to_gather({}, STEP_S)[0] == {"due-soon"}
