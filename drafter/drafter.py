@@ -24,7 +24,7 @@ import torch
 
 from cluster.runtime.block import DraftBlock
 from cluster.runtime.component import SessionComponent
-from cluster.runtime.engine import Task
+from cluster.runtime.engine import Batched, Task
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.runner import ModelRunner
@@ -32,8 +32,8 @@ from cluster.runtime.sampling import (
     SamplingParams,
     SparseDistribution,
     argmax_rows,
-    logits_to_probs,
-    sample,
+    logits_to_probs_rows,
+    sample_rows,
     to_sparse,
 )
 from cluster.runtime.session import MAX_BLOCK_TOKENS, SessionLimits, check_seed, check_token_ids
@@ -149,9 +149,12 @@ class Drafter(SessionComponent[DrafterConfig]):
             if session.sampling.is_greedy:
                 drafted.append(int(argmax_rows(logits)[0]))
             else:
-                q = logits_to_probs(logits, session.sampling)  # [1, vocab]
-                drafted.append(int(sample(q, session.generator)[0]))
-                draft_probs.append(to_sparse(q[0]))
+                # Sampled with every other sampled session of the step, in one call.
+                token, q = yield Batched(
+                    _sample_step, _DraftRow(logits, session.sampling, session.generator)
+                )
+                drafted.append(token)
+                draft_probs.append(q)
             session.kv.extend(drafted[-1:])
             if self._unsure(logits[0]):
                 break
@@ -167,3 +170,34 @@ class Drafter(SessionComponent[DrafterConfig]):
         if self.config.min_confidence <= 0.0:
             return False
         return float(logits.float().softmax(-1).max()) < self.config.min_confidence
+
+
+@dataclass(frozen=True)
+class _DraftRow:
+    """One sampled session's next-token logits in a step, and how it draws."""
+
+    logits: torch.Tensor  # [1, vocab]
+    sampling: SamplingParams
+    generator: torch.Generator
+
+
+def _sample_step(batch: list[_DraftRow]) -> list[tuple[int, SparseDistribution] | Exception]:
+    """Every sampled session of a step: its q as used from one `logits_to_probs_rows` call (each
+    row under its own settings), its token drawn with its own generator, and q kept sparse.
+    Logits the call refuses are retried row by row, so that only the sessions at fault fail."""
+    try:
+        probs = logits_to_probs_rows(
+            torch.cat([row.logits for row in batch]), [row.sampling for row in batch]
+        )
+        tokens = sample_rows(probs, [row.generator for row in batch])
+        return [(token, to_sparse(q)) for token, q in zip(tokens, probs, strict=True)]
+    except InvalidArgumentError:
+        if len(batch) == 1:
+            raise
+    results: list[tuple[int, SparseDistribution] | Exception] = []
+    for row in batch:
+        try:
+            results.extend(_sample_step([row]))
+        except InvalidArgumentError as error:
+            results.append(error)
+    return results

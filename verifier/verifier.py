@@ -5,8 +5,9 @@ the replica's paged pool, the request's sampling settings and a seeded generator
 task of the replica's engine: the target runs over the last committed token plus the block in
 the engine's next batched step (beside every other session's block), the `k + 1` rows of logits
 become the distribution actually sampled from (temperature, top-k, top-p), and after the step
-every sampled block of the step is accepted in one `batch_rejection_sample` call (each session
-with its own seeded generator, so a request gets the same tokens alone or batched). A greedy
+every sampled block of the step gets its p in one `logits_to_probs_rows` call (each row under its
+session's settings) and is accepted in one `batch_rejection_sample` call (each session with its
+own seeded generator, so a request gets the same tokens alone or batched). A greedy
 block needs only the argmaxes of its rows: its task takes them and applies the greedy rule
 (`verifier.rejection.greedy_accept`) itself, with no batched call. The emitted tokens are
 committed and the cache rolled back past the rejected positions (whole KV blocks freed). A block
@@ -27,7 +28,14 @@ from cluster.runtime.engine import Batched, Task
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.runner import ModelRunner
-from cluster.runtime.sampling import SparseDistribution, greedy_tokens, logits_to_probs, to_dense
+from cluster.runtime.sampling import (
+    SamplingParams,
+    SparseDistribution,
+    greedy_tokens,
+    logits_to_probs,
+    logits_to_probs_rows,
+    to_dense,
+)
 from cluster.runtime.session import (
     MAX_BLOCK_TOKENS,
     ReplicaSession,
@@ -54,11 +62,22 @@ class VerifierConfig(SessionLimits):
 
 
 @dataclass(frozen=True)
+class _Scored:
+    """One sampled block waiting for its step's acceptance call, its rows still logits."""
+
+    logits: torch.Tensor
+    """The target's logits at the block's positions (`[rows, vocab]`, maybe no rows)."""
+    sampling: SamplingParams
+    draft_tokens: tuple[int, ...]
+    session: BatchSession
+
+
+@dataclass(frozen=True)
 class _Acceptance:
     """One block's part of a batched acceptance call."""
 
     rows: torch.Tensor
-    """The target's rows for the block (p as used, or the logits of a greedy session)."""
+    """The target's p for the block, as used (temperature, top-k, top-p applied)."""
     draft_tokens: tuple[int, ...]
     session: BatchSession
 
@@ -137,15 +156,15 @@ class Verifier(SessionComponent[VerifierConfig]):
         block: DraftBlock,
         defer_bonus: bool,
     ) -> Task[SessionOutcome]:
-        """p as used, accepted with every other sampled block of the step in one call."""
+        """p as used, made and accepted with every other sampled block of the step in one call
+        each."""
         if logits is None:
-            rows = torch.empty(0, self.vocab_size, device=self._target.device)
-        else:
-            rows = logits_to_probs(logits, session.sampling)
+            logits = torch.empty(0, self.vocab_size, device=self._target.device)
         outcome: SessionOutcome = yield Batched(
-            self._accept,
-            _Acceptance(
-                rows,
+            self._score_and_accept,
+            _Scored(
+                logits,
+                session.sampling,
                 block.tokens,
                 BatchSession(
                     num_draft=len(block.tokens),
@@ -158,6 +177,20 @@ class Verifier(SessionComponent[VerifierConfig]):
             ),
         )
         return outcome
+
+    def _score_and_accept(self, batch: list[_Scored]) -> list[SessionOutcome | Exception]:
+        """Every sampled block of a step: its logits to p as used, all rows in one call (each
+        under its own session's settings), then all accepted in one call."""
+        results: list[SessionOutcome | Exception | None] = []
+        scored: list[_Acceptance] = []
+        for item, rows in zip(batch, _probs_by_block(batch), strict=True):
+            if isinstance(rows, Exception):
+                results.append(rows)
+                continue
+            results.append(None)
+            scored.append(_Acceptance(rows, item.draft_tokens, item.session))
+        accepted = iter(self._accept(scored) if scored else [])
+        return [next(accepted) if result is None else result for result in results]
 
     def _accept(self, batch: list[_Acceptance]) -> list[SessionOutcome | Exception]:
         """Accept every block of a step in one `batch_rejection_sample` call. A refused batch
@@ -175,6 +208,28 @@ class Verifier(SessionComponent[VerifierConfig]):
             except InvalidArgumentError as error:
                 results.append(error)
         return results
+
+
+def _probs_by_block(batch: list[_Scored]) -> list[torch.Tensor | Exception]:
+    """Each block's p as used, from one `logits_to_probs_rows` call over every row; logits it
+    refuses are retried block by block, so that only the blocks at fault fail."""
+    sizes = [item.logits.shape[0] for item in batch]
+    try:
+        together = logits_to_probs_rows(
+            torch.cat([item.logits for item in batch]),
+            [item.sampling for item, size in zip(batch, sizes, strict=True) for _ in range(size)],
+        )
+        return list(together.split(sizes))
+    except InvalidArgumentError:
+        if len(batch) == 1:
+            raise
+    results: list[torch.Tensor | Exception] = []
+    for item in batch:
+        try:
+            results.append(logits_to_probs(item.logits, item.sampling))
+        except InvalidArgumentError as error:
+            results.append(error)
+    return results
 
 
 def _accept_together(batch: list[_Acceptance]) -> list[SessionOutcome]:
