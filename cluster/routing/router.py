@@ -222,8 +222,12 @@ class Router:
     ) -> Generator[GenerationChunk, None, None]:
         speculate = request.draft_tokens > 0
         pinned = self._replicas.pin(speculate, deadline=request.deadline)
-        releases = [pinned.release, self.gate.request_ended]
-        self.gate.request_started()
+        releases = [pinned.release]
+        if speculate:
+            # The gate compares the modes it can switch: a request that never speculates
+            # commits the same either way and is not counted.
+            self.gate.request_started()
+            releases.append(self.gate.request_ended)
         try:
             # With no drafter available the request runs on the target alone: lossless.
             use_pipeline = self.pipelined if pipelined is None else pipelined
@@ -368,7 +372,8 @@ class Router:
                     next_draft, lost = None, error
                 ahead = None
                 gen.commit(verdict.tokens)
-                self.gate.committed(len(verdict.tokens))
+                if gen.request.draft_tokens > 0:
+                    self.gate.committed(len(verdict.tokens))
                 assert gen.committed == verdict.committed_length, "verifier and router disagree"
                 self._count(gen.stats, block, verdict, next_draft)
                 draft = self._after_verdict(gen, block, verdict, next_draft)

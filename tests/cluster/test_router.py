@@ -12,6 +12,7 @@ from cluster.local import LocalTandem
 from cluster.routing.ports import DrafterPort
 from cluster.routing.request import FinishReason, GenerationRequest
 from cluster.routing.router import Router
+from cluster.routing.speculation_gate import GateConfig, SpeculationGate
 from cluster.runtime import tiny
 from cluster.runtime.block import DraftBlock
 from cluster.runtime.models import LoadedModel
@@ -294,3 +295,42 @@ def test_long_generation_text_is_the_full_decode_from_short_windows(
         router.close()
     assert len(result.tokens) >= 100 and result.text == decode_all(result.tokens)
     assert max(decoded) <= 40
+
+
+class CountingGate(SpeculationGate):
+    """The router's gate, recording what it is told."""
+
+    def __init__(self) -> None:
+        super().__init__(GateConfig(), clock=lambda: 0.0)
+        self.told: list[str] = []
+        self.tokens = 0
+
+    def request_started(self) -> None:
+        self.told.append("started")
+        super().request_started()
+
+    def request_ended(self) -> None:
+        self.told.append("ended")
+        super().request_ended()
+
+    def committed(self, tokens: int) -> None:
+        self.tokens += tokens
+        super().committed(tokens)
+
+
+def test_only_requests_that_may_speculate_count_in_the_speculation_gate(
+    local_tandem: LocalTandem,
+) -> None:
+    # A target-only request commits as much whichever mode the gate picks: counted, it would
+    # blur the comparison (a load test's target-only phase would decide the next phase's mode).
+    router = local_tandem.router
+    gate, router.gate = router.gate, CountingGate()
+    try:
+        prompt = encode(local_tandem, CODE_PROMPT)
+        router.generate(GenerationRequest(prompt, 6, draft_tokens=0))
+        assert router.gate.told == [] and router.gate.tokens == 0  # type: ignore[attr-defined]
+        router.generate(GenerationRequest(prompt, 6, draft_tokens=3))
+        assert router.gate.told == ["started", "ended"]  # type: ignore[attr-defined]
+        assert router.gate.tokens == 6  # type: ignore[attr-defined]
+    finally:
+        router.gate = gate
