@@ -115,13 +115,18 @@ VERIFY_LATENCY = Metric(
     "tandem_verify_latency_seconds", Kind.HISTOGRAM, "Verify passes after the first, seconds",
     buckets=LATENCY_BUCKETS_S,
 )  # fmt: skip
+DRAFTER_DEGRADED = _counter(
+    "tandem_drafter_degraded",
+    "Requests whose drafting stopped on a drafter error (the target alone went on), by status",
+    "cause",
+)
 RUNNING = Metric("tandem_router_running_requests", Kind.GAUGE, "Requests generating now")
 QUEUED = Metric("tandem_router_queued_requests", Kind.GAUGE, "Requests waiting in the queue")
 
 METRICS = (
     REQUESTS, REFUSED, PROMPT_TOKENS, GENERATED_TOKENS, DRAFTED_TOKENS, ACCEPTED_TOKENS,
     VERIFY_PASSES, PIPELINE_HITS, PIPELINE_MISSES, DRAFTED_BY_POSITION, ACCEPTED_BY_POSITION,
-    DRAFT_LATENCY, VERIFY_LATENCY, RUNNING, QUEUED,
+    DRAFT_LATENCY, VERIFY_LATENCY, DRAFTER_DEGRADED, RUNNING, QUEUED,
 )  # fmt: skip
 """Every fixed metric; the replica gauges come from the heartbeats' fields (`replica_gauge`)."""
 
@@ -338,6 +343,11 @@ class TandemMetrics:
 
     def request_refused(self, tenant: str, status: str) -> None:
         self.sink.add(REFUSED, 1, {"tenant": tenant, "status": status})
+
+    def drafter_degraded(self, cause: str) -> None:
+        """A request's drafting stopped on a drafter error (`cause`: its status, lower case);
+        the request went on with the target alone."""
+        self.sink.add(DRAFTER_DEGRADED, 1, {"cause": cause})
 
     def drafted(self, seconds: float) -> None:
         self.sink.observe(DRAFT_LATENCY, seconds, NO_LABELS)

@@ -86,6 +86,7 @@ from cluster.runtime.errors import (
     ReplicaUnavailableError,
     ResourceExhaustedError,
     SessionNotFoundError,
+    TandemError,
 )
 from drafter.ngram import NgramConfig
 
@@ -99,9 +100,11 @@ MAX_FAILOVERS = 4
 LOST = (ReplicaUnavailableError, SessionNotFoundError)
 """What a replica raises when the request's session there is gone: fail over. Never
 `DeadlineExceededError` (the request is out of time) nor `ResourceExhaustedError` (a limit)."""
-DRAFTER_LOST = (*LOST, ResourceExhaustedError)
-"""What ends a request's drafting: LOST (fail over), or the drafter at a limit of its own
-(its context, smaller than the verifier's, or its sessions): on with the target alone."""
+DRAFTER_FAILED = Exception
+"""What a drafter call may raise without failing the request: LOST fails over to a spare
+drafter; anything else (a limit of its own, a refusal, an internal fault) ends drafting for the
+request, which goes on with the target alone (the drafter is optional). Only the request's own
+deadline, checked first, ends the request."""
 
 
 class RouterOptions(TypedDict, total=False):
@@ -300,9 +303,18 @@ class Router:
         request to the target alone rather than failing it. A request out of time does not
         fail over (its replica may have dropped the session for that very reason)."""
         gen.check_deadline()
-        if side == "drafter" and isinstance(error, ResourceExhaustedError):
-            # A spare would be as full: drop the drafter, go on with the target alone.
-            logger.info("request %s: drafting stops: %s", gen.session_id, error)
+        if side == "drafter" and not isinstance(error, LOST):
+            # A limit (a spare would be as full), a refusal or a fault of the drafter's own:
+            # drop the drafter, go on with the target alone.
+            cause = error.status.lower() if isinstance(error, TandemError) else "internal"
+            logger.log(
+                logging.INFO if isinstance(error, ResourceExhaustedError) else logging.WARNING,
+                "request %s: drafting stops (%s): %s",
+                gen.session_id,
+                cause,
+                error,
+            )
+            self.metrics.drafter_degraded(cause)
             self._close_drafter(gen)
             gen.drafter_port, gen.drafter_opening = None, None
             gen.drafter = DrafterView(base_length=gen.committed)
@@ -368,7 +380,7 @@ class Router:
                 lost: Exception | None = None
                 try:
                     next_draft = ahead.result() if ahead is not None else None
-                except DRAFTER_LOST as error:  # the drafter failed while drafting ahead
+                except DRAFTER_FAILED as error:  # the drafter failed while drafting ahead
                     next_draft, lost = None, error
                 ahead = None
                 gen.commit(verdict.tokens)
@@ -404,7 +416,7 @@ class Router:
             block = port.draft(
                 gen.session_id, view.base_length, view.behind, num_tokens, view.truncate_to
             )
-        except DRAFTER_LOST as error:
+        except DRAFTER_FAILED as error:
             self._replace(gen, "drafter", error)
             return self._draft_now(gen, num_tokens, by_drafter)
         draft_s = time.perf_counter() - started
@@ -427,7 +439,7 @@ class Router:
             return None
         try:
             port = gen.ready_drafter()
-        except DRAFTER_LOST as error:
+        except DRAFTER_FAILED as error:
             self._replace(gen, "drafter", error)
             return None
         # The drafter catches up on what its view lacks, then on `block` itself (a no-op

@@ -8,7 +8,8 @@ TandemService, router and tenants as the gRPC API) and frames what comes back:
   application's route prefix); any other path is 404 and a known path with another method is
   405 (with `Allow`), both in OpenAI's error shape (`{"error": {"message", "type", "param",
   "code"}}`), as is every other error (`cluster.api.openai.error_response` picks the status).
-- The body must be a JSON object: anything else is 400 before the service sees it.
+- The body must be a JSON object of Unicode text nested at most 64 levels
+  (`cluster.api.json_body`): anything else is 400 before the service sees it.
 - The caller: `Authorization: Bearer <key>` and the optional `x-tandem-deadline-ms` header,
   read exactly as the gRPC ingress reads the same metadata (`cluster.serve.calls.deadline_of`).
 - Unary: a `JSONResponse`. The router loop blocks, so the call runs on the ingress's thread
@@ -38,10 +39,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from cluster.api.json_body import parse_json_object
 from cluster.api.openai import OpenAIService, Route, error_response
 from cluster.api.service import Caller
 from cluster.api.tenants import bearer_key
-from cluster.runtime.errors import InvalidArgumentError
 from cluster.serve.calls import deadline_of, iterate_in_thread
 
 ROUTES: dict[str, tuple[str, Route | None]] = {
@@ -159,16 +160,7 @@ def _caller(request: Request) -> Caller:
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except ValueError as error:  # UnicodeDecodeError included
-        raise InvalidArgumentError(f"the request body is not valid JSON ({error})") from None
-    if not isinstance(body, dict):
-        raise InvalidArgumentError(
-            f"the request body must be a JSON object, got {type(body).__name__}"
-        )
-    return body
+    return parse_json_object(await request.body())
 
 
 def _event(data: dict[str, Any]) -> bytes:

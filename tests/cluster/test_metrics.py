@@ -116,6 +116,7 @@ def test_every_recorded_series_has_exactly_its_metrics_labels() -> None:
     metrics.request_refused("main", "RESOURCE_EXHAUSTED")
     metrics.drafted(0.01)
     metrics.verified(0.02)
+    metrics.drafter_degraded("internal")
     metrics.queue(1, 0)
     by_name = {m.name: m for m in METRICS}
     recorded = [*sink.counters, *sink.gauges, *sink.observations]

@@ -208,6 +208,9 @@ def test_routes_methods_and_bodies(scripted: tuple[ScriptedOpenAI, OpenAIHttp]) 
         (b"\xff", "not valid JSON"),
         (b"", "not valid JSON"),
         (b"[1, 2]", "must be a JSON object, got list"),
+        (b'{"prompt": "ok \\ud800"}', "body.prompt holds a lone UTF-16 surrogate (\\ud800)"),
+        (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+        (b'{"a": ' + b"[" * 100 + b"]" * 100 + b"}", "nested too deeply at body.a"),
     ]
     for body, words in bad_bodies:
         assert_openai_error(exchange(adapter, "POST", "/v1/completions", body), 400, words)

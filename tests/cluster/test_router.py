@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
 
 from cluster.local import LocalTandem
+from cluster.metrics import DRAFTER_DEGRADED, MemorySink, TandemMetrics, series
 from cluster.routing.ports import DrafterPort
 from cluster.routing.request import FinishReason, GenerationRequest
 from cluster.routing.router import Router
 from cluster.routing.speculation_gate import GateConfig, SpeculationGate
 from cluster.runtime import tiny
 from cluster.runtime.block import DraftBlock
+from cluster.runtime.errors import InvalidArgumentError, StaleBaseError, TandemError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from tests.conftest import CODE_PROMPT, MAX_TOKENS, PROMPTS, encode
@@ -251,18 +254,88 @@ def test_first_token_does_not_wait_for_the_drafter(
     assert local_tandem.verifier.stats().num_sessions == 0
 
 
-def test_a_drafter_that_fails_to_open_fails_the_request_and_frees_the_verifier(
-    local_tandem: LocalTandem,
+def _router_counting(local_tandem: LocalTandem, drafter: DrafterPort) -> tuple[Router, MemorySink]:
+    sink = MemorySink()
+    router = Router(
+        local_tandem.verifier,
+        drafter,
+        local_tandem.router._decode,
+        local_tandem.router._eos_token_ids,
+        metrics=TandemMetrics(sink),
+    )
+    return router, sink
+
+
+def test_a_drafter_that_fails_to_open_leaves_the_request_to_the_target_alone(
+    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
 ) -> None:
+    prompt, expected = next(iter(target_only.items()))
     drafter = _SlowToOpen(local_tandem.drafter, fail=True)
     drafter.opened.set()
-    router = _router_over(local_tandem, drafter)
+    router, sink = _router_counting(local_tandem, drafter)
     try:
-        request = GenerationRequest(encode(local_tandem, CODE_PROMPT), 12, draft_tokens=4)
-        with pytest.raises(RuntimeError, match="drafter replica lost"):
-            router.generate(request)
+        request = GenerationRequest(encode(local_tandem, prompt), 12, draft_tokens=4)
+        assert router.generate(request).tokens == expected[:12]
     finally:
         router.close()
+    assert sink.counters[series(DRAFTER_DEGRADED, {"cause": "internal"})] == 1
+    assert local_tandem.verifier.stats().num_sessions == 0
+
+
+class _FailingDrafter:
+    """A drafter whose `draft` calls fail with `error` from the `after`-th call on."""
+
+    def __init__(self, drafter: DrafterPort, error: Exception, after: int) -> None:
+        self._drafter = drafter
+        self._error = error
+        self._after = after
+        self.calls = 0
+
+    def open_session(self, *args: Any) -> int:
+        return self._drafter.open_session(*args)
+
+    def draft(self, *args: Any, **kwargs: Any) -> DraftBlock:
+        self.calls += 1
+        if self.calls >= self._after:
+            raise self._error
+        return self._drafter.draft(*args, **kwargs)
+
+    def close_session(self, session_id: str) -> bool:
+        return self._drafter.close_session(session_id)
+
+
+@pytest.mark.parametrize(
+    ("error", "cause"),
+    [
+        (TandemError("the drafter's engine stopped"), "internal"),
+        (
+            InvalidArgumentError("block.tokens[0] = -1 is outside the vocabulary"),
+            "invalid_argument",
+        ),
+        (StaleBaseError("session has committed length 9"), "failed_precondition"),
+        (RuntimeError("a bug"), "internal"),
+    ],
+)
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
+def test_any_drafter_error_mid_request_degrades_to_the_target_alone(
+    local_tandem: LocalTandem,
+    target_only: dict[str, tuple[int, ...]],
+    error: Exception,
+    cause: str,
+    pipelined: bool,
+) -> None:
+    prompt, expected = next(iter(target_only.items()))
+    drafter = _FailingDrafter(local_tandem.drafter, error, after=3)
+    router, sink = _router_counting(local_tandem, drafter)
+    try:
+        request = GenerationRequest(encode(local_tandem, prompt), 24, draft_tokens=3)
+        result = router.generate(request, pipelined=pipelined)
+    finally:
+        router.close()
+    assert result.tokens == expected[:24]
+    assert drafter.calls == 3  # no call after the failure: drafting stopped for the request
+    assert sink.counters[series(DRAFTER_DEGRADED, {"cause": cause})] == 1
+    assert local_tandem.drafter.stats().num_sessions == 0
     assert local_tandem.verifier.stats().num_sessions == 0
 
 
