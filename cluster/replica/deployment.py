@@ -51,6 +51,7 @@ class ComponentReplica(ReplicaShell, Generic[C]):
             secret,
             self.component.evict_idle,
             kv_cache_bytes_per_token(loaded.model),
+            alive=lambda: self.component.alive,
         )
 
     def _servicer(self, model: LoadedModel, config: C) -> SessionServicer[Any]:

@@ -296,8 +296,12 @@ class ReplicaHost:
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         node_id: str = "",
         resources: Mapping[str, float] | None = None,
+        alive: Callable[[], bool] = lambda: True,
     ) -> None:
         """`secret`: the cluster's shared secret, required of every call to this replica.
+        `alive`: whether the component can serve (its engine runs); once it cannot, the replica
+        leaves the registry (no new request is pinned to it) and fails Serve's health check (Serve
+        replaces it).
         `evict_idle`: the component's eviction of idle and expired sessions; returns how many
         went. `kv_bytes_per_token`: see `kv_cache_bytes_per_token` (0: unknown). `node_id` and
         `resources`: where Ray placed it (`ray_placement`), reported as they are. `clock` and
@@ -312,6 +316,7 @@ class ReplicaHost:
         )
         self.address = f"{host}:{bound_port}"
         self._stats = stats
+        self._alive = alive
         self._evict_idle = evict_idle
         self._kv_bytes_per_token = kv_bytes_per_token
         self._clock = clock
@@ -383,6 +388,14 @@ class ReplicaHost:
 
     def _housekeeping(self) -> None:
         while not self._stopped.wait(self._interval_s):
+            if not self._alive():
+                # Nothing this replica is asked can succeed: let no new request be pinned here.
+                if not self._leaving.is_set():
+                    logger.error(
+                        "%s: its engine has stopped; leaving the registry", self.replica_id
+                    )
+                    self.leave()
+                continue
             try:
                 evicted = self._evict_idle()
             except Exception:
@@ -457,6 +470,8 @@ class ReplicaHost:
             raise RuntimeError(f"{self.replica_id} has stopped")
         if not self._thread.is_alive():
             raise RuntimeError(f"{self.replica_id} housekeeping thread died")
+        if not self._alive():
+            raise RuntimeError(f"{self.replica_id}: its engine has stopped")
 
 
 class ReplicaShell:
@@ -475,6 +490,7 @@ class ReplicaShell:
         secret: str,
         evict_idle: Callable[[], int],
         kv_bytes_per_token: int = 0,
+        alive: Callable[[], bool] = lambda: True,
     ) -> None:
         node_id, resources = ray_placement()
         self._host = ReplicaHost(
@@ -488,6 +504,7 @@ class ReplicaShell:
             kv_bytes_per_token=kv_bytes_per_token,
             node_id=node_id,
             resources=resources,
+            alive=alive,
         )
 
     def info(self) -> dict[str, Any]:

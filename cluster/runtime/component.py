@@ -148,6 +148,11 @@ class SessionComponent(Generic[C]):
     def stats(self) -> ReplicaStats:
         return self._sessions.stats(busy_s=self._engine.busy_s, engine=self._engine.stats())
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine takes calls (a replica whose engine died serves nothing)."""
+        return self._engine.alive
+
     def close(self) -> None:
         """Stop the engine (calls still waiting fail); the component serves nothing after."""
         self._engine.stop()

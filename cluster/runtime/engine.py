@@ -171,6 +171,12 @@ class Engine:
             self._thread.join(timeout_s)
 
     @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs and takes calls (False once it has stopped or
+        died: every call then fails)."""
+        return self._thread.is_alive() and not self._stopped
+
+    @property
     def active_keys(self) -> frozenset[str]:
         """Keys of the tasks running or queued now (engine thread: exact)."""
         keys = {k for k in self._active if k is not None}

@@ -593,3 +593,41 @@ def test_a_drain_gives_up_after_its_timeout(verifier_replica: Any) -> None:
         assert registry.events[-1] == ("remove", replica.replica_id)
         with pytest.raises(ReplicaUnavailableError):
             client.stats(timeout_s=5)
+
+
+def test_a_replica_whose_engine_died_leaves_the_registry_and_fails_its_health_check(
+    tiny_target: LoadedModel,
+) -> None:
+    verifier = Verifier(tiny_target)
+    registry = FakeRegistry()
+    replica = ReplicaHost(
+        side="verifier",
+        add_servicer=lambda server: None,
+        stats=verifier.stats,
+        registry=registry,
+        host="127.0.0.1",
+        secret=SECRET,
+        evict_idle=verifier.evict_idle,
+        heartbeat_interval_s=0.05,
+        alive=lambda: verifier.alive,
+    )
+    try:
+        replica.check()
+        wait_until(lambda: ("heartbeat", replica.replica_id) in registry.events, what="a beat")
+
+        def crash() -> None:
+            raise SystemError("a fault in the step loop")
+
+        verifier.engine._step = crash  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="engine has stopped"):
+            verifier.open_session("s", [1, 2, 3], SamplingParams(), 0)
+        assert not verifier.alive
+        assert registry.removed.wait(timeout=30)  # no new request is pinned to it
+        with pytest.raises(RuntimeError, match="engine has stopped"):
+            replica.check()  # Serve's health check fails: Serve replaces the replica
+        removed_at = registry.events.index(("remove", replica.replica_id))
+        time.sleep(0.3)  # six housekeeping turns
+        assert ("heartbeat", replica.replica_id) not in registry.events[removed_at:]
+    finally:
+        replica.stop()
+        verifier.close()
