@@ -95,6 +95,8 @@ logger = logging.getLogger(__name__)
 
 MAX_CONCURRENT_DRAFTS = 64
 """Drafts running ahead at once, across all requests of one router."""
+MAX_BACKGROUND_CLOSES = 4
+"""Threads closing, in the background, the sessions of replicas a request failed over from."""
 MAX_FAILOVERS = 4
 """Replicas one request may replace (both sides together) before it fails."""
 LOST = (ReplicaUnavailableError, SessionNotFoundError)
@@ -181,9 +183,12 @@ class Router:
         """The opening round verifies only what prompt lookup proposes while the drafter reads
         the prompt; False: it waits for the drafter (tests of the first tokens' sampling)."""
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_DRAFTS, thread_name_prefix="draft-ahead")
+        self._closer = ThreadPoolExecutor(MAX_BACKGROUND_CLOSES, thread_name_prefix="close-old")
+        """Closes sessions left on replicas a request failed over from, off its path."""
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._closer.shutdown(wait=True)
 
     def generate(
         self, request: GenerationRequest, pipelined: bool | None = None
@@ -322,6 +327,11 @@ class Router:
         failed_id = gen.verifier_id if side == "verifier" else gen.drafter_id
         gen.failed.add(failed_id)
         logger.warning("request %s: %s %s failed: %s", gen.session_id, side, failed_id, error)
+        failed_port = gen.verifier if side == "verifier" else gen.drafter_port
+        if failed_port is not None and not isinstance(error, SessionNotFoundError):
+            # It may only have been slow or cut off: free the session it may still hold now
+            # rather than at its idle TTL, without holding up the request.
+            self._closer.submit(self._close_quietly, side, failed_port, gen.session_id)
         spare = None
         if len(gen.failed) <= MAX_FAILOVERS:
             spare = self._replicas.spare(side, frozenset(gen.failed), deadline=gen.request.deadline)
@@ -527,9 +537,9 @@ class Router:
 
     @staticmethod
     def _close_quietly(side: str, port: DrafterPort | VerifierPort, session_id: str) -> None:
-        """Close a session; a replica that cannot be reached, or is too busy to take the call,
-        drops it itself after its time limit or TTL."""
+        """Close a session, best effort: a replica that cannot be reached, is too busy to take
+        the call or fails it drops the session itself after its time limit or TTL."""
         try:
             port.close_session(session_id)
-        except (ReplicaUnavailableError, ResourceExhaustedError) as error:
+        except Exception as error:
             logger.warning("could not close session %s on the %s: %s", session_id, side, error)

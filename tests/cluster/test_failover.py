@@ -249,3 +249,55 @@ def test_a_session_lost_past_the_deadline_is_not_failed_over(
     assert first.refused == 1
     assert pool.spares_given == []
     assert first.stats().num_sessions == local_tandem.drafter.stats().num_sessions == 0
+
+
+class CutOff:
+    """A replica whose `calls`-th call on the request's path is cut off (a per-call timeout, a
+    dropped connection) while the replica itself lives on and still holds the session."""
+
+    def __init__(self, component: Any, method: str, calls: int) -> None:
+        self.component = component
+        self._method = method
+        self._calls_left = calls
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.component, name)
+        if name != self._method:
+            return method
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._calls_left -= 1
+            if self._calls_left == 0:
+                raise ReplicaUnavailableError(f"{name}: DEADLINE_EXCEEDED: the call timed out")
+            return method(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.parametrize("side", ["verifier", "drafter"])
+def test_a_replica_failed_over_from_has_its_session_closed(
+    local_tandem: LocalTandem,
+    target_only: dict[str, tuple[int, ...]],
+    spares: tuple[Verifier, Drafter],
+    tiny_target: LoadedModel,
+    tiny_draft: LoadedModel,
+    side: str,
+) -> None:
+    spare_verifier, spare_drafter = spares
+    if side == "verifier":
+        first = CutOff(Verifier(tiny_target), "verify", calls=3)
+        pool = Pool([first, spare_verifier], [local_tandem.drafter])
+    else:
+        first = CutOff(Drafter(tiny_draft), "draft", calls=3)
+        pool = Pool([local_tandem.verifier], [first, spare_drafter])
+    router = _router(local_tandem, pool, pipelined=False)
+    prompt, expected = _expected(target_only)
+    try:
+        request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=3)
+        assert router.generate(request).tokens == expected
+    finally:
+        router.close()  # waits for the background closes
+    # The cut-off replica still lives: the router closed the session it left there, rather
+    # than leaving its KV blocks held until the idle TTL.
+    assert first.component.stats().num_sessions == 0
+    first.component.close()
