@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import hmac
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any, NoReturn, TypeVar
 
 import grpc
 
+from cluster.runtime.call_scope import call_scope
 from cluster.runtime.errors import TandemError
 from cluster.runtime.session import DEFAULT_MAX_SESSIONS
 
@@ -97,9 +99,15 @@ class CallGuard:
         self._component_name = component_name
 
     def run(self, context: grpc.ServicerContext, method: str, call: Callable[[], R]) -> R:
-        """Return `call()`; abort the RPC with the matching status if it raises."""
+        """Return `call()`; abort the RPC with the matching status if it raises. If the caller
+        goes (the RPC is cancelled, times out or loses its connection) while `call` waits on the
+        engine, the engine drops its work before the next step (`call_scope`)."""
+        gone = threading.Event()
+        if not context.add_callback(gone.set):
+            gone.set()  # the RPC has already ended
         try:
-            return call()
+            with call_scope(gone):
+                return call()
         except TandemError as error:
             retry_after_s = getattr(error, "retry_after_s", None)
             if retry_after_s is not None:

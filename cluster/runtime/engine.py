@@ -48,9 +48,10 @@ from typing import Any, TypeVar
 import torch
 
 from cluster.runtime.block import StepLoad
+from cluster.runtime.call_scope import caller_gone
 from cluster.runtime.cost_curve import CostCurve, smooth
 from cluster.runtime.engine_stats import EngineStats
-from cluster.runtime.errors import InvalidArgumentError, ResourceExhaustedError
+from cluster.runtime.errors import CancelledError, InvalidArgumentError, ResourceExhaustedError
 from cluster.runtime.runner import ModelRunner, PoolExhaustedError, SequenceWork
 from cluster.runtime.scheduler import (
     DEFAULT_MAX_STEP_SEQUENCES,
@@ -122,6 +123,8 @@ class Engine:
         self.batched_s = 0.0
         self.gather_s = 0.0
         self.gathers = 0
+        self.abandoned = 0
+        """Tasks dropped because their caller had gone."""
         self._steps = 0
         self._max_batch = 0
         self._mean_batch = 0.0
@@ -139,7 +142,7 @@ class Engine:
         the key back after it; a later task of the key is a new session's."""
         if closes and key is None:
             raise InvalidArgumentError("only a keyed task can close its key")
-        running = Running(task, key, Future(), self._clock(), closes=closes)
+        running = Running(task, key, Future(), self._clock(), closes=closes, gone=caller_gone())
         with self._condition:
             if self._stopped:
                 task.close()
@@ -375,6 +378,7 @@ class Engine:
             self._start(following)
 
     def _step(self) -> None:
+        self._drop_abandoned()
         started = self._clock()
         batch, chunks = self._scheduler.pack(self._active.values(), self.runner, self._refuse)
         if not batch:
@@ -386,6 +390,20 @@ class Engine:
         finally:
             self._in_step = False
             self._count_busy()
+
+    def _drop_abandoned(self) -> None:
+        """Throw CancelledError into every task about to step whose caller has gone: nothing
+        more of it runs, and its key's next task starts (a close frees the blocks)."""
+        dropping = True
+        while dropping:  # a dropped task's key may start a next one, as abandoned
+            dropping = False
+            for running in list(self._active.values()):
+                gone = running.gone
+                if gone is not None and gone.is_set() and isinstance(running.waiting, Forward):
+                    running.waiting = None
+                    self.abandoned += 1
+                    self._advance(running, None, CancelledError("the caller gave up the call"))
+                    dropping = True
 
     _busy_since = 0.0
 

@@ -57,6 +57,13 @@ class ResourceExhaustedError(TandemError):
         return (type(self), (str(self), self.retry_after_s))
 
 
+class CancelledError(TandemError):
+    """The caller gave up the call (it was cancelled or timed out, or its connection dropped):
+    its work was dropped before its next step."""
+
+    status = "CANCELLED"
+
+
 class DeadlineExceededError(TandemError):
     """The request ran out of the time its caller gave it; its work stopped and its sessions
     were freed. Not a replica failure: nothing is retried elsewhere."""

@@ -16,6 +16,7 @@ Forward has run. The engine thread alone reads and writes it; the scheduler
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -68,3 +69,6 @@ class Running:
     closes: bool = False
     """It ends its key's session: nothing of the key comes back after it
     (`Scheduler.finished`)."""
+    gone: threading.Event | None = None
+    """Set when its caller has gone (`cluster.runtime.call_scope`): the task is dropped before
+    it runs another step."""

@@ -17,8 +17,9 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 import pytest
 import torch
 
+from cluster.runtime.call_scope import call_scope
 from cluster.runtime.engine import Batched, Engine, Forward, Task
-from cluster.runtime.errors import ResourceExhaustedError
+from cluster.runtime.errors import CancelledError, ResourceExhaustedError
 from cluster.runtime.runner import SequenceWork
 from tests.verifier.fake_runner import VOCAB, RecordingRunner
 
@@ -256,3 +257,27 @@ def test_a_step_waits_for_a_session_that_comes_back_but_not_for_one_closed(
             assert sorted(w.seq_id for w in runner.steps[-1]) == ["a", "b"]
     finally:
         engine.stop()
+
+
+def test_a_task_whose_caller_has_gone_is_dropped_before_its_step(
+    runner: RecordingRunner, engine: Engine
+) -> None:
+    runner.gate = threading.Event()
+    blocker = engine.submit(forward_task("first", 1, [0]), key="first")
+    assert runner.entered.wait(timeout=10)
+    gone = threading.Event()
+    with call_scope(gone):  # as a replica's handler thread submits a call
+        abandoned = engine.submit(forward_task("abandoned", 3, [2]), key="abandoned")
+        after = engine.submit(forward_task("abandoned", 1, [0]), key="abandoned")
+    kept = engine.submit(forward_task("kept", 2, [1]), key="kept")
+    gone.set()  # the caller goes while the first step runs
+    runner.gate.set()
+    blocker.result(timeout=10)
+    assert kept.result(timeout=10).shape[0] == 1
+    with pytest.raises(CancelledError, match="gave up"):
+        abandoned.result(timeout=10)
+    with pytest.raises(CancelledError):
+        after.result(timeout=10)  # the key's next call, from the same caller, goes too
+    ran = {work.seq_id for step in runner.steps for work in step}
+    assert "abandoned" not in ran and "kept" in ran
+    assert engine.abandoned == 2

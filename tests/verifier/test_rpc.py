@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -18,6 +18,7 @@ import pytest
 
 from cluster.replica.rpc import INTERNAL_ERROR_MESSAGE, CallGuard, start_server, status_code
 from cluster.runtime import errors
+from cluster.runtime.call_scope import caller_gone
 from cluster.runtime.models import LoadedModel
 from drafter.drafter import Drafter
 from protos import replica_pb2, replica_pb2_grpc, sampling_pb2
@@ -332,8 +333,16 @@ class AbortingContext:
 
     trailing: tuple[tuple[str, str], ...] = ()
 
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+
     def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self.trailing = metadata
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        """Called when the RPC ends (here: when a test says the caller went)."""
+        self.callbacks.append(callback)
+        return True
 
     def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
         raise RuntimeError(f"aborted {code.name}: {details}")
@@ -365,6 +374,23 @@ def test_call_guard_sends_a_retry_hint_with_a_transient_refusal() -> None:
     with pytest.raises(RuntimeError, match="aborted RESOURCE_EXHAUSTED: KV pool full"):
         CallGuard("Fake").run(context, "Call", call)
     assert context.trailing == (("retry-after-ms", "1500"),)
+
+
+def test_call_guard_tells_the_engine_when_the_caller_goes() -> None:
+    context = AbortingContext()
+    seen: list[bool] = []
+
+    def call() -> int:
+        gone = caller_gone()
+        assert gone is not None and not gone.is_set()
+        for callback in context.callbacks:
+            callback()  # the RPC ends under the call: cancelled, timed out, disconnected
+        seen.append(gone.is_set())
+        return 7
+
+    assert CallGuard("Fake").run(context, "Call", call) == 7
+    assert seen == [True]
+    assert caller_gone() is None  # the scope ends with the call
 
 
 def test_call_guard_maps_tandem_errors_to_their_code() -> None:
