@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import socket
 import sys
 import time
 import urllib.request
@@ -151,13 +150,10 @@ def _say(message: str) -> None:
 
 
 def _check_port_free(port: int, flag: str = "--port") -> None:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("0.0.0.0", port))
-        except OSError as error:
-            raise InvalidArgumentError(
-                f"port {port} is in use ({error.strerror}); choose another with {flag}"
-            ) from error
+    # As the servers bind it (SO_REUSEADDR): a port whose last server just stopped is free,
+    # its closed connections in TIME_WAIT notwithstanding; one a server listens on is not.
+    if not local_cluster.port_is_free(port):
+        raise InvalidArgumentError(f"port {port} is in use; choose another with {flag}")
 
 
 def _live_state() -> local_cluster.ClusterState | None:

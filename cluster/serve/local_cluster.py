@@ -35,6 +35,8 @@ from typing import Any
 
 from cluster.runtime.errors import TandemError
 
+logger = logging.getLogger(__name__)
+
 HOME_ENV = "TANDEM_HOME"
 DEFAULT_HOME = "/tmp/tandem"
 LOOPBACK = "127.0.0.1"
@@ -304,8 +306,9 @@ def _holds_file_in(process: Path, folder: str) -> bool:
 
 
 def stop_cluster(state: ClusterState) -> int:
-    """Stop the cluster of `state` (SIGTERM, then SIGKILL after a grace); returns how many
-    processes were signalled. Forgets the state."""
+    """Stop the cluster of `state` (SIGTERM, then SIGKILL after a grace) and return once its
+    processes are gone and its ports can be bound again, so that a new cluster can start at
+    once; returns how many processes were signalled. Forgets the state."""
     pids = cluster_processes(state.temp_dir)
     for pid in pids:
         _signal(pid, signal.SIGTERM)
@@ -314,8 +317,45 @@ def stop_cluster(state: ClusterState) -> int:
         time.sleep(0.2)
     for pid in cluster_processes(state.temp_dir):
         _signal(pid, signal.SIGKILL)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline and cluster_processes(state.temp_dir):
+        time.sleep(0.1)  # a killed process is gone once the kernel has reaped it
+    held = wait_ports_free(cluster_ports(state), STOP_GRACE_S)
+    if held:
+        logger.warning("ports %s are still held after the cluster stopped", held)
     clear_state()
     return len(pids)
+
+
+def cluster_ports(state: ClusterState) -> list[int]:
+    """The ports a cluster of `state` listened on: its GCS, the public APIs, the metrics."""
+    ports = [state.grpc_port, state.http_port, state.metrics_port]
+    _, _, gcs_port = state.address.rpartition(":")
+    if gcs_port.isdigit():
+        ports.append(int(gcs_port))
+    return [port for port in ports if port]
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on `port` now (as servers do, with SO_REUSEADDR, so that
+    connections of a server just closed, in TIME_WAIT, do not count)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def wait_ports_free(ports: Sequence[int], timeout_s: float) -> list[int]:
+    """Wait up to `timeout_s` for every port to be free; returns those still held."""
+    deadline = time.monotonic() + timeout_s
+    held = [port for port in ports if not port_is_free(port)]
+    while held and time.monotonic() < deadline:
+        time.sleep(0.1)
+        held = [port for port in held if not port_is_free(port)]
+    return held
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

@@ -1,0 +1,52 @@
+"""Restarts: `tandem serve` right after `tandem shutdown` works, on the same ports, cycle after
+cycle; `shutdown` returns only once the cluster's processes are gone and its ports are free.
+
+Cycles: `TANDEM_RESTART_CYCLES` (default 5; 20 is the full check)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from cluster.config import CLUSTER_SECRET_ENV
+from cluster.serve.local_cluster import API_KEY_ENV, cluster_processes, free_port, port_is_free
+from tests.cluster.conftest import SERVE_TIMEOUT_S, TANDEM
+
+CYCLES = int(os.environ.get("TANDEM_RESTART_CYCLES", "5"))
+
+
+def run(
+    env: dict[str, str], *args: str, timeout_s: float = 180
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [TANDEM, *args], env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+
+
+def test_serve_generate_shutdown_cycles_on_the_same_ports() -> None:
+    home = Path("/tmp") / f"tandem-restarts-{os.getpid()}"
+    env = {k: v for k, v in os.environ.items() if k not in (CLUSTER_SECRET_ENV, API_KEY_ENV)}
+    env["TANDEM_HOME"] = str(home)
+    port, http_port = free_port(), free_port()
+    try:
+        for cycle in range(CYCLES):
+            serve = run(
+                env, "serve", "--preset", "tiny", "--port", str(port),
+                "--http-port", str(http_port), "--detach", timeout_s=SERVE_TIMEOUT_S,
+            )  # fmt: skip
+            assert serve.returncode == 0, f"cycle {cycle}: {serve.stderr[-3000:]}"
+            generated = run(
+                env, "generate", "--address", f"127.0.0.1:{port}", "--max-tokens", "8", "def f(",
+            )  # fmt: skip
+            assert generated.returncode == 0, f"cycle {cycle}: {generated.stderr[-3000:]}"
+            down = run(env, "shutdown")
+            assert down.returncode == 0, f"cycle {cycle}: {down.stderr[-3000:]}"
+            # When shutdown returns, nothing of the cluster is left and its ports are free.
+            assert cluster_processes(str(home / "ray")) == [], f"cycle {cycle}"
+            assert port_is_free(port) and port_is_free(http_port), f"cycle {cycle}"
+    finally:
+        if (home / "cluster.json").exists():
+            run(env, "shutdown")
+        shutil.rmtree(home, ignore_errors=True)
