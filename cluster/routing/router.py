@@ -102,6 +102,10 @@ MAX_FAILOVERS = 4
 LOST = (ReplicaUnavailableError, SessionNotFoundError)
 """What a replica raises when the request's session there is gone: fail over. Never
 `DeadlineExceededError` (the request is out of time) nor `ResourceExhaustedError` (a limit)."""
+VERIFIER_MOVES = (*LOST, ResourceExhaustedError)
+"""What moves a request's verification to a spare verifier mid-request: LOST, or a verifier
+whose KV pool cannot hold the session's growth (a spare may have room; the full one's session
+is closed, freeing its blocks)."""
 DRAFTER_FAILED = Exception
 """What a drafter call may raise without failing the request: LOST fails over to a spare
 drafter; anything else (a limit of its own, a refusal, an internal fault) ends drafting for the
@@ -294,11 +298,12 @@ class Router:
                 self._replace(gen, "verifier", error)
 
     def _verify(self, gen: Generation, block: DraftBlock, defer_bonus: bool) -> Verdict:
-        """Verify `block`; if the verifier fails, verify it again on a spare."""
+        """Verify `block`; if the verifier fails, or its KV pool is full, verify it again on a
+        spare (with none, the error ends the request)."""
         while True:
             try:
                 return gen.verifier.verify(gen.session_id, block, defer_bonus=defer_bonus)
-            except LOST as error:
+            except VERIFIER_MOVES as error:
                 self._replace(gen, "verifier", error)
                 self._open_verifier(gen)
 

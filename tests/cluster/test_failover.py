@@ -205,12 +205,34 @@ def test_sampled_requests_complete_across_a_failover(
     assert spare_verifier.stats().num_sessions == spare_drafter.stats().num_sessions == 0
 
 
+def test_a_verifier_whose_kv_pool_is_full_hands_the_request_to_a_spare_exactly(
+    local_tandem: LocalTandem,
+    target_only: dict[str, tuple[int, ...]],
+    spares: tuple[Verifier, Drafter],
+    tiny_target: LoadedModel,
+) -> None:
+    spare_verifier, _ = spares
+    full = ResourceExhaustedError("the KV pool cannot hold this work", retry_after_s=0.5)
+    first = Refusing(Verifier(tiny_target), calls=2, error=full)
+    pool = Pool([first, spare_verifier], [local_tandem.drafter])
+    router = _router(local_tandem, pool, pipelined=True)
+    prompt, expected = _expected(target_only)
+    try:
+        request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=3)
+        assert router.generate(request).tokens == expected
+    finally:
+        router.close()
+    assert first.refused == 1 and pool.spares_given == ["verifier-1"]
+    for component in (first, spare_verifier, local_tandem.drafter):
+        assert component.stats().num_sessions == 0  # the full one's session closed at once
+
+
 @pytest.mark.parametrize(
     "error",
     [DeadlineExceededError("out of time"), ResourceExhaustedError("replica full")],
-    ids=["deadline", "full"],
+    ids=["deadline", "full-no-spare"],
 )
-def test_a_deadline_or_a_full_replica_ends_the_request_without_failing_over(
+def test_a_deadline_or_a_full_replica_with_no_spare_ends_the_request(
     local_tandem: LocalTandem,
     spares: tuple[Verifier, Drafter],
     tiny_target: LoadedModel,
@@ -218,7 +240,9 @@ def test_a_deadline_or_a_full_replica_ends_the_request_without_failing_over(
 ) -> None:
     spare_verifier, _ = spares
     first = Refusing(Verifier(tiny_target), calls=2, error=error)
-    pool = Pool([first, spare_verifier], [local_tandem.drafter])
+    # A deadline never fails over; a full verifier does, but here has no spare to go to.
+    full = isinstance(error, ResourceExhaustedError)
+    pool = Pool([first] if full else [first, spare_verifier], [local_tandem.drafter])
     router = _router(local_tandem, pool, pipelined=True)
     try:
         request = GenerationRequest(encode(local_tandem, "def add(a, b):"), MAX_TOKENS)
