@@ -5,16 +5,21 @@ Cycles: `TANDEM_RESTART_CYCLES` (default 5; 20 is the full check)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from cluster.config import CLUSTER_SECRET_ENV
 from cluster.serve.local_cluster import API_KEY_ENV, cluster_processes, free_port, port_is_free
 from tests.cluster.conftest import SERVE_TIMEOUT_S, TANDEM
 
 CYCLES = int(os.environ.get("TANDEM_RESTART_CYCLES", "5"))
+CYCLE_BUDGET_S = 120  # a cycle takes 40-50 s on 2 busy cores
 
 
 def run(
@@ -25,6 +30,7 @@ def run(
     )
 
 
+@pytest.mark.timeout(60 + CYCLE_BUDGET_S * CYCLES)
 def test_serve_generate_shutdown_cycles_on_the_same_ports() -> None:
     home = Path("/tmp") / f"tandem-restarts-{os.getpid()}"
     env = {k: v for k, v in os.environ.items() if k not in (CLUSTER_SECRET_ENV, API_KEY_ENV)}
@@ -46,7 +52,11 @@ def test_serve_generate_shutdown_cycles_on_the_same_ports() -> None:
             # When shutdown returns, nothing of the cluster is left and its ports are free.
             assert cluster_processes(str(home / "ray")) == [], f"cycle {cycle}"
             assert port_is_free(port) and port_is_free(http_port), f"cycle {cycle}"
+            print(f"cycle {cycle + 1} of {CYCLES}: served, generated, shut down", flush=True)
     finally:
         if (home / "cluster.json").exists():
             run(env, "shutdown")
+        for pid in cluster_processes(str(home / "ray")):  # a cycle cut off mid-start
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         shutil.rmtree(home, ignore_errors=True)
