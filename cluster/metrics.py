@@ -54,10 +54,12 @@ NOT_GAUGES = frozenset({"pid"})
 ENGINE_GAUGE_PREFIX = "engine_"
 ENGINE_GAUGE_FIELDS = (
     "steps", "batch_sequences", "step_tokens", "kv_blocks_used", "kv_blocks_free", "queue_wait_s",
+    "preemptions", "recomputed_tokens", "refusals",
 )  # fmt: skip
 """The figures of a heartbeat's `engine` (`EngineStats`) exported as replica gauges:
-`kv_blocks_free` is derived (total - used); `steps` only grows (a counter kept as a gauge, so
-that it goes with its replica: graph it with `rate`). `queued` is the heartbeat's own
+`kv_blocks_free` is derived (total - used); `steps`, `preemptions`, `recomputed_tokens` and
+`refusals` only grow (counters kept as gauges, so that they go with their replica: graph them
+with `rate`). `queued` is the heartbeat's own
 `queue_depth` already; the rest (the cost curve, the block size, the pool's size, the largest
 batch) are settings, fits or records, read in `tandem status --json`."""
 

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "seed", "time_limit_ms")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "seed", "time_limit_ms", "max_new_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TIME_LIMIT_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _sampling_pb2.SamplingParams
     seed: int
     time_limit_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., time_limit_ms: _Optional[int] = ...) -> None: ...
+    max_new_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., time_limit_ms: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("committed_length",)
@@ -128,7 +130,7 @@ class ReplicaStats(_message.Message):
     def __init__(self, num_sessions: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., engine: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("runner", "steps", "max_batch_sequences", "kv_blocks_total", "kv_blocks_used", "block_size", "batch_sequences", "step_tokens", "queue_wait_s", "queued", "cost_base_s", "cost_per_token_s", "busy_s", "forward_s", "device_s", "batched_s", "gather_s", "gathers")
+    __slots__ = ("runner", "steps", "max_batch_sequences", "kv_blocks_total", "kv_blocks_used", "block_size", "batch_sequences", "step_tokens", "queue_wait_s", "queued", "cost_base_s", "cost_per_token_s", "busy_s", "forward_s", "device_s", "batched_s", "gather_s", "gathers", "preemptions", "recomputed_tokens", "refusals")
     RUNNER_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +149,9 @@ class EngineStats(_message.Message):
     BATCHED_S_FIELD_NUMBER: _ClassVar[int]
     GATHER_S_FIELD_NUMBER: _ClassVar[int]
     GATHERS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
     runner: str
     steps: int
     max_batch_sequences: int
@@ -165,4 +170,7 @@ class EngineStats(_message.Message):
     batched_s: float
     gather_s: float
     gathers: int
-    def __init__(self, runner: _Optional[str] = ..., steps: _Optional[int] = ..., max_batch_sequences: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., batch_sequences: _Optional[float] = ..., step_tokens: _Optional[float] = ..., queue_wait_s: _Optional[float] = ..., queued: _Optional[int] = ..., cost_base_s: _Optional[float] = ..., cost_per_token_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., device_s: _Optional[float] = ..., batched_s: _Optional[float] = ..., gather_s: _Optional[float] = ..., gathers: _Optional[int] = ...) -> None: ...
+    preemptions: int
+    recomputed_tokens: int
+    refusals: int
+    def __init__(self, runner: _Optional[str] = ..., steps: _Optional[int] = ..., max_batch_sequences: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., batch_sequences: _Optional[float] = ..., step_tokens: _Optional[float] = ..., queue_wait_s: _Optional[float] = ..., queued: _Optional[int] = ..., cost_base_s: _Optional[float] = ..., cost_per_token_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., device_s: _Optional[float] = ..., batched_s: _Optional[float] = ..., gather_s: _Optional[float] = ..., gathers: _Optional[int] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., refusals: _Optional[int] = ...) -> None: ...

@@ -44,6 +44,9 @@ class SessionServicer(Generic[K]):
                 wire.sampling_from_wire(request.sampling),
                 request.seed,
                 time_limit_s=wire.time_limit_from_wire(request),
+                max_new_tokens=(
+                    request.max_new_tokens if request.HasField("max_new_tokens") else None
+                ),
             )
             return replica_pb2.OpenSessionResponse(committed_length=length)
 

@@ -234,6 +234,9 @@ def engine_stats_to_wire(engine: EngineStats) -> replica_pb2.EngineStats:
         batched_s=engine.batched_s,
         gather_s=engine.gather_s,
         gathers=uint_to_wire(engine.gathers, "engine.gathers"),
+        preemptions=uint_to_wire(engine.preemptions, "engine.preemptions"),
+        recomputed_tokens=uint_to_wire(engine.recomputed_tokens, "engine.recomputed_tokens"),
+        refusals=uint_to_wire(engine.refusals, "engine.refusals"),
     )
 
 
@@ -257,6 +260,9 @@ def engine_stats_from_wire(message: replica_pb2.EngineStats) -> EngineStats:
         batched_s=message.batched_s,
         gather_s=message.gather_s,
         gathers=message.gathers,
+        preemptions=message.preemptions,
+        recomputed_tokens=message.recomputed_tokens,
+        refusals=message.refusals,
     )
 
 

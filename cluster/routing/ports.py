@@ -22,9 +22,16 @@ from cluster.runtime.sampling import SamplingParams
 
 class DrafterPort(Protocol):
     def open_session(
-        self, session_id: str, prompt_tokens: Sequence[int], sampling: SamplingParams, seed: int
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+        *,
+        max_new_tokens: int | None = None,
     ) -> int:
-        """Open a session; returns its committed length."""
+        """Open a session; returns its committed length. `max_new_tokens`: how far it may grow
+        past the prompt (admission plans for it; None: a block)."""
         ...
 
     def draft(
@@ -47,9 +54,16 @@ class DrafterPort(Protocol):
 
 class VerifierPort(Protocol):
     def open_session(
-        self, session_id: str, prompt_tokens: Sequence[int], sampling: SamplingParams, seed: int
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+        *,
+        max_new_tokens: int | None = None,
     ) -> int:
-        """Open a session; returns its committed length."""
+        """Open a session; returns its committed length. `max_new_tokens`: how far it may grow
+        past the prompt (admission plans for it; None: a block)."""
         ...
 
     def verify(self, session_id: str, block: DraftBlock, defer_bonus: bool = False) -> Verdict:

@@ -181,6 +181,7 @@ class _ReplicaClient:
         sampling: SamplingParams,
         seed: int,
         *,
+        max_new_tokens: int | None = None,
         timeout_s: float | None = None,
     ) -> int:
         """Open a session; returns its committed length."""
@@ -190,6 +191,10 @@ class _ReplicaClient:
             sampling=wire.sampling_to_wire(sampling),
             seed=wire.uint_to_wire(seed, "seed"),
         )
+        if max_new_tokens is not None:
+            request.max_new_tokens = wire.uint_to_wire(
+                max_new_tokens, "max_new_tokens", wire.MAX_UINT32
+            )
         left = self._time_left()
         if left is not None:
             request.time_limit_ms = wire.time_limit_to_wire(left)

@@ -39,7 +39,9 @@ round's bookkeeping (`cluster.routing.generation`), costs O(new tokens), not O(h
 Failover: replicas hold only soft state and the router holds every committed token, so when
 a replica fails a call (unreachable, or it no longer knows the session) the request moves on.
 A verifier is replaced by a spare of the pool, whose session is opened on the whole history
-(prompt and committed tokens) before the same block is verified again; a drafter is replaced
+(prompt and committed tokens) before the same block is verified again; so is one that refuses
+the session for lack of KV memory, at open (its planned growth does not fit: sessions are
+opened planned for what is left of `max_tokens`) or mid-request; a drafter is replaced
 the same way, or, with no spare, the request goes on with the target alone; so it does, with no
 spare sought, when its drafter refuses at a limit of its own (RESOURCE_EXHAUSTED: a context
 smaller than the verifier's, or a full session table). Greedy output is
@@ -269,7 +271,12 @@ class Router:
         gen.check_deadline()
         if port is not None:
             gen.drafter_opening = self._pool.submit(
-                port.open_session, gen.session_id, prompt, request.sampling, request.seed
+                port.open_session,
+                gen.session_id,
+                prompt,
+                request.sampling,
+                request.seed,
+                max_new_tokens=gen.remaining,
             )
         try:
             self._open_verifier(gen)
@@ -286,15 +293,20 @@ class Router:
 
     def _open_verifier(self, gen: Generation) -> None:
         """Open the request's session on its verifier, over the whole history (the prompt at
-        first; after a failover, every committed token too); fail over while that fails."""
+        first; after a failover, every committed token too), planned to grow by what is left
+        of `max_tokens`; fail over while that fails or the verifier has no room for it."""
         while True:
             request = gen.request
             try:
                 gen.verifier.open_session(
-                    gen.session_id, gen.history, request.sampling, request.seed
+                    gen.session_id,
+                    gen.history,
+                    request.sampling,
+                    request.seed,
+                    max_new_tokens=gen.remaining,
                 )
                 return
-            except LOST as error:
+            except VERIFIER_MOVES as error:
                 self._replace(gen, "verifier", error)
 
     def _verify(self, gen: Generation, block: DraftBlock, defer_bonus: bool) -> Verdict:
@@ -360,6 +372,7 @@ class Router:
             list(gen.history),
             request.sampling,
             request.seed,
+            max_new_tokens=gen.remaining,
         )
 
     def _loop(self, gen: Generation) -> Iterator[GenerationChunk]:

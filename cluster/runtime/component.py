@@ -13,11 +13,12 @@ sampling and seed a session keeps (`_session_sampling`). A plain class: no Ray, 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Generic, TypeVar
 
 import torch
 
-from cluster.runtime.engine import Engine, Forward, Task
+from cluster.runtime.engine import Engine, Forward, Preempted, Task
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.runner import ModelRunner, build_runner
 from cluster.runtime.sampling import SamplingParams
@@ -59,7 +60,12 @@ class SessionComponent(Generic[C]):
         )
         self._engine.calibrate()
         self._sessions = SessionTable(
-            model, runner, config.max_sessions, config.max_context_tokens, config.session_ttl_s
+            model,
+            runner,
+            config.max_sessions,
+            config.max_context_tokens,
+            config.session_ttl_s,
+            kv_overcommit=config.kv_overcommit,
         )
 
     @property
@@ -78,13 +84,20 @@ class SessionComponent(Generic[C]):
         seed: int,
         *,
         time_limit_s: float | None = None,
+        max_new_tokens: int | None = None,
     ) -> int:
         """Open a session and prefill its cache; returns the committed length.
 
         `time_limit_s`: seconds the request has left; once they pass the session is dropped
         and a call on it raises `DeadlineExceededError` (None: only the idle TTL applies).
-        Refused with RESOURCE_EXHAUSTED (and a retry hint) when the KV pool cannot hold it."""
-        task = self._open(session_id, tuple(prompt_tokens), sampling, seed, time_limit_s)
+        `max_new_tokens`: how far the session may grow past its prompt, for admission (None:
+        a block and its bonus). Refused with RESOURCE_EXHAUSTED (and a retry hint) when the KV
+        pool could never hold the prompt or the planned growth fits no more
+        (`SessionLimits.kv_overcommit`); a prompt that fits once other sessions free blocks
+        waits for them."""
+        task = self._open(
+            session_id, tuple(prompt_tokens), sampling, seed, time_limit_s, max_new_tokens
+        )
         return self._engine.run(task, key=session_id)
 
     def _open(
@@ -94,6 +107,7 @@ class SessionComponent(Generic[C]):
         sampling: SamplingParams,
         seed: int,
         time_limit_s: float | None,
+        max_new_tokens: int | None,
     ) -> Task[int]:
         own_sampling, own_seed = self._session_sampling(sampling, seed)
         session = self._sessions.open(
@@ -103,6 +117,7 @@ class SessionComponent(Generic[C]):
             own_seed,
             time_limit_s,
             headroom_tokens=self._headroom_tokens(),
+            max_new_tokens=max_new_tokens,
         )
         # The last committed token is fed with the next forward, whose logits need it.
         try:
@@ -121,12 +136,17 @@ class SessionComponent(Generic[C]):
     ) -> Task[torch.Tensor | None]:
         """Run what the session's KV lacks of its sequence's first `upto` tokens (default: all)
         in the engine's next steps; returns the logits at the last `num_logits` of them
-        (float32 `[num_logits, vocab]`; None when nothing had to run)."""
-        work = session.kv.work(num_logits, upto)
-        if work is None:
-            return None
-        logits: torch.Tensor = yield Forward(work)
-        return logits
+        (float32 `[num_logits, vocab]`; None when nothing had to run). Preemptible: if the
+        engine frees the session's blocks meanwhile, the work is planned again (recomputed)."""
+        while True:
+            work = session.kv.work(num_logits, upto)
+            if work is None:
+                return None
+            try:
+                logits: torch.Tensor = yield Forward(work, preemptible=True)
+            except Preempted:
+                continue  # its blocks went to an older session: recompute what the KV lost
+            return logits
 
     def _session_sampling(self, sampling: SamplingParams, seed: int) -> tuple[SamplingParams, int]:
         """The sampling settings and seed a new session keeps: the request's, unless a side
@@ -146,7 +166,9 @@ class SessionComponent(Generic[C]):
         return self._engine.call(lambda: self._sessions.evict_idle(busy=self._engine.active_keys))
 
     def stats(self) -> ReplicaStats:
-        return self._sessions.stats(busy_s=self._engine.busy_s, engine=self._engine.stats())
+        engine = self._engine.stats()
+        engine = replace(engine, refusals=engine.refusals + self._sessions.num_refused)
+        return self._sessions.stats(busy_s=self._engine.busy_s, engine=engine)
 
     @property
     def alive(self) -> bool:

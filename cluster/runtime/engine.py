@@ -26,8 +26,12 @@ each step's forward pass and its Batched handlers, and waiting (`_gather`) for t
 scheduler expects back. What goes into a step (the token and sequence budgets, small items
 before prefill chunks, admission by free KV blocks) and whom a step waits for, and how long,
 are the scheduler's policy (`cluster.runtime.scheduler`). An item that cannot fit in the KV
-pool even alone fails at once here (RESOURCE_EXHAUSTED with a retry hint: sessions must close
-before it can run), never an out-of-memory crash.
+pool at all fails at once here (RESOURCE_EXHAUSTED with a retry hint), never an out-of-memory
+crash. When the pool runs short, the scheduler makes room for the oldest sessions by preempting
+newer ones: the engine frees a victim's blocks (`_preempt`) and its session recomputes them on
+its next step (a task waiting on a preemptible Forward gets `Preempted` and plans again), so a
+full pool delays requests instead of failing them. Counted: `preemptions`, `recomputed_tokens`,
+`refusals`.
 
 The engine measures itself: steps, the largest batch, tokens and sessions per step, queue
 wait, the split of its time (`busy_s`, `forward_s`, `batched_s`, `gather_s`, `gathers`), and
@@ -60,7 +64,7 @@ from cluster.runtime.scheduler import (
     Scheduler,
     remaining,
 )
-from cluster.runtime.task import Batched, Forward, Running, Task
+from cluster.runtime.task import Batched, Forward, Preempted, Running, Task
 
 __all__ = [
     "DEFAULT_MAX_STEP_SEQUENCES",
@@ -68,6 +72,7 @@ __all__ = [
     "Batched",
     "Engine",
     "Forward",
+    "Preempted",
     "Task",
 ]
 """The engine's public names; the task protocol and the budgets' defaults live in `task` and
@@ -79,6 +84,8 @@ R = TypeVar("R")
 
 RETRY_AFTER_S = 1.0
 """Retry hint sent with a refusal for lack of KV blocks."""
+ROOM_WAIT_S = 0.01
+"""How long a step that could run nothing waits for a call before it looks again."""
 
 
 class Engine:
@@ -125,6 +132,14 @@ class Engine:
         self.gathers = 0
         self.abandoned = 0
         """Tasks dropped because their caller had gone."""
+        self.preemptions = 0
+        """Sequences whose KV blocks were freed for an older session's growth."""
+        self.recomputed_tokens = 0
+        """Tokens run again to rebuild KV that preemptions freed."""
+        self.refusals = 0
+        """Tasks failed because their work could not fit in the whole KV pool."""
+        self._to_recompute: dict[str, int] = {}
+        """Per preempted sequence, the freed tokens not yet run again."""
         self._steps = 0
         self._max_batch = 0
         self._mean_batch = 0.0
@@ -211,6 +226,9 @@ class Engine:
             batched_s=self.batched_s,
             gather_s=self.gather_s,
             gathers=self.gathers,
+            preemptions=self.preemptions,
+            recomputed_tokens=self.recomputed_tokens,
+            refusals=self.refusals,
         )
 
     def calibrate(self, token_counts: Sequence[int] = (1, 16, 64), repeats: int = 2) -> None:
@@ -380,8 +398,11 @@ class Engine:
     def _step(self) -> None:
         self._drop_abandoned()
         started = self._clock()
-        batch, chunks = self._scheduler.pack(self._active.values(), self.runner, self._refuse)
+        batch, chunks = self._scheduler.pack(
+            self._active.values(), self.runner, self._refuse, self._preempt
+        )
         if not batch:
+            self._wait_for_room()
             return
         self._in_step = True
         self._busy_since = started
@@ -414,6 +435,43 @@ class Engine:
         self.busy_s += now - self._busy_since
         self._busy_since = now
 
+    def _wait_for_room(self) -> None:
+        """Nothing could run (every ready task waits for blocks older sessions hold): wait
+        for a call to arrive, or a little, rather than spin."""
+        with self._condition:
+            if not self._inbox and not self._stopped:
+                self._condition.wait(ROOM_WAIT_S)
+
+    def _preempt(self, seq_id: str) -> None:
+        """Free `seq_id`'s KV blocks for an older session (the scheduler chose it): its
+        session keeps its tokens and recomputes the KV on its next step; a task of it waiting
+        on a Forward is told to plan its work again."""
+        held = self.runner.length(seq_id)
+        self.runner.truncate(seq_id, 0)
+        sequences = set(self.runner.sequences())
+        for gone in [s for s in self._to_recompute if s not in sequences]:
+            del self._to_recompute[gone]  # closed before it ran again
+        self.preemptions += 1
+        self._to_recompute[seq_id] = self._to_recompute.get(seq_id, 0) + held
+        logger.info("preempted sequence %r: %d cached tokens freed", seq_id, held)
+        running = self._active.get(seq_id)
+        if running is not None and isinstance(running.waiting, Forward):
+            running.waiting = None
+            self._advance(running, None, Preempted(f"sequence {seq_id!r} was preempted"))
+
+    def _count_recomputed(self, chunks: Sequence[SequenceWork]) -> None:
+        """Count the tokens of this step that rebuild KV a preemption freed."""
+        for piece in chunks:
+            owed = self._to_recompute.get(piece.seq_id)
+            if owed is None:
+                continue
+            done = min(owed, len(piece.tokens))
+            self.recomputed_tokens += done
+            if owed > done:
+                self._to_recompute[piece.seq_id] = owed - done
+            else:
+                del self._to_recompute[piece.seq_id]
+
     def _refuse(self, running: Running, blocks: int) -> None:
         error = PoolExhaustedError(
             f"the KV pool cannot hold this work: it needs {blocks} more blocks of "
@@ -423,6 +481,7 @@ class Engine:
             retry_after_s=RETRY_AFTER_S,
         )
         running.waiting = None
+        self.refusals += 1
         self._advance(running, None, error)
 
     def _run_batch(self, batch: list[Running], chunks: list[SequenceWork], started: float) -> None:
@@ -431,6 +490,8 @@ class Engine:
                 running.waited = True
                 self._queue_wait_s = smooth(self._queue_wait_s, started - running.submitted_at)
         tokens = sum(len(c.tokens) for c in chunks)
+        if self._to_recompute:
+            self._count_recomputed(chunks)
         forward_started = self._clock()
         try:
             logits = self.runner.forward(chunks)

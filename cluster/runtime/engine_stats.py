@@ -51,6 +51,13 @@ class EngineStats:
     """Seconds spent waiting for sessions about to come back before steps."""
     gathers: int = 0
     """Steps that waited for such sessions."""
+    preemptions: int = 0
+    """Sessions whose KV blocks were freed for an older session's growth (since start)."""
+    recomputed_tokens: int = 0
+    """Tokens run again to rebuild the KV that preemptions freed (since start)."""
+    refusals: int = 0
+    """Calls refused for lack of KV memory (since start): sessions refused at admission, and
+    work that could not fit in the whole pool."""
 
     @property
     def kv_blocks_free(self) -> int:

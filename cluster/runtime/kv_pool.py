@@ -77,6 +77,15 @@ class BlockAllocator:
         """Positions the blocks `seq_id` holds can store (reserved, committed or not)."""
         return len(self._tables.get(seq_id, ())) * self.block_size
 
+    def sequences(self) -> tuple[str, ...]:
+        """Ids of the sequences held (blocks or not), oldest first: in the order they first
+        reserved blocks (a truncate to 0 keeps a sequence's place; a release forgets it)."""
+        return tuple(self._tables)
+
+    def num_blocks_of(self, seq_id: str) -> int:
+        """Blocks `seq_id` holds (0 for an unknown sequence)."""
+        return len(self._tables.get(seq_id, ()))
+
     def table(self, seq_id: str) -> tuple[int, ...]:
         """The block ids of `seq_id`, in position order."""
         return tuple(self._tables.get(seq_id, ()))

@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 
 from cluster.runtime.cost_curve import smooth
+from cluster.runtime.kv_pool import blocks_for
 from cluster.runtime.runner import ModelRunner, SequenceWork
 from cluster.runtime.task import Forward, Running
 
@@ -48,6 +49,9 @@ are served before prefill chunks."""
 LONG_SHARE = 4
 """The oldest long item always gets at least max_step_tokens // LONG_SHARE tokens of a step."""
 MAX_GATHER_S = 0.05
+IDLE_PREEMPT_S = 1.0
+"""Under memory pressure a session idle this long (no call on it) may lose its KV blocks to
+any session, older or not: its router is slow to come back, or gone until the idle TTL."""
 GATHER_SHARE = 0.5
 """A step waits for sessions about to come back at most GATHER_SHARE of its predicted time,
 and never more than MAX_GATHER_S (`Scheduler.to_gather`). A session left behind waits a whole
@@ -136,11 +140,20 @@ class Scheduler:
         active: Iterable[Running],
         runner: ModelRunner,
         refuse: Callable[[Running, int], None],
+        preempt: Callable[[str], None] | None = None,
     ) -> tuple[list[Running], list[SequenceWork]]:
         """Choose this step's items among the `active` tasks waiting on a Forward, under the
         budgets and `runner`'s free KV blocks: the tasks and the chunk each runs. A task that
-        could not fit even alone goes to `refuse(task, blocks it needs)` at once."""
+        could not fit even alone goes to `refuse(task, blocks it needs)` at once.
+
+        `preempt(seq_id)`: free a sequence's KV blocks (its session recomputes them later).
+        Given, a step short of blocks is packed oldest session first and makes room by
+        preempting newer sessions (`_pack_by_age`); a task is then refused only when it could
+        not fit in the whole pool."""
+        active = list(active)
         ready = [r for r in active if isinstance(r.waiting, Forward)]
+        if preempt is not None and self._short_of_blocks(ready, runner):
+            return self._pack_by_age(active, ready, runner, refuse, preempt)
         small = sorted(
             (r for r in ready if remaining(r) <= SMALL_ITEM_TOKENS), key=lambda r: r.ready_since
         )
@@ -175,6 +188,112 @@ class Scheduler:
             batch.append(running)
             chunks.append(piece)
         return batch, chunks
+
+
+    # ------------------------------------------------------------------ memory pressure
+
+    def _short_of_blocks(self, ready: list[Running], runner: ModelRunner) -> bool:
+        """Whether some ready task's next chunk alone needs more blocks than are free."""
+        free = runner.num_free_blocks
+        for running in ready:
+            seq_id = running.waiting.work.seq_id  # type: ignore[union-attr]
+            take = min(remaining(running), self.max_step_tokens)
+            if runner.blocks_needed(seq_id, runner.length(seq_id) + take) > free:
+                return True
+        return False
+
+    def _pack_by_age(
+        self,
+        active: list[Running],
+        ready: list[Running],
+        runner: ModelRunner,
+        refuse: Callable[[Running, int], None],
+        preempt: Callable[[str], None],
+    ) -> tuple[list[Running], list[SequenceWork]]:
+        """Pack under memory pressure: the oldest session (the first to take blocks) first,
+        each making room by preempting sessions newer than itself, newest first (they have
+        the least to recompute), and sessions idle past `IDLE_PREEMPT_S` whatever their age.
+        The oldest session can always take the whole pool, so every session finishes in turn;
+        one that could not fit in the whole pool is refused. Prefill chunks get no share of
+        their own here: age alone orders the step."""
+        age = {seq_id: i for i, seq_id in enumerate(runner.sequences())}
+        by_key = {r.key: r for r in active if r.key is not None}
+
+        def rank(running: Running) -> tuple[int, float]:
+            seq_id = running.waiting.work.seq_id  # type: ignore[union-attr]
+            return age.get(seq_id, len(age)), running.ready_since
+
+        batch: list[Running] = []
+        chunks: list[SequenceWork] = []
+        granted = 0  # blocks this step's items will reserve
+        taken: set[str] = set()
+        preempted: set[str] = set()
+        tokens_left = self.max_step_tokens
+        for running in sorted(ready, key=rank):
+            if len(batch) >= self.max_step_sequences or tokens_left <= 0:
+                break
+            if not isinstance(running.waiting, Forward):
+                continue  # preempted this step and failed, or done
+            seq_id = running.waiting.work.seq_id
+            if seq_id in preempted:
+                continue  # it just gave its blocks up: not back in the same step
+            take = min(remaining(running), tokens_left)
+            piece = chunk(running, take)
+            need = runner.blocks_needed(seq_id, runner.length(seq_id) + take)
+            if need > runner.num_free_blocks - granted:
+                lacking = need - (runner.num_free_blocks - granted)
+                own_age = age.get(seq_id, len(age))
+                victims = self._victims(runner, age, own_age, seq_id, taken, by_key, lacking)
+                for victim in victims:
+                    preempt(victim)
+                    preempted.add(victim)
+            if need > runner.num_free_blocks - granted:
+                whole = runner.length(seq_id) + remaining(running)
+                if blocks_for(whole, runner.block_size) > runner.num_blocks:
+                    refuse(running, runner.blocks_needed(seq_id, whole))
+                continue  # it waits for older sessions to finish
+            granted += need
+            tokens_left -= take
+            taken.add(seq_id)
+            batch.append(running)
+            chunks.append(piece)
+        return batch, chunks
+
+    def _victims(
+        self,
+        runner: ModelRunner,
+        age: Mapping[str, int],
+        own_age: int,
+        own: str,
+        taken: set[str],
+        by_key: Mapping[str, Running],
+        lacking: int,
+    ) -> list[str]:
+        """Sequences whose blocks together cover `lacking`, newest first: newer than `own_age`
+        (idle, or waiting on a preemptible Forward), or idle past `IDLE_PREEMPT_S`; none
+        when all of them could not cover it (preempting then would only waste work)."""
+        now = self._clock()
+        chosen: list[str] = []
+        freed = 0
+        for seq_id in sorted(age, key=age.__getitem__, reverse=True):
+            if freed >= lacking:
+                break
+            held = runner.num_blocks_of(seq_id)
+            if seq_id == own or seq_id in taken or held == 0:
+                continue
+            running = by_key.get(seq_id)
+            if running is not None:
+                waiting = running.waiting
+                movable = isinstance(waiting, Forward) and waiting.preemptible
+                if not movable or age[seq_id] <= own_age:
+                    continue
+            elif age[seq_id] <= own_age:
+                idle_since = self.finished_at.get(seq_id, -float("inf"))
+                if now - idle_since < IDLE_PREEMPT_S:
+                    continue  # an older session between two calls: it comes back soon
+            chosen.append(seq_id)
+            freed += held
+        return chosen if freed >= lacking else []
 
 
 def remaining(running: Running) -> int:

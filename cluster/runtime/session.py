@@ -10,8 +10,9 @@ finds it (DEADLINE_EXCEEDED).
 
 Both components are a `SessionComponent` (`cluster.runtime.component`) over a `SessionTable`,
 whose sessions keep their KV in the replica engine's paged pool (`SequenceKV`); the table is
-touched by the engine thread only. Admission is by count (`max_sessions`) and by KV memory (free
-blocks for the prompt and a block). Their configs extend `SessionLimits`. The limits' defaults
+touched by the engine thread only. Admission is by count (`max_sessions`) and by KV memory: the
+prompt and a block must fit in the pool, and the session's planned growth beside the others'
+(`SessionLimits.kv_overcommit`). Their configs extend `SessionLimits`. The limits' defaults
 and the block limit are named here once, for every layer above to import.
 """
 
@@ -49,6 +50,7 @@ DEFAULT_MAX_CONTEXT_TOKENS = 4096
 DEFAULT_SESSION_TTL_S = 600.0
 
 DEFAULT_KV_CACHE_FRACTION = 0.2
+DEFAULT_KV_OVERCOMMIT = 2.0
 DEFAULT_KV_BLOCK_SIZE = 16
 
 
@@ -65,6 +67,8 @@ class ReplicaSession:
     """Verifier only: the target's distribution for the next position, kept when a verdict
     deferred its bonus token, in its smallest exact form (the argmax when greedy, else the
     nonzero entries or a dense row); the cache then holds every committed token."""
+    planned_blocks: int = 0
+    """KV blocks its admission planned for: the prompt and its growth (`SessionTable.open`)."""
     last_used: float = 0.0
     """When a call last found this session (the table's clock)."""
     expires_at: float | None = None
@@ -103,6 +107,11 @@ class SessionLimits:
     """Bytes of the replica's paged KV pool; 0: `kv_cache_fraction` of the device's free
     memory, capped at what `max_sessions` sessions of `max_context_tokens` could use."""
     kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
+    kv_overcommit: float = DEFAULT_KV_OVERCOMMIT
+    """Admission plans each session's growth (prompt plus its max_tokens, within the context
+    limit) and admits one more only while the plans of all open sessions fit in this many
+    times the KV pool: above 1 it bets that requests stop early (most end at EOS), and when
+    they do not, the engine preempts the newest sessions and recomputes them later."""
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
     """Tokens per KV block (rollback frees whole blocks)."""
     max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
@@ -132,6 +141,8 @@ class SessionLimits:
             raise InvalidArgumentError(f"kv_cache_bytes must be >= 0, got {self.kv_cache_bytes}")
         if not 0 <= self.gather_share <= 1:
             raise InvalidArgumentError(f"gather_share must be in [0, 1], got {self.gather_share}")
+        if not self.kv_overcommit >= 1:
+            raise InvalidArgumentError(f"kv_overcommit must be >= 1, got {self.kv_overcommit}")
         if not 0 < self.kv_cache_fraction <= 1:
             raise InvalidArgumentError(
                 f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}"
@@ -167,8 +178,10 @@ class SessionTable:
         max_context_tokens: int,
         session_ttl_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        kv_overcommit: float = DEFAULT_KV_OVERCOMMIT,
     ) -> None:
-        """`session_ttl_s`: evict a session idle this long (None: never)."""
+        """`session_ttl_s`: evict a session idle this long (None: never); `kv_overcommit`:
+        the planned growth of open sessions may reach this many times the KV pool."""
         self.model = model
         self.runner = runner
         self.max_sessions = max_sessions
@@ -180,6 +193,11 @@ class SessionTable:
         """Sessions evicted for idling since the table was made."""
         self.num_expired = 0
         """Sessions dropped past their time limit since the table was made."""
+        self.kv_overcommit = kv_overcommit
+        self.num_refused = 0
+        """Sessions refused for lack of KV memory (now, or planned) since the table was made."""
+        self._planned_blocks = 0
+        """The sum of the open sessions' `planned_blocks`."""
 
     def open(
         self,
@@ -189,17 +207,25 @@ class SessionTable:
         seed: int,
         time_limit_s: float | None = None,
         headroom_tokens: int = 0,
+        max_new_tokens: int | None = None,
     ) -> ReplicaSession:
         """Check and create a session (its owner prefills it); nothing is kept if a check fails.
 
         `time_limit_s`: seconds its request has left, from now; past them the session is
-        dropped (None: no limit, only the idle TTL). Admission is by KV memory: the pool must
-        have free blocks for the prompt plus `headroom_tokens` (a block and its bonus), else
-        RESOURCE_EXHAUSTED with a retry hint."""
+        dropped (None: no limit, only the idle TTL). Admission is by KV memory, twice: the
+        prompt plus `headroom_tokens` (a block and its bonus) must fit in the pool (free or
+        not: a prefill waits in the engine for blocks to free up), and the session's planned
+        growth (the prompt plus `max_new_tokens`, or the headroom when None, within the
+        context limit) must fit beside the open sessions' plans in `kv_overcommit` times the
+        pool; else RESOURCE_EXHAUSTED with a retry hint."""
         if time_limit_s is not None and not time_limit_s > 0:
             raise InvalidArgumentError(f"time_limit_s must be > 0, got {time_limit_s}")
+        if max_new_tokens is not None and max_new_tokens < 0:
+            raise InvalidArgumentError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         self._check_new(session_id, prompt_tokens)
-        self._check_memory(session_id, len(prompt_tokens) + headroom_tokens)
+        self._check_memory(len(prompt_tokens) + headroom_tokens)
+        growth = headroom_tokens if max_new_tokens is None else max_new_tokens + 1
+        planned = self._check_plan(min(len(prompt_tokens) + growth, self.max_context_tokens))
         check_token_ids(prompt_tokens, self.model.vocab_size, "prompt_tokens")
         check_seed(seed)
         now = self._clock()
@@ -209,8 +235,10 @@ class SessionTable:
             generator=make_generator(seed, self.model.device),
             last_used=now,
             expires_at=None if time_limit_s is None else now + time_limit_s,
+            planned_blocks=planned,
         )
         self._sessions[session_id] = session
+        self._planned_blocks += planned
         return session
 
     def _check_new(self, session_id: str, prompt_tokens: Sequence[int]) -> None:
@@ -228,16 +256,37 @@ class SessionTable:
             raise InvalidArgumentError("prompt must hold at least one token")
         self.check_context(len(prompt_tokens))
 
-    def _check_memory(self, session_id: str, tokens: int) -> None:
+    def _check_memory(self, tokens: int) -> None:
+        """Refuse a session whose prompt and first block could not fit in the whole pool. One
+        that fits only once others free their blocks is admitted: its prefill waits in the
+        engine for room (the engine preempts only sessions newer than the one growing)."""
         runner = self.runner
-        need = runner.blocks_needed(session_id, min(tokens, self.max_context_tokens))
-        if need > runner.num_free_blocks:
+        need = -(-min(tokens, self.max_context_tokens) // runner.block_size)
+        if need > runner.num_blocks:
+            self.num_refused += 1
             raise ResourceExhaustedError(
-                f"replica KV memory is full: a session of {tokens} tokens needs {need} blocks "
-                f"of {runner.block_size} tokens, {runner.num_free_blocks} of {runner.num_blocks} "
-                "are free; retry after 1 s or on another replica",
+                f"replica KV memory is too small: a session of {tokens} tokens needs {need} "
+                f"blocks of {runner.block_size} tokens, the pool has {runner.num_blocks}; "
+                "retry on another replica",
                 retry_after_s=1.0,
             )
+
+    def _check_plan(self, tokens: int) -> int:
+        """The blocks a session planned to reach `tokens` takes in the plan, if they fit
+        beside the open sessions' plans (`kv_overcommit`); else RESOURCE_EXHAUSTED."""
+        runner = self.runner
+        planned = -(-tokens // runner.block_size)
+        budget = int(self.kv_overcommit * runner.num_blocks)
+        if self._sessions and self._planned_blocks + planned > budget:
+            self.num_refused += 1
+            raise ResourceExhaustedError(
+                f"replica KV memory is fully planned: the open sessions may grow to "
+                f"{self._planned_blocks} blocks, and {planned} more for this one's "
+                f"{tokens} tokens would pass {self.kv_overcommit:g} x the pool's "
+                f"{runner.num_blocks}; retry after 1 s or on another replica",
+                retry_after_s=1.0,
+            )
+        return planned
 
     def check_context(self, length: int) -> None:
         if length > self.max_context_tokens:
@@ -255,8 +304,7 @@ class SessionTable:
             ) from None
         now = self._clock()
         if self._expired(session, now):
-            del self._sessions[session_id]
-            session.kv.release()
+            self._drop(session_id)
             self.num_expired += 1
             raise DeadlineExceededError(f"session {session_id!r} passed its deadline")
         session.last_used = now
@@ -271,12 +319,12 @@ class SessionTable:
             sid for sid, s in self._sessions.items() if self._expired(s, now) and sid not in busy
         ]
         for session_id in expired:
-            self._sessions.pop(session_id).kv.release()
+            self._drop(session_id)
         idle = [
             sid for sid, s in self._sessions.items() if s.last_used < oldest and sid not in busy
         ]
         for session_id in idle:
-            self._sessions.pop(session_id).kv.release()
+            self._drop(session_id)
         self.num_expired += len(expired)
         self.num_evicted += len(idle)
         return len(expired) + len(idle)
@@ -296,10 +344,15 @@ class SessionTable:
         return session
 
     def remove(self, session_id: str) -> bool:
+        return self._drop(session_id)
+
+    def _drop(self, session_id: str) -> bool:
+        """Forget a session and free its blocks; False if it was not open."""
         session = self._sessions.pop(session_id, None)
         if session is None:
             return False
         session.kv.release()
+        self._planned_blocks -= session.planned_blocks
         return True
 
     def stats(self, busy_s: float = 0.0, engine: EngineStats | None = None) -> ReplicaStats:

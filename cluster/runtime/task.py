@@ -5,6 +5,9 @@ what it needs next and is resumed with the answer:
 
 - `Forward(work)`: logits for a `SequenceWork`; resumed with the rows (float32
   `[len(logits_at), vocab]`), or with the runner's error thrown in.
+  A Forward marked `preemptible` may instead be answered with `Preempted` thrown in: the
+  engine freed the sequence's KV blocks to let an older session run, and the task plans its
+  work again (the whole sequence, recomputed).
 - `Batched(handler, payload)`: served after a step together with every other task waiting on
   the same handler, by one call `handler([payload, ...])`; resumed with its own result (or
   exception).
@@ -34,6 +37,14 @@ class Forward:
     """A task's request for logits: the rows of `work.logits_at`, after appending its tokens."""
 
     work: SequenceWork
+    preemptible: bool = False
+    """The task takes `Preempted` thrown in while it waits, and then yields its work again as
+    planned from the KV left (none); otherwise the engine never frees its blocks under it."""
+
+
+class Preempted(Exception):
+    """Thrown into a task waiting on a preemptible Forward: its sequence's KV blocks were freed
+    for an older session's growth; plan the work again from what the KV holds now."""
 
 
 @dataclass(frozen=True)

@@ -166,8 +166,8 @@ class SlowDrafter:
         self.drafter = tandem.drafter
         self.delay_s = delay_s
 
-    def open_session(self, *args: Any) -> int:
-        return self.drafter.open_session(*args)
+    def open_session(self, *args: Any, **kwargs: Any) -> int:
+        return self.drafter.open_session(*args, **kwargs)
 
     def draft(self, session_id: str, base: int, appended: Any, num_tokens: int, *rest: Any) -> Any:
         time.sleep(self.delay_s * num_tokens)
@@ -387,7 +387,7 @@ class OracleDrafter:
         """The prompt, then the target's output."""
         self.lengths: dict[str, int] = {}
 
-    def open_session(self, session_id: str, prompt_tokens: Any, *rest: Any) -> int:
+    def open_session(self, session_id: str, prompt_tokens: Any, *rest: Any, **kw: Any) -> int:
         self.lengths[session_id] = len(prompt_tokens)
         return len(prompt_tokens)
 
@@ -416,8 +416,8 @@ class LoadedVerifier:
         self.verifier = tandem.verifier
         self.batch = batch
 
-    def open_session(self, *args: Any) -> int:
-        return self.verifier.open_session(*args)
+    def open_session(self, *args: Any, **kwargs: Any) -> int:
+        return self.verifier.open_session(*args, **kwargs)
 
     def verify(self, session_id: str, block: DraftBlock, defer_bonus: bool = False) -> Verdict:
         verdict = self.verifier.verify(session_id, block, defer_bonus)

@@ -22,7 +22,7 @@ from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from drafter.drafter import Drafter
 from tests.conftest import encode
-from verifier.verifier import Verifier
+from verifier.verifier import Verifier, VerifierConfig
 
 MAX_TOKENS = 24
 
@@ -225,6 +225,34 @@ def test_a_verifier_whose_kv_pool_is_full_hands_the_request_to_a_spare_exactly(
     assert first.refused == 1 and pool.spares_given == ["verifier-1"]
     for component in (first, spare_verifier, local_tandem.drafter):
         assert component.stats().num_sessions == 0  # the full one's session closed at once
+
+
+def test_a_verifier_that_cannot_plan_for_a_request_hands_it_to_a_spare_at_open(
+    local_tandem: LocalTandem,
+    target_only: dict[str, tuple[int, ...]],
+    spares: tuple[Verifier, Drafter],
+    tiny_target: LoadedModel,
+) -> None:
+    spare_verifier, _ = spares
+    # One session planned to its whole context fills this verifier's plan: it refuses another.
+    config = VerifierConfig(max_context_tokens=64, kv_cache_bytes=1, kv_overcommit=1.0)
+    full = Verifier(tiny_target, config)  # its pool: the floor of one 64-token sequence
+    holder = list(encode(local_tandem, "def add(a, b):"))
+    full.open_session("holder", holder, SamplingParams(), 0, max_new_tokens=64)
+    pool = Pool([full, spare_verifier], [local_tandem.drafter])
+    router = _router(local_tandem, pool, pipelined=True)
+    prompt, expected = _expected(target_only)
+    try:
+        request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=3)
+        assert router.generate(request).tokens == expected
+        engine = full.stats().engine
+        assert engine is not None and engine.refusals == 1
+    finally:
+        router.close()
+        full.close_session("holder")
+        full.close()
+    assert pool.spares_given == ["verifier-1"]
+    assert spare_verifier.stats().num_sessions == local_tandem.drafter.stats().num_sessions == 0
 
 
 @pytest.mark.parametrize(

@@ -29,8 +29,8 @@ class CountingDrafter:
         self.drafter = drafter
         self.num_drafts = 0
 
-    def open_session(self, *args: Any) -> int:
-        return self.drafter.open_session(*args)
+    def open_session(self, *args: Any, **kwargs: Any) -> int:
+        return self.drafter.open_session(*args, **kwargs)
 
     def draft(self, *args: Any) -> Any:
         self.num_drafts += 1

@@ -203,7 +203,12 @@ class _SlowToOpen:
         self.opened = threading.Event()
 
     def open_session(
-        self, session_id: str, prompt: Sequence[int], sampling: SamplingParams, seed: int
+        self,
+        session_id: str,
+        prompt: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+        **kwargs: Any,
     ) -> int:
         assert self.opened.wait(timeout=30)
         if self._fail:
@@ -291,8 +296,8 @@ class _FailingDrafter:
         self._after = after
         self.calls = 0
 
-    def open_session(self, *args: Any) -> int:
-        return self._drafter.open_session(*args)
+    def open_session(self, *args: Any, **kwargs: Any) -> int:
+        return self._drafter.open_session(*args, **kwargs)
 
     def draft(self, *args: Any, **kwargs: Any) -> DraftBlock:
         self.calls += 1

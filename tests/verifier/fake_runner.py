@@ -55,6 +55,12 @@ class RecordingRunner:
     def blocks_needed(self, seq_id: str, new_length: int) -> int:
         return max(0, self._blocks(new_length) - self._blocks(self.length(seq_id)))
 
+    def sequences(self) -> tuple[str, ...]:
+        return tuple(self.lengths)
+
+    def num_blocks_of(self, seq_id: str) -> int:
+        return self._blocks(self.length(seq_id))
+
     def forward(self, batch: Sequence[SequenceWork]) -> torch.Tensor:
         self.entered.set()
         if self.gate is not None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from cluster.runtime.call_scope import call_scope
-from cluster.runtime.engine import Batched, Engine, Forward, Task
+from cluster.runtime.engine import Batched, Engine, Forward, Preempted, Task
 from cluster.runtime.errors import CancelledError, ResourceExhaustedError
 from cluster.runtime.runner import SequenceWork
 from tests.verifier.fake_runner import VOCAB, RecordingRunner
@@ -104,16 +104,97 @@ def test_the_step_sequence_budget_holds(runner: RecordingRunner) -> None:
     assert max(len(step) for step in runner.steps) == 3
 
 
-def test_work_that_cannot_fit_even_alone_is_refused_with_a_retry_hint() -> None:
+def test_work_that_cannot_fit_in_the_whole_pool_is_refused_with_a_retry_hint() -> None:
     runner = RecordingRunner(num_blocks=4, block_size=4)  # 16 tokens in all
     engine = Engine(runner)
     try:
         engine.run(forward_task("holder", 12, []), key="holder")  # 3 blocks held
         with pytest.raises(ResourceExhaustedError, match="KV pool") as refused:
-            engine.run(forward_task("big", 8, [7]), key="big")
+            engine.run(forward_task("big", 20, [19]), key="big")
         assert refused.value.retry_after_s is not None
+        assert engine.stats().refusals == 1 and engine.stats().preemptions == 0
         # The replica keeps serving: a sequence that fits still runs.
         assert engine.run(forward_task("small", 4, [3]), key="small").shape == (1, VOCAB)
+    finally:
+        engine.stop()
+
+
+def replanning_task(
+    runner: RecordingRunner, seq_id: str, total: int, plans: list[int]
+) -> Task[torch.Tensor]:
+    """A component's forward: run what the KV lacks of `total` tokens, and plan again when
+    preempted (each plan's token count goes to `plans`)."""
+    while True:
+        tokens = total - runner.length(seq_id)
+        plans.append(tokens)
+        try:
+            rows = yield Forward(SequenceWork(seq_id, (1,) * tokens, (tokens - 1,)), True)
+        except Preempted:
+            continue
+        return rows
+
+
+def test_a_newer_idle_session_is_preempted_for_an_older_ones_growth_and_recomputes() -> None:
+    runner = RecordingRunner(num_blocks=4, block_size=4)  # 16 tokens in all
+    engine = Engine(runner)
+    try:
+        engine.run(forward_task("old", 4, []), key="old")  # 1 block
+        engine.run(forward_task("new", 8, []), key="new")  # 2 blocks, newer
+        # The old session grows by 2 blocks: only 1 is free, so the new one gives up its KV.
+        rows = engine.run(forward_task("old", 8, [7]), key="old")
+        assert rows[0, 1].item() == 11.0  # position 11: the old KV was kept
+        assert runner.length("new") == 0 and engine.stats().preemptions == 1
+        # The new session's next call recomputes its 8 tokens before its own growth.
+        engine.run(_release("old", runner), key="old")
+        plans: list[int] = []
+        rows = engine.run(replanning_task(runner, "new", 12, plans), key="new")
+        assert plans == [12] and rows[0, 1].item() == 11.0
+        assert engine.stats().recomputed_tokens == 8
+    finally:
+        engine.stop()
+
+
+def _release(seq_id: str, runner: RecordingRunner) -> Task[None]:
+    runner.release(seq_id)
+    return
+    yield
+
+
+def test_a_waiting_newer_task_is_told_to_plan_again_when_preempted() -> None:
+    runner = RecordingRunner(num_blocks=4, block_size=4)
+    engine = Engine(runner)
+    try:
+        engine.run(forward_task("first", 3, []), key="first")  # 1 block, the oldest
+        engine.run(forward_task("old", 4, []), key="old")  # 1 block
+        engine.run(forward_task("new", 8, []), key="new")  # 2 blocks: the pool is full
+        runner.gate = threading.Event()
+        blocker = engine.submit(forward_task("first", 1, [0]), key="first")  # no new block
+        runner.entered.wait(timeout=10)
+        plans: list[int] = []
+        # Both wait on the step in flight: the old one's growth needs the new one's blocks.
+        new = engine.submit(replanning_task(runner, "new", 12, plans), key="new")
+        old = engine.submit(forward_task("old", 4, [3]), key="old")
+        runner.gate.set()
+        blocker.result(timeout=10)
+        assert old.result(timeout=10)[0, 1].item() == 7.0
+        engine.run(_release("old", runner), key="old")
+        assert new.result(timeout=10)[0, 1].item() == 11.0
+        assert plans == [4, 12]  # its first plan assumed 8 cached tokens; preempted, all 12
+        assert engine.stats().preemptions == 1
+    finally:
+        engine.stop()
+
+
+def test_an_older_session_between_calls_keeps_its_blocks_until_it_idles() -> None:
+    runner = RecordingRunner(num_blocks=4, block_size=4)
+    engine = Engine(runner)
+    try:
+        engine.run(forward_task("old", 12, []), key="old")  # 3 blocks, just used
+        started = time.monotonic()
+        engine.run(forward_task("new", 8, [7]), key="new")  # needs 2: waits for the old one
+        waited = time.monotonic() - started
+        assert runner.length("old") == 0 and engine.stats().preemptions == 1
+        assert waited >= 0.5  # not taken at once: an older session comes back soon
     finally:
         engine.stop()
 
