@@ -1,7 +1,8 @@
 """A KV pool too small for the requests running at once: they are delayed, never failed.
 
 Both replicas get a pool of a few blocks, far less than eight concurrent greedy requests grow to,
-and admission is told to let them all in (`kv_overcommit`). The engine then preempts the newest
+and admission is told to let them all in (`kv_overcommit`); on the CPU, and on a CUDA device
+when there is one. The engine then preempts the newest
 sessions for the oldest ones' growth and recomputes them later; every request must still end
 with exactly the target's own output, and the preemptions must have happened (or the test
 proves nothing).
@@ -14,11 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+import torch
 
 from cluster.local import LocalTandem, build_local
 from cluster.presets import resolve_pair
 from cluster.routing.request import GenerationRequest
 from cluster.runtime.kv_pool import kv_bytes_per_token
+from cluster.runtime.models import load_model
 from drafter.drafter import DrafterConfig
 from tests.conftest import PROMPTS, encode
 from verifier.verifier import VerifierConfig
@@ -29,15 +32,29 @@ POOL_BLOCKS = 16
 at full length."""
 
 
-@pytest.fixture(scope="module")
-def cramped(local_tandem: LocalTandem) -> Iterator[LocalTandem]:
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def cramped(request: pytest.FixtureRequest) -> Iterator[LocalTandem]:
+    pair = resolve_pair("tiny", device=request.param)
+    target, draft = load_model(pair.target), load_model(pair.draft)
     per_block = {
-        "verifier": 16 * kv_bytes_per_token(local_tandem.target.model),
-        "drafter": 16 * kv_bytes_per_token(local_tandem.draft.model),
+        "verifier": 16 * kv_bytes_per_token(target.model),
+        "drafter": 16 * kv_bytes_per_token(draft.model),
     }
     limits: dict[str, Any] = {"max_context_tokens": 256, "kv_overcommit": 8.0, "kv_block_size": 16}
     tandem = build_local(
-        resolve_pair("tiny", device="cpu"),
+        pair,
         drafter_config=DrafterConfig(kv_cache_bytes=POOL_BLOCKS * per_block["drafter"], **limits),
         verifier_config=VerifierConfig(
             kv_cache_bytes=POOL_BLOCKS * per_block["verifier"], **limits
@@ -50,18 +67,20 @@ def cramped(local_tandem: LocalTandem) -> Iterator[LocalTandem]:
 
 
 def test_a_pool_too_small_for_the_requests_at_once_delays_them_and_changes_nothing(
-    cramped: LocalTandem, local_tandem: LocalTandem
+    cramped: LocalTandem,
 ) -> None:
     requests = [
         GenerationRequest(encode(cramped, prompt), MAX_TOKENS, draft_tokens=4)
         for prompt in PROMPTS[:8]
     ]
+    # The target alone, one request at a time: each fits the pool, so nothing is preempted.
     expected = [
-        local_tandem.router.generate(
+        cramped.router.generate(
             GenerationRequest(r.prompt_tokens, MAX_TOKENS, draft_tokens=0)
         ).tokens
         for r in requests
     ]
+    assert cramped.verifier.stats().engine.preemptions == 0  # type: ignore[union-attr]
     assert cramped.verifier.stats().engine.kv_blocks_total == POOL_BLOCKS  # type: ignore[union-attr]
     with ThreadPoolExecutor(len(requests)) as pool:
         results = list(pool.map(cramped.router.generate, requests))
