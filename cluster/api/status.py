@@ -7,7 +7,8 @@ else is a bug: its traceback is logged here and the client gets INTERNAL with th
 `INTERNAL_ERROR_MESSAGE`, never the exception's text.
 
 `trailers_of(error)` is the trailing metadata to send with it: `retry-after-ms` for a limit
-that frees up with time (see `cluster.api.tenants`).
+that frees up with time (see `cluster.api.tenants`); the message of such an error also ends with
+"; retry in N s", which is all a client gets through Ray Serve's proxy.
 
 Both public fronts use it, the plain gRPC servicer (`tests.cluster.grpc_front`) and the Ray Serve
 ingress, so the same failure reaches a client with the same code and words either way.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import grpc
 
@@ -31,6 +33,8 @@ INTERNAL_ERROR_MESSAGE = "internal error"
 
 RETRY_AFTER_METADATA_KEY = "retry-after-ms"
 """Trailing metadata of a RESOURCE_EXHAUSTED answer: milliseconds to wait before retrying."""
+RETRY_IN_MESSAGE = re.compile(r"; retry in (\d+(?:\.\d+)?) s$")
+"""How a message that says when to retry ends (what `cluster.api.client` reads)."""
 
 
 def trailers_of(error: BaseException) -> tuple[tuple[str, str], ...]:
@@ -44,6 +48,11 @@ def trailers_of(error: BaseException) -> tuple[tuple[str, str], ...]:
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status and message a client should get for `error`."""
     if isinstance(error, TandemError):
-        return status_code(error.status), str(error)
+        message = str(error)
+        retry_after_s = getattr(error, "retry_after_s", None)
+        if isinstance(retry_after_s, float | int) and not RETRY_IN_MESSAGE.search(message):
+            # Serve's proxy drops the trailers of a failed call: the message carries it too.
+            message = f"{message}; retry in {retry_after_s:.1f} s"
+        return status_code(error.status), message
     logger.error("request failed unexpectedly", exc_info=error)
     return grpc.StatusCode.INTERNAL, INTERNAL_ERROR_MESSAGE

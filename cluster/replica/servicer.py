@@ -47,6 +47,7 @@ class SessionServicer(Generic[K]):
                 max_new_tokens=(
                     request.max_new_tokens if request.HasField("max_new_tokens") else None
                 ),
+                resumed=request.resumed,
             )
             return replica_pb2.OpenSessionResponse(committed_length=length)
 

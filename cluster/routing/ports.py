@@ -29,9 +29,11 @@ class DrafterPort(Protocol):
         seed: int,
         *,
         max_new_tokens: int | None = None,
+        resumed: bool = False,
     ) -> int:
         """Open a session; returns its committed length. `max_new_tokens`: how far it may grow
-        past the prompt (admission plans for it; None: a block)."""
+        past the prompt (admission plans for it; None: a block); `resumed`: the request already
+        runs (a failover), so the plan does not refuse it."""
         ...
 
     def draft(
@@ -61,9 +63,11 @@ class VerifierPort(Protocol):
         seed: int,
         *,
         max_new_tokens: int | None = None,
+        resumed: bool = False,
     ) -> int:
         """Open a session; returns its committed length. `max_new_tokens`: how far it may grow
-        past the prompt (admission plans for it; None: a block)."""
+        past the prompt (admission plans for it; None: a block); `resumed`: the request already
+        runs (a failover), so the plan does not refuse it."""
         ...
 
     def verify(self, session_id: str, block: DraftBlock, defer_bonus: bool = False) -> Verdict:

@@ -32,7 +32,11 @@ from typing import Any, Self
 import grpc
 
 from cluster.replica import wire
-from cluster.replica.rpc import MESSAGE_SIZE_OPTIONS, SECRET_METADATA_KEY
+from cluster.replica.rpc import (
+    MESSAGE_SIZE_OPTIONS,
+    RETRY_AFTER_METADATA_KEY,
+    SECRET_METADATA_KEY,
+)
 from cluster.runtime.block import DraftBlock, Verdict
 from cluster.runtime.errors import (
     ClusterSecretError,
@@ -77,10 +81,24 @@ def error_from_rpc(error: grpc.RpcError, replica: str, timed_out: bool = False) 
     details = error.details() or ""
     slow = timed_out and code == grpc.StatusCode.DEADLINE_EXCEEDED
     error_class = None if slow else ERRORS_BY_CODE.get(code)
+    if error_class is ResourceExhaustedError:
+        return ResourceExhaustedError(details, retry_after_s=_retry_after_s(error))
     if error_class is not None:
         return error_class(details)
     name = code.name if isinstance(code, grpc.StatusCode) else str(code)
     return ReplicaUnavailableError(f"{replica}: {name}: {details}")
+
+
+def _retry_after_s(error: grpc.RpcError) -> float | None:
+    """When the replica said to retry (its `retry-after-ms` trailer), if it did."""
+    trailers = getattr(error, "trailing_metadata", None)
+    for key, value in (trailers() if callable(trailers) else None) or ():
+        if key == RETRY_AFTER_METADATA_KEY:
+            try:
+                return int(value) / 1000
+            except ValueError:
+                return None
+    return None
 
 
 class _ReplicaClient:
@@ -182,6 +200,7 @@ class _ReplicaClient:
         seed: int,
         *,
         max_new_tokens: int | None = None,
+        resumed: bool = False,
         timeout_s: float | None = None,
     ) -> int:
         """Open a session; returns its committed length."""
@@ -190,6 +209,7 @@ class _ReplicaClient:
             prompt_token_ids=wire.token_ids_to_wire(prompt_tokens, "prompt_tokens"),
             sampling=wire.sampling_to_wire(sampling),
             seed=wire.uint_to_wire(seed, "seed"),
+            resumed=resumed,
         )
         if max_new_tokens is not None:
             request.max_new_tokens = wire.uint_to_wire(

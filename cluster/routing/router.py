@@ -291,10 +291,12 @@ class Router:
             finally:
                 self._close_drafter(gen)
 
-    def _open_verifier(self, gen: Generation) -> None:
+    def _open_verifier(self, gen: Generation, resumed: bool = False) -> None:
         """Open the request's session on its verifier, over the whole history (the prompt at
         first; after a failover, every committed token too), planned to grow by what is left
-        of `max_tokens`; fail over while that fails or the verifier has no room for it."""
+        of `max_tokens`; fail over while that fails or the verifier has no room for it.
+        `resumed`: the request already ran on another verifier (a failover), so no plan may
+        refuse it: it would fail midway."""
         while True:
             request = gen.request
             try:
@@ -304,6 +306,7 @@ class Router:
                     request.sampling,
                     request.seed,
                     max_new_tokens=gen.remaining,
+                    resumed=resumed,
                 )
                 return
             except VERIFIER_MOVES as error:
@@ -317,7 +320,7 @@ class Router:
                 return gen.verifier.verify(gen.session_id, block, defer_bonus=defer_bonus)
             except VERIFIER_MOVES as error:
                 self._replace(gen, "verifier", error)
-                self._open_verifier(gen)
+                self._open_verifier(gen, resumed=True)
 
     def _replace(self, gen: Generation, side: str, error: Exception) -> None:
         """Pin a spare of `side` in place of the replica that raised `error`; re-raise it when

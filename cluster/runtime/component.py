@@ -85,6 +85,7 @@ class SessionComponent(Generic[C]):
         *,
         time_limit_s: float | None = None,
         max_new_tokens: int | None = None,
+        resumed: bool = False,
     ) -> int:
         """Open a session and prefill its cache; returns the committed length.
 
@@ -93,10 +94,17 @@ class SessionComponent(Generic[C]):
         `max_new_tokens`: how far the session may grow past its prompt, for admission (None:
         a block and its bonus). Refused with RESOURCE_EXHAUSTED (and a retry hint) when the KV
         pool could never hold the prompt or the planned growth fits no more
-        (`SessionLimits.kv_overcommit`); a prompt that fits once other sessions free blocks
+        (`SessionLimits.kv_overcommit`), unless `resumed` (the request already runs elsewhere:
+        a refusal would fail it midway); a prompt that fits once other sessions free blocks
         waits for them."""
         task = self._open(
-            session_id, tuple(prompt_tokens), sampling, seed, time_limit_s, max_new_tokens
+            session_id,
+            tuple(prompt_tokens),
+            sampling,
+            seed,
+            time_limit_s,
+            max_new_tokens,
+            resumed,
         )
         return self._engine.run(task, key=session_id)
 
@@ -108,6 +116,7 @@ class SessionComponent(Generic[C]):
         seed: int,
         time_limit_s: float | None,
         max_new_tokens: int | None,
+        resumed: bool,
     ) -> Task[int]:
         own_sampling, own_seed = self._session_sampling(sampling, seed)
         session = self._sessions.open(
@@ -118,6 +127,7 @@ class SessionComponent(Generic[C]):
             time_limit_s,
             headroom_tokens=self._headroom_tokens(),
             max_new_tokens=max_new_tokens,
+            resumed=resumed,
         )
         # The last committed token is fed with the next forward, whose logits need it.
         try:

@@ -189,7 +189,6 @@ class Scheduler:
             chunks.append(piece)
         return batch, chunks
 
-
     # ------------------------------------------------------------------ memory pressure
 
     def _short_of_blocks(self, ready: list[Running], runner: ModelRunner) -> bool:

@@ -208,6 +208,7 @@ class SessionTable:
         time_limit_s: float | None = None,
         headroom_tokens: int = 0,
         max_new_tokens: int | None = None,
+        resumed: bool = False,
     ) -> ReplicaSession:
         """Check and create a session (its owner prefills it); nothing is kept if a check fails.
 
@@ -217,7 +218,8 @@ class SessionTable:
         not: a prefill waits in the engine for blocks to free up), and the session's planned
         growth (the prompt plus `max_new_tokens`, or the headroom when None, within the
         context limit) must fit beside the open sessions' plans in `kv_overcommit` times the
-        pool; else RESOURCE_EXHAUSTED with a retry hint."""
+        pool; else RESOURCE_EXHAUSTED with a retry hint. A `resumed` session (its request
+        already runs: a failover) is admitted whatever the plan, and counts in it."""
         if time_limit_s is not None and not time_limit_s > 0:
             raise InvalidArgumentError(f"time_limit_s must be > 0, got {time_limit_s}")
         if max_new_tokens is not None and max_new_tokens < 0:
@@ -225,7 +227,9 @@ class SessionTable:
         self._check_new(session_id, prompt_tokens)
         self._check_memory(len(prompt_tokens) + headroom_tokens)
         growth = headroom_tokens if max_new_tokens is None else max_new_tokens + 1
-        planned = self._check_plan(min(len(prompt_tokens) + growth, self.max_context_tokens))
+        planned = self._check_plan(
+            min(len(prompt_tokens) + growth, self.max_context_tokens), resumed
+        )
         check_token_ids(prompt_tokens, self.model.vocab_size, "prompt_tokens")
         check_seed(seed)
         now = self._clock()
@@ -271,13 +275,14 @@ class SessionTable:
                 retry_after_s=1.0,
             )
 
-    def _check_plan(self, tokens: int) -> int:
+    def _check_plan(self, tokens: int, resumed: bool = False) -> int:
         """The blocks a session planned to reach `tokens` takes in the plan, if they fit
-        beside the open sessions' plans (`kv_overcommit`); else RESOURCE_EXHAUSTED."""
+        beside the open sessions' plans (`kv_overcommit`) or it is `resumed`; else
+        RESOURCE_EXHAUSTED."""
         runner = self.runner
         planned = -(-tokens // runner.block_size)
         budget = int(self.kv_overcommit * runner.num_blocks)
-        if self._sessions and self._planned_blocks + planned > budget:
+        if not resumed and self._sessions and self._planned_blocks + planned > budget:
             self.num_refused += 1
             raise ResourceExhaustedError(
                 f"replica KV memory is fully planned: the open sessions may grow to "

@@ -255,6 +255,32 @@ def test_a_verifier_that_cannot_plan_for_a_request_hands_it_to_a_spare_at_open(
     assert spare_verifier.stats().num_sessions == local_tandem.drafter.stats().num_sessions == 0
 
 
+def test_a_spare_whose_plan_is_full_still_takes_a_request_that_fails_over_midway(
+    local_tandem: LocalTandem,
+    target_only: dict[str, tuple[int, ...]],
+    tiny_target: LoadedModel,
+) -> None:
+    # The spare's plan is full: it would refuse a new request, but this one already runs.
+    config = VerifierConfig(max_context_tokens=64, kv_cache_bytes=1, kv_overcommit=1.0)
+    spare = Verifier(tiny_target, config)
+    holder = list(encode(local_tandem, "def add(a, b):"))
+    spare.open_session("holder", holder, SamplingParams(), 0, max_new_tokens=64)
+    first = Refusing(Verifier(tiny_target), calls=2, error=ReplicaUnavailableError("gone"))
+    pool = Pool([first, spare], [local_tandem.drafter])
+    router = _router(local_tandem, pool, pipelined=True)
+    prompt, expected = _expected(target_only)
+    try:
+        request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=3)
+        assert router.generate(request).tokens == expected
+        engine = spare.stats().engine
+        assert engine is not None and engine.refusals == 0
+    finally:
+        router.close()
+        spare.close_session("holder")
+        spare.close()
+    assert first.refused == 1 and pool.spares_given == ["verifier-1"]
+
+
 @pytest.mark.parametrize(
     "error",
     [DeadlineExceededError("out of time"), ResourceExhaustedError("replica full")],

@@ -251,6 +251,29 @@ def test_tandem_errors_keep_their_status_and_message(error: Exception, code: Any
     assert status_of(error) == (code, str(error))
 
 
+def test_a_limit_that_frees_up_says_when_to_retry_in_its_message_too() -> None:
+    from cluster.api.client import _retry_after_s
+
+    # A replica's refusal travels through the router and Serve's proxy, which drops trailers.
+    code, message = status_of(ResourceExhaustedError("KV memory is full", retry_after_s=1.0))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert message == "KV memory is full; retry in 1.0 s"
+
+    class Failed(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        def details(self) -> str:
+            return message
+
+        def trailing_metadata(self) -> tuple[()]:
+            return ()
+
+    assert _retry_after_s(Failed()) == 1.0
+    said_once = ResourceExhaustedError(message, retry_after_s=1.0)
+    assert status_of(said_once)[1] == message  # never said twice
+
+
 def test_unexpected_errors_are_internal_and_never_leak(caplog: pytest.LogCaptureFixture) -> None:
     try:
         math.sqrt(-1)
