@@ -57,6 +57,10 @@ class DrafterConfig(SessionLimits):
     most likely token's probability, before truncation): later tokens would likely be
     rejected, and drafting them costs time. 0 drafts every token asked for. The block length
     then depends only on the drafter, so acceptance stays exact."""
+    error_fraction: float = 0.0
+    """Share of Draft calls answered INTERNAL on purpose, for soak tests (`tandem soak`); 0 in
+    production. Honoured by one drafter replica only, the one Serve ranks 0
+    (`drafter.deployment`), so the others show the healthy path beside it; in [0, 1]."""
 
     _counts: ClassVar[tuple[str, ...]] = (*SessionLimits._counts, "max_draft_tokens")
 
@@ -67,6 +71,10 @@ class DrafterConfig(SessionLimits):
         if not 0.0 <= self.min_confidence <= 1.0:
             raise InvalidArgumentError(
                 f"min_confidence must be in [0, 1], got {self.min_confidence}"
+            )
+        if not 0.0 <= self.error_fraction <= 1.0:
+            raise InvalidArgumentError(
+                f"error_fraction must be in [0, 1], got {self.error_fraction}"
             )
 
 

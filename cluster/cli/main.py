@@ -30,6 +30,7 @@ from cluster.cli import keys as cli_keys
 from cluster.cli import loadtest as cli_loadtest
 from cluster.cli import models as cli_models
 from cluster.cli import service as cli_service
+from cluster.cli import soak as cli_soak
 from cluster.runtime.errors import TandemError
 
 EXIT_USAGE = 2
@@ -59,6 +60,7 @@ REGISTRARS: tuple[Registrar, ...] = (
     cli_bench.add_to,
     cli_demo.add_to,
     cli_loadtest.add_to,
+    cli_soak.add_to,
     cli_keys.add_to,
     cli_config.add_to,
 )

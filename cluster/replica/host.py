@@ -252,6 +252,23 @@ def ray_placement() -> tuple[str, dict[str, float]]:
     return str(context.get_node_id()), {str(k): float(v) for k, v in granted.items()}
 
 
+def serve_rank() -> int | None:
+    """This replica's rank within its Serve deployment (0 to replicas - 1; a replica Serve
+    restarts takes the rank of the one it replaces); None outside a Serve replica."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        rank: Any = serve.get_replica_context().rank  # a `ReplicaRank`; a plain int in older Ray
+    except RayServeException:
+        return None
+    return int(getattr(rank, "rank", rank))
+
+
 def place_threads(num_threads: int, cpus: Sequence[int] = ()) -> int:
     """Pin this replica process to `cpus` (empty: wherever the OS likes) and set torch's
     intra-op threads; returns the thread count. 0 fits the machine: one thread per CPU the
