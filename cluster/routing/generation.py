@@ -77,6 +77,9 @@ class Generation:
         self.drafter_id = pinned.drafter_id
         self.failed: set[str] = set()
         """Replicas that failed this request: never pinned to it again."""
+        self.full: set[str] = set()
+        """Verifiers that had no room for this request: not tried again for room, but one may
+        take it back when another fails it (it is then admitted as resumed)."""
         self.releases = releases
         """Pool releases to call when the request ends: the first pin's, then each spare's."""
         self.pipelined = pipelined

@@ -345,16 +345,28 @@ class Router:
             gen.drafter = DrafterView(base_length=gen.committed)
             return
         failed_id = gen.verifier_id if side == "verifier" else gen.drafter_id
-        gen.failed.add(failed_id)
-        logger.warning("request %s: %s %s failed: %s", gen.session_id, side, failed_id, error)
+        full = isinstance(error, ResourceExhaustedError)
+        (gen.full if full else gen.failed).add(failed_id)
+        logger.log(
+            logging.INFO if full else logging.WARNING,
+            "request %s: %s %s %s: %s",
+            gen.session_id,
+            side,
+            failed_id,
+            "had no room" if full else "failed",
+            error,
+        )
         failed_port = gen.verifier if side == "verifier" else gen.drafter_port
         if failed_port is not None and not isinstance(error, SessionNotFoundError):
             # It may only have been slow or cut off: free the session it may still hold now
             # rather than at its idle TTL, without holding up the request.
             self._closer.submit(self._close_quietly, side, failed_port, gen.session_id)
         spare = None
-        if len(gen.failed) <= MAX_FAILOVERS:
-            spare = self._replicas.spare(side, frozenset(gen.failed), deadline=gen.request.deadline)
+        if len(gen.failed) + len(gen.full) <= MAX_FAILOVERS:
+            # A replica lost this request is never tried again; one that was full only when
+            # the request looks for room again.
+            excluded = gen.failed | gen.full if full else gen.failed
+            spare = self._replicas.spare(side, frozenset(excluded), deadline=gen.request.deadline)
         if spare is not None:
             gen.releases.append(spare.release)
         if side == "verifier":

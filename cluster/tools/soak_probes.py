@@ -33,8 +33,11 @@ SERVE_REPLICA_TITLE = "ray::ServeReplica:"
 ENGINE_COUNTERS = ("preemptions", "recomputed_tokens", "refusals")
 """Engine counters since start the soak reports (`EngineStats`, where the engine has them)."""
 SCRAPE_TIMEOUT_S = 5.0
-FAILOVER_LINE = re.compile(r"request (\S+): (drafter|verifier) (\S+) failed: (.*)$", re.M)
-"""The router's warning when a request leaves a failed replica (`Router._replace`)."""
+FAILOVER_LINE = re.compile(
+    r"request (\S+): (drafter|verifier) (\S+) (?:failed|had no room): (.*)$", re.M
+)
+"""The router's line when a request leaves a failed replica, or a verifier with no room for
+it (`Router._replace`)."""
 STATUS_IN_ERROR = re.compile(r"\b([A-Z][A-Z_]{4,}): ")
 KV_FULL = "kv_full"
 """The cause of a verifier left for a spare because its KV pool could not hold the session."""

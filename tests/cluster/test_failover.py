@@ -281,6 +281,31 @@ def test_a_spare_whose_plan_is_full_still_takes_a_request_that_fails_over_midway
     assert first.refused == 1 and pool.spares_given == ["verifier-1"]
 
 
+def test_a_verifier_that_was_full_takes_the_request_back_when_its_spare_is_lost(
+    local_tandem: LocalTandem,
+    target_only: dict[str, tuple[int, ...]],
+    tiny_target: LoadedModel,
+) -> None:
+    # verifier-0 has no room at open: the request goes to verifier-1, which is then lost.
+    # With verifier-0 the only one left, the request goes back there, admitted as resumed.
+    config = VerifierConfig(max_context_tokens=64, kv_cache_bytes=1, kv_overcommit=1.0)
+    full = Verifier(tiny_target, config)
+    holder = list(encode(local_tandem, "def add(a, b):"))
+    full.open_session("holder", holder, SamplingParams(), 0, max_new_tokens=64)
+    lost = Refusing(Verifier(tiny_target), calls=2, error=ReplicaUnavailableError("gone"))
+    pool = Pool([full, lost], [local_tandem.drafter])
+    router = _router(local_tandem, pool, pipelined=True)
+    prompt, expected = _expected(target_only)
+    try:
+        request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=3)
+        assert router.generate(request).tokens == expected
+    finally:
+        router.close()
+        full.close_session("holder")
+        full.close()
+    assert pool.spares_given == ["verifier-1", "verifier-0"]
+
+
 @pytest.mark.parametrize(
     "error",
     [DeadlineExceededError("out of time"), ResourceExhaustedError("replica full")],
