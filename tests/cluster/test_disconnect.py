@@ -1,0 +1,182 @@
+"""A client that goes away frees its request on both sides within a second.
+
+Through the session's service (tests/cluster/conftest.py: Serve's gRPC proxy, the router
+ingress, two drafter and two verifier replicas): a stream the client leaves after a few
+chunks, and a unary Generate whose client deadline runs out, as gRPC's deadline alone (the
+proxy cancels the call; the router learns nothing else) and as the shipped client sends it
+(also in the metadata, so the router ends the request itself, and each replica was told the
+time left). Once the client's call has ended, every replica must hold no session and no KV
+block within RELEASE_S, read from each replica's Stats RPC (exact, no heartbeat lag), polled.
+
+Why a second is safe: the router finishes the round in flight (one tiny-model pass,
+milliseconds), then closes both sessions, one loopback call each, which frees their blocks;
+measured here, both sides were free 30 to 70 ms after the client's call ended. Without that
+close, a stream's or a gRPC-deadline call's sessions stay until the replicas' idle TTL (600
+s). The shipped client's sessions are dropped by the replicas themselves too, at their time
+limit, by a sweep every heartbeat (1 s): that case passes the bound even without the
+router's close (0.85 s, measured), so it fails only if both are broken.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+
+from cluster.api.client import TandemClient, TandemClientError
+from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from protos import generate_pb2, generate_pb2_grpc
+from tests.cluster.conftest import TENANT_KEYS, live_replicas
+from tests.conftest import CODE_PROMPT
+from tests.polling import wait_until
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+RELEASE_S = 1.0
+"""How soon after the client's call ends both sides must hold nothing (the bound asserted)."""
+LONG_MAX_TOKENS = 1900
+"""Seconds of generation from CODE_PROMPT (greedy, no end-of-sequence this early): the request
+is still running when the client goes."""
+DEADLINE_S = 2.0
+CHUNKS_READ = 3
+POLL_S = 0.01
+
+Held = dict[str, tuple[int, int]]
+"""(sessions, KV blocks in use) per replica id."""
+
+
+def holds_any(held: Held) -> bool:
+    return any(sessions or blocks for sessions, blocks in held.values())
+
+
+class Replicas:
+    """Stats clients of every live replica, kept open so that a poll is one call each."""
+
+    def __init__(self, service: dict[str, object]) -> None:
+        self._ports: dict[str, GrpcDrafter | GrpcVerifier] = {}
+        self.sides: dict[str, str] = {}
+        for replica in live_replicas(service):
+            replica_id, side = str(replica["replica_id"]), str(replica["side"])
+            kind = GrpcDrafter if side == "drafter" else GrpcVerifier
+            self._ports[replica_id] = kind(
+                str(replica["address"]), timeout_s=10, secret=str(service["secret"])
+            )
+            self.sides[replica_id] = side
+
+    def held(self) -> Held:
+        held = {}
+        for replica_id, port in self._ports.items():
+            stats = port.stats()
+            assert stats.engine is not None  # every replica runs a batching engine
+            held[replica_id] = (stats.num_sessions, stats.engine.kv_blocks_used)
+        return held
+
+    def holding_sides(self) -> set[str]:
+        """The sides with a replica that holds a session and KV blocks now."""
+        return {
+            self.sides[r] for r, (sessions, blocks) in self.held().items() if sessions and blocks
+        }
+
+    def close(self) -> None:
+        for port in self._ports.values():
+            port.close()
+
+
+@pytest.fixture(scope="module")
+def stats_clients(service: dict[str, object]) -> Iterator[Replicas]:
+    ports = Replicas(service)
+    yield ports
+    ports.close()
+
+
+@pytest.fixture
+def replicas(stats_clients: Replicas) -> Replicas:
+    """Every live replica, once none holds anything (an earlier request may still be closing)."""
+    wait_until(lambda: not holds_any(stats_clients.held()), what="no session before the test")
+    return stats_clients
+
+
+def released_within(replicas: Replicas, ended: float) -> tuple[float, Held]:
+    """Poll until no replica holds anything or RELEASE_S has passed since `ended`; the time
+    it took (since `ended`) and what was held at the last reading."""
+    while True:
+        held = replicas.held()
+        elapsed = time.monotonic() - ended
+        if not holds_any(held) or elapsed > RELEASE_S:
+            return elapsed, held
+        time.sleep(POLL_S)
+
+
+def assert_released(replicas: Replicas, ended: float) -> None:
+    elapsed, held = released_within(replicas, ended)
+    print(f"{elapsed:.3f} s after the client's call ended, (sessions, KV blocks): {held}")
+    assert not holds_any(held), f"still held after {elapsed:.2f} s: {held}"
+
+
+def test_leaving_a_stream_frees_both_sides_within_a_second(
+    service: dict[str, object], replicas: Replicas
+) -> None:
+    with TandemClient(str(service["address"]), api_key=TENANT_KEYS["main"]) as client:
+        chunks = client.stream(CODE_PROMPT, max_tokens=LONG_MAX_TOKENS)
+        for _ in range(CHUNKS_READ):
+            assert next(chunks).finish_reason is None
+        # The request is mid-stream: its drafter and its verifier both hold it.
+        wait_until(lambda: replicas.holding_sides() == {"drafter", "verifier"}, what="sessions")
+        chunks.close()  # cancels the call, as leaving the loop does
+        ended = time.monotonic()
+    assert_released(replicas, ended)
+
+
+def grpc_deadline_only(service: dict[str, object]) -> None:
+    """Generate with a gRPC deadline and no deadline metadata: only the proxy knows it."""
+    with grpc.insecure_channel(str(service["address"])) as channel:
+        request = generate_pb2.GenerateRequest(text=CODE_PROMPT, max_tokens=LONG_MAX_TOKENS)
+        auth = [("authorization", f"Bearer {TENANT_KEYS['main']}")]
+        try:
+            generate_pb2_grpc.TandemStub(channel).Generate(
+                request, timeout=DEADLINE_S, metadata=auth
+            )
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+            return
+    raise AssertionError("the request finished before its deadline")
+
+
+def shipped_client(service: dict[str, object]) -> None:
+    """Generate with the shipped client's timeout: a gRPC deadline and the same in metadata."""
+    address, key = str(service["address"]), TENANT_KEYS["main"]
+    with (
+        TandemClient(address, timeout_s=DEADLINE_S, api_key=key) as client,
+        pytest.raises(TandemClientError) as error,
+    ):
+        client.generate(CODE_PROMPT, max_tokens=LONG_MAX_TOKENS)
+    assert error.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, error.value.message
+
+
+@pytest.mark.parametrize("call", [grpc_deadline_only, shipped_client], ids=lambda f: f.__name__)
+def test_a_unary_call_past_its_client_deadline_frees_both_sides_within_a_second(
+    service: dict[str, object], replicas: Replicas, call: Callable[[dict[str, object]], None]
+) -> None:
+    outcome: list[BaseException | float] = []
+
+    def run() -> None:
+        try:
+            call(service)
+            outcome.append(time.monotonic())
+        except BaseException as error:  # re-raised on the test's thread
+            outcome.append(error)
+
+    caller = threading.Thread(target=run)
+    caller.start()
+    try:
+        # The request runs on both sides before its deadline passes.
+        wait_until(lambda: replicas.holding_sides() == {"drafter", "verifier"}, what="sessions")
+    finally:
+        caller.join()
+    (ended,) = outcome
+    if isinstance(ended, BaseException):
+        raise ended
+    assert_released(replicas, ended)
