@@ -101,6 +101,16 @@ def spares(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> tuple[Verifier,
     return Verifier(tiny_target), Drafter(tiny_draft)
 
 
+def _fully_planned(local_tandem: LocalTandem, tiny_target: LoadedModel) -> Verifier:
+    """A verifier whose admission plan is full: one session planned to its whole context
+    (64 tokens, its pool's floor, under an overcommit of 1); it refuses any new one."""
+    config = VerifierConfig(max_context_tokens=64, kv_cache_bytes=1, kv_overcommit=1.0)
+    verifier = Verifier(tiny_target, config)
+    holder = list(encode(local_tandem, "def add(a, b):"))
+    verifier.open_session("holder", holder, SamplingParams(), 0, max_new_tokens=64)
+    return verifier
+
+
 def _router(local_tandem: LocalTandem, pool: Pool, pipelined: bool) -> Router:
     router = local_tandem.router
     return Router.over_pool(pool, router._decode, router._eos_token_ids, pipelined=pipelined)
@@ -234,11 +244,7 @@ def test_a_verifier_that_cannot_plan_for_a_request_hands_it_to_a_spare_at_open(
     tiny_target: LoadedModel,
 ) -> None:
     spare_verifier, _ = spares
-    # One session planned to its whole context fills this verifier's plan: it refuses another.
-    config = VerifierConfig(max_context_tokens=64, kv_cache_bytes=1, kv_overcommit=1.0)
-    full = Verifier(tiny_target, config)  # its pool: the floor of one 64-token sequence
-    holder = list(encode(local_tandem, "def add(a, b):"))
-    full.open_session("holder", holder, SamplingParams(), 0, max_new_tokens=64)
+    full = _fully_planned(local_tandem, tiny_target)
     pool = Pool([full, spare_verifier], [local_tandem.drafter])
     router = _router(local_tandem, pool, pipelined=True)
     prompt, expected = _expected(target_only)
@@ -249,7 +255,6 @@ def test_a_verifier_that_cannot_plan_for_a_request_hands_it_to_a_spare_at_open(
         assert engine is not None and engine.refusals == 1
     finally:
         router.close()
-        full.close_session("holder")
         full.close()
     assert pool.spares_given == ["verifier-1"]
     assert spare_verifier.stats().num_sessions == local_tandem.drafter.stats().num_sessions == 0
@@ -261,10 +266,7 @@ def test_a_spare_whose_plan_is_full_still_takes_a_request_that_fails_over_midway
     tiny_target: LoadedModel,
 ) -> None:
     # The spare's plan is full: it would refuse a new request, but this one already runs.
-    config = VerifierConfig(max_context_tokens=64, kv_cache_bytes=1, kv_overcommit=1.0)
-    spare = Verifier(tiny_target, config)
-    holder = list(encode(local_tandem, "def add(a, b):"))
-    spare.open_session("holder", holder, SamplingParams(), 0, max_new_tokens=64)
+    spare = _fully_planned(local_tandem, tiny_target)
     first = Refusing(Verifier(tiny_target), calls=2, error=ReplicaUnavailableError("gone"))
     pool = Pool([first, spare], [local_tandem.drafter])
     router = _router(local_tandem, pool, pipelined=True)
@@ -276,7 +278,6 @@ def test_a_spare_whose_plan_is_full_still_takes_a_request_that_fails_over_midway
         assert engine is not None and engine.refusals == 0
     finally:
         router.close()
-        spare.close_session("holder")
         spare.close()
     assert first.refused == 1 and pool.spares_given == ["verifier-1"]
 
@@ -288,10 +289,7 @@ def test_a_verifier_that_was_full_takes_the_request_back_when_its_spare_is_lost(
 ) -> None:
     # verifier-0 has no room at open: the request goes to verifier-1, which is then lost.
     # With verifier-0 the only one left, the request goes back there, admitted as resumed.
-    config = VerifierConfig(max_context_tokens=64, kv_cache_bytes=1, kv_overcommit=1.0)
-    full = Verifier(tiny_target, config)
-    holder = list(encode(local_tandem, "def add(a, b):"))
-    full.open_session("holder", holder, SamplingParams(), 0, max_new_tokens=64)
+    full = _fully_planned(local_tandem, tiny_target)
     lost = Refusing(Verifier(tiny_target), calls=2, error=ReplicaUnavailableError("gone"))
     pool = Pool([full, lost], [local_tandem.drafter])
     router = _router(local_tandem, pool, pipelined=True)
@@ -301,7 +299,6 @@ def test_a_verifier_that_was_full_takes_the_request_back_when_its_spare_is_lost(
         assert router.generate(request).tokens == expected
     finally:
         router.close()
-        full.close_session("holder")
         full.close()
     assert pool.spares_given == ["verifier-1", "verifier-0"]
 
