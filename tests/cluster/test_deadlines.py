@@ -133,9 +133,9 @@ def _spy_open(monkeypatch: pytest.MonkeyPatch, component: Any) -> list[float | N
     limits: list[float | None] = []
     open_session = component.open_session
 
-    def spy(*args: Any, time_limit_s: float | None = None) -> int:
+    def spy(*args: Any, time_limit_s: float | None = None, **kwargs: Any) -> int:
         limits.append(time_limit_s)
-        return int(open_session(*args, time_limit_s=time_limit_s))
+        return int(open_session(*args, time_limit_s=time_limit_s, **kwargs))
 
     monkeypatch.setattr(component, "open_session", spy)
     return limits
