@@ -152,8 +152,6 @@ class Scheduler:
         not fit in the whole pool."""
         active = list(active)
         ready = [r for r in active if isinstance(r.waiting, Forward)]
-        if preempt is not None and self._short_of_blocks(ready, runner):
-            return self._pack_by_age(active, ready, runner, refuse, preempt)
         small = sorted(
             (r for r in ready if remaining(r) <= SMALL_ITEM_TOKENS), key=lambda r: r.ready_since
         )
@@ -181,6 +179,8 @@ class Scheduler:
                     piece.seq_id, runner.length(piece.seq_id) + remaining(running)
                 )
                 if alone > runner.num_free_blocks:
+                    if preempt is not None:  # short of blocks: nothing is reserved yet
+                        return self._pack_by_age(active, ready, runner, refuse, preempt)
                     refuse(running, alone)
                 continue  # it fits alone: the next step
             free -= need
@@ -190,16 +190,6 @@ class Scheduler:
         return batch, chunks
 
     # ------------------------------------------------------------------ memory pressure
-
-    def _short_of_blocks(self, ready: list[Running], runner: ModelRunner) -> bool:
-        """Whether some ready task's next chunk alone needs more blocks than are free."""
-        free = runner.num_free_blocks
-        for running in ready:
-            seq_id = running.waiting.work.seq_id  # type: ignore[union-attr]
-            take = min(remaining(running), self.max_step_tokens)
-            if runner.blocks_needed(seq_id, runner.length(seq_id) + take) > free:
-                return True
-        return False
 
     def _pack_by_age(
         self,
