@@ -12,12 +12,15 @@ Greedy requests draft greedily and send no q (q is one-hot at the drafted token)
 requests draft from the request's distribution, optionally truncated further to the drafter's
 own `top_k`, and send that exact truncated q as a sparse distribution: the acceptance rule only
 needs the q the token was really drawn from, so truncation costs acceptance, never exactness.
+Seed-exact requests (`SamplingParams.seed_exact`) draw each token with the target's own noise
+at its position (`cluster.runtime.gumbel`, keyed by the request's unsalted seed) and send no q:
+the verifier accepts such a token exactly when it is the target's own draw.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -26,6 +29,7 @@ from cluster.runtime.block import DraftBlock
 from cluster.runtime.component import SessionComponent
 from cluster.runtime.engine import Batched, Task
 from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.gumbel import gumbel_tokens
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.runner import ModelRunner
 from cluster.runtime.sampling import (
@@ -83,7 +87,7 @@ def draft_sampling(request: SamplingParams, top_k: int) -> SamplingParams:
     if request.is_greedy or top_k == 0:
         return request
     limit = top_k if request.top_k == 0 else min(request.top_k, top_k)
-    return SamplingParams(temperature=request.temperature, top_k=limit, top_p=request.top_p)
+    return replace(request, top_k=limit)
 
 
 class Drafter(SessionComponent[DrafterConfig]):
@@ -101,9 +105,11 @@ class Drafter(SessionComponent[DrafterConfig]):
         return self.config.max_draft_tokens
 
     def _session_sampling(self, sampling: SamplingParams, seed: int) -> tuple[SamplingParams, int]:
-        """The drafter's own distribution (`draft_sampling`) and its own salted seed."""
+        """The drafter's own distribution (`draft_sampling`) and its own salted seed; under the
+        seed-exact rule the request's seed itself, whose noise the verifier shares."""
         check_seed(seed)  # before salting, so the message names the caller's seed
-        return draft_sampling(sampling, self.config.top_k), seed ^ DRAFTER_SEED_SALT
+        own = seed if sampling.seed_exact else seed ^ DRAFTER_SEED_SALT
+        return draft_sampling(sampling, self.config.top_k), own
 
     def draft(
         self,
@@ -156,6 +162,17 @@ class Drafter(SessionComponent[DrafterConfig]):
             load = self._engine.step_load()
             if session.sampling.is_greedy:
                 drafted.append(int(argmax_rows(logits)[0]))
+            elif session.sampling.seed_exact:
+                # The target's noise at this position: the draft is the target's own draw
+                # whenever the two distributions agree on the argmax (`cluster.runtime.gumbel`).
+                position = session.kv.length
+                drafted.append(
+                    (yield Batched(
+                        _seed_exact_step,
+                        _DraftRow(logits, session.sampling, session.generator,
+                                  (session.seed, position)),
+                    ))
+                )  # fmt: skip
             else:
                 # Sampled with every other sampled session of the step, in one call.
                 token, q = yield Batched(
@@ -169,7 +186,9 @@ class Drafter(SessionComponent[DrafterConfig]):
         return DraftBlock(
             base_length=session.committed_length,
             tokens=tuple(drafted),
-            draft_probs=None if session.sampling.is_greedy else tuple(draft_probs),
+            # Only the rejection rule reads q: a greedy or seed-exact draft is a function of
+            # its position, and the verifier accepts it by equality.
+            draft_probs=tuple(draft_probs) if draft_probs else None,
             load=load,
         )
 
@@ -187,6 +206,30 @@ class _DraftRow:
     logits: torch.Tensor  # [1, vocab]
     sampling: SamplingParams
     generator: torch.Generator
+    key: tuple[int, int] | None = None
+    """Seed-exact drafts: the request's seed and the drafted token's position."""
+
+
+def _seed_exact_step(batch: list[_DraftRow]) -> list[int | Exception]:
+    """Every seed-exact session of a step: its q as used from one `logits_to_probs_rows` call,
+    its token the Gumbel-max draw keyed by (seed, position) from one `gumbel_tokens` call.
+    Logits the calls refuse are retried row by row, so that only the sessions at fault fail."""
+    try:
+        probs = logits_to_probs_rows(
+            torch.cat([row.logits for row in batch]), [row.sampling for row in batch]
+        )
+        keys = [row.key for row in batch if row.key is not None]
+        return list(gumbel_tokens(probs, [k[0] for k in keys], [k[1] for k in keys]))
+    except InvalidArgumentError:
+        if len(batch) == 1:
+            raise
+    results: list[int | Exception] = []
+    for row in batch:
+        try:
+            results.extend(_seed_exact_step([row]))
+        except InvalidArgumentError as error:
+            results.append(error)
+    return results
 
 
 def _sample_step(batch: list[_DraftRow]) -> list[tuple[int, SparseDistribution] | Exception]:

@@ -26,6 +26,7 @@ from cluster.runtime.block import DraftBlock, Verdict
 from cluster.runtime.component import SessionComponent
 from cluster.runtime.engine import Batched, Task
 from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.gumbel import gumbel_tokens
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.runner import ModelRunner
 from cluster.runtime.sampling import (
@@ -50,6 +51,11 @@ from verifier.batch_rejection import (
 )
 from verifier.rejection import greedy_accept
 
+NO_FAULT = ""
+ACCEPT_ALL = "accept_all"
+REUSED_NOISE = "reused_noise"
+FAULTS = (NO_FAULT, ACCEPT_ALL, REUSED_NOISE)
+
 
 @dataclass(frozen=True)
 class VerifierConfig(SessionLimits):
@@ -57,8 +63,20 @@ class VerifierConfig(SessionLimits):
 
     max_block_tokens: int = MAX_BLOCK_TOKENS
     """Longest draft block accepted."""
+    fault: str = NO_FAULT
+    """A fault injected on purpose, for the tests and the audit's own checks; "" (none) in
+    production. `accept_all`: every drafted token is accepted, whatever the target says.
+    `reused_noise`: the seed-exact rule keys its noise by the seed alone, the same at every
+    position."""
 
     _counts: ClassVar[tuple[str, ...]] = (*SessionLimits._counts, "max_block_tokens")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fault not in FAULTS:
+            raise InvalidArgumentError(
+                f"fault must be one of {', '.join(map(repr, FAULTS))}, got {self.fault!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -134,8 +152,12 @@ class Verifier(SessionComponent[VerifierConfig]):
             # Greedy acceptance reads only argmaxes: taken here, where the logits are, and
             # the rule applied to those k + 1 ids at once (no batched call, no row copied).
             outcome = _greedy_outcome(logits, stored, block.tokens, defer_bonus)
+        elif session.sampling.seed_exact:
+            outcome = yield from self._seed_exact_outcome(logits, session, block, defer_bonus)
         else:
             outcome = yield from self._sampled_outcome(logits, session, block, defer_bonus)
+        if self.config.fault == ACCEPT_ALL and block.tokens:
+            outcome = SessionOutcome(len(block.tokens), block.tokens, None)
         session.next_row = outcome.deferred_row
         # The accepted drafts stay cached, the rejected ones go; a newly emitted token (a
         # correction or the bonus) is fed with the next block.
@@ -178,6 +200,46 @@ class Verifier(SessionComponent[VerifierConfig]):
         )
         return outcome
 
+    def _seed_exact_outcome(
+        self,
+        logits: torch.Tensor | None,
+        session: ReplicaSession,
+        block: DraftBlock,
+        defer_bonus: bool,
+    ) -> Task[SessionOutcome]:
+        """The target's own seed-exact draw at each of the block's positions, made with every
+        other seed-exact block of the step in one call, then the greedy rule on those draws:
+        a drafted token is accepted exactly when it is the target's draw."""
+        stored = session.next_row
+        targets: list[int] = [] if stored is None else [int(stored)]  # type: ignore[arg-type]
+        if logits is not None and logits.shape[0]:
+            # Row i is the position after the committed tokens and the block's first i drafts,
+            # less the stored row's position when the last bonus was deferred.
+            first = block.base_length + len(targets)
+            drawn: list[int] = yield Batched(
+                self._draw_seed_exact, _Keyed(logits, session.sampling, session.seed, first)
+            )
+            targets += drawn
+        num_accepted, tokens, deferred = greedy_accept(block.tokens, targets, defer_bonus)
+        return SessionOutcome(num_accepted, tokens, deferred)
+
+    def _draw_seed_exact(self, batch: list[_Keyed]) -> list[list[int] | Exception]:
+        """Every seed-exact block of a step: p as used from one `logits_to_probs_rows` call,
+        the draws from one `gumbel_tokens` call; retried block by block when refused, so that
+        only the blocks at fault fail."""
+        try:
+            return list(_seed_exact_draws(batch, self.config.fault != REUSED_NOISE))
+        except InvalidArgumentError:
+            if len(batch) == 1:
+                raise
+        results: list[list[int] | Exception] = []
+        for item in batch:
+            try:
+                results.extend(_seed_exact_draws([item], self.config.fault != REUSED_NOISE))
+            except InvalidArgumentError as error:
+                results.append(error)
+        return results
+
     def _score_and_accept(self, batch: list[_Scored]) -> list[SessionOutcome | Exception]:
         """Every sampled block of a step: its logits to p as used, all rows in one call (each
         under its own session's settings), then all accepted in one call."""
@@ -208,6 +270,30 @@ class Verifier(SessionComponent[VerifierConfig]):
             except InvalidArgumentError as error:
                 results.append(error)
         return results
+
+
+@dataclass(frozen=True)
+class _Keyed:
+    """One seed-exact block waiting for its step's draws: its rows' logits and their noise."""
+
+    logits: torch.Tensor  # [rows, vocab]
+    sampling: SamplingParams
+    seed: int
+    first_position: int
+    """The sequence position of row 0; row i is `first_position + i`."""
+
+
+def _seed_exact_draws(batch: list[_Keyed], noise_positions: bool) -> list[list[int]]:
+    sizes = [item.logits.shape[0] for item in batch]
+    probs = logits_to_probs_rows(
+        torch.cat([item.logits for item in batch]),
+        [item.sampling for item, size in zip(batch, sizes, strict=True) for _ in range(size)],
+    )
+    seeds = [item.seed for item, size in zip(batch, sizes, strict=True) for _ in range(size)]
+    positions = [item.first_position + i for item in batch for i in range(item.logits.shape[0])]
+    tokens = gumbel_tokens(probs, seeds, positions, noise_positions=noise_positions)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [tokens[start : start + size] for start, size in zip(starts, sizes, strict=True)]
 
 
 def _probs_by_block(batch: list[_Scored]) -> list[torch.Tensor | Exception]:

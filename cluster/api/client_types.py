@@ -137,10 +137,13 @@ def build_request(
     stop: Sequence[str] = (),
     draft_tokens: int | None = None,
     pipelined: bool | None = None,
+    sampling_rule: str = "auto",
 ) -> generate_pb2.GenerateRequest:
     """The request message; None for seed, draft_tokens or pipelined leaves the field unset,
-    which means the server's default. The prompt is `prompt` (text or token ids) or `messages`
-    (role and content of each, rendered by the server's chat template), not both."""
+    which means the server's default, as does `sampling_rule` `auto` (`seed_exact` or
+    `rejection` force a rule: `cluster.api.sampling_rule`). The prompt is `prompt` (text or
+    token ids) or `messages` (role and content of each, rendered by the server's chat
+    template), not both."""
     if prompt is not None and messages is not None:
         raise TandemClientError(
             grpc.StatusCode.INVALID_ARGUMENT, "give a prompt or chat messages, not both"
@@ -148,7 +151,10 @@ def build_request(
     request = generate_pb2.GenerateRequest(
         max_tokens=_int32("max_tokens", max_tokens),
         sampling=sampling_pb2.SamplingParams(
-            temperature=temperature, top_p=top_p, top_k=_int32("top_k", top_k)
+            temperature=temperature,
+            top_p=top_p,
+            top_k=_int32("top_k", top_k),
+            rule=_rule(sampling_rule),
         ),
         stop=list(stop),
     )
@@ -172,6 +178,22 @@ def build_request(
     if pipelined is not None:
         request.speculation.pipelined = pipelined
     return request
+
+
+_RULES = {
+    "auto": sampling_pb2.SAMPLING_RULE_UNSPECIFIED,
+    "seed_exact": sampling_pb2.SAMPLING_RULE_SEED_EXACT,
+    "rejection": sampling_pb2.SAMPLING_RULE_REJECTION,
+}
+
+
+def _rule(name: str) -> sampling_pb2.SamplingRule:
+    if name not in _RULES:
+        raise TandemClientError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"sampling_rule must be one of {', '.join(_RULES)}, got {name!r}",
+        )
+    return _RULES[name]
 
 
 def _chat_message(i: int, message: Mapping[str, str]) -> generate_pb2.ChatMessage:

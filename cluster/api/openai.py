@@ -50,6 +50,7 @@ from cluster.api.openai_schema import (
     parse_request,
     parse_stream,
 )
+from cluster.api.sampling_rule import rule_to_proto
 from cluster.api.service import ANONYMOUS_CALL, Caller, check_context
 from cluster.api.status import INTERNAL_ERROR_MESSAGE, status_of
 from cluster.runtime.errors import InvalidArgumentError, TandemError
@@ -195,7 +196,10 @@ class OpenAIService:
             token_ids=generate_pb2.TokenIds(ids=prompt_tokens),
             max_tokens=max_tokens,
             sampling=sampling_pb2.SamplingParams(
-                temperature=request.temperature, top_p=request.top_p, top_k=request.top_k
+                temperature=request.temperature,
+                top_p=request.top_p,
+                top_k=request.top_k,
+                rule=rule_to_proto(request.sampling_rule),
             ),
             stop=request.stop,
         )

@@ -13,7 +13,8 @@ A JSON `null` means the same as a field left out, everywhere. Fields taken:
   nowhere: the API key says who is billed, and the string may be personal data); and Tandem's
   own, sent as extra top-level fields as vLLM takes its extra parameters: `draft_tokens`
   (0..`MAX_DRAFT_TOKENS`, 0 = the target alone), `pipelined` (bool), `top_k` (0 or -1 = no
-  limit, vLLM's spelling of it);
+  limit, vLLM's spelling of it), `sampling_rule` (`auto`, `seed_exact` or `rejection`:
+  `cluster.api.sampling_rule`);
 - completions: `prompt`, a non-empty string, a list of token ids, or a one-element list of
   either (several prompts per request are refused);
 - chat: `messages` (roles system, user, assistant; content a string or a list of text parts,
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cluster.api.chat import CHAT_ROLES
+from cluster.api.sampling_rule import AUTO, check_rule_name
 from cluster.routing.request import MAX_DRAFT_TOKENS, MAX_STOP_SEQUENCES
 from cluster.runtime.errors import InvalidArgumentError
 
@@ -85,6 +87,7 @@ class OpenAIRequest:
     include_usage: bool = False
     draft_tokens: int | None = None
     pipelined: bool | None = None
+    sampling_rule: str = AUTO
 
     @property
     def prompt_field(self) -> str:
@@ -148,7 +151,7 @@ _NEUTRAL_COMMON: dict[str, tuple[str, Callable[[object], bool]]] = {
 }
 _COMMON_FIELDS = frozenset(
     {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream"}
-    | {"stream_options", "user", "draft_tokens", "pipelined"}
+    | {"stream_options", "user", "draft_tokens", "pipelined", "sampling_rule"}
 )
 _ROUTE_FIELDS: dict[str, frozenset[str]] = {
     "completions": frozenset({"prompt"}),
@@ -224,7 +227,15 @@ def parse_request(route: Route, body: object) -> OpenAIRequest:
         include_usage=_include_usage(got, stream),
         draft_tokens=_int(got, "draft_tokens", 0, MAX_DRAFT_TOKENS),
         pipelined=got.get("pipelined"),
+        sampling_rule=_sampling_rule(got),
     )
+
+
+def _sampling_rule(fields: Mapping[str, Any]) -> str:
+    try:
+        return check_rule_name(fields.get("sampling_rule", AUTO), "sampling_rule")
+    except InvalidArgumentError as error:
+        raise OpenAIError(str(error), "sampling_rule") from None
 
 
 def _include_usage(fields: Mapping[str, Any], stream: bool) -> bool:

@@ -62,6 +62,7 @@ from cluster.api.admission import Admission
 from cluster.api.chat import render_chat
 from cluster.api.convert import finish_reason_to_proto, stats_to_proto
 from cluster.api.running import RunningRequests
+from cluster.api.sampling_rule import AUTO, check_rule_name, resolve_seed_exact
 from cluster.api.tenants import Tenant, Tenants
 from cluster.metrics import TandemMetrics
 from cluster.replica.wire import sampling_from_wire
@@ -102,8 +103,13 @@ class ServiceConfig:
     """Requests one router replica generates at once; more wait in its queue."""
     max_queued_requests: int = DEFAULT_MAX_QUEUED
     """Requests that may wait; beyond them a request is refused (RESOURCE_EXHAUSTED)."""
+    sampling_rule: str = AUTO
+    """The rule of a sampled request that names none (`cluster.api.sampling_rule`): `auto`
+    (seed-exact when the request carries a seed, rejection sampling otherwise), `seed_exact`
+    or `rejection`."""
 
     def __post_init__(self) -> None:
+        check_rule_name(self.sampling_rule, "sampling_rule")
         if not 0 <= self.default_draft_tokens <= MAX_DRAFT_TOKENS:
             raise InvalidArgumentError(
                 f"default_draft_tokens must be in 0..{MAX_DRAFT_TOKENS}, "
@@ -190,7 +196,11 @@ class TandemService:
                 f"max_tokens must be <= {self.config.max_tokens_limit} on this server, "
                 f"got {max_tokens}"
             )
-        sampling = sampling_from_wire(message.sampling)
+        seeded = message.HasField("seed")
+        sampling = dataclasses.replace(
+            sampling_from_wire(message.sampling),
+            seed_exact=resolve_seed_exact(message.sampling.rule, seeded, self.config.sampling_rule),
+        )
         speculation = message.speculation
         prompt_tokens = self.prompt_tokens(message)
         if self.max_context_tokens is not None:
@@ -199,7 +209,7 @@ class TandemService:
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             sampling=sampling,
-            seed=message.seed if message.HasField("seed") else secrets.randbits(64),
+            seed=message.seed if seeded else secrets.randbits(64),
             stop=tuple(message.stop),
             draft_tokens=(
                 speculation.draft_tokens

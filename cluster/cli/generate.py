@@ -91,6 +91,13 @@ def add_to(commands: Any) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = no limit")
     p.add_argument("--seed", type=int, help="sampling seed (default: the service's, 0)")
+    p.add_argument(
+        "--sampling-rule",
+        choices=("auto", "seed_exact", "rejection"),
+        default="auto",
+        help="seed_exact: the output depends only on the seed and settings, whatever drafted "
+        "it; rejection: accepts more drafts (default auto: seed_exact when --seed is given)",
+    )
     p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
     p.add_argument("--draft-tokens", type=int, help="draft block length; 0 = the target alone")
     p.add_argument(
@@ -140,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         stop=args.stop,
         draft_tokens=args.draft_tokens,
         pipelined=args.pipelined,
+        sampling_rule=args.sampling_rule,
     )
     if args.address is not None:
         with TandemClient(args.address, api_key=local_cluster.api_key()) as client:

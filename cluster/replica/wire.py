@@ -84,16 +84,36 @@ def time_limit_from_wire(request: replica_pb2.OpenSessionRequest) -> float | Non
 
 
 def sampling_to_wire(params: SamplingParams) -> sampling_pb2.SamplingParams:
-    message = sampling_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k)
+    message = sampling_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        rule=(
+            sampling_pb2.SAMPLING_RULE_SEED_EXACT
+            if params.seed_exact
+            else sampling_pb2.SAMPLING_RULE_REJECTION
+        ),
+    )
     if params.top_p != NO_TOP_P:
         message.top_p = params.top_p
     return message
 
 
 def sampling_from_wire(message: sampling_pb2.SamplingParams) -> SamplingParams:
-    """Unset `top_p` means no nucleus cut (1.0); a set one, even 0.0, is taken as sent."""
+    """Unset `top_p` means no nucleus cut (1.0); a set one, even 0.0, is taken as sent. An
+    unspecified rule reads as rejection sampling: the public API resolves a request's rule
+    (`resolve_rule`) before anything reaches a replica."""
     top_p = message.top_p if message.HasField("top_p") else NO_TOP_P
-    return SamplingParams(temperature=message.temperature, top_k=message.top_k, top_p=top_p)
+    if message.rule not in _RULES:
+        raise InvalidArgumentError(f"sampling.rule {message.rule} is not a SamplingRule")
+    return SamplingParams(
+        temperature=message.temperature,
+        top_k=message.top_k,
+        top_p=top_p,
+        seed_exact=message.rule == sampling_pb2.SAMPLING_RULE_SEED_EXACT,
+    )
+
+
+_RULES = frozenset(sampling_pb2.SamplingRule.values())
 
 
 def sparse_to_wire(row: SparseDistribution) -> replica_pb2.SparseDistribution:

@@ -47,6 +47,12 @@ class SamplingParams:
     top_p: float = NO_TOP_P
     """Keep the smallest set of most probable tokens whose mass reaches `top_p`; 1.0: no cut."""
 
+    seed_exact: bool = False
+    """Draw each token by the seed-exact rule (`cluster.runtime.gumbel`): a function of the
+    seed, the position and this distribution alone, whatever drafted the block. False: the
+    rejection rule, which accepts more drafts but whose tokens depend on the draw order.
+    Greedy requests ignore it (argmax needs no noise)."""
+
     def __post_init__(self) -> None:
         if not _is_real(self.temperature) or not math.isfinite(self.temperature):
             raise InvalidArgumentError(
@@ -66,11 +72,18 @@ class SamplingParams:
             )
         if not 0 < self.top_p <= 1:
             raise InvalidArgumentError(f"top_p must satisfy 0 < top_p <= 1, got {self.top_p!r}")
+        if not isinstance(self.seed_exact, bool):
+            raise InvalidArgumentError(f"seed_exact must be a bool, got {self.seed_exact!r}")
 
     @property
     def is_greedy(self) -> bool:
         """True when tokens are chosen by argmax (temperature 0)."""
         return self.temperature == 0
+
+    @property
+    def draws_seed_exact(self) -> bool:
+        """True when tokens are sampled by the seed-exact rule (not greedy, `seed_exact`)."""
+        return self.seed_exact and not self.is_greedy
 
 
 def _check_logits(logits: Tensor) -> Tensor:  # logits: [n, vocab] -> [n], logits' dtype

@@ -63,6 +63,9 @@ class ReplicaSession:
     committed generated token), a tentative tail, and the KV over them."""
     sampling: SamplingParams
     generator: torch.Generator
+    seed: int = 0
+    """The seed the session keeps (`_session_sampling`'s): the request's under the seed-exact
+    rule, whose noise it keys."""
     next_row: int | SparseDistribution | torch.Tensor | None = field(default=None)
     """Verifier only: the target's distribution for the next position, kept when a verdict
     deferred its bonus token, in its smallest exact form (the argmax when greedy, else the
@@ -237,6 +240,7 @@ class SessionTable:
             kv=SequenceKV(self.runner, session_id, prompt_tokens),
             sampling=sampling,
             generator=make_generator(seed, self.model.device),
+            seed=seed,
             last_used=now,
             expires_at=None if time_limit_s is None else now + time_limit_s,
             planned_blocks=planned,

@@ -107,7 +107,10 @@ def test_set_fields_are_taken_as_sent(service: TandemService) -> None:
         )
     )
     assert converted.prompt_tokens == (5, 6, 7)
-    assert converted.sampling == SamplingParams(temperature=0.5, top_k=20, top_p=0.75)
+    # A seeded request that names no rule follows the seed-exact rule (api.sampling_rule: auto).
+    assert converted.sampling == SamplingParams(
+        temperature=0.5, top_k=20, top_p=0.75, seed_exact=True
+    )
     assert converted.seed == 2**64 - 1
     assert converted.stop == ("\n\n", "def")
     assert converted.draft_tokens == 0  # set to 0 is not "unset": speculation off
