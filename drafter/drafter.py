@@ -40,11 +40,13 @@ from cluster.runtime.sampling import (
     sample_rows,
     to_sparse,
 )
-from cluster.runtime.session import MAX_BLOCK_TOKENS, SessionLimits, check_seed, check_token_ids
-
-# XOR-ed into the request seed so that the drafter's draws are independent of the verifier's:
-# acceptance is only exact when the draft token and the acceptance test use separate randomness.
-DRAFTER_SEED_SALT = 0x9E3779B97F4A7C15
+from cluster.runtime.session import (
+    DRAFTER_SEED_SALT,
+    MAX_BLOCK_TOKENS,
+    SessionLimits,
+    check_seed,
+    check_token_ids,
+)
 
 
 @dataclass(frozen=True)

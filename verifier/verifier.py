@@ -38,6 +38,7 @@ from cluster.runtime.sampling import (
     to_dense,
 )
 from cluster.runtime.session import (
+    DRAFTER_SEED_SALT,
     MAX_BLOCK_TOKENS,
     ReplicaSession,
     SessionLimits,
@@ -54,7 +55,8 @@ from verifier.rejection import greedy_accept
 NO_FAULT = ""
 ACCEPT_ALL = "accept_all"
 REUSED_NOISE = "reused_noise"
-FAULTS = (NO_FAULT, ACCEPT_ALL, REUSED_NOISE)
+DRAFT_STREAM = "draft_stream"
+FAULTS = (NO_FAULT, ACCEPT_ALL, REUSED_NOISE, DRAFT_STREAM)
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,9 @@ class VerifierConfig(SessionLimits):
     """A fault injected on purpose, for the tests and the audit's own checks; "" (none) in
     production. `accept_all`: every drafted token is accepted, whatever the target says.
     `reused_noise`: the seed-exact rule keys its noise by the seed alone, the same at every
-    position."""
+    position. `draft_stream`: the seed-exact rule draws the target's tokens of a block with
+    drafts from another noise stream (the rejection rule's drafter stream) than a block
+    without, so the output depends on how the request was drafted."""
 
     _counts: ClassVar[tuple[str, ...]] = (*SessionLimits._counts, "max_block_tokens")
 
@@ -216,8 +220,11 @@ class Verifier(SessionComponent[VerifierConfig]):
             # Row i is the position after the committed tokens and the block's first i drafts,
             # less the stored row's position when the last bonus was deferred.
             first = block.base_length + len(targets)
+            seed = session.seed
+            if self.config.fault == DRAFT_STREAM and block.tokens:
+                seed ^= DRAFTER_SEED_SALT
             drawn: list[int] = yield Batched(
-                self._draw_seed_exact, _Keyed(logits, session.sampling, session.seed, first)
+                self._draw_seed_exact, _Keyed(logits, session.sampling, seed, first)
             )
             targets += drawn
         num_accepted, tokens, deferred = greedy_accept(block.tokens, targets, defer_bonus)

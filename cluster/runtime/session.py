@@ -41,6 +41,10 @@ from cluster.runtime.runner import ModelRunner
 from cluster.runtime.sampling import SamplingParams, SparseDistribution
 
 MAX_SEED = 2**64 - 1
+DRAFTER_SEED_SALT = 0x9E3779B97F4A7C15
+"""XOR-ed into the request seed by the drafter under the rejection rule, so that its draws are
+independent of the verifier's: that rule is only exact when the draft token and the acceptance
+test use separate randomness (the seed-exact rule shares the request's own noise instead)."""
 
 MAX_BLOCK_TOKENS = 32
 """Longest draft block: the most a request may ask for, and by default the most a drafter
