@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import with_config
 
+from cluster.api.online_audit import AuditConfig
 from cluster.api.service import ServiceConfig
 from cluster.api.tenants import AuthConfig
 from cluster.config_parsing import PARSING, load_yaml, parse
@@ -223,6 +224,10 @@ class TandemConfig:
     """The router's adaptive plan per request and round: block length up to the request's
     draft_tokens, serial or pipelined, 0 when speculation does not pay. On by default: it is
     what keeps speculation from running slower than the target alone on a busy cluster."""
+    audit: AuditConfig = field(default_factory=AuditConfig)
+    """The online audit: a share (`fraction`) of finished greedy and seed-exact requests
+    replayed through the target alone, at low priority, and compared token by token
+    (`tandem_audit_checked_total`, `tandem_audit_mismatched_total`). Off by default."""
     auth: AuthConfig = field(default_factory=AuthConfig)
     """Tenants, their hashed API keys and limits. On by default: with no tenants the
     application refuses to build, unless `enabled: false` says so (local development)."""

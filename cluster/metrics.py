@@ -21,7 +21,8 @@ Three layers:
   here: `default_sink`).
 
 Labels stay few and bounded: tenant (from the config), draft position (< MAX_DRAFT_TOKENS),
-outcome (a finish reason or an error status), replica id and side (the live replicas). Ray adds
+outcome (a finish reason or an error status), replica id and side (the live replicas), and the
+online audit's rule, dtype and cause (a few values each). Ray adds
 its own (`WorkerId`, `NodeAddress`...), so two router replicas never write the same series.
 """
 
@@ -122,13 +123,29 @@ DRAFTER_DEGRADED = _counter(
     "Requests whose drafting stopped on a drafter error (the target alone went on), by status",
     "cause",
 )
+AUDIT_CHECKED = _counter(
+    "tandem_audit_checked",
+    "Finished requests the online audit replayed through the target alone, by cause",
+    "rule", "dtype", "cause",
+)  # fmt: skip
+AUDIT_MISMATCHED = _counter(
+    "tandem_audit_mismatched",
+    "Audited requests whose served tokens differ from the target's own (near_tie, divergence)",
+    "rule", "dtype", "cause",
+)  # fmt: skip
+AUDIT_DROPPED = _counter(
+    "tandem_audit_dropped",
+    "Requests drawn for the online audit but not checked (queue_full, failed)",
+    "reason",
+)
 RUNNING = Metric("tandem_router_running_requests", Kind.GAUGE, "Requests generating now")
 QUEUED = Metric("tandem_router_queued_requests", Kind.GAUGE, "Requests waiting in the queue")
 
 METRICS = (
     REQUESTS, REFUSED, PROMPT_TOKENS, GENERATED_TOKENS, DRAFTED_TOKENS, ACCEPTED_TOKENS,
     VERIFY_PASSES, PIPELINE_HITS, PIPELINE_MISSES, DRAFTED_BY_POSITION, ACCEPTED_BY_POSITION,
-    DRAFT_LATENCY, VERIFY_LATENCY, DRAFTER_DEGRADED, RUNNING, QUEUED,
+    DRAFT_LATENCY, VERIFY_LATENCY, DRAFTER_DEGRADED, AUDIT_CHECKED, AUDIT_MISMATCHED,
+    AUDIT_DROPPED, RUNNING, QUEUED,
 )  # fmt: skip
 """Every fixed metric; the replica gauges come from the heartbeats' fields (`replica_gauge`)."""
 
@@ -350,6 +367,18 @@ class TandemMetrics:
         """A request's drafting stopped on a drafter error (`cause`: its status, lower case);
         the request went on with the target alone."""
         self.sink.add(DRAFTER_DEGRADED, 1, {"cause": cause})
+
+    def audit_checked(self, rule: str, dtype: str, cause: str) -> None:
+        """The online audit checked one request: `cause` is "match", "near_tie" or
+        "divergence" (the last two also count as mismatched)."""
+        labels = {"rule": rule, "dtype": dtype, "cause": cause}
+        self.sink.add(AUDIT_CHECKED, 1, labels)
+        if cause != "match":
+            self.sink.add(AUDIT_MISMATCHED, 1, labels)
+
+    def audit_dropped(self, reason: str) -> None:
+        """A request drawn for the online audit went unchecked: `queue_full` or `failed`."""
+        self.sink.add(AUDIT_DROPPED, 1, {"reason": reason})
 
     def drafted(self, seconds: float) -> None:
         self.sink.observe(DRAFT_LATENCY, seconds, NO_LABELS)

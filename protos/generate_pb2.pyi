@@ -158,3 +158,43 @@ class TenantUsage(_message.Message):
     refused: int
     running: int
     def __init__(self, tenant: _Optional[str] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., refused: _Optional[int] = ..., running: _Optional[int] = ...) -> None: ...
+
+class AuditRequest(_message.Message):
+    __slots__ = ("request", "dtype")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    dtype: str
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class AuditResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "matched", "total", "first_divergence", "gap", "served_token", "reference_token", "rule", "drafter", "dtype", "cause", "served_gap", "worst_gap")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    SERVED_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    SERVED_GAP_FIELD_NUMBER: _ClassVar[int]
+    WORST_GAP_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    matched: int
+    total: int
+    first_divergence: int
+    gap: float
+    served_token: int
+    reference_token: int
+    rule: str
+    drafter: str
+    dtype: str
+    cause: str
+    served_gap: float
+    worst_gap: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., matched: _Optional[int] = ..., total: _Optional[int] = ..., first_divergence: _Optional[int] = ..., gap: _Optional[float] = ..., served_token: _Optional[int] = ..., reference_token: _Optional[int] = ..., rule: _Optional[str] = ..., drafter: _Optional[str] = ..., dtype: _Optional[str] = ..., cause: _Optional[str] = ..., served_gap: _Optional[float] = ..., worst_gap: _Optional[float] = ...) -> None: ...

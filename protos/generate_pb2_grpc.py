@@ -54,6 +54,11 @@ class TandemStub:
                 request_serializer=protos_dot_generate__pb2.UsageRequest.SerializeToString,
                 response_deserializer=protos_dot_generate__pb2.TenantUsage.FromString,
                 _registered_method=True)
+        self.Audit = channel.unary_unary(
+                '/tandem.v1.Tandem/Audit',
+                request_serializer=protos_dot_generate__pb2.AuditRequest.SerializeToString,
+                response_deserializer=protos_dot_generate__pb2.AuditResponse.FromString,
+                _registered_method=True)
 
 
 class TandemServicer:
@@ -89,6 +94,15 @@ class TandemServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Audit(self, request, context):
+        """Runs a request to completion like Generate, then replays it through the plain
+        target (no drafter, no batching) and compares the two token by token. Greedy and
+        seed-exact requests only: a request under the rejection rule is INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TandemServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +125,11 @@ def add_TandemServicer_to_server(servicer, server):
                     servicer.GetUsage,
                     request_deserializer=protos_dot_generate__pb2.UsageRequest.FromString,
                     response_serializer=protos_dot_generate__pb2.TenantUsage.SerializeToString,
+            ),
+            'Audit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Audit,
+                    request_deserializer=protos_dot_generate__pb2.AuditRequest.FromString,
+                    response_serializer=protos_dot_generate__pb2.AuditResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +240,33 @@ class Tandem:
             '/tandem.v1.Tandem/GetUsage',
             protos_dot_generate__pb2.UsageRequest.SerializeToString,
             protos_dot_generate__pb2.TenantUsage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Audit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Tandem/Audit',
+            protos_dot_generate__pb2.AuditRequest.SerializeToString,
+            protos_dot_generate__pb2.AuditResponse.FromString,
             options,
             channel_credentials,
             insecure,

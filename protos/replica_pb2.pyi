@@ -176,3 +176,29 @@ class EngineStats(_message.Message):
     recomputed_tokens: int
     refusals: int
     def __init__(self, runner: _Optional[str] = ..., steps: _Optional[int] = ..., max_batch_sequences: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., batch_sequences: _Optional[float] = ..., step_tokens: _Optional[float] = ..., queue_wait_s: _Optional[float] = ..., queued: _Optional[int] = ..., cost_base_s: _Optional[float] = ..., cost_per_token_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., device_s: _Optional[float] = ..., batched_s: _Optional[float] = ..., gather_s: _Optional[float] = ..., gathers: _Optional[int] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., refusals: _Optional[int] = ...) -> None: ...
+
+class ReferenceRequest(_message.Message):
+    __slots__ = ("prompt_token_ids", "served_token_ids", "sampling", "seed", "dtype")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    served_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _sampling_pb2.SamplingParams
+    seed: int
+    dtype: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., served_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class ReferenceResponse(_message.Message):
+    __slots__ = ("token_ids", "gaps", "dtype", "served_gaps")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GAPS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SERVED_GAPS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    gaps: bytes
+    dtype: str
+    served_gaps: bytes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., gaps: _Optional[bytes] = ..., dtype: _Optional[str] = ..., served_gaps: _Optional[bytes] = ...) -> None: ...

@@ -263,6 +263,11 @@ class VerifierStub:
                 request_serializer=protos_dot_replica__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_replica__pb2.ReplicaStats.FromString,
                 _registered_method=True)
+        self.Reference = channel.unary_unary(
+                '/tandem.v1.Verifier/Reference',
+                request_serializer=protos_dot_replica__pb2.ReferenceRequest.SerializeToString,
+                response_deserializer=protos_dot_replica__pb2.ReferenceResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -297,6 +302,17 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reference(self, request, context):
+        """Replays a finished request through the target alone (no drafts, no batching, no
+        session), teacher-forced on its served tokens: what the target itself picks at each
+        of their positions. Low priority: it runs a chunk of positions at a time and, before
+        each, waits while the replica has calls queued or running. Greedy and seed-exact
+        requests only (INVALID_ARGUMENT otherwise).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -319,6 +335,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_replica__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_replica__pb2.ReplicaStats.SerializeToString,
+            ),
+            'Reference': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reference,
+                    request_deserializer=protos_dot_replica__pb2.ReferenceRequest.FromString,
+                    response_serializer=protos_dot_replica__pb2.ReferenceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +451,33 @@ class Verifier:
             '/tandem.v1.Verifier/Stats',
             protos_dot_replica__pb2.StatsRequest.SerializeToString,
             protos_dot_replica__pb2.ReplicaStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reference(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Verifier/Reference',
+            protos_dot_replica__pb2.ReferenceRequest.SerializeToString,
+            protos_dot_replica__pb2.ReferenceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,9 @@
 A thin adapter: the session RPCs come from `SessionServicer` (cluster/replica/servicer.py); the
 one of its own, Verify, converts the block with `cluster.replica.wire`, calls the verifier
 under the servicer's `CallGuard` (errors become gRPC statuses; calls run concurrently, batched
-by the verifier's engine), and converts the verdict back.
+by the verifier's engine), and converts the verdict back. Reference (the audit's replay) runs in
+the handler's own thread, between the engine's calls (`verifier.audit_replica`); its gaps travel
+as raw float32 bytes (`wire.floats_to_wire`).
 """
 
 from __future__ import annotations
@@ -37,3 +39,23 @@ class VerifierServicer(SessionServicer[Verifier], replica_pb2_grpc.VerifierServi
             return wire.verdict_to_wire(verdict)
 
         return self._guard.run(context, "Verify", call)
+
+    def Reference(
+        self, request: replica_pb2.ReferenceRequest, context: grpc.ServicerContext
+    ) -> replica_pb2.ReferenceResponse:
+        def call() -> replica_pb2.ReferenceResponse:
+            replay = self.component.reference(
+                tuple(request.prompt_token_ids),
+                tuple(request.served_token_ids),
+                wire.sampling_from_wire(request.sampling),
+                request.seed,
+                dtype=request.dtype,
+            )
+            return replica_pb2.ReferenceResponse(
+                token_ids=replay.tokens,
+                gaps=wire.floats_to_wire(replay.gaps),
+                served_gaps=wire.floats_to_wire(replay.served_gaps),
+                dtype=replay.dtype,
+            )
+
+        return self._guard.run(context, "Reference", call)

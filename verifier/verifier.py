@@ -13,15 +13,19 @@ block needs only the argmaxes of its rows: its task takes them and applies the g
 committed and the cache rolled back past the rejected positions (whole KV blocks freed). A block
 with no tokens is plain target decoding through the same path. A deferred bonus keeps only what
 the next block needs (`SessionOutcome.deferred_row`: an argmax, the nonzero entries, or a row).
+`reference` is the audit's: a finished request replayed through the plain target, in the
+caller's thread and between the engine's calls (`verifier.audit_replica`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from cluster.runtime.audit import Replay
 from cluster.runtime.block import DraftBlock, Verdict
 from cluster.runtime.component import SessionComponent
 from cluster.runtime.engine import Batched, Task
@@ -44,6 +48,7 @@ from cluster.runtime.session import (
     SessionLimits,
     check_token_ids,
 )
+from verifier.audit_replica import OWN_DTYPE, ReferenceReplayer
 from verifier.batch_rejection import (
     BatchSession,
     DeferredRow,
@@ -116,6 +121,10 @@ class Verifier(SessionComponent[VerifierConfig]):
     ) -> None:
         super().__init__(target, config or VerifierConfig(), runner)
         self._target = target
+        self.replayer = ReferenceReplayer(
+            target, self._engine.has_work, max_context_tokens=self.config.max_context_tokens
+        )
+        """The audit's replays (`reference`), off the engine's thread."""
 
     def _headroom_tokens(self) -> int:
         return self.config.max_block_tokens + 1
@@ -129,6 +138,20 @@ class Verifier(SessionComponent[VerifierConfig]):
         so it stays lossless; it lets a block drafted ahead (pipelining) be used as it is.
         """
         return self._engine.run(self._verify(session_id, block, defer_bonus), key=session_id)
+
+    def reference(
+        self,
+        prompt_tokens: Sequence[int],
+        served_tokens: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+        dtype: str = OWN_DTYPE,
+    ) -> Replay:
+        """Replay a finished greedy or seed-exact request through the plain target, in the
+        calling thread, yielding to the engine's calls between chunks
+        (`verifier.audit_replica`): the target's own token and top-2 gap at each served
+        position. `dtype`: "" the target as served, "float32" a float32 copy of it."""
+        return self.replayer.reference(prompt_tokens, served_tokens, sampling, seed, dtype)
 
     def _verify(self, session_id: str, block: DraftBlock, defer_bonus: bool) -> Task[Verdict]:
         session = self._sessions.get_at(session_id, block.base_length)

@@ -1,8 +1,9 @@
 """The OpenAI-compatible API as a plain class: JSON bodies in, OpenAI's response shapes out.
 
 `OpenAIService` serves `GET /v1/models`, `POST /v1/completions` and `POST /v1/chat/completions`
-over a `TandemService`, with no HTTP and no Ray: an HTTP adapter parses the JSON, passes the
-body and the caller (API key, deadline) here, and frames what comes back. Every call is
+(and Tandem's own `POST /v1/audit`: `cluster.api.audit.audit_body`) over a `TandemService`,
+with no HTTP and no Ray: an HTTP adapter parses the JSON, passes the body and the caller (API
+key, deadline) here, and frames what comes back. Every call is
 authenticated first, like the gRPC API; the body is then checked field by field
 (`cluster.api.openai_schema`: unsupported and unknown fields are errors naming the field).
 
@@ -42,6 +43,7 @@ from collections.abc import Callable, Generator
 from contextlib import closing
 from typing import TYPE_CHECKING, Any, Protocol
 
+from cluster.api.audit import audit_body
 from cluster.api.openai_schema import (
     ModelNotFoundError,
     OpenAIError,
@@ -144,6 +146,16 @@ class OpenAIService:
             "choices": [choice],
             "usage": usage_body(response.usage, response.speculation),
         }
+
+    def audit(
+        self,
+        body: object,
+        caller: Caller = ANONYMOUS_CALL,
+        is_active: Callable[[], bool] = lambda: True,
+    ) -> dict[str, Any]:
+        """The body of `POST /v1/audit`: a completions body plus `audit_dtype`, run, replayed
+        through the plain target and compared (`cluster.api.audit.audit_body`)."""
+        return audit_body(self, body, caller, is_active)
 
     def stream(
         self, route: Route, body: object, caller: Caller = ANONYMOUS_CALL

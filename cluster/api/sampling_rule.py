@@ -49,11 +49,11 @@ def rule_name(seed_exact: bool) -> str:
 def resolve_seed_exact(rule: int, seeded: bool, default: str = AUTO) -> bool:
     """Whether a request follows the seed-exact rule: its own `rule` when it names one, else
     the server's `default`, where `auto` means seed-exact exactly when the request is `seeded`."""
+    default = check_rule_name(default, "sampling_rule")
     if rule == sampling_pb2.SAMPLING_RULE_SEED_EXACT:
         return True
     if rule == sampling_pb2.SAMPLING_RULE_REJECTION:
         return False
     if rule != sampling_pb2.SAMPLING_RULE_UNSPECIFIED:
         raise InvalidArgumentError(f"sampling.rule {rule} is not a SamplingRule")
-    default = check_rule_name(default, "sampling_rule")
     return seeded if default == AUTO else default == SEED_EXACT

@@ -37,6 +37,11 @@ retry); it may wait in the queue until its deadline. The tenant's usage counters
 tokens are committed. Metrics (`cluster.metrics`): a request's counters are recorded when it
 ends, by tenant and outcome; a refusal by tenant and status; the queue's depth as it changes.
 
+Audit (`cluster.api.audit`, `cluster.api.online_audit`): `audit` runs a greedy or seed-exact
+request like `generate`, then replays it through the plain target and compares token by token;
+with `AuditConfig.fraction` above 0, that share of the requests that finish normally is audited
+in the background (`close` stops that worker).
+
 Every request gets a fresh request id (uuid4 hex) on its response and on every chunk; its
 tenant, and only its tenant, can cancel it by that id (`cancel`): its stream then ends with
 FINISH_REASON_CANCELLED after the round in flight. The last chunk of a stream carries the
@@ -59,8 +64,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cluster.api.admission import Admission
+from cluster.api.audit import Auditor, Served, audit_served, drafter_label
 from cluster.api.chat import render_chat
 from cluster.api.convert import finish_reason_to_proto, stats_to_proto
+from cluster.api.online_audit import CLOSE_TIMEOUT_S, AuditConfig, OnlineAudit
 from cluster.api.running import RunningRequests
 from cluster.api.sampling_rule import AUTO, check_rule_name, resolve_seed_exact
 from cluster.api.tenants import Tenant, Tenants
@@ -162,13 +169,15 @@ class TandemService:
         tenants: Tenants,
         metrics: TandemMetrics | None = None,
         max_context_tokens: int | None = None,
+        audit: AuditConfig | None = None,
     ) -> None:
         """`tenants`: who may call and their limits; `Tenants.unauthenticated()` lets every
         call in as one anonymous tenant (local development only). `metrics`: where each
         request's counters go when it ends (default: Ray's metrics, if in a Ray worker).
         `max_context_tokens`: the verifier replicas' context limit, which prompt plus
         `max_tokens` may not exceed (None: not checked here; a verifier then refuses the
-        request only when its context is full, mid-stream)."""
+        request only when its context is full, mid-stream). `audit`: the online audit
+        (`cluster.api.online_audit`; None: off); `close` stops its worker."""
         if max_context_tokens is not None and max_context_tokens < 1:
             raise InvalidArgumentError(f"max_context_tokens must be >= 1, got {max_context_tokens}")
         self.max_context_tokens = max_context_tokens
@@ -183,6 +192,17 @@ class TandemService:
             on_change=self.metrics.queue,
         )
         self.requests = RunningRequests()
+        self.auditor = Auditor(self, router)
+        """The audit API (`audit`, `POST /v1/audit`)."""
+        audit = audit if audit is not None else AuditConfig()
+        self.online_audit = OnlineAudit(
+            audit, lambda served: audit_served(router, served, audit.dtype), self.metrics
+        )
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the online audit's worker, waiting up to `timeout_s` for an audit in flight
+        (the router is the caller's to close)."""
+        self.online_audit.close(timeout_s)
 
     def to_request(
         self, message: generate_pb2.GenerateRequest, deadline: float | None = None
@@ -253,14 +273,19 @@ class TandemService:
         return response
 
     def stream(
-        self, message: generate_pb2.GenerateRequest, caller: Caller = ANONYMOUS_CALL
+        self,
+        message: generate_pb2.GenerateRequest,
+        caller: Caller = ANONYMOUS_CALL,
+        *,
+        on_finished: Callable[[Served], None] | None = None,
     ) -> Generator[generate_pb2.GenerateChunk, None, None]:
         """Chunks as tokens are committed; the last one has finish reason, usage and stats.
 
         The caller is authenticated and the request validated here, before the first chunk is
         asked for; limits that free up with time (the tenant's quotas, the router's queue) are
         checked when the first chunk is. Closing the returned generator early frees the
-        request's sessions.
+        request's sessions. `on_finished` is called with the request as served if it finishes
+        normally (length or stop), before its last chunk is yielded (the audit's hook).
         """
         tenant = self.tenants.authenticate(caller.authorization)
         request, pipelined = self.to_request(message, caller.deadline)
@@ -270,7 +295,18 @@ class TandemService:
                 raise DeadlineExceededError(
                     "the request's deadline had passed when it arrived: nothing was run"
                 )
-        return self._admitted(tenant, request, pipelined, _new_request_id())
+        return self._admitted(tenant, request, pipelined, _new_request_id(), on_finished)
+
+    def audit(
+        self,
+        message: generate_pb2.AuditRequest,
+        caller: Caller = ANONYMOUS_CALL,
+        is_active: Callable[[], bool] | None = None,
+    ) -> generate_pb2.AuditResponse:
+        """Run a greedy or seed-exact request to completion, replay it through the plain
+        target and compare token by token (`cluster.api.audit`); `is_active` as for
+        `generate`."""
+        return self.auditor.audit(message, caller, is_active)
 
     def cancel(self, message: generate_pb2.CancelRequest, caller: Caller = ANONYMOUS_CALL) -> None:
         """Cancel one of the caller's running requests (NOT_FOUND for anyone else's)."""
@@ -311,7 +347,12 @@ class TandemService:
         return tuple(int(token) for token in ids)
 
     def _admitted(
-        self, tenant: Tenant, request: GenerationRequest, pipelined: bool, request_id: str
+        self,
+        tenant: Tenant,
+        request: GenerationRequest,
+        pipelined: bool,
+        request_id: str,
+        on_finished: Callable[[Served], None] | None,
     ) -> Generator[generate_pb2.GenerateChunk, None, None]:
         """The request's chunks once its tenant's limits and the router's queue let it run."""
         with self._counting_refusal(tenant):
@@ -326,7 +367,9 @@ class TandemService:
             try:
                 with self.requests.running(request_id, tenant.name) as cancelled:
                     self.tenants.charge(tenant, prompt=len(request.prompt_tokens))
-                    yield from self._chunks(tenant, request, pipelined, request_id, cancelled)
+                    yield from self._chunks(
+                        tenant, request, pipelined, request_id, cancelled, on_finished
+                    )
             finally:
                 self.admission.leave(tenant.name)
         finally:
@@ -339,10 +382,12 @@ class TandemService:
         pipelined: bool,
         request_id: str,
         cancelled: threading.Event,
+        on_finished: Callable[[Served], None] | None,
     ) -> Generator[generate_pb2.GenerateChunk, None, None]:
         stats = SpeculationStats()
         chunks = self._router.stream(request, stats, pipelined=pipelined)
         num_generated = 0
+        served: list[int] | None = [] if on_finished or self.online_audit.enabled else None
         outcome = FinishReason.CANCELLED.value  # unless it finishes or fails: the caller left
         try:
             for chunk in chunks:
@@ -352,6 +397,13 @@ class TandemService:
                     chunk = dataclasses.replace(chunk, finish_reason=FinishReason.CANCELLED)
                 if chunk.finish_reason is not None:
                     outcome = chunk.finish_reason.value
+                if served is not None:
+                    served.extend(chunk.tokens)
+                    if chunk.finish_reason not in (None, FinishReason.CANCELLED):
+                        self._finished(
+                            Served(request_id, request, tuple(served), drafter_label(stats)),
+                            on_finished,
+                        )
                 yield self._chunk_to_proto(chunk, request, request_id, stats, num_generated)
                 if chunk.finish_reason is not None:
                     return
@@ -364,6 +416,13 @@ class TandemService:
             self.metrics.request_ended(
                 tenant.name, outcome, stats, len(request.prompt_tokens), num_generated
             )
+
+    def _finished(self, served: Served, on_finished: Callable[[Served], None] | None) -> None:
+        """A request finished normally: tell the caller who asked, offer it to the online
+        audit."""
+        if on_finished is not None:
+            on_finished(served)
+        self.online_audit.offer(served)
 
     @contextlib.contextmanager
     def _counting_refusal(self, tenant: Tenant) -> Iterator[None]:

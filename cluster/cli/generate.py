@@ -90,7 +90,12 @@ def add_to(commands: Any) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = no limit")
-    p.add_argument("--seed", type=int, help="sampling seed (default: the service's, 0)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="sampling seed (default: a fresh random one); a seeded request follows the "
+        "seed-exact rule unless --sampling-rule says otherwise",
+    )
     p.add_argument(
         "--sampling-rule",
         choices=("auto", "seed_exact", "rejection"),

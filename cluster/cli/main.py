@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cluster.api.client_types import TandemClientError
+from cluster.cli import audit as cli_audit
 from cluster.cli import bench as cli_bench
 from cluster.cli import config as cli_config
 from cluster.cli import demo as cli_demo
@@ -63,6 +64,7 @@ REGISTRARS: tuple[Registrar, ...] = (
     cli_soak.add_to,
     cli_keys.add_to,
     cli_config.add_to,
+    cli_audit.add_to,
 )
 
 

@@ -101,7 +101,7 @@ def sampling_to_wire(params: SamplingParams) -> sampling_pb2.SamplingParams:
 def sampling_from_wire(message: sampling_pb2.SamplingParams) -> SamplingParams:
     """Unset `top_p` means no nucleus cut (1.0); a set one, even 0.0, is taken as sent. An
     unspecified rule reads as rejection sampling: the public API resolves a request's rule
-    (`resolve_rule`) before anything reaches a replica."""
+    (`cluster.api.sampling_rule.resolve_seed_exact`) before anything reaches a replica."""
     top_p = message.top_p if message.HasField("top_p") else NO_TOP_P
     if message.rule not in _RULES:
         raise InvalidArgumentError(f"sampling.rule {message.rule} is not a SamplingRule")
@@ -148,6 +148,20 @@ def sparse_from_wire(
         token_ids=torch.from_numpy(ids.astype(np.int64)),
         probs=torch.from_numpy(probs.astype(np.float32)),  # a native, writable copy
     )
+
+
+def floats_to_wire(values: Sequence[float]) -> bytes:
+    """Numbers as raw little-endian float32 bytes (a reference's gaps), laid out like a sparse
+    row's probabilities."""
+    return np.asarray(values, dtype=np.float32).astype(_FLOAT32_LE).tobytes()
+
+
+def floats_from_wire(data: bytes, what: str) -> tuple[float, ...]:
+    """The float32 values of `floats_to_wire`'s bytes; a length that is not a whole number of
+    values is refused, naming `what`."""
+    if len(data) % 4:
+        raise InvalidArgumentError(f"{what} is not a whole number of 4-byte values")
+    return tuple(float(value) for value in np.frombuffer(data, dtype=_FLOAT32_LE))
 
 
 def load_to_wire(load: StepLoad) -> replica_pb2.StepLoad:

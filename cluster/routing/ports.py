@@ -14,10 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cluster.runtime.block import DraftBlock, Verdict
 from cluster.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from cluster.runtime.audit import Replay
 
 
 class DrafterPort(Protocol):
@@ -73,6 +76,20 @@ class VerifierPort(Protocol):
     def verify(self, session_id: str, block: DraftBlock, defer_bonus: bool = False) -> Verdict:
         """Verify `block` and commit the emitted tokens; with `defer_bonus`, an all-accepted
         block emits no bonus token and the next block is verified against the kept p."""
+        ...
+
+    def reference(
+        self,
+        prompt_tokens: Sequence[int],
+        served_tokens: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+        dtype: str = "",
+    ) -> Replay:
+        """Replay a finished greedy or seed-exact request through the plain target (no
+        session, no drafts, no batching; waits while the replica serves calls): the target's
+        own token and top-2 gap at each served position. `dtype`: "" the replica's weights,
+        "float32" a float32 copy of them."""
         ...
 
     def close_session(self, session_id: str) -> bool:

@@ -37,6 +37,7 @@ from cluster.replica.rpc import (
     RETRY_AFTER_METADATA_KEY,
     SECRET_METADATA_KEY,
 )
+from cluster.runtime.audit import Replay
 from cluster.runtime.block import DraftBlock, Verdict
 from cluster.runtime.errors import (
     ClusterSecretError,
@@ -304,3 +305,35 @@ class GrpcVerifier(_ReplicaClient):
             session_id=session_id, block=wire.block_to_wire(block), defer_bonus=defer_bonus
         )
         return wire.verdict_from_wire(self._call(self._stub.Verify, request, timeout_s))
+
+    def reference(
+        self,
+        prompt_tokens: Sequence[int],
+        served_tokens: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+        dtype: str = "",
+        *,
+        timeout_s: float | None = None,
+    ) -> Replay:
+        """See `VerifierPort.reference`. A replay waits while the replica serves calls, so
+        under load it may take long: its timeout and deadline are those of any call."""
+        request = replica_pb2.ReferenceRequest(
+            prompt_token_ids=wire.token_ids_to_wire(prompt_tokens, "prompt_tokens"),
+            served_token_ids=wire.token_ids_to_wire(served_tokens, "served_tokens"),
+            sampling=wire.sampling_to_wire(sampling),
+            seed=wire.uint_to_wire(seed, "seed"),
+            dtype=dtype,
+        )
+        response: replica_pb2.ReferenceResponse = self._call(
+            self._stub.Reference, request, timeout_s
+        )
+        tokens = tuple(response.token_ids)
+        gaps = wire.floats_from_wire(response.gaps, "gaps")
+        served_gaps = wire.floats_from_wire(response.served_gaps, "served_gaps")
+        if len(gaps) != len(tokens) or len(served_gaps) not in (0, len(tokens)):
+            raise ReplicaUnavailableError(
+                f"{self._replica}: a reference of {len(tokens)} tokens came with {len(gaps)} "
+                f"gaps and {len(served_gaps)} served gaps"
+            )
+        return Replay(tokens, gaps, response.dtype, served_gaps)

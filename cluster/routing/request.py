@@ -79,6 +79,10 @@ class SpeculationStats:
     """Per draft position i: verify passes whose block had a token at position i."""
     accepted_by_position: list[int] = field(default_factory=list)
     """Per draft position i: verify passes that accepted the block's first i + 1 tokens."""
+    drafters: list[str] = field(default_factory=list, compare=False)
+    """The drafter replicas pinned to the request, in order (a failover adds one); empty
+    when none drafted for it. Not a counter and not on the public wire (nor compared): the
+    audit reports it."""
 
     def record_block(self, num_drafted: int, num_accepted: int) -> None:
         """Count one verify pass of a block of `num_drafted` tokens, `num_accepted` accepted."""

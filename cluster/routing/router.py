@@ -56,6 +56,9 @@ too (over gRPC a call stops when the time runs out, and each replica is told how
 session may live, so it drops the session itself should the router die). A deadline is the
 caller's limit, not a replica failure: it never fails over.
 
+Audit: `reference` replays a finished request through the plain target on a verifier of the
+pool (`VerifierPort.reference`), for the service's audit (`cluster.api.audit`).
+
 Metrics (`cluster.metrics`): the time of every drafter call and of every verify pass after the
 opening one (the times the adaptive plan measures) go to two histograms.
 
@@ -67,9 +70,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypedDict, Unpack
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from cluster.metrics import TandemMetrics
 from cluster.routing.draft_length import DraftLength, DraftLengthConfig, Plan
@@ -91,6 +94,9 @@ from cluster.runtime.errors import (
     TandemError,
 )
 from drafter.ngram import NgramConfig
+
+if TYPE_CHECKING:
+    from cluster.runtime.audit import Replay
 
 logger = logging.getLogger(__name__)
 
@@ -231,12 +237,31 @@ class Router:
         """
         return self._run(request, stats if stats is not None else SpeculationStats(), pipelined)
 
+    def reference(
+        self,
+        request: GenerationRequest,
+        served_tokens: Sequence[int],
+        dtype: str = "",
+    ) -> Replay:
+        """The plain target's replay of a finished request (`VerifierPort.reference`) on a
+        verifier the pool picks as it picks a request's (the least loaded), within the
+        request's deadline; no failover: an audit that fails is reported, not retried."""
+        pinned = self._replicas.pin(False, deadline=request.deadline)
+        try:
+            return pinned.verifier.reference(
+                request.prompt_tokens, served_tokens, request.sampling, request.seed, dtype
+            )
+        finally:
+            pinned.release()
+
     def _run(
         self, request: GenerationRequest, stats: SpeculationStats, pipelined: bool | None
     ) -> Generator[GenerationChunk, None, None]:
         speculate = request.draft_tokens > 0
         pinned = self._replicas.pin(speculate, deadline=request.deadline)
         releases = [pinned.release]
+        if pinned.drafter is not None:
+            stats.drafters.append(pinned.drafter_id)
         if speculate:
             # The gate compares the modes it can switch: a request that never speculates
             # commits the same either way and is not counted.
@@ -380,6 +405,7 @@ class Router:
             gen.drafter_port = None  # on with the target alone (and prompt lookup)
             return
         gen.drafter_port, gen.drafter_id = spare.port, spare.replica_id
+        gen.stats.drafters.append(spare.replica_id)
         request = gen.request
         gen.drafter_opening = self._pool.submit(
             spare.port.open_session,

@@ -200,6 +200,12 @@ class Engine:
         keys = {k for k in self._active if k is not None}
         return frozenset(keys | set(self._queued))
 
+    def has_work(self) -> bool:
+        """Whether any call is queued or running now. Any thread may ask; the answer is a
+        snapshot, possibly stale once read: for work that yields to calls (an audit's
+        replay), never for correctness."""
+        return bool(self._inbox or self._active or self._keyless)
+
     def step_load(self) -> StepLoad | None:
         """The load of the step that ran last (what a task resumed after it ran in)."""
         return self._load

@@ -4,10 +4,12 @@ Serve's HTTP proxy calls the ingress deployment's `__call__` with the request; `
 hands it to `OpenAIHttp`, which routes it to `cluster.api.openai.OpenAIService` (the same
 TandemService, router and tenants as the gRPC API) and frames what comes back:
 
-- `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (paths relative to the
-  application's route prefix); any other path is 404 and a known path with another method is
-  405 (with `Allow`), both in OpenAI's error shape (`{"error": {"message", "type", "param",
-  "code"}}`), as is every other error (`cluster.api.openai.error_response` picks the status).
+- `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, and Tandem's own
+  `POST /v1/audit` (a completions body plus `audit_dtype`, answered with the audit's report as
+  JSON: `cluster.api.audit`), paths relative to the application's route prefix; any other
+  path is 404 and a known path with another method is 405 (with `Allow`), both in OpenAI's
+  error shape (`{"error": {"message", "type", "param", "code"}}`), as is every other error
+  (`cluster.api.openai.error_response` picks the status).
 - The body must be a JSON object of Unicode text nested at most 64 levels
   (`cluster.api.json_body`): anything else is 400 before the service sees it.
 - The caller: `Authorization: Bearer <key>` and the optional `x-tandem-deadline-ms` header,
@@ -33,7 +35,7 @@ import json
 import threading
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any, Final, Literal, cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -45,12 +47,15 @@ from cluster.api.service import Caller
 from cluster.api.tenants import bearer_key
 from cluster.serve.calls import deadline_of, iterate_in_thread
 
-ROUTES: dict[str, tuple[str, Route | None]] = {
+AUDIT: Final = "audit"
+ROUTES: dict[str, tuple[str, Route | Literal["audit"] | None]] = {
     "/v1/models": ("GET", None),
     "/v1/completions": ("POST", "completions"),
     "/v1/chat/completions": ("POST", "chat.completions"),
+    "/v1/audit": ("POST", AUDIT),
 }
-"""Path -> (its one method, the OpenAIService route; None: the model list)."""
+"""Path -> (its one method, the OpenAIService route; None: the model list; "audit": Tandem's
+audit, `OpenAIService.audit`)."""
 DONE_EVENT = b"data: [DONE]\n\n"
 EVENT_STREAM = "text/event-stream"
 
@@ -79,6 +84,8 @@ class OpenAIHttp:
             if route is None:
                 return JSONResponse(self._openai.models(caller))
             body = await _json_object(request)
+            if route == AUDIT:
+                return JSONResponse(await self._audit(body, caller))
             if self._openai.wants_stream(body):
                 return await self._stream(route, body, caller)
             return JSONResponse(await self._complete(route, body, caller))
@@ -91,6 +98,16 @@ class OpenAIHttp:
         active = threading.Event()
         active.set()
         future = self._threads.submit(self._openai.complete, route, body, caller, active.is_set)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            active.clear()  # the thread ends the generation after the step in flight
+            raise
+
+    async def _audit(self, body: object, caller: Caller) -> dict[str, Any]:
+        active = threading.Event()
+        active.set()
+        future = self._threads.submit(self._openai.audit, body, caller, active.is_set)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:

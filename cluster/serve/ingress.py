@@ -1,5 +1,6 @@
-"""The router as Serve's ingress: the public `tandem.v1.Tandem` API and gRPC health, and the
-OpenAI-compatible HTTP API (`__call__`, `cluster.serve.http`) over the same service and tenants.
+"""The router as Serve's ingress: the public `tandem.v1.Tandem` API (Audit included) and gRPC
+health, and the OpenAI-compatible HTTP API (`__call__`, `cluster.serve.http`, with
+`POST /v1/audit`) over the same service and tenants; `config.audit` turns the online audit on.
 
 Every call is authenticated by its `authorization` metadata against the config's tenants
 (`cluster.api.tenants`); health checks are open, so that probes need no key.
@@ -91,6 +92,7 @@ class RouterIngress:
             config.api,
             tenants=Tenants(config.auth),
             max_context_tokens=config.verifier_limits.max_context_tokens,
+            audit=config.audit,
         )
         self._threads = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="request")
         openai = OpenAIService(self._service, served_model_name(config.models))
@@ -145,6 +147,22 @@ class RouterIngress:
         except Exception as error:
             _fail(grpc_context, error)
 
+    async def Audit(
+        self, request: generate_pb2.AuditRequest, grpc_context: Any = None
+    ) -> generate_pb2.AuditResponse:
+        active = threading.Event()
+        active.set()
+        try:
+            future = self._threads.submit(
+                self._service.audit, request, _caller(grpc_context, timed=True), active.is_set
+            )
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            active.clear()
+            raise
+        except Exception as error:
+            _fail(grpc_context, error)
+
     def _health(self) -> int:
         try:
             live = any(r.side == "verifier" for r in self._pool.replicas())
@@ -175,6 +193,10 @@ class RouterIngress:
             await asyncio.sleep(HEALTH_WATCH_PERIOD_S)
 
     def __del__(self) -> None:
+        service = getattr(self, "_service", None)
+        if service is not None:
+            # The online audit's worker: an audit in flight fails once the pool's channels close.
+            service.close(timeout_s=1.0)
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.close()

@@ -10,7 +10,7 @@ settings and target model, with no drafter, no engine and no batching: `referenc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -50,7 +50,7 @@ def reference_generate(
     max_tokens: int,
     sampling: SamplingParams,
     seed: int,
-    eos_token_ids: Sequence[int] = (),
+    eos_token_ids: Collection[int] = (),
 ) -> tuple[int, ...]:
     """The target's seed-exact output for one request by `model.generate` alone: greedy search
     over `SeedExactProcessor`'s scores, stopping after `max_tokens` or at one of `eos_token_ids`."""

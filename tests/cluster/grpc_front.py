@@ -94,6 +94,14 @@ class TandemServicer(generate_pb2_grpc.TandemServicer):
         except Exception as error:
             _abort(context, error)
 
+    def Audit(
+        self, request: generate_pb2.AuditRequest, context: grpc.ServicerContext
+    ) -> generate_pb2.AuditResponse:
+        try:
+            return self._service.audit(request, caller_of(context), context.is_active)
+        except Exception as error:
+            _abort(context, error)
+
 
 def serve_local(
     service: TandemService,

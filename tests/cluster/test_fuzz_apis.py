@@ -34,7 +34,7 @@ from verifier.verifier import Verifier
 
 SECRET = "fuzz-secret-0123456789"
 AUTH = ((SECRET_METADATA_KEY, SECRET),)
-EXAMPLES = 700  # per test; seven tests
+EXAMPLES = 700  # per test; nine tests
 KEY = new_api_key()
 PRECISE = {
     grpc.StatusCode.UNAUTHENTICATED,
@@ -148,6 +148,19 @@ def verify_requests(draw: st.DrawFn) -> replica_pb2.VerifyRequest:
 
 
 @st.composite
+def reference_requests(draw: st.DrawFn) -> replica_pb2.ReferenceRequest:
+    sampling = draw(samplings())
+    sampling.rule = draw(st.sampled_from([*sampling_pb2.SamplingRule.values(), 7]))
+    return replica_pb2.ReferenceRequest(
+        prompt_token_ids=draw(token_lists),
+        served_token_ids=draw(token_lists),
+        sampling=sampling,
+        seed=draw(uint64s),
+        dtype=draw(st.one_of(st.sampled_from(["", "float32"]), st.text(max_size=8))),
+    )
+
+
+@st.composite
 def generate_requests(draw: st.DrawFn) -> generate_pb2.GenerateRequest:
     message = generate_pb2.GenerateRequest(
         max_tokens=draw(st.one_of(st.integers(-2, 10), st.integers(1, 8), int32s)),
@@ -255,11 +268,20 @@ def test_verifier_answers_malformed_calls_precisely(
         _record("verifier.Verify", lambda: stub.Verify(request, metadata=AUTH, timeout=30))
 
 
+@FUZZ
+@given(request=reference_requests())
+def test_verifier_answers_malformed_reference_calls_precisely(
+    servers: Servers, request: replica_pb2.ReferenceRequest
+) -> None:
+    stub = replica_pb2_grpc.VerifierStub(servers.verifier)
+    _record("verifier.Reference", lambda: stub.Reference(request, metadata=AUTH, timeout=30))
+
+
 REPLICA_METHODS = [
     f"/tandem.v1.{side}/{method}"
     for side, methods in (
         ("Drafter", ("OpenSession", "Draft", "CloseSession", "Stats")),
-        ("Verifier", ("OpenSession", "Verify", "CloseSession", "Stats")),
+        ("Verifier", ("OpenSession", "Verify", "CloseSession", "Stats", "Reference")),
     )
     for method in methods
 ]
@@ -294,6 +316,21 @@ def test_public_api_answers_malformed_requests_precisely(
 
 
 @FUZZ
+@given(
+    request=generate_requests(),
+    dtype=st.one_of(st.just(""), st.text(max_size=8)),
+    authorization=authorizations,
+)
+def test_public_audit_answers_malformed_requests_precisely(
+    servers: Servers, request: generate_pb2.GenerateRequest, dtype: str, authorization: str | None
+) -> None:
+    stub = generate_pb2_grpc.TandemStub(servers.public)
+    audit = generate_pb2.AuditRequest(request=request, dtype=dtype)
+    metadata = _metadata(authorization)
+    _record("public.Audit", lambda: stub.Audit(audit, timeout=60, metadata=metadata))
+
+
+@FUZZ
 @given(request_id=st.one_of(st.text(max_size=40), printable), authorization=authorizations)
 def test_cancel_and_usage_answer_anything_precisely(
     servers: Servers, request_id: str, authorization: str | None
@@ -308,7 +345,7 @@ def test_cancel_and_usage_answer_anything_precisely(
 
 PUBLIC_METHODS = [
     ("/tandem.v1.Tandem/" + method, method == "GenerateStream")
-    for method in ("Generate", "GenerateStream", "Cancel", "GetUsage")
+    for method in ("Generate", "GenerateStream", "Cancel", "GetUsage", "Audit")
 ]
 
 

@@ -5,7 +5,8 @@ answers every body with a 4xx that names the problem or a well-formed answer, ne
 over a real `OpenAIService` on the in-process tiny pair, so a body that passes every check is
 really generated. Bodies are built from the API's own fields, each set to a plausible value or
 to any JSON value (deep, huge, NaN, lone UTF-16 surrogates...), plus unknown keys, sent to both
-routes, streamed or not. Counts per status are printed (`pytest -s`) for the record.
+routes, streamed or not, and to `POST /v1/audit` (whose answers must find no divergence).
+Counts per status are printed (`pytest -s`) for the record.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "presence_penalty": st.floats(-1, 1),
 }
 
+AUDIT_PLAUSIBLE = {"audit_dtype": st.sampled_from(["", "float32", "bfloat16"])}
+"""`POST /v1/audit`'s own field, beside the completions fields."""
+
 
 @st.composite
 def bodies(draw: st.DrawFn, path: str) -> bytes:
@@ -83,10 +87,13 @@ def bodies(draw: st.DrawFn, path: str) -> bytes:
     else:
         body = {"model": MODEL, "prompt": "def add(a, b):"}
     body["max_tokens"] = draw(st.integers(1, MAX_TOKENS_LIMIT))
-    fields = draw(st.lists(st.sampled_from(sorted(PLAUSIBLE)), unique=True, max_size=5))
+    if path.endswith("audit"):
+        body["seed"] = draw(st.integers(0, 1000))  # seed-exact: replayable unless changed
+    plausible = {**PLAUSIBLE, **(AUDIT_PLAUSIBLE if path.endswith("audit") else {})}
+    fields = draw(st.lists(st.sampled_from(sorted(plausible)), unique=True, max_size=5))
     for name in fields:
         anything = draw(st.integers(0, 3)) == 0
-        body[name] = draw(ANY_JSON if anything else PLAUSIBLE[name])
+        body[name] = draw(ANY_JSON if anything else plausible[name])
     if draw(st.integers(0, 4)) == 0:
         body.update(draw(st.dictionaries(TEXT, ANY_JSON, min_size=1, max_size=2)))
     value: object = body if draw(st.integers(0, 19)) else draw(ANY_JSON)
@@ -115,7 +122,7 @@ FUZZ = settings(
 )
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/audit"])
 @FUZZ
 @given(data=st.data())
 def test_every_body_gets_a_precise_answer(
@@ -136,4 +143,8 @@ def test_every_body_gets_a_precise_answer(
                 assert chunk.get("error", {}).get("message") != INTERNAL_ERROR_MESSAGE, chunk
         return
     answer = done.json()
+    if path == "/v1/audit":  # and the audit of a healthy service finds nothing
+        assert answer["total"] == len(answer["token_ids"]) <= MAX_TOKENS_LIMIT
+        assert answer["cause"] != "divergence", answer
+        return
     assert answer["choices"] and answer["usage"]["completion_tokens"] <= MAX_TOKENS_LIMIT

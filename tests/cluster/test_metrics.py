@@ -117,6 +117,8 @@ def test_every_recorded_series_has_exactly_its_metrics_labels() -> None:
     metrics.drafted(0.01)
     metrics.verified(0.02)
     metrics.drafter_degraded("internal")
+    metrics.audit_checked("greedy", "float32", "divergence")
+    metrics.audit_dropped("queue_full")
     metrics.queue(1, 0)
     by_name = {m.name: m for m in METRICS}
     recorded = [*sink.counters, *sink.gauges, *sink.observations]

@@ -192,6 +192,7 @@ def test_services_have_expected_methods() -> None:
         "GenerateStream",
         "Cancel",
         "GetUsage",
+        "Audit",
     ]
     assert _method_names(replica_pb2.DESCRIPTOR, "Drafter") == [
         "OpenSession",
@@ -204,6 +205,7 @@ def test_services_have_expected_methods() -> None:
         "Verify",
         "CloseSession",
         "Stats",
+        "Reference",
     ]
     stream = generate_pb2.DESCRIPTOR.services_by_name["Tandem"].methods_by_name["GenerateStream"]
     assert stream.server_streaming and not stream.client_streaming

@@ -1,0 +1,253 @@
+"""The audit API: run a request as Generate does, replay it through the plain target, compare.
+
+Greedy and seed-exact requests produce output that is a function of (prompt, seed, settings,
+target model) alone (`cluster.runtime.gumbel`), so a served request can be replayed through the
+target with no drafter and no batching (`VerifierPort.reference`, on a verifier the router's
+pool picks) and compared token by token (`cluster.runtime.audit.compare`). `Auditor` is what
+`TandemService.audit` (gRPC `Tandem.Audit`) and `POST /v1/audit` (`audit_body`) delegate to:
+
+1. authenticate the caller and validate the request exactly as Generate does;
+2. refuse, before anything runs, a sampled request the rejection rule would serve
+   (`NotReplayableError`, INVALID_ARGUMENT naming the field to change: its tokens depend on how
+   it was drafted, so no replay can match them token by token); a seed-exact request that sent
+   no seed runs with one picked here, so that the replay knows it;
+3. run it to completion through the normal path (tenants, quotas, queue, metrics);
+4. ask a verifier for the reference, in the request's deadline, in the weights asked for (""
+   the verifier's own, "float32" a float32 copy of the target);
+5. report: matched / total, the first diverging position, the target's top-2 gap there, the
+   served and reference tokens, which rule and drafter served it, the replay's dtype, and the
+   cause (`cluster.runtime.audit.cause`).
+
+A request cancelled before it finished has nothing to audit: CANCELLED.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import closing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cluster.api.openai_schema import OpenAIError, body_object
+from cluster.routing.request import GenerationRequest, SpeculationStats
+from cluster.runtime.audit import AuditReport, cause, compare, report_json
+from cluster.runtime.errors import CancelledError, InvalidArgumentError
+from cluster.runtime.sampling import SamplingParams
+from protos import generate_pb2, sampling_pb2
+from verifier.audit_replica import OWN_DTYPE, REFERENCE_DTYPES, check_reference_dtype
+
+if TYPE_CHECKING:
+    from cluster.api.openai import OpenAIService
+    from cluster.api.service import Caller, TandemService
+    from cluster.routing.router import Router
+
+GREEDY = "greedy"
+SEED_EXACT = "seed_exact"
+NO_DRAFTER = "none"
+PROMPT_LOOKUP = "prompt_lookup"
+AUDIT_DTYPE_FIELD = "audit_dtype"
+"""The HTTP body's field for `AuditRequest.dtype`."""
+
+
+class NotReplayableError(InvalidArgumentError):
+    """A sampled request the rejection rule serves: its tokens depend on how it was drafted, so
+    it cannot be audited token by token. `param` names the field to change."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return (type(self), (str(self), self.param))
+
+
+@dataclass(frozen=True)
+class Fields:
+    """How an API names a request's fields, for errors."""
+
+    seed: str
+    rule: str
+    temperature: str
+
+
+GRPC_FIELDS = Fields("request.seed", "request.sampling.rule", "request.sampling.temperature")
+HTTP_FIELDS = Fields("seed", "sampling_rule", "temperature")
+
+
+@dataclass(frozen=True)
+class Served:
+    """A request that finished normally (length or stop), as the service served it."""
+
+    request_id: str
+    request: GenerationRequest
+    """What ran: the prompt's token ids, the sampling settings (rule resolved), the seed."""
+    tokens: tuple[int, ...]
+    """The tokens sent to the client."""
+    drafter: str
+    """Which drafter served it (`drafter_label`)."""
+
+
+@dataclass(frozen=True)
+class Audited:
+    """A served request and its audit."""
+
+    served: Served
+    report: AuditReport
+
+
+def replay_rule(sampling: SamplingParams) -> str | None:
+    """The rule a replay reproduces, "greedy" or "seed_exact"; None for a rejection-rule
+    sampled request, which no replay can reproduce token by token."""
+    if sampling.is_greedy:
+        return GREEDY
+    return SEED_EXACT if sampling.seed_exact else None
+
+
+def drafter_label(stats: SpeculationStats) -> str:
+    """The drafter replicas that drafted for a request, joined by ","; "prompt_lookup" when
+    only prompt lookup proposed blocks; "none" when nothing was drafted (the target alone)."""
+    if stats.drafters:
+        return ",".join(stats.drafters)
+    return PROMPT_LOOKUP if stats.num_drafted else NO_DRAFTER
+
+
+def audit_served(router: Router, served: Served, dtype: str = OWN_DTYPE) -> AuditReport:
+    """`served` replayed on a verifier of `router`'s pool in `dtype`'s weights, compared token
+    by token. InvalidArgumentError for a request `replay_rule` cannot replay."""
+    rule = replay_rule(served.request.sampling)
+    if rule is None:
+        raise InvalidArgumentError(
+            f"request {served.request_id} was sampled by the rejection rule: not replayable"
+        )
+    replay = router.reference(served.request, served.tokens, dtype)
+    return compare(served.tokens, replay, rule, served.drafter)
+
+
+def audit_to_proto(audited: Audited) -> generate_pb2.AuditResponse:
+    report = audited.report
+    message = generate_pb2.AuditResponse(
+        request_id=audited.served.request_id,
+        token_ids=audited.served.tokens,
+        matched=report.matched,
+        total=report.total,
+        rule=report.rule,
+        drafter=report.drafter,
+        dtype=report.dtype,
+        cause=cause(report),
+    )
+    for name in (
+        "first_divergence",
+        "gap",
+        "served_token",
+        "reference_token",
+        "served_gap",
+        "worst_gap",
+    ):
+        value = getattr(report, name)
+        if value is not None:
+            setattr(message, name, value)
+    return message
+
+
+def audit_json(audited: Audited) -> dict[str, Any]:
+    """The body `POST /v1/audit` answers: the request id, the served token ids, and the
+    report's fields (`cluster.runtime.audit.report_json`: with `ok` and `cause`; an infinite gap
+    as the string "inf")."""
+    return {
+        "object": "audit",
+        "request_id": audited.served.request_id,
+        "token_ids": list(audited.served.tokens),
+        **report_json(audited.report),
+    }
+
+
+class Auditor:
+    """Audits requests on one service and router (see the module docstring)."""
+
+    def __init__(self, service: TandemService, router: Router) -> None:
+        self._service = service
+        self._router = router
+
+    def audit(
+        self,
+        message: generate_pb2.AuditRequest,
+        caller: Caller,
+        is_active: Callable[[], bool] | None = None,
+    ) -> generate_pb2.AuditResponse:
+        """`run`, as the gRPC API answers it."""
+        return audit_to_proto(self.run(message, caller, is_active))
+
+    def run(
+        self,
+        message: generate_pb2.AuditRequest,
+        caller: Caller,
+        is_active: Callable[[], bool] | None = None,
+        fields: Fields = GRPC_FIELDS,
+    ) -> Audited:
+        """Run `message.request` to completion, then audit it (module docstring). `is_active`
+        returning False stops the request (CANCELLED); `fields` names the fields in errors."""
+        dtype = check_reference_dtype(message.dtype, "dtype")
+        self._service.tenants.authenticate(caller.authorization)
+        request = self.replayable(message.request, fields)
+        finished: list[Served] = []
+        with closing(self._service.stream(request, caller, on_finished=finished.append)) as chunks:
+            for chunk in chunks:
+                unfinished = chunk.finish_reason == generate_pb2.FINISH_REASON_UNSPECIFIED
+                if unfinished and is_active is not None and not is_active():
+                    raise CancelledError("the audit was cancelled by its caller")
+        if not finished:
+            raise CancelledError("the request was cancelled before it finished: nothing to audit")
+        served = finished[0]
+        return Audited(served, audit_served(self._router, served, dtype))
+
+    def replayable(
+        self, message: generate_pb2.GenerateRequest, fields: Fields = GRPC_FIELDS
+    ) -> generate_pb2.GenerateRequest:
+        """`message`, validated as Generate validates it, as it must run to be replayed: a
+        seed-exact request without a seed gets one. `NotReplayableError` for a sampled
+        request the rejection rule would serve."""
+        request, _ = self._service.to_request(message)
+        rule = replay_rule(request.sampling)
+        if rule is None:
+            named = message.sampling.rule == sampling_pb2.SAMPLING_RULE_REJECTION
+            param = fields.rule if named else fields.seed
+            raise NotReplayableError(
+                f"{param}: only greedy and seed-exact requests can be audited token by token; "
+                "this one samples by the rejection rule, whose tokens depend on how it was "
+                f"drafted: send a {fields.seed}, or {fields.rule} seed_exact, or "
+                f"{fields.temperature} 0",
+                param,
+            )
+        if rule == GREEDY or message.HasField("seed"):
+            return message
+        pinned = generate_pb2.GenerateRequest()
+        pinned.CopyFrom(message)
+        pinned.seed = request.seed  # the one picked for it: the replay must know it
+        pinned.sampling.rule = sampling_pb2.SAMPLING_RULE_SEED_EXACT
+        return pinned
+
+
+def audit_body(
+    openai: OpenAIService,
+    body: object,
+    caller: Caller,
+    is_active: Callable[[], bool] | None = None,
+) -> dict[str, Any]:
+    """`POST /v1/audit`: a completions body (`cluster.api.openai_schema`) plus an optional
+    `audit_dtype` ("" or "float32"), run and audited; the answer is `audit_json`'s. Errors
+    name the body's field (`OpenAIError`, `NotReplayableError`: HTTP 400)."""
+    fields = dict(body_object(body))
+    dtype = fields.pop(AUDIT_DTYPE_FIELD, None)
+    if dtype is None:
+        dtype = OWN_DTYPE
+    if dtype not in REFERENCE_DTYPES:
+        raise OpenAIError(
+            f"{AUDIT_DTYPE_FIELD} must be one of {', '.join(map(repr, REFERENCE_DTYPES))}, "
+            f"got {dtype!r}",
+            AUDIT_DTYPE_FIELD,
+        )
+    if openai.wants_stream(fields):
+        raise OpenAIError("an audit answers once, when it is done: stream must be false", "stream")
+    _, message = openai.to_generate_request("completions", fields, caller)
+    request = generate_pb2.AuditRequest(request=message, dtype=dtype)
+    return audit_json(openai.service.auditor.run(request, caller, is_active, HTTP_FIELDS))
