@@ -235,6 +235,23 @@ class TandemClient(_Client[GenerateResult, Generator[StreamChunk, None, None]]):
         finally:
             call.cancel()
 
+    def audit_request(
+        self,
+        request: generate_pb2.GenerateRequest,
+        *,
+        dtype: str = "",
+        timeout_s: float | None = None,
+    ) -> generate_pb2.AuditResponse:
+        """Serve `request`, replay it through the plain target on a verifier (`dtype` "": the
+        replica's own weights; "float32": a float32 copy) and return the comparison
+        (docs/audit.md). Greedy and seed-exact requests only: INVALID_ARGUMENT otherwise."""
+        message = generate_pb2.AuditRequest(request=request, dtype=dtype)
+        with _as_client_errors():
+            response: generate_pb2.AuditResponse = self._stub.Audit(
+                message, **self._call_options(timeout_s, deadline=True)
+            )
+        return response
+
     def cancel(self, request_id: str, *, timeout_s: float | None = None) -> None:
         """Cancel one of this tenant's running requests: its stream ends CANCELLED."""
         request = generate_pb2.CancelRequest(request_id=request_id)

@@ -45,8 +45,9 @@ opened planned for what is left of `max_tokens`) or mid-request; a drafter is re
 the same way, or, with no spare, the request goes on with the target alone; so it does, with no
 spare sought, when its drafter refuses at a limit of its own (RESOURCE_EXHAUSTED: a context
 smaller than the verifier's, or a full session table). Greedy output is
-the same as without the failure; sampled output keeps its distribution (the spare's generator
-starts afresh, so a seeded request is no longer repeatable across the failure). At most
+the same as without the failure, and so is seed-exact output (its noise is keyed by position);
+rejection-rule output keeps its distribution (the spare's generator starts afresh, so such a
+request is no longer repeatable across the failure). At most
 `MAX_FAILOVERS` per request, then the error goes to the caller.
 
 Deadlines: a request with a `deadline` is checked against it before its sessions open and

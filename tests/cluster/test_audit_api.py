@@ -27,6 +27,7 @@ import grpc
 import pytest
 
 from cluster.api.audit import Served
+from cluster.api.client import TandemClient, TandemClientError, build_request
 from cluster.api.online_audit import AuditConfig, OnlineAudit
 from cluster.api.openai import OpenAIService
 from cluster.api.service import Caller, ServiceConfig, TandemService
@@ -184,6 +185,21 @@ def test_audit_over_grpc(service: TandemService) -> None:
                 stub.Audit(audit_of(request(sampling=sampled())), timeout=60)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "request.seed" in (refused.value.details() or "")
+    finally:
+        server.stop(None)
+
+
+def test_the_client_audits_a_request_and_reports_its_refusals(service: TandemService) -> None:
+    server, port = serve_local(service)
+    try:
+        with TandemClient(f"127.0.0.1:{port}") as client:
+            message = build_request(CODE_PROMPT, max_tokens=12, temperature=0.8, seed=SEED)
+            assert_matched(client.audit_request(message), "seed_exact", "drafter")
+            greedy = build_request(CODE_PROMPT, max_tokens=12)
+            assert_matched(client.audit_request(greedy, dtype="float32"), "greedy", "drafter")
+            with pytest.raises(TandemClientError) as refused:
+                client.audit_request(build_request(CODE_PROMPT, max_tokens=12, temperature=0.8))
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         server.stop(None)
 
