@@ -16,6 +16,7 @@ from cluster.presets import ModelPair
 from cluster.routing.draft_length import DraftLengthConfig
 from cluster.routing.generation import Decode
 from cluster.routing.router import Router
+from cluster.runtime.constraint import grammar_tokenizer_of
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel, load_model
 from drafter.drafter import Drafter, DrafterConfig
@@ -35,11 +36,12 @@ class LocalTandem:
     draft: LoadedModel
 
 
-def text_decoder(tokenizer: PreTrainedTokenizerBase) -> Decode:
-    """The router's decode function for a Hugging Face tokenizer."""
+def text_decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> Decode:
+    """The router's decode function for a Hugging Face tokenizer: special tokens left out (the
+    router's `decode`), or kept (its `decode_special`)."""
 
     def decode(token_ids: Sequence[int]) -> str:
-        return str(tokenizer.decode(list(token_ids), skip_special_tokens=True))
+        return str(tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     return decode
 
@@ -68,6 +70,8 @@ def build_local(
         target.eos_token_ids,
         ngram=prompt_lookup,
         draft_length=draft_length,
+        decode_special=text_decoder(target.tokenizer, skip_special_tokens=False),
+        grammar_tokenizer=grammar_tokenizer_of(target.tokenizer, target.eos_token_ids),
     )
     return LocalTandem(
         router=router,

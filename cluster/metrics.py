@@ -431,6 +431,36 @@ def parse_prometheus(text: str) -> list[Sample]:
     return samples
 
 
+TANDEM_EXPORTED_PREFIX = RAY_PREFIX + "tandem_"
+"""How every Tandem metric's name begins where Ray's metrics agent serves it."""
+_FAMILY_LINE = re.compile(r"^#\s+(HELP|TYPE)\s+([a-zA-Z_:][a-zA-Z0-9_:]*)")
+
+
+def tandem_exposition(pages: Iterable[str]) -> str:
+    """Tandem's metrics (`TANDEM_EXPORTED_PREFIX`) out of metrics agents' scrapes (Prometheus'
+    text format, one page per node), as one page: each family's `# HELP` and `# TYPE` once,
+    then its samples from every page, names and labels as the agents served them."""
+    comments: dict[str, dict[str, str]] = defaultdict(dict)
+    """Family name -> its HELP and TYPE lines, the first page's."""
+    samples: dict[str, list[str]] = defaultdict(list)
+    for page in pages:
+        family = ""
+        for line in page.splitlines():
+            described = _FAMILY_LINE.match(line)
+            if described is not None:
+                family = described[2]
+                comments[family].setdefault(described[1], line)
+            elif (sample := _LINE.match(line)) is not None:
+                if not (family and sample[1].startswith(family)):
+                    family = sample[1]  # a sample with no family line of its own
+                samples[family].append(line)
+    return "".join(
+        "".join(f"{line}\n" for line in [*comments[family].values(), *samples[family]])
+        for family in dict.fromkeys([*comments, *samples])
+        if family.startswith(TANDEM_EXPORTED_PREFIX)
+    )
+
+
 def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
 

@@ -27,6 +27,13 @@ import torch
 
 from cluster.runtime.block import DraftBlock
 from cluster.runtime.component import SessionComponent
+from cluster.runtime.constraint import (
+    Constraint,
+    TokenMatcher,
+    mask_logits,
+    masks_ahead,
+    wait_for,
+)
 from cluster.runtime.engine import Batched, Task
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.gumbel import gumbel_tokens
@@ -43,6 +50,7 @@ from cluster.runtime.sampling import (
 from cluster.runtime.session import (
     DRAFTER_SEED_SALT,
     MAX_BLOCK_TOKENS,
+    ReplicaSession,
     SessionLimits,
     check_seed,
     check_token_ids,
@@ -152,6 +160,9 @@ class Drafter(SessionComponent[DrafterConfig]):
         self._sessions.check_context(keep + len(appended_tokens) + num_tokens)
         # The last block's drafts stay cached as far as the router's tokens agree with them.
         session.kv.commit_at(keep, appended_tokens)
+        matcher = self._follow(session)
+        if session.constrained and matcher is None:
+            num_tokens = 0  # a constraint this drafter cannot follow: the target goes alone
 
         drafted: list[int] = []
         draft_probs: list[SparseDistribution] = []
@@ -159,9 +170,18 @@ class Drafter(SessionComponent[DrafterConfig]):
         for _ in range(num_tokens):
             # One engine step per token: other sessions' draft steps join the same pass. Each
             # drafted token joins the sequence as a tentative token, fed by the next step.
-            logits = yield from self._forward(session, 1)
+            # Under a constraint, its mask at this position is computed meanwhile.
+            mask = masks_ahead(matcher, ()) if matcher is not None else None
+            try:
+                logits = yield from self._forward(session, 1)
+            finally:
+                allowed = wait_for(mask)
             assert logits is not None  # one logit row is always computed
             load = self._engine.step_load()
+            if allowed is not None:
+                logits = mask_logits(logits, allowed)
+                if not bool(torch.isfinite(logits).any()):
+                    break  # nothing the constraint allows is in this draft's vocabulary
             if session.sampling.is_greedy:
                 drafted.append(int(argmax_rows(logits)[0]))
             elif session.sampling.seed_exact:
@@ -183,8 +203,12 @@ class Drafter(SessionComponent[DrafterConfig]):
                 drafted.append(token)
                 draft_probs.append(q)
             session.kv.extend(drafted[-1:])
+            if matcher is not None:
+                matcher.consume(drafted[-1:])
             if self._unsure(logits[0]):
                 break
+        if matcher is not None:
+            matcher.rollback(len(drafted))  # it stands after the committed tokens
         return DraftBlock(
             base_length=session.committed_length,
             tokens=tuple(drafted),
@@ -193,6 +217,28 @@ class Drafter(SessionComponent[DrafterConfig]):
             draft_probs=tuple(draft_probs) if draft_probs else None,
             load=load,
         )
+
+    def _matcher(
+        self, constraint: Constraint | None, prompt_tokens: Sequence[int]
+    ) -> TokenMatcher | None:
+        """The session's matcher; None when this drafter cannot follow the constraint (a
+        tokenizer the grammar engine cannot read): it then drafts nothing for the session."""
+        try:
+            return super()._matcher(constraint, prompt_tokens)
+        except InvalidArgumentError:
+            return None
+
+    def _follow(self, session: ReplicaSession) -> TokenMatcher | None:
+        """The session's matcher, brought to its committed tokens; None, for good, when they
+        break the constraint as this drafter reads it."""
+        matcher = session.matcher
+        if matcher is None:
+            return None
+        try:
+            matcher.sync(session.kv.committed_from(matcher.constraint.prompt_length))
+        except InvalidArgumentError:
+            session.matcher = None
+        return session.matcher
 
     def _unsure(self, logits: torch.Tensor) -> bool:
         """Whether the draft model's best next token has less than min_confidence."""

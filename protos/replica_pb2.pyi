@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "seed", "time_limit_ms", "max_new_tokens", "resumed")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "seed", "time_limit_ms", "max_new_tokens", "resumed", "grammar", "min_tokens", "end_token_ids", "prompt_length")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,10 @@ class OpenSessionRequest(_message.Message):
     TIME_LIMIT_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _sampling_pb2.SamplingParams
@@ -23,7 +27,11 @@ class OpenSessionRequest(_message.Message):
     time_limit_ms: int
     max_new_tokens: int
     resumed: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., time_limit_ms: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., resumed: _Optional[bool] = ...) -> None: ...
+    grammar: _sampling_pb2.Grammar
+    min_tokens: int
+    end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_length: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., time_limit_ms: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., resumed: _Optional[bool] = ..., grammar: _Optional[_Union[_sampling_pb2.Grammar, _Mapping]] = ..., min_tokens: _Optional[int] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("committed_length",)

@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/sampling.proto\x12\ttandem.v1\"y\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12%\n\x04rule\x18\x04 \x01(\x0e\x32\x17.tandem.v1.SamplingRuleB\x08\n\x06_top_p*h\n\x0cSamplingRule\x12\x1d\n\x19SAMPLING_RULE_UNSPECIFIED\x10\x00\x12\x1c\n\x18SAMPLING_RULE_SEED_EXACT\x10\x01\x12\x1b\n\x17SAMPLING_RULE_REJECTION\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/sampling.proto\x12\ttandem.v1\"y\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12%\n\x04rule\x18\x04 \x01(\x0e\x32\x17.tandem.v1.SamplingRuleB\x08\n\x06_top_p\"`\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind*h\n\x0cSamplingRule\x12\x1d\n\x19SAMPLING_RULE_UNSPECIFIED\x10\x00\x12\x1c\n\x18SAMPLING_RULE_SEED_EXACT\x10\x01\x12\x1b\n\x17SAMPLING_RULE_REJECTION\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.sampling_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGRULE']._serialized_start=159
-  _globals['_SAMPLINGRULE']._serialized_end=263
+  _globals['_SAMPLINGRULE']._serialized_start=257
+  _globals['_SAMPLINGRULE']._serialized_end=361
   _globals['_SAMPLINGPARAMS']._serialized_start=36
   _globals['_SAMPLINGPARAMS']._serialized_end=157
+  _globals['_GRAMMAR']._serialized_start=159
+  _globals['_GRAMMAR']._serialized_end=255
 # @@protoc_insertion_point(module_scope)

@@ -25,3 +25,15 @@ class SamplingParams(_message.Message):
     top_k: int
     rule: SamplingRule
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., rule: _Optional[_Union[SamplingRule, str]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "lark")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    LARK_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    lark: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., lark: _Optional[str] = ...) -> None: ...

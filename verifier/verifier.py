@@ -20,6 +20,7 @@ caller's thread and between the engine's calls (`verifier.audit_replica`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,6 +29,7 @@ import torch
 from cluster.runtime.audit import Replay
 from cluster.runtime.block import DraftBlock, Verdict
 from cluster.runtime.component import SessionComponent
+from cluster.runtime.constraint import mask_logits, masks_ahead, wait_for
 from cluster.runtime.engine import Batched, Task
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.gumbel import gumbel_tokens
@@ -61,7 +63,8 @@ NO_FAULT = ""
 ACCEPT_ALL = "accept_all"
 REUSED_NOISE = "reused_noise"
 DRAFT_STREAM = "draft_stream"
-FAULTS = (NO_FAULT, ACCEPT_ALL, REUSED_NOISE, DRAFT_STREAM)
+UNMASKED_BONUS = "unmasked_bonus"
+FAULTS = (NO_FAULT, ACCEPT_ALL, REUSED_NOISE, DRAFT_STREAM, UNMASKED_BONUS)
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,8 @@ class VerifierConfig(SessionLimits):
     `reused_noise`: the seed-exact rule keys its noise by the seed alone, the same at every
     position. `draft_stream`: the seed-exact rule draws the target's tokens of a block with
     drafts from another noise stream (the rejection rule's drafter stream) than a block
-    without, so the output depends on how the request was drafted."""
+    without, so the output depends on how the request was drafted. `unmasked_bonus`: the
+    position after a block's last draft is not masked by the request's constraint."""
 
     _counts: ClassVar[tuple[str, ...]] = (*SessionLimits._counts, "max_block_tokens")
 
@@ -172,8 +176,16 @@ class Verifier(SessionComponent[VerifierConfig]):
         # when the last verdict deferred its bonus (the cache then holds every committed token).
         num_rows = num_draft + (stored is None)
         session.kv.drop_tentative()  # a block whose verdict never came (its call failed)
+        masks = self._masks_ahead(session, block.tokens)
         session.kv.extend(block.tokens)
-        logits = yield from self._forward(session, num_rows)
+        try:
+            logits = yield from self._forward(session, num_rows)
+        finally:
+            allowed = wait_for(masks)
+        if allowed is not None and logits is not None:
+            # Row i of `allowed` is the position after i drafts; the stored row (position 0)
+            # was masked when it was computed.
+            logits = self._mask(logits, allowed[len(allowed) - logits.shape[0] :])
         load = self._engine.step_load() if logits is not None else None
         if greedy:
             # Greedy acceptance reads only argmaxes: taken here, where the logits are, and
@@ -189,6 +201,13 @@ class Verifier(SessionComponent[VerifierConfig]):
         # The accepted drafts stay cached, the rejected ones go; a newly emitted token (a
         # correction or the bonus) is fed with the next block.
         session.kv.commit_at(block.base_length, outcome.tokens)
+        if session.matcher is not None:
+            try:
+                session.matcher.consume(outcome.tokens)
+            except InvalidArgumentError:
+                if self.config.fault != UNMASKED_BONUS:
+                    raise
+                session.matcher = None  # the fault broke the grammar: unconstrained from here
         return Verdict(
             base_length=block.base_length,
             num_accepted=outcome.num_accepted,
@@ -197,6 +216,27 @@ class Verifier(SessionComponent[VerifierConfig]):
             bonus_deferred=outcome.deferred_row is not None,
             load=load,
         )
+
+    def _masks_ahead(
+        self, session: ReplicaSession, drafts: tuple[int, ...]
+    ) -> Future[torch.Tensor] | None:
+        """The allowed tokens at the block's k + 1 positions, computed on a worker thread while
+        the forward pass runs (None when the session is unconstrained). The matcher is first
+        brought to the committed tokens: a verdict that never reached the router (a failed
+        call) may have left it ahead."""
+        matcher = session.matcher
+        if matcher is None:
+            return None
+        constraint = matcher.constraint
+        matcher.sync(session.kv.committed_from(constraint.prompt_length))
+        return masks_ahead(matcher, drafts)
+
+    def _mask(self, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """The logits with what the constraint forbids at each row's position set to -inf."""
+        if self.config.fault == UNMASKED_BONUS:
+            allowed = allowed.clone()
+            allowed[-1] = True  # the bonus position left unmasked
+        return mask_logits(logits, allowed)
 
     def _sampled_outcome(
         self,

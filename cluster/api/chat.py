@@ -13,8 +13,8 @@ raise on roles that do not alternate) gets INVALID_ARGUMENT with the template's 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from cluster.runtime.errors import InvalidArgumentError, TandemError
 
@@ -50,8 +50,13 @@ def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple[str, str]]) -> str:
-    """The prompt text for (role, content) `messages`, ending with the assistant's turn open."""
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[tuple[str, str]],
+    tools: Sequence[Mapping[str, Any]] = (),
+) -> str:
+    """The prompt text for (role, content) `messages`, ending with the assistant's turn open;
+    `tools` (OpenAI's function tools) are rendered the way the template renders them."""
     check_messages(messages)
     if not has_chat_template(tokenizer):
         raise NoChatTemplateError("the model has no chat template")
@@ -61,7 +66,10 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple[str
     conversation = [{"role": role, "content": content} for role, content in messages]
     try:
         text = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=False
+            conversation,
+            tools=[dict(tool) for tool in tools] or None,
+            add_generation_prompt=True,
+            tokenize=False,
         )
     except TemplateError as error:
         raise InvalidArgumentError(

@@ -19,10 +19,12 @@ from typing import Any, TypedDict
 
 import grpc
 
+from cluster.runtime.grammar import JSON_OBJECT, Grammar
 from protos import generate_pb2, sampling_pb2
 
 MIN_INT32 = -(2**31)
 MAX_INT32 = 2**31 - 1
+MAX_UINT32 = 2**32 - 1
 MAX_UINT64 = 2**64 - 1
 _FINISH_REASON_PREFIX = "FINISH_REASON_"
 
@@ -119,6 +121,11 @@ class RequestSettings(TypedDict, total=False):
     stop: Sequence[str]
     draft_tokens: int | None
     pipelined: bool | None
+    min_tokens: int
+    stop_token_ids: Sequence[int]
+    ignore_eos: bool
+    skip_special_tokens: bool
+    grammar: Grammar | None
 
 
 ChatMessages = Sequence[Mapping[str, str]]
@@ -138,12 +145,21 @@ def build_request(
     draft_tokens: int | None = None,
     pipelined: bool | None = None,
     sampling_rule: str = "auto",
+    min_tokens: int = 0,
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    skip_special_tokens: bool = True,
+    grammar: Grammar | None = None,
 ) -> generate_pb2.GenerateRequest:
     """The request message; None for seed, draft_tokens or pipelined leaves the field unset,
     which means the server's default, as does `sampling_rule` `auto` (`seed_exact` or
     `rejection` force a rule: `cluster.api.sampling_rule`). The prompt is `prompt` (text or
     token ids) or `messages` (role and content of each, rendered by the server's chat
-    template), not both."""
+    template), not both. `min_tokens` (end tokens forbidden before), `stop_token_ids` (token ids
+    that end the output like end-of-sequence), `ignore_eos` (generate past end-of-sequence) and
+    `skip_special_tokens` (leave special tokens out of the text) are vLLM's parameters of the
+    same names. `grammar` constrains the output (`cluster.runtime.constraint.Grammar`: a JSON
+    schema, any JSON object, a regex or a Lark grammar; docs/structured-outputs.md)."""
     if prompt is not None and messages is not None:
         raise TandemClientError(
             grpc.StatusCode.INVALID_ARGUMENT, "give a prompt or chat messages, not both"
@@ -157,7 +173,16 @@ def build_request(
             rule=_rule(sampling_rule),
         ),
         stop=list(stop),
+        min_tokens=_check_int("min_tokens", min_tokens, 0, MAX_UINT32, "0..2**32-1"),
+        stop_token_ids=[_int32(f"stop_token_ids[{i}]", t) for i, t in enumerate(stop_token_ids)],
+        ignore_eos=ignore_eos,
     )
+    if not skip_special_tokens:
+        request.skip_special_tokens = False
+    if grammar is not None and grammar.kind == JSON_OBJECT:
+        request.grammar.json_object = True
+    elif grammar is not None:
+        setattr(request.grammar, grammar.kind, grammar.source)
     if isinstance(prompt, str):
         request.text = prompt
     elif messages is not None:

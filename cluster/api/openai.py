@@ -18,17 +18,25 @@ capped by the service's `max_tokens_limit` and the tenant's `max_tokens_per_requ
 request that asks for nothing never fails on a limit. A completion's default is capped the same
 way.
 
+vLLM's extras map onto the Tandem request's fields of the same names: `ignore_eos`,
+`min_tokens` (at most the request's `max_tokens`, its default included), `stop_token_ids`
+(checked against the vocabulary) and `skip_special_tokens`.
+
 Responses: ids are `cmpl-<request id>` / `chatcmpl-<request id>` (the Tandem request id, which
 Tandem's gRPC `Cancel` takes); `finish_reason` is "length" (max_tokens reached) or "stop" (an
-end-of-sequence token or a stop string). A request cancelled through gRPC's `Cancel` also ends
-"stop": OpenAI has no word for it, and strict clients refuse values outside their enum.
-`logprobs` is always null. `usage` has OpenAI's three counts plus a `speculation` object:
-`drafted`, `accepted` (draft tokens), `acceptance_rate` (null when nothing was drafted),
-`verify_passes` and `tokens_per_verify_pass` (completion tokens per target pass).
+end-of-sequence token, one of `stop_token_ids` or a stop string). A request cancelled through
+gRPC's `Cancel` also ends "stop": OpenAI has no word for it, and strict clients refuse values
+outside their enum. `logprobs` is always null. `usage` has OpenAI's three counts plus a
+`speculation` object: `drafted`, `accepted` (draft tokens), `acceptance_rate` (null when
+nothing was drafted), `verify_passes` and `tokens_per_verify_pass` (completion tokens per
+target pass).
 
 Streams: one chunk per piece of newly final text (the first chat chunk carries `role`), the one
 with `finish_reason` last; with `stream_options.include_usage`, every chunk has `usage: null`
-and a final chunk with no choices carries the usage, as OpenAI sends it. Closing the iterator
+and a final chunk with no choices carries the usage, as OpenAI sends it; with
+`stream_options.continuous_usage_stats` too, every chunk with choices carries instead the usage
+so far, as vLLM sends it: `prompt_tokens`, `completion_tokens` (the tokens generated up to and
+including that chunk's) and `total_tokens`. Closing the iterator
 early closes the Tandem stream, which frees the request's sessions on both replicas.
 
 Errors: `error_response` maps any exception to OpenAI's error body, HTTP status and headers.
@@ -49,12 +57,20 @@ from cluster.api.openai_schema import (
     OpenAIError,
     OpenAIRequest,
     Route,
+    body_object,
     parse_request,
     parse_stream,
+)
+from cluster.api.openai_structured import (
+    Structured,
+    ToolCallDeltas,
+    parse_structured,
+    tool_message,
 )
 from cluster.api.sampling_rule import rule_to_proto
 from cluster.api.service import ANONYMOUS_CALL, Caller, check_context
 from cluster.api.status import INTERNAL_ERROR_MESSAGE, status_of
+from cluster.replica.wire import grammar_to_wire
 from cluster.runtime.errors import InvalidArgumentError, TandemError
 from protos import generate_pb2, sampling_pb2
 
@@ -132,15 +148,18 @@ class OpenAIService:
         not consulted again); `is_active` returning False stops the request (the HTTP client
         went away), frees its sessions and raises `RequestCancelledError`."""
         created = int(time.time())
-        _, message = self.to_generate_request(route, body, caller)
+        _, message, structured = self._prepare(route, body, caller)
         response = self.service.generate(message, is_active, caller)
         text = response.text
+        reason = _FINISH_REASONS[response.finish_reason]
         choice: dict[str, Any] = (
             {"index": 0, "text": text}
             if route == "completions"
             else {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}}
         )
-        choice |= {"logprobs": None, "finish_reason": _FINISH_REASONS[response.finish_reason]}
+        if structured.calling is not None:
+            choice["message"], reason = tool_message(structured.calling, text, reason)
+        choice |= {"logprobs": None, "finish_reason": reason}
         return {
             **self._head(route, _OBJECTS[route], response.request_id, created),
             "choices": [choice],
@@ -163,19 +182,31 @@ class OpenAIService:
         """Chunk bodies in order; errors before the first chunk are raised by the first
         `next()`. Closing the generator early ends the Tandem request."""
         created = int(time.time())
-        request, message = self.to_generate_request(route, body, caller)
+        request, message, structured = self._prepare(route, body, caller)
+        calls = ToolCallDeltas(structured.calling) if structured.calling is not None else None
         chunk_object = "text_completion" if route == "completions" else "chat.completion.chunk"
         usage: dict[str, Any] = {"usage": None} if request.include_usage else {}
+        num_prompt_tokens, num_generated = len(message.token_ids.ids), 0
         first = True
         with closing(self.service.stream(message, caller)) as chunks:
             for chunk in chunks:
                 head = self._head(route, chunk_object, chunk.request_id, created)
+                num_generated += len(chunk.token_ids)
+                if request.continuous_usage:
+                    usage = {"usage": _counts(num_prompt_tokens, num_generated)}
                 finished = chunk.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
                 reason = _FINISH_REASONS[chunk.finish_reason] if finished else None
                 if route == "completions":
                     if chunk.text or finished:
                         choice = {"index": 0, "text": chunk.text, "logprobs": None}
                         yield {**head, "choices": [choice | {"finish_reason": reason}], **usage}
+                elif calls is not None:
+                    delta = calls.delta(chunk.text, first, reason)
+                    if delta is not None or finished:
+                        reason = calls.finish(reason) if reason is not None else None
+                        choice = {"index": 0, "delta": delta or {}, "logprobs": None}
+                        yield {**head, "choices": [choice | {"finish_reason": reason}], **usage}
+                        first = False
                 elif chunk.text or finished or first:
                     delta = {"role": "assistant"} if first else {}
                     if chunk.text or first:
@@ -194,15 +225,23 @@ class OpenAIService:
         self, route: Route, body: object, caller: Caller = ANONYMOUS_CALL
     ) -> tuple[OpenAIRequest, generate_pb2.GenerateRequest]:
         """The checked body and the Tandem request it asks for (the prompt as token ids)."""
+        request, message, _ = self._prepare(route, body, caller)
+        return request, message
+
+    def _prepare(
+        self, route: Route, body: object, caller: Caller
+    ) -> tuple[OpenAIRequest, generate_pb2.GenerateRequest, Structured]:
+        """`to_generate_request`'s, and the constraint or tool call the body asks for."""
         tenant = self.service.tenants.authenticate(caller.authorization)
         request = parse_request(route, body)
+        structured = parse_structured(route, body_object(body))
         if request.model != self.model_name:
             raise ModelNotFoundError(
                 f"the model {request.model!r} does not exist: this server serves "
                 f"{self.model_name!r}",
                 "model",
             )
-        prompt_tokens = self._prompt_tokens(request)
+        prompt_tokens = self._prompt_tokens(request, structured)
         max_tokens = self._max_tokens(request, len(prompt_tokens), tenant)
         message = generate_pb2.GenerateRequest(
             token_ids=generate_pb2.TokenIds(ids=prompt_tokens),
@@ -214,19 +253,41 @@ class OpenAIService:
                 rule=rule_to_proto(request.sampling_rule),
             ),
             stop=request.stop,
+            min_tokens=request.min_tokens,
+            stop_token_ids=self._stop_token_ids(request),
+            ignore_eos=request.ignore_eos,
         )
+        if not request.skip_special_tokens:
+            message.skip_special_tokens = False
         if request.seed is not None:
             message.seed = request.seed
         if request.draft_tokens is not None:
             message.speculation.draft_tokens = request.draft_tokens
         if request.pipelined is not None:
             message.speculation.pipelined = request.pipelined
-        return request, message
+        if structured.grammar is not None:
+            message.grammar.CopyFrom(grammar_to_wire(structured.grammar))
+            try:
+                self.service.grammar(message.grammar)
+            except InvalidArgumentError as error:
+                raise OpenAIError(str(error), structured.source_field) from error
+        return request, message, structured
 
-    def _prompt_tokens(self, request: OpenAIRequest) -> tuple[int, ...]:
+    def _stop_token_ids(self, request: OpenAIRequest) -> tuple[int, ...]:
+        try:
+            return self.service.check_stop_token_ids(request.stop_token_ids)
+        except InvalidArgumentError as error:
+            raise OpenAIError(str(error), "stop_token_ids") from error
+
+    def _prompt_tokens(self, request: OpenAIRequest, structured: Structured) -> tuple[int, ...]:
         prompt = generate_pb2.GenerateRequest()
         if isinstance(request.prompt, str):
             prompt.text = request.prompt
+        elif structured.tools:
+            try:  # the tools go into the prompt through the chat template
+                prompt.text = self.service.chat_prompt(request.messages, structured.tools)
+            except InvalidArgumentError as error:
+                raise OpenAIError(str(error), "tools") from error
         elif request.prompt is not None:
             prompt.token_ids.ids.extend(request.prompt)
         else:
@@ -253,6 +314,12 @@ class OpenAIService:
         else:
             max_tokens = request.max_tokens
         field = request.max_tokens_field if request.max_tokens is not None else None
+        if request.min_tokens > max_tokens:  # a default below it (a given one was checked)
+            raise OpenAIError(
+                f"min_tokens ({request.min_tokens}) must be at most the default max_tokens "
+                f"({max_tokens}) here: set max_tokens",
+                "min_tokens",
+            )
         if max_tokens > service_limit:
             raise OpenAIError(
                 f"{field} must be <= {service_limit} on this server, got {max_tokens}", field
@@ -274,6 +341,15 @@ class OpenAIService:
         }
 
 
+def _counts(prompt: int, completion: int) -> dict[str, int]:
+    """OpenAI's three token counts."""
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
 def usage_body(
     usage: generate_pb2.Usage, speculation: generate_pb2.SpeculationStats
 ) -> dict[str, Any]:
@@ -282,9 +358,7 @@ def usage_body(
     drafted, accepted = speculation.num_drafted, speculation.num_accepted
     passes = speculation.num_verify_passes
     return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
+        **_counts(prompt, completion),
         "speculation": {
             "drafted": drafted,
             "accepted": accepted,

@@ -9,19 +9,24 @@ A JSON `null` means the same as a field left out, everywhere. Fields taken:
 - both routes: `model` (required), `max_tokens`, `temperature` (default 1.0, as OpenAI's),
   `top_p`, `seed` (any int64 or uint64; a negative one is taken modulo 2**64), `stop` (a string
   or a list of up to `MAX_STOP_SEQUENCES` non-empty strings), `stream`,
-  `stream_options.include_usage` (only with `stream: true`), `user` (accepted and recorded
-  nowhere: the API key says who is billed, and the string may be personal data); and Tandem's
-  own, sent as extra top-level fields as vLLM takes its extra parameters: `draft_tokens`
-  (0..`MAX_DRAFT_TOKENS`, 0 = the target alone), `pipelined` (bool), `top_k` (0 or -1 = no
-  limit, vLLM's spelling of it), `sampling_rule` (`auto`, `seed_exact` or `rejection`:
-  `cluster.api.sampling_rule`);
+  `stream_options.include_usage` and `stream_options.continuous_usage_stats` (only with
+  `stream: true`; the second, as vLLM's, puts the usage so far in every chunk and counts only
+  with `include_usage`), `user` (accepted and recorded nowhere: the API key says who is billed,
+  and the string may be personal data); vLLM's extra parameters that Tandem honours exactly:
+  `ignore_eos` (bool), `min_tokens` (0..`max_tokens`), `stop_token_ids` (token ids),
+  `skip_special_tokens` (bool, default true); and Tandem's own, sent as extra top-level fields
+  as vLLM takes its extra parameters: `draft_tokens` (0..`MAX_DRAFT_TOKENS`, 0 = the target
+  alone), `pipelined` (bool), `top_k` (0 or -1 = no limit, vLLM's spelling of it),
+  `sampling_rule` (`auto`, `seed_exact` or `rejection`: `cluster.api.sampling_rule`);
 - completions: `prompt`, a non-empty string, a list of token ids, or a one-element list of
   either (several prompts per request are refused);
 - chat: `messages` (roles system, user, assistant; content a string or a list of text parts,
   joined with newlines as vLLM joins them) and `max_completion_tokens` (with `max_tokens`
   too, both must agree).
 Fields OpenAI has but Tandem cannot honour (`n` > 1, `logprobs`, `tools`, penalties...) are
-accepted only at the value that changes nothing (`NEUTRAL`); any other field is unknown.
+accepted only at the value that changes nothing (`NEUTRAL`), and so are vLLM's extra parameters
+that Tandem does not implement (`repetition_penalty`, `min_p`, `use_beam_search`, `bad_words`,
+`truncate_prompt_tokens`...: `VLLM_NEUTRAL`); any other field is unknown.
 Either way the error names the field: nothing is silently ignored that would change the output.
 """
 
@@ -85,6 +90,13 @@ class OpenAIRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
+    """Every chunk carries the usage so far (`stream_options.continuous_usage_stats` with
+    `include_usage`, as vLLM)."""
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    skip_special_tokens: bool = True
     draft_tokens: int | None = None
     pipelined: bool | None = None
     sampling_rule: str = AUTO
@@ -115,6 +127,27 @@ def _never(value: object) -> bool:
     return False
 
 
+def _is_one(value: object) -> bool:
+    return type(value) in (int, float) and value == 1
+
+
+STRUCTURED_FIELDS = frozenset(
+    {
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    }
+)
+"""Fields that constrain the output or force a tool call: `cluster.api.openai_structured`
+reads them."""
+
 NEUTRAL: dict[str, dict[str, tuple[str, Callable[[object], bool]]]] = {
     "completions": {
         "best_of": ("1", _is(1)),
@@ -125,12 +158,8 @@ NEUTRAL: dict[str, dict[str, tuple[str, Callable[[object], bool]]]] = {
     "chat.completions": {
         "logprobs": ("false", _is(False)),
         "top_logprobs": ("0", _is(0)),
-        "tools": ("[]", _is([])),
-        "tool_choice": ('"none"', _is("none")),
-        "parallel_tool_calls": ("true or false (there are no tools)", _any_bool),
         "functions": ("[]", _is([])),
         "function_call": ('"none"', _is("none")),
-        "response_format": ('{"type": "text"}', _is({"type": "text"})),
         "modalities": ('["text"]', _is(["text"])),
         "store": ("false", _is(False)),
         "metadata": ("an object (nothing is stored)", _any_object),
@@ -149,9 +178,55 @@ _NEUTRAL_COMMON: dict[str, tuple[str, Callable[[object], bool]]] = {
     "logit_bias": ("{}", _is({})),
     "service_tier": ('"auto" or "default"', _is("auto", "default")),
 }
+_VLLM_NEUTRAL_COMMON: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "use_beam_search": ("false", _is(False)),
+    "best_of": ("1", _is(1)),
+    "length_penalty": ("1 (there is no beam search)", _is_one),
+    "min_p": ("0", _is_zero),
+    "repetition_penalty": ("1", _is_one),
+    "watermarking": ("false", _is(False)),
+    "include_stop_str_in_output": ("false", _is(False)),
+    "spaces_between_special_tokens": ("true", _is(True)),
+    "truncate_prompt_tokens": ("null (prompts are never truncated)", _never),
+    "truncation_side": ('"left" or "right" (prompts are never truncated)', _is("left", "right")),
+    "allowed_token_ids": ("null", _never),
+    "bad_words": ("[]", _is([])),
+    "prompt_logprobs": ("null", _never),
+    "logprob_token_ids": ("null", _never),
+    "return_tokens_as_token_ids": ("true or false (there are no logprobs)", _any_bool),
+    "return_token_ids": ("false", _is(False)),
+    "priority": ("0", _is(0)),
+    "repetition_detection": ("null", _never),
+    "thinking_token_budget": ("null or -1 (no limit)", _is(-1)),
+    "logits_processors": ("null", _never),
+    "vllm_xargs": ("null", _never),
+    "kv_transfer_params": ("null", _never),
+}
+VLLM_NEUTRAL: dict[str, dict[str, tuple[str, Callable[[object], bool]]]] = {
+    "completions": {
+        **_VLLM_NEUTRAL_COMMON,
+        "add_special_tokens": ("false (prompts are tokenized without them)", _is(False)),
+        "prompt_embeds": ("null", _never),
+    },
+    "chat.completions": {
+        **_VLLM_NEUTRAL_COMMON,
+        "add_special_tokens": ("false", _is(False)),
+        "echo": ("false", _is(False)),
+        "add_generation_prompt": ("true", _is(True)),
+        "continue_final_message": ("false", _is(False)),
+        "documents": ("null", _never),
+        "chat_template": ("null (the model's own template is used)", _never),
+        "chat_template_kwargs": ("{}", _is({})),
+        "mm_processor_kwargs": ("null", _never),
+    },
+}
+"""Per route: vLLM's extra parameters (its protocol's sampling and extra parameters) that
+Tandem does not implement -> (the values accepted, their test), as `NEUTRAL`: what would change
+the output, or what a client would expect of the response, is refused naming the field."""
 _COMMON_FIELDS = frozenset(
     {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream"}
     | {"stream_options", "user", "draft_tokens", "pipelined", "sampling_rule"}
+    | {"ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens"}
 )
 _ROUTE_FIELDS: dict[str, frozenset[str]] = {
     "completions": frozenset({"prompt"}),
@@ -180,7 +255,7 @@ def parse_stream(body: object) -> bool:
 def parse_request(route: Route, body: object) -> OpenAIRequest:
     """The checked request of `body` for `route`; raises `OpenAIError` naming a bad field."""
     fields = body_object(body)
-    neutral = {**_NEUTRAL_COMMON, **NEUTRAL[route]}
+    neutral = {**_NEUTRAL_COMMON, **VLLM_NEUTRAL[route], **NEUTRAL[route]}
     for name, value in fields.items():
         if name in neutral:
             allowed, accepts = neutral[name]
@@ -188,7 +263,7 @@ def parse_request(route: Route, body: object) -> OpenAIRequest:
                 raise OpenAIError(
                     f"{name} is not supported: only {allowed} is accepted, got {value!r}", name
                 )
-        elif name not in _COMMON_FIELDS | _ROUTE_FIELDS[route]:
+        elif name not in _COMMON_FIELDS | _ROUTE_FIELDS[route] | STRUCTURED_FIELDS:
             raise OpenAIError(f"unknown field {name!r} for /v1/{route.replace('.', '/')}", name)
     got = {name: value for name, value in fields.items() if value is not None}
     model = got.get("model")
@@ -208,8 +283,16 @@ def parse_request(route: Route, body: object) -> OpenAIRequest:
     max_tokens, max_tokens_field = _max_tokens(got)
     top_k = _int(got, "top_k", -1, MAX_INT32)
     seed = _int(got, "seed", -(2**63), 2**64 - 1)
-    if not isinstance(got.get("pipelined", False), bool):
-        raise OpenAIError("pipelined must be true or false", "pipelined")
+    for flag in ("pipelined", "ignore_eos", "skip_special_tokens"):
+        if not isinstance(got.get(flag, False), bool):
+            raise OpenAIError(f"{flag} must be true or false", flag)
+    include_usage, continuous_usage = _usage_options(got, stream)
+    min_tokens = _int(got, "min_tokens", 0, MAX_INT32) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise OpenAIError(
+            f"min_tokens ({min_tokens}) must be at most {max_tokens_field} ({max_tokens})",
+            "min_tokens",
+        )
     if not isinstance(got.get("user", ""), str):
         raise OpenAIError("user must be a string", "user")
     return OpenAIRequest(
@@ -224,7 +307,12 @@ def parse_request(route: Route, body: object) -> OpenAIRequest:
         seed=None if seed is None else seed % 2**64,
         stop=_stop(got.get("stop")),
         stream=stream,
-        include_usage=_include_usage(got, stream),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
+        ignore_eos=got.get("ignore_eos", False),
+        min_tokens=min_tokens,
+        stop_token_ids=_stop_token_ids(got.get("stop_token_ids")),
+        skip_special_tokens=got.get("skip_special_tokens", True),
         draft_tokens=_int(got, "draft_tokens", 0, MAX_DRAFT_TOKENS),
         pipelined=got.get("pipelined"),
         sampling_rule=_sampling_rule(got),
@@ -238,23 +326,28 @@ def _sampling_rule(fields: Mapping[str, Any]) -> str:
         raise OpenAIError(str(error), "sampling_rule") from None
 
 
-def _include_usage(fields: Mapping[str, Any], stream: bool) -> bool:
+_STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+
+
+def _usage_options(fields: Mapping[str, Any], stream: bool) -> tuple[bool, bool]:
+    """(`include_usage`, whether every chunk carries the usage so far): vLLM counts
+    `continuous_usage_stats` only together with `include_usage`."""
     if "stream_options" not in fields:
-        return False
+        return False, False
     options = fields["stream_options"]
     if not stream:
         raise OpenAIError("stream_options is only allowed with stream: true", "stream_options")
     if not isinstance(options, dict):
         raise OpenAIError("stream_options must be an object", "stream_options")
-    for key in options:
-        if key != "include_usage":
+    for key, value in options.items():
+        if key not in _STREAM_OPTIONS:
             raise OpenAIError(f"unknown field {key!r} in stream_options", f"stream_options.{key}")
-    include_usage = options.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise OpenAIError(
-            "stream_options.include_usage must be true or false", "stream_options.include_usage"
-        )
-    return bool(include_usage)
+        if value is not None and not isinstance(value, bool):
+            raise OpenAIError(
+                f"stream_options.{key} must be true or false", f"stream_options.{key}"
+            )
+    include_usage = bool(options.get("include_usage"))
+    return include_usage, include_usage and bool(options.get("continuous_usage_stats"))
 
 
 def _int(fields: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
@@ -308,6 +401,16 @@ def _stop(value: object) -> tuple[str, ...]:
     if "" in stops:
         raise OpenAIError("stop sequences must not be empty strings", "stop")
     return tuple(stops)
+
+
+def _stop_token_ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(type(t) is int for t in value):
+        raise OpenAIError("stop_token_ids must be a list of token ids", "stop_token_ids")
+    if not all(0 <= t <= MAX_INT32 for t in value):
+        raise OpenAIError("stop_token_ids must be in 0..2**31-1", "stop_token_ids")
+    return tuple(value)
 
 
 def _token_ids(value: list[Any]) -> tuple[int, ...] | None:

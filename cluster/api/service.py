@@ -15,8 +15,11 @@ INVALID_ARGUMENT too, not RESOURCE_EXHAUSTED: the limit is fixed configuration, 
 request can never succeed on this server, while RESOURCE_EXHAUSTED tells a client to back off
 and retry. Unset optional fields take defaults: `top_p` 1.0 (no nucleus cut), `seed` a fresh
 random one (as generate.proto promises; send a seed to make sampling repeatable),
-`draft_tokens` and `pipelined` from `ServiceConfig`. Token ids are checked
-against the vocabulary by the verifier when the request starts.
+`draft_tokens` and `pipelined` from `ServiceConfig`, `skip_special_tokens` true. Prompt token
+ids are checked against the vocabulary by the verifier when the request starts;
+`stop_token_ids` against the tokenizer's here (`check_stop_token_ids`). `ignore_eos`,
+`min_tokens` (at most `max_tokens`) and `stop_token_ids` reach the router as they are: how
+each ends a generation is `cluster.routing.router`'s.
 
 Context limit: given the verifier replicas' `max_context_tokens` (the Serve ingress passes
 `TandemConfig.verifier_limits`), a request whose prompt plus `max_tokens` exceeds it is
@@ -58,10 +61,10 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cluster.api.admission import Admission
 from cluster.api.audit import Auditor, Served, audit_served, drafter_label
@@ -72,7 +75,7 @@ from cluster.api.running import RunningRequests
 from cluster.api.sampling_rule import AUTO, check_rule_name, resolve_seed_exact
 from cluster.api.tenants import Tenant, Tenants
 from cluster.metrics import TandemMetrics
-from cluster.replica.wire import sampling_from_wire
+from cluster.replica.wire import grammar_from_wire, sampling_from_wire
 from cluster.routing.request import (
     DEFAULT_DRAFT_TOKENS,
     MAX_DRAFT_TOKENS,
@@ -82,9 +85,10 @@ from cluster.routing.request import (
     SpeculationStats,
 )
 from cluster.routing.router import Router
+from cluster.runtime.constraint import Grammar, check_grammar, grammar_tokenizer_of
 from cluster.runtime.errors import DeadlineExceededError, InvalidArgumentError, TandemError
 from cluster.runtime.session import DEFAULT_MAX_CONTEXT_TOKENS
-from protos import generate_pb2
+from protos import generate_pb2, sampling_pb2
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -185,6 +189,8 @@ class TandemService:
         self._tokenizer = tokenizer
         self.config = config if config is not None else ServiceConfig()
         self.tenants = tenants
+        eos = tokenizer.eos_token_id
+        self._grammar_tokenizer = grammar_tokenizer_of(tokenizer, [] if eos is None else [eos])
         self.metrics = metrics if metrics is not None else TandemMetrics()
         self.admission = Admission(
             self.config.max_running_requests,
@@ -203,6 +209,14 @@ class TandemService:
         """Stop the online audit's worker, waiting up to `timeout_s` for an audit in flight
         (the router is the caller's to close)."""
         self.online_audit.close(timeout_s)
+
+    def grammar(self, message: sampling_pb2.Grammar) -> Grammar | None:
+        """The request's grammar, checked to compile for the target's tokenizer (an
+        InvalidArgumentError naming `grammar.<kind>` before any work otherwise)."""
+        grammar = grammar_from_wire(message)
+        if grammar is not None:
+            check_grammar(grammar, self._grammar_tokenizer())
+        return grammar
 
     def to_request(
         self, message: generate_pb2.GenerateRequest, deadline: float | None = None
@@ -237,6 +251,13 @@ class TandemService:
                 else self.config.default_draft_tokens
             ),
             deadline=deadline,
+            grammar=self.grammar(message.grammar),
+            min_tokens=message.min_tokens,
+            stop_token_ids=self.check_stop_token_ids(message.stop_token_ids),
+            ignore_eos=message.ignore_eos,
+            skip_special_tokens=(
+                message.skip_special_tokens if message.HasField("skip_special_tokens") else True
+            ),
         )
         pipelined = (
             speculation.pipelined
@@ -318,10 +339,23 @@ class TandemService:
         tenant = self.tenants.authenticate(caller.authorization)
         return generate_pb2.TenantUsage(tenant=tenant.name, **vars(self.tenants.usage(tenant)))
 
-    def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> str:
-        """The prompt text the target's chat template makes of (role, content) `messages`,
-        ending with the assistant's turn open (`cluster.api.chat`)."""
-        return render_chat(self._tokenizer, messages)
+    def check_stop_token_ids(self, token_ids: Sequence[int]) -> tuple[int, ...]:
+        """`token_ids` as a tuple, each checked to be a token of the target's tokenizer."""
+        vocab_size = len(self._tokenizer)
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidArgumentError(
+                f"stop_token_ids must be token ids in 0..{vocab_size - 1} (the tokenizer's "
+                f"vocabulary), got {bad[0]}"
+            )
+        return tuple(token_ids)
+
+    def chat_prompt(
+        self, messages: Sequence[tuple[str, str]], tools: Sequence[Mapping[str, Any]] = ()
+    ) -> str:
+        """The prompt text the target's chat template makes of (role, content) `messages` and
+        function `tools`, ending with the assistant's turn open (`cluster.api.chat`)."""
+        return render_chat(self._tokenizer, messages, tools)
 
     def prompt_tokens(self, message: generate_pb2.GenerateRequest) -> tuple[int, ...]:
         """The prompt of `message` as token ids: text and rendered chat messages are tokenized

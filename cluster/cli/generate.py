@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from cluster.api.client import TandemClient
@@ -33,6 +34,7 @@ from cluster.api.client_types import (
     result_from_response,
 )
 from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.grammar import JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, Grammar
 from cluster.serve import local_cluster
 from protos import generate_pb2
 
@@ -104,6 +106,29 @@ def add_to(commands: Any) -> None:
         "it; rejection: accepts more drafts (default auto: seed_exact when --seed is given)",
     )
     p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    p.add_argument(
+        "--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids",
+        help="a token id that ends the output like end-of-sequence (repeatable)",
+    )  # fmt: skip
+    p.add_argument(
+        "--min-tokens", type=int, default=0, help="end tokens are forbidden before this many"
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence tokens")
+    p.add_argument(
+        "--keep-special-tokens", action="store_true",
+        help="keep special tokens (end-of-sequence...) in the text",
+    )  # fmt: skip
+    constraint = p.add_argument_group(
+        "structured output (one at most; docs/structured-outputs.md)"
+    ).add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema", metavar="SCHEMA", help="a JSON schema: its text, or @FILE to read it"
+    )
+    constraint.add_argument("--json-object", action="store_true", help="any JSON object")
+    constraint.add_argument("--regex", help="a regular expression the output matches")
+    constraint.add_argument(
+        "--grammar", metavar="LARK", help="a Lark grammar (start rule `start`), or @FILE"
+    )
     p.add_argument("--draft-tokens", type=int, help="draft block length; 0 = the target alone")
     p.add_argument(
         "--pipelined",
@@ -153,6 +178,11 @@ def run(args: argparse.Namespace) -> int:
         draft_tokens=args.draft_tokens,
         pipelined=args.pipelined,
         sampling_rule=args.sampling_rule,
+        min_tokens=args.min_tokens,
+        stop_token_ids=args.stop_token_ids,
+        ignore_eos=args.ignore_eos,
+        skip_special_tokens=not args.keep_special_tokens,
+        grammar=_grammar(args),
     )
     if args.address is not None:
         with TandemClient(args.address, api_key=local_cluster.api_key()) as client:
@@ -162,6 +192,26 @@ def run(args: argparse.Namespace) -> int:
                 lambda: client.stream_request(request),
             )
     return _run_local(args, request)
+
+
+def _grammar(args: argparse.Namespace) -> Grammar | None:
+    """The grammar the flags ask for; a value `@FILE` is read from FILE."""
+
+    def text(value: str) -> str:
+        if not value.startswith("@"):
+            return value
+        try:
+            return Path(value[1:]).read_text()
+        except OSError as error:
+            raise InvalidArgumentError(f"cannot read {value[1:]}: {error}") from None
+
+    if args.json_object:
+        return Grammar(JSON_OBJECT)
+    for kind, value in ((JSON_SCHEMA, args.json_schema), (REGEX, args.regex),
+                        (LARK, args.grammar)):  # fmt: skip
+        if value is not None:
+            return Grammar(kind, text(value))
+    return None
 
 
 def _run_local(args: argparse.Namespace, request: generate_pb2.GenerateRequest) -> int:

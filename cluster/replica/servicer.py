@@ -48,6 +48,7 @@ class SessionServicer(Generic[K]):
                     request.max_new_tokens if request.HasField("max_new_tokens") else None
                 ),
                 resumed=request.resumed,
+                constraint=wire.constraint_from_wire(request),
             )
             return replica_pb2.OpenSessionResponse(committed_length=length)
 

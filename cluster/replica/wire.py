@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from cluster.runtime.block import DraftBlock, StepLoad, Verdict
+from cluster.runtime.constraint import JSON_OBJECT, Constraint, Grammar
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.sampling import NO_TOP_P, SamplingParams, SparseDistribution
@@ -96,6 +97,55 @@ def sampling_to_wire(params: SamplingParams) -> sampling_pb2.SamplingParams:
     if params.top_p != NO_TOP_P:
         message.top_p = params.top_p
     return message
+
+
+def grammar_to_wire(grammar: Grammar | None) -> sampling_pb2.Grammar:
+    """Unset for None (no grammar)."""
+    message = sampling_pb2.Grammar()
+    if grammar is None:
+        return message
+    if grammar.kind == JSON_OBJECT:
+        message.json_object = True
+    else:
+        setattr(message, grammar.kind, grammar.source)
+    return message
+
+
+def grammar_from_wire(message: sampling_pb2.Grammar) -> Grammar | None:
+    """None when no kind is set (or `json_object` is false)."""
+    kind = message.WhichOneof("kind")
+    if kind is None or (kind == JSON_OBJECT and not message.json_object):
+        return None
+    return Grammar(kind, "" if kind == JSON_OBJECT else getattr(message, kind))
+
+
+def constraint_to_wire(
+    constraint: Constraint | None, request: replica_pb2.OpenSessionRequest
+) -> None:
+    """Set `request`'s constraint fields (none for None)."""
+    if constraint is None:
+        return
+    request.grammar.CopyFrom(grammar_to_wire(constraint.grammar))
+    request.min_tokens = uint_to_wire(constraint.min_tokens, "min_tokens", MAX_UINT32)
+    request.end_token_ids.extend(
+        token_ids_to_wire(sorted(constraint.end_token_ids), "end_token_ids")
+    )
+    request.prompt_length = uint_to_wire(constraint.prompt_length, "prompt_length", MAX_UINT32)
+
+
+def constraint_from_wire(request: replica_pb2.OpenSessionRequest) -> Constraint | None:
+    """None when the request constrains nothing."""
+    constraint = Constraint(
+        grammar=grammar_from_wire(request.grammar),
+        min_tokens=request.min_tokens,
+        end_token_ids=frozenset(request.end_token_ids),
+        prompt_length=(
+            request.prompt_length
+            if request.HasField("prompt_length")
+            else len(request.prompt_token_ids)
+        ),
+    )
+    return constraint if constraint.active else None
 
 
 def sampling_from_wire(message: sampling_pb2.SamplingParams) -> SamplingParams:

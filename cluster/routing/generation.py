@@ -18,12 +18,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from llguidance import LLTokenizer
+
 from cluster.routing.draft_length import DraftLength, DraftLengthConfig
 from cluster.routing.ports import DrafterPort, Pinned
 from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.routing.text import TextAssembler
 from cluster.runtime.block import DraftBlock
-from cluster.runtime.errors import DeadlineExceededError
+from cluster.runtime.constraint import Constraint, TokenMatcher, tokenizer_size
+from cluster.runtime.errors import DeadlineExceededError, InvalidArgumentError
 from drafter.ngram import NgramConfig, PromptLookup
 
 Decode = Callable[[Sequence[int]], str]
@@ -66,10 +69,26 @@ class Generation:
         releases: list[Callable[[], None]],
         clock: Callable[[], float] = time.monotonic,
         ngram: NgramConfig | None = None,
+        *,
+        constraint: Constraint | None = None,
+        grammar_tokenizer: Callable[[], LLTokenizer] | None = None,
     ) -> None:
         """`clock`: what `request.deadline` is an instant of; `ngram`: prompt lookup's settings
-        (None: no lookup)."""
+        (None: no lookup); `constraint`: what the generated tokens must follow (its sessions
+        get it), and `grammar_tokenizer` the tokenizer prompt lookup's drafts are checked with
+        against its grammar (None: no lookup under a grammar)."""
         self.request = request
+        self.constraint = constraint
+        self.lookup_matcher: TokenMatcher | None = None
+        """Where prompt lookup's drafts are cut: the first token the constraint forbids."""
+        if constraint is not None and ngram is not None:
+            if constraint.grammar is None:
+                self.lookup_matcher = TokenMatcher(constraint, None, tokenizer_size(None))
+            elif grammar_tokenizer is None:
+                ngram = None
+            else:
+                tokenizer = grammar_tokenizer()
+                self.lookup_matcher = TokenMatcher(constraint, tokenizer, tokenizer.vocab_size)
         self._clock = clock
         self.verifier = pinned.verifier
         self.verifier_id = pinned.verifier_id
@@ -85,7 +104,7 @@ class Generation:
         self.pipelined = pipelined
         self.session_id = uuid.uuid4().hex
         self.stats = stats
-        self.text = TextAssembler(decode, request.stop)
+        self.text = TextAssembler(decode, request.stop, min_tokens=request.min_tokens)
         self.lengths = DraftLength(draft_length, request.draft_tokens, pipelined)
         self.history = list(request.prompt_tokens)
         """Every committed token: what prompt lookup searches. Only `commit` changes it."""
@@ -124,9 +143,23 @@ class Generation:
         if self.lookup is None:
             return None
         tokens = self.lookup.propose(self.history, num_tokens, ahead)
+        if tokens and self.lookup_matcher is not None:
+            tokens = self._within_constraint(self.lookup_matcher, tokens, ahead)
         return (
             DraftBlock(base_length=self.committed + len(ahead), tokens=tokens) if tokens else None
         )
+
+    def _within_constraint(
+        self, matcher: TokenMatcher, tokens: tuple[int, ...], ahead: Sequence[int]
+    ) -> tuple[int, ...]:
+        """`tokens` cut at the first the constraint forbids after `history` and `ahead`."""
+        generated = self.history[matcher.constraint.prompt_length :]
+        try:
+            matcher.sync([*generated, *ahead])
+        except InvalidArgumentError:
+            self.lookup = None  # the tokens broke it (a verifier fault): no lookup from here
+            return ()
+        return tokens[: matcher.allowed_prefix(tokens)]
 
     @property
     def committed(self) -> int:

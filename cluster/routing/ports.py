@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cluster.runtime.block import DraftBlock, Verdict
+from cluster.runtime.constraint import Constraint
 from cluster.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -33,10 +34,12 @@ class DrafterPort(Protocol):
         *,
         max_new_tokens: int | None = None,
         resumed: bool = False,
+        constraint: Constraint | None = None,
     ) -> int:
         """Open a session; returns its committed length. `max_new_tokens`: how far it may grow
         past the prompt (admission plans for it; None: a block); `resumed`: the request already
-        runs (a failover), so the plan does not refuse it."""
+        runs (a failover), so the plan does not refuse it; `constraint`: what its generated
+        tokens must follow (None: anything)."""
         ...
 
     def draft(
@@ -67,10 +70,12 @@ class VerifierPort(Protocol):
         *,
         max_new_tokens: int | None = None,
         resumed: bool = False,
+        constraint: Constraint | None = None,
     ) -> int:
         """Open a session; returns its committed length. `max_new_tokens`: how far it may grow
         past the prompt (admission plans for it; None: a block); `resumed`: the request already
-        runs (a failover), so the plan does not refuse it."""
+        runs (a failover), so the plan does not refuse it; `constraint`: what its generated
+        tokens must follow (None: anything)."""
         ...
 
     def verify(self, session_id: str, block: DraftBlock, defer_bonus: bool = False) -> Verdict:

@@ -39,6 +39,7 @@ from cluster.replica.rpc import (
 )
 from cluster.runtime.audit import Replay
 from cluster.runtime.block import DraftBlock, Verdict
+from cluster.runtime.constraint import Constraint
 from cluster.runtime.errors import (
     ClusterSecretError,
     DeadlineExceededError,
@@ -202,6 +203,7 @@ class _ReplicaClient:
         *,
         max_new_tokens: int | None = None,
         resumed: bool = False,
+        constraint: Constraint | None = None,
         timeout_s: float | None = None,
     ) -> int:
         """Open a session; returns its committed length."""
@@ -212,6 +214,7 @@ class _ReplicaClient:
             seed=wire.uint_to_wire(seed, "seed"),
             resumed=resumed,
         )
+        wire.constraint_to_wire(constraint, request)
         if max_new_tokens is not None:
             request.max_new_tokens = wire.uint_to_wire(
                 max_new_tokens, "max_new_tokens", wire.MAX_UINT32

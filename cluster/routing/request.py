@@ -10,6 +10,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from cluster.runtime.constraint import Constraint, Grammar
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.sampling import SamplingParams
 from cluster.runtime.session import MAX_BLOCK_TOKENS, MAX_SEED
@@ -44,6 +45,16 @@ class GenerationRequest:
     deadline: float | None = None
     """A `time.monotonic()` instant after which the request must stop (DEADLINE_EXCEEDED) and
     free its sessions; None: no deadline."""
+    grammar: Grammar | None = None
+    """What the output must match (`cluster.runtime.constraint`); None: unconstrained."""
+    min_tokens: int = 0
+    """End-of-sequence and `stop_token_ids` are masked out until this many tokens exist."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end the generation as end-of-sequence does (finish reason stop)."""
+    ignore_eos: bool = False
+    """Generate past end-of-sequence tokens (until max_tokens or a stop)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
 
     def __post_init__(self) -> None:
         if len(self.prompt_tokens) == 0:
@@ -62,8 +73,27 @@ class GenerationRequest:
             )
         if any(s == "" for s in self.stop):
             raise InvalidArgumentError("stop sequences must not be empty strings")
+        if isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgumentError(
+                f"min_tokens must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if any(isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise InvalidArgumentError(
+                f"stop_token_ids must be token ids >= 0, got {list(self.stop_token_ids)}"
+            )
         if self.deadline is not None and math.isnan(self.deadline):
             raise InvalidArgumentError("deadline must be a time.monotonic() instant, got NaN")
+
+    def constraint(self, eos_token_ids: frozenset[int]) -> Constraint | None:
+        """What the request's sessions must follow: its grammar, and the model's end tokens
+        and its `stop_token_ids` forbidden until `min_tokens`; None when nothing is."""
+        constraint = Constraint(
+            grammar=self.grammar,
+            min_tokens=self.min_tokens,
+            end_token_ids=eos_token_ids | frozenset(self.stop_token_ids),
+            prompt_length=len(self.prompt_tokens),
+        )
+        return constraint if constraint.active else None
 
 
 @dataclass

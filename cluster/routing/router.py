@@ -75,6 +75,8 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypedDict, Unpack
 
+from llguidance import LLTokenizer
+
 from cluster.metrics import TandemMetrics
 from cluster.routing.draft_length import DraftLength, DraftLengthConfig, Plan
 from cluster.routing.generation import Decode, Draft, DrafterView, Generation
@@ -89,6 +91,7 @@ from cluster.routing.request import (
 from cluster.routing.speculation_gate import GateConfig, SpeculationGate
 from cluster.runtime.block import DraftBlock, Verdict
 from cluster.runtime.errors import (
+    InvalidArgumentError,
     ReplicaUnavailableError,
     ResourceExhaustedError,
     SessionNotFoundError,
@@ -135,6 +138,12 @@ class RouterOptions(TypedDict, total=False):
     """What request deadlines are instants of."""
     metrics: TandemMetrics | None
     """Where draft and verify latencies go (default: Ray's metrics, if in a Ray worker)."""
+    decode_special: Decode | None
+    """Token ids to text with special tokens kept: the text of a request whose
+    `skip_special_tokens` is false (None: such a request is INVALID_ARGUMENT)."""
+    grammar_tokenizer: Callable[[], LLTokenizer] | None
+    """llguidance's view of the target's tokenizer, for cutting prompt lookup's drafts at the
+    first token a request's grammar forbids; None: no prompt lookup for such requests."""
 
 
 class Router:
@@ -175,12 +184,16 @@ class Router:
         draft_length: DraftLengthConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: TandemMetrics | None = None,
+        decode_special: Decode | None = None,
+        grammar_tokenizer: Callable[[], LLTokenizer] | None = None,
     ) -> None:
         """The one construction path; its keywords are the `RouterOptions` and their defaults."""
+        self._grammar_tokenizer = grammar_tokenizer
         self._replicas = replicas
         self._clock = clock
         self.metrics = metrics if metrics is not None else TandemMetrics()
         self._decode = decode
+        self._decode_special = decode_special
         self._eos_token_ids = eos_token_ids
         self.pipelined = pipelined
         self.ngram = ngram if ngram is not None and ngram.enabled else None
@@ -273,7 +286,7 @@ class Router:
             use_pipeline = self.pipelined if pipelined is None else pipelined
             gen = Generation(
                 request,
-                self._decode,
+                self._decode_for(request),
                 stats,
                 pinned,
                 use_pipeline,
@@ -281,6 +294,8 @@ class Router:
                 releases,
                 self._clock,
                 self.ngram,
+                constraint=request.constraint(self._eos_token_ids),
+                grammar_tokenizer=self._grammar_tokenizer,
             )
             if self._recent_lengths is not None:  # price the first rounds with today's load
                 gen.lengths.inherit(self._recent_lengths)
@@ -303,6 +318,7 @@ class Router:
                 request.sampling,
                 request.seed,
                 max_new_tokens=gen.remaining,
+                constraint=gen.constraint,
             )
         try:
             self._open_verifier(gen)
@@ -333,6 +349,7 @@ class Router:
                     request.seed,
                     max_new_tokens=gen.remaining,
                     resumed=resumed,
+                    constraint=gen.constraint,
                 )
                 return
             except VERIFIER_MOVES as error:
@@ -415,6 +432,7 @@ class Router:
             request.sampling,
             request.seed,
             max_new_tokens=gen.remaining,
+            constraint=gen.constraint,
         )
 
     def _loop(self, gen: Generation) -> Iterator[GenerationChunk]:
@@ -566,24 +584,55 @@ class Router:
             else:
                 stats.pipeline_misses += 1
 
+    def _decode_for(self, request: GenerationRequest) -> Decode:
+        """The decode function of `request`'s text: special tokens left out, or kept."""
+        if request.skip_special_tokens:
+            return self._decode
+        if self._decode_special is None:
+            raise InvalidArgumentError(
+                "skip_special_tokens false is not supported by this router: it has no "
+                "decode function that keeps special tokens"
+            )
+        return self._decode_special
+
     def _emit(self, gen: Generation, verdict: Verdict) -> GenerationChunk:
-        """Commit the verdict's tokens to the output, applying end-of-sequence and stops."""
+        """Commit the verdict's tokens to the output, applying end tokens and stop strings.
+
+        An end token (end-of-sequence unless the request ignores it, or one of its
+        `stop_token_ids`) at output position `min_tokens` or later ends the output, finish
+        reason stop. As in vLLM, it is the output's last token, but its text is left out (vLLM
+        does not decode it), so a stop token id never shows in the text."""
+        request = gen.request
         new_tokens = list(verdict.tokens[: gen.remaining])
-        finish: FinishReason | None = None
-        eos_at = next((i for i, t in enumerate(new_tokens) if t in self._eos_token_ids), None)
-        if eos_at is not None:
-            del new_tokens[eos_at + 1 :]
-            finish = FinishReason.STOP
-        step = gen.text.add(new_tokens)
+        end_at = self._end_at(request, gen.text.num_tokens, new_tokens)
+        text_tokens = new_tokens if end_at is None else new_tokens[:end_at]
+        step = gen.text.add(text_tokens)
         text = step.text
+        finish: FinishReason | None = None
         if step.stopped:
             finish = FinishReason.STOP
-        elif finish is None and gen.remaining == 0:
-            finish = FinishReason.LENGTH
-        if finish is not None and not step.stopped:
-            text += gen.text.finish()
-        return GenerationChunk(
-            tokens=tuple(new_tokens[: step.num_tokens_kept]), text=text, finish_reason=finish
+            tokens = text_tokens[: step.num_tokens_kept]
+        else:
+            if end_at is not None:
+                finish = FinishReason.STOP
+            elif gen.remaining == 0:
+                finish = FinishReason.LENGTH
+            tokens = new_tokens[: len(text_tokens) + (end_at is not None)]
+            if finish is not None:
+                text += gen.text.finish()
+        return GenerationChunk(tokens=tuple(tokens), text=text, finish_reason=finish)
+
+    def _end_at(
+        self, request: GenerationRequest, num_before: int, tokens: Sequence[int]
+    ) -> int | None:
+        """Where in `tokens` (which follow `num_before` output tokens) the first end token that
+        may end the output stands; None if none does."""
+        stop_ids = frozenset(request.stop_token_ids)
+        eos = frozenset() if request.ignore_eos else self._eos_token_ids
+        first = max(request.min_tokens - num_before, 0)  # before it, end tokens do not end
+        return next(
+            (i for i in range(first, len(tokens)) if tokens[i] in eos or tokens[i] in stop_ids),
+            None,
         )
 
     @classmethod

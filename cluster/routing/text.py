@@ -17,6 +17,10 @@ is exact, the same text as decoding every token at once, for a `decode` that is 
 (more tokens never change the text of earlier ones, but for a trailing incomplete character)
 and local (a window decodes to the full text's tail): byte-level BPE and SentencePiece are both,
 when decode does not clean up tokenization spaces.
+
+`min_tokens`, as vLLM's: a stop sequence counts only if it ends past the text of the first
+`min_tokens` tokens (a stop may begin inside that text). That text's length is found once, by
+one decode of those tokens, when the output first holds them.
 """
 
 from __future__ import annotations
@@ -45,9 +49,18 @@ class TextStep:
 class TextAssembler:
     """Accumulates generated tokens; releases final text and detects stop sequences."""
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), min_tokens: int = 0
+    ) -> None:
         self._decode = decode
         self._stop = tuple(stop)
+        self._min_tokens = min_tokens
+        self._stop_floor: int | None = 0 if min_tokens == 0 else None
+        """Where a stop sequence must end past: the length of the text of the first
+        `min_tokens` tokens (a trailing incomplete character left out); None until the output
+        holds that many tokens (until then no stop counts)."""
+        self._num_released = 0
+        """Characters released so far: where the unreleased text begins in the whole text."""
         self._tokens: list[int] = []
         self._window = 0
         """Where the decoding window starts: where the tokens were settled before `_settled`."""
@@ -74,6 +87,9 @@ class TextAssembler:
     def add(self, tokens: Sequence[int]) -> TextStep:
         start = len(self._tokens)
         self._tokens.extend(tokens)
+        if self._stop_floor is None and len(self._tokens) >= self._min_tokens:
+            first = self._decode(self._tokens[: self._min_tokens])
+            self._stop_floor = len(first.rstrip(REPLACEMENT_CHAR))
         unsettled = self._unsettled_text(len(self._tokens))
         text = self._settled_unreleased + unsettled[self._unsettled_released :]
         hit = self._find_stop(text)
@@ -113,6 +129,7 @@ class TextAssembler:
     def _release(self, text: str, end: int) -> str:
         """Release `text[:end]`, where `text` is all the text not released yet."""
         new = text[: max(end, 0)]
+        self._num_released += len(new)
         held = len(self._settled_unreleased)
         if len(new) <= held:
             self._settled_unreleased = self._settled_unreleased[len(new) :]
@@ -124,8 +141,12 @@ class TextAssembler:
 
     def _find_stop(self, text: str) -> int | None:
         # Only text not yet released can hold a new stop (released text was checked already,
-        # and a stop spanning the boundary starts inside the held-back tail).
-        starts = [i for s in self._stop if (i := text.find(s)) != -1]
+        # and a stop spanning the boundary starts inside the held-back tail). `text` begins
+        # `_num_released` characters into the output: a stop must end past `_stop_floor`.
+        if self._stop_floor is None:
+            return None
+        floor = self._stop_floor - self._num_released
+        starts = [i for s in self._stop if (i := text.find(s, max(floor - len(s) + 1, 0))) != -1]
         return min(starts) if starts else None
 
     def _tokens_through_stop(self, start: int) -> int:

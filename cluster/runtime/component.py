@@ -18,6 +18,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from cluster.runtime.constraint import GRAMMAR_TOKENIZERS, Constraint, TokenMatcher
 from cluster.runtime.engine import Engine, Forward, Preempted, Task
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.runner import ModelRunner, build_runner
@@ -86,6 +87,7 @@ class SessionComponent(Generic[C]):
         time_limit_s: float | None = None,
         max_new_tokens: int | None = None,
         resumed: bool = False,
+        constraint: Constraint | None = None,
     ) -> int:
         """Open a session and prefill its cache; returns the committed length.
 
@@ -96,7 +98,10 @@ class SessionComponent(Generic[C]):
         pool could never hold the prompt or the planned growth fits no more
         (`SessionLimits.kv_overcommit`), unless `resumed` (the request already runs elsewhere:
         a refusal would fail it midway); a prompt that fits once other sessions free blocks
-        waits for them."""
+        waits for them. `constraint`: what the generated tokens must follow (None: anything);
+        its matcher is built here, in the caller's thread, and advanced along the tokens of
+        `prompt_tokens` past `constraint.prompt_length` (generated before a failover)."""
+        matcher = self._matcher(constraint, prompt_tokens)
         task = self._open(
             session_id,
             tuple(prompt_tokens),
@@ -105,8 +110,27 @@ class SessionComponent(Generic[C]):
             time_limit_s,
             max_new_tokens,
             resumed,
+            (constraint is not None and constraint.active, matcher),
         )
         return self._engine.run(task, key=session_id)
+
+    def _matcher(
+        self, constraint: Constraint | None, prompt_tokens: Sequence[int]
+    ) -> TokenMatcher | None:
+        """The session's matcher, standing after its generated tokens; None when unconstrained.
+        InvalidArgumentError for a constraint this model cannot follow (the drafter then
+        drafts nothing instead: `Drafter._matcher`)."""
+        if constraint is None or not constraint.active:
+            return None
+        model = self._model
+        tokenizer = (
+            GRAMMAR_TOKENIZERS.get(model.tokenizer, self.vocab_size, model.eos_token_ids)
+            if constraint.grammar is not None
+            else None
+        )
+        matcher = TokenMatcher(constraint, tokenizer, self.vocab_size)
+        matcher.sync(prompt_tokens[constraint.prompt_length :])
+        return matcher
 
     def _open(
         self,
@@ -117,6 +141,7 @@ class SessionComponent(Generic[C]):
         time_limit_s: float | None,
         max_new_tokens: int | None,
         resumed: bool,
+        constrained: tuple[bool, TokenMatcher | None],
     ) -> Task[int]:
         own_sampling, own_seed = self._session_sampling(sampling, seed)
         session = self._sessions.open(
@@ -129,6 +154,7 @@ class SessionComponent(Generic[C]):
             max_new_tokens=max_new_tokens,
             resumed=resumed,
         )
+        session.constrained, session.matcher = constrained
         # The last committed token is fed with the next forward, whose logits need it.
         try:
             yield from self._forward(session, 0, upto=len(prompt_tokens) - 1)

@@ -77,6 +77,10 @@ class SequenceKV:
         """A copy of the committed tokens: O(context), for checks and tests, not the hot path."""
         return tuple(self._tokens[: self._committed])
 
+    def committed_from(self, start: int) -> list[int]:
+        """The committed tokens from `start` on (a request's generated tokens): O(those)."""
+        return self._tokens[start : self._committed]
+
     @property
     def cached_tokens(self) -> tuple[int, ...]:
         """A copy of the tokens the KV holds: O(context), for checks and tests."""

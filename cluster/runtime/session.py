@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import torch
 
+from cluster.runtime.constraint import TokenMatcher
 from cluster.runtime.engine import DEFAULT_MAX_STEP_SEQUENCES, DEFAULT_MAX_STEP_TOKENS, GATHER_SHARE
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import (
@@ -74,6 +75,11 @@ class ReplicaSession:
     """Verifier only: the target's distribution for the next position, kept when a verdict
     deferred its bonus token, in its smallest exact form (the argmax when greedy, else the
     nonzero entries or a dense row); the cache then holds every committed token."""
+    constrained: bool = False
+    """Its request constrains the generated tokens (a grammar, or `min_tokens`)."""
+    matcher: TokenMatcher | None = None
+    """Where the session stands in that constraint; None when unconstrained, or on a drafter
+    that cannot follow it (which then drafts nothing)."""
     planned_blocks: int = 0
     """KV blocks its admission planned for: the prompt and its growth (`SessionTable.open`)."""
     last_used: float = 0.0

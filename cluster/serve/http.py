@@ -10,6 +10,11 @@ TandemService, router and tenants as the gRPC API) and frames what comes back:
   path is 404 and a known path with another method is 405 (with `Allow`), both in OpenAI's
   error shape (`{"error": {"message", "type", "param", "code"}}`), as is every other error
   (`cluster.api.openai.error_response` picks the status).
+- Probes, as vLLM serves them, open to every caller (no API key, so that load balancers and
+  Prometheus need none), only when the face has `ServerProbes`: `GET /health` (200 with an
+  empty body while the service can serve, 503 otherwise), `GET /version` (`{"version": ...}`,
+  the installed `tandem` package's) and `GET /metrics` (Tandem's metrics in Prometheus' text
+  format, `text/plain; version=0.0.4`).
 - The body must be a JSON object of Unicode text nested at most 64 levels
   (`cluster.api.json_body`): anything else is 400 before the service sees it.
 - The caller: `Authorization: Bearer <key>` and the optional `x-tandem-deadline-ms` header,
@@ -31,11 +36,13 @@ TandemService, router and tenants as the gRPC API) and frames what comes back:
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
+import logging
 import threading
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final, Literal, cast
+from typing import Any, Final, Literal, Protocol, cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -47,6 +54,8 @@ from cluster.api.service import Caller
 from cluster.api.tenants import bearer_key
 from cluster.serve.calls import deadline_of, iterate_in_thread
 
+logger = logging.getLogger(__name__)
+
 AUDIT: Final = "audit"
 ROUTES: dict[str, tuple[str, Route | Literal["audit"] | None]] = {
     "/v1/models": ("GET", None),
@@ -56,19 +65,58 @@ ROUTES: dict[str, tuple[str, Route | Literal["audit"] | None]] = {
 }
 """Path -> (its one method, the OpenAIService route; None: the model list; "audit": Tandem's
 audit, `OpenAIService.audit`)."""
+PROBES = ("/health", "/version", "/metrics")
+"""Paths answered without authentication, all `GET` (`ServerProbes`)."""
 DONE_EVENT = b"data: [DONE]\n\n"
 EVENT_STREAM = "text/event-stream"
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+PACKAGE = "tandem"
+
+
+class ServerProbes(Protocol):
+    """What the probe paths report; both calls may block (they run on the thread pool)."""
+
+    def healthy(self) -> bool:
+        """Whether the service can serve a request now."""
+        ...
+
+    def metrics_text(self) -> str:
+        """Tandem's metrics in Prometheus' text exposition format."""
+        ...
+
+
+def package_version() -> str:
+    """The installed `tandem` package's version ("unknown" when it is not installed)."""
+    try:
+        return importlib.metadata.version(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class OpenAIHttp:
-    """The HTTP face of `OpenAIService`; blocking work runs on `threads` (the ingress's)."""
+    """The HTTP face of `OpenAIService`; blocking work runs on `threads` (the ingress's).
+    `probes`: what `/health` and `/metrics` report (None: the probe paths are unknown, as
+    for the API alone)."""
 
-    def __init__(self, openai: OpenAIService, threads: ThreadPoolExecutor) -> None:
+    def __init__(
+        self,
+        openai: OpenAIService,
+        threads: ThreadPoolExecutor,
+        probes: ServerProbes | None = None,
+    ) -> None:
         self._openai = openai
         self._threads = threads
+        self._probes = probes
 
     async def __call__(self, request: Request) -> Response:
         path = _route_path(request.scope)
+        if path in PROBES and self._probes is not None:
+            if request.method != "GET":
+                return _error_json(
+                    405, f"{path} takes GET, not {request.method}",
+                    code="method_not_allowed", headers={"Allow": "GET"},
+                )  # fmt: skip
+            return await self._probe(path, self._probes)
         if path not in ROUTES:
             return _error_json(404, f"unknown path {path!r}", code="unknown_url")
         method, route = ROUTES[path]
@@ -92,6 +140,24 @@ class OpenAIHttp:
         except asyncio.CancelledError:
             raise
         except Exception as error:
+            return _error(error)
+
+    async def _probe(self, path: str, probes: ServerProbes) -> Response:
+        """A probe's answer; a probe that fails is 503 (health) or 500, never a traceback."""
+        try:
+            if path == "/version":
+                return JSONResponse({"version": package_version()})
+            if path == "/health":
+                healthy = await asyncio.wrap_future(self._threads.submit(probes.healthy))
+                return Response(status_code=200 if healthy else 503)
+            text = await asyncio.wrap_future(self._threads.submit(probes.metrics_text))
+            return Response(text, media_type=PROMETHEUS_TEXT)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            if path == "/health":
+                logger.warning("the health check failed: %s", error)
+                return Response(status_code=503)
             return _error(error)
 
     async def _complete(self, route: Route, body: object, caller: Caller) -> dict[str, Any]:

@@ -3,7 +3,11 @@ health, and the OpenAI-compatible HTTP API (`__call__`, `cluster.serve.http`, wi
 `POST /v1/audit`) over the same service and tenants; `config.audit` turns the online audit on.
 
 Every call is authenticated by its `authorization` metadata against the config's tenants
-(`cluster.api.tenants`); health checks are open, so that probes need no key.
+(`cluster.api.tenants`); health checks are open, so that probes need no key: gRPC health, and
+the HTTP face's `GET /health`, `/version` and `/metrics` (`IngressProbes`). Both health checks
+say the same: serving while at least one verifier replica is live. `/metrics` scrapes every
+live node's Ray metrics agent (where `tandem status` reads them too) and serves Tandem's metrics
+of them, names as the agents serve them (`ray_tandem_...`, `cluster.metrics.tandem_exposition`).
 
 A thin shell (the app builder applies `serve.deployment`): Serve's gRPC proxy calls the method
 named like the RPC. The router loop is synchronous and blocks on replica calls, so each request
@@ -38,11 +42,14 @@ set by `tandem serve`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import urllib.request
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
+import ray
 from grpc_health.v1 import health_pb2
 from starlette.requests import Request
 from starlette.responses import Response
@@ -53,16 +60,62 @@ from cluster.api.status import status_of, trailers_of
 from cluster.api.tenants import Tenants, bearer_key
 from cluster.config import TandemConfig
 from cluster.local import text_decoder
+from cluster.metrics import tandem_exposition
 from cluster.routing.directory import RegistryPool, from_registry_actor
 from cluster.routing.registry import get_registry
 from cluster.routing.router import Router
+from cluster.runtime.constraint import grammar_tokenizer_of
+from cluster.runtime.errors import TandemError
 from cluster.runtime.models import load_tokenizer
 from cluster.serve.calls import deadline_of, iterate_in_thread
 from cluster.serve.http import OpenAIHttp
 from protos import generate_pb2
 
+logger = logging.getLogger(__name__)
+
 MAX_CONCURRENT_REQUESTS = 256
 HEALTH_WATCH_PERIOD_S = 1.0
+SCRAPE_TIMEOUT_S = 5.0
+"""How long `GET /metrics` waits for each node's metrics agent."""
+
+
+class MetricsUnavailableError(TandemError):
+    """No node's metrics agent answered a scrape (HTTP 503)."""
+
+    status = "UNAVAILABLE"
+
+
+class IngressProbes:
+    """The HTTP face's probes (`cluster.serve.http.ServerProbes`) over the router's pool."""
+
+    def __init__(self, pool: RegistryPool) -> None:
+        self._pool = pool
+
+    def healthy(self) -> bool:
+        """At least one verifier replica is live (a registry that cannot be read: no)."""
+        try:
+            return any(r.side == "verifier" for r in self._pool.replicas())
+        except Exception:
+            return False
+
+    def metrics_text(self) -> str:
+        """Tandem's metrics from every live node's metrics agent that answers."""
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # cluster-internal
+        endpoints = [
+            f"{node['NodeManagerAddress']}:{node['MetricsExportPort']}"
+            for node in ray.nodes()
+            if node.get("Alive") and node.get("MetricsExportPort")
+        ]
+        pages = []
+        for endpoint in endpoints:
+            try:
+                with direct.open(f"http://{endpoint}/metrics", timeout=SCRAPE_TIMEOUT_S) as page:
+                    pages.append(page.read().decode())
+            except OSError as error:
+                logger.warning("the metrics agent at %s did not answer: %s", endpoint, error)
+        if endpoints and not pages:
+            raise MetricsUnavailableError("no node's metrics agent answered")
+        return tandem_exposition(pages)
 
 
 class RouterIngress:
@@ -85,6 +138,8 @@ class RouterIngress:
             pipelined=config.api.default_pipelined,
             ngram=config.prompt_lookup,
             draft_length=config.draft_length,
+            decode_special=text_decoder(loaded.tokenizer, skip_special_tokens=False),
+            grammar_tokenizer=grammar_tokenizer_of(loaded.tokenizer, loaded.eos_token_ids),
         )
         self._service = TandemService(
             self._router,
@@ -96,7 +151,8 @@ class RouterIngress:
         )
         self._threads = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="request")
         openai = OpenAIService(self._service, served_model_name(config.models))
-        self._http = OpenAIHttp(openai, self._threads)
+        self._probes = IngressProbes(self._pool)
+        self._http = OpenAIHttp(openai, self._threads, self._probes)
 
     async def __call__(self, request: Request) -> Response:
         """Serve's HTTP proxy: the OpenAI-compatible API (`cluster.serve.http`)."""
@@ -164,13 +220,9 @@ class RouterIngress:
             _fail(grpc_context, error)
 
     def _health(self) -> int:
-        try:
-            live = any(r.side == "verifier" for r in self._pool.replicas())
-        except Exception:
-            live = False
         return (
             health_pb2.HealthCheckResponse.SERVING
-            if live
+            if self._probes.healthy()
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
 

@@ -318,7 +318,7 @@ def test_build_request_names_the_rule_or_refuses_it() -> None:
 
 
 def test_verifier_faults_are_checked() -> None:
-    assert FAULTS == ("", "accept_all", "reused_noise", "draft_stream")
+    assert FAULTS == ("", "accept_all", "reused_noise", "draft_stream", "unmasked_bonus")
     for fault in FAULTS:
         assert VerifierConfig(fault=fault).fault == fault
     assert VerifierConfig().fault == ""  # none in production
