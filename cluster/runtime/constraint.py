@@ -42,6 +42,7 @@ from cluster.runtime.grammar import (  # noqa: F401  (re-exported: the constrain
     REGEX,
     Grammar,
 )
+from cluster.runtime.kv_cache import common_prefix_length
 
 if TYPE_CHECKING:
     pass
@@ -203,10 +204,7 @@ class TokenMatcher:
         """Stand after exactly `generated`: roll back to where it agrees with what was
         consumed, then consume the rest. InvalidArgumentError if the grammar forbids one of
         them (the matcher then stands after the allowed prefix)."""
-        common = 0
-        limit = min(len(generated), len(self.consumed))
-        while common < limit and generated[common] == self.consumed[common]:
-            common += 1
+        common = common_prefix_length(generated, self.consumed)
         self.rollback(len(self.consumed) - common)
         self.consume(generated[common:])
 

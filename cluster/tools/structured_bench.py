@@ -33,13 +33,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jsonschema  # type: ignore[import-untyped]  # the dev extra's, no stubs
 
 from cluster.runtime.errors import InvalidArgumentError
+from cluster.tools.bench import prompt_rows
 
 if TYPE_CHECKING:
     from cluster.local import LocalTandem
@@ -69,19 +69,9 @@ class ExtractionPrompt:
 
 def load_extraction_prompts(path: str | None) -> list[ExtractionPrompt]:
     """The prompts of a jsonl file with 'category', 'prompt' and 'schema' (default: ours)."""
-    if path is None:
-        text = resources.files("cluster.tools").joinpath(DEFAULT_PROMPTS).read_text()
-    else:
-        try:
-            text = Path(path).read_text()
-        except OSError as error:
-            raise InvalidArgumentError(f"cannot read prompts {path}: {error}") from error
     prompts = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for number, row in prompt_rows(path, DEFAULT_PROMPTS):
         try:
-            row = json.loads(line)
             schema = row["schema"]
             jsonschema.Draft202012Validator.check_schema(schema)
             prompts.append(ExtractionPrompt(str(row["category"]), str(row["prompt"]), schema))
