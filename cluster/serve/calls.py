@@ -9,15 +9,17 @@ import each other's helpers (the ingress builds the HTTP face; nothing imports b
   headers alike: pairs of name and value), as an instant of the local clock; the ingress's
   docstring says how it is honoured.
 - `iterate_in_thread`: a blocking generator (a Tandem stream) bridged to the event loop one
-  item at a time on a thread pool; closing the async iterator closes the generator on the
-  pool, after the step in flight.
+  item at a time on a thread pool; closing the async iterator (a cancelled call) closes the
+  generator on the pool, after the step in flight, also when that step was cancelled while it
+  still waited for a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Iterable
+from collections.abc import AsyncGenerator, Callable, Generator, Iterable
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -30,7 +32,7 @@ _DONE = object()
 
 async def iterate_in_thread(
     items: Generator[T, None, None], threads: ThreadPoolExecutor
-) -> AsyncIterator[T]:
+) -> AsyncGenerator[T, None]:
     """Yield from a blocking generator, each step on `threads`; closing this closes it there."""
     step: Future[Any] | None = None
     try:
@@ -45,8 +47,10 @@ async def iterate_in_thread(
         in_flight = step
 
         def close() -> None:
+            # A generator cannot be closed while it runs: wait for the step in flight. A step
+            # cancelled before a thread took it is done at once (`exception()` would raise).
             if in_flight is not None:
-                in_flight.exception()  # a generator cannot be closed while it runs
+                futures.wait([in_flight])
             items.close()
 
         threads.submit(close)

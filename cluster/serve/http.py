@@ -42,7 +42,7 @@ import logging
 import threading
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final, Literal, Protocol, cast
+from typing import Any, Final, Literal, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -181,10 +181,7 @@ class OpenAIHttp:
             raise
 
     async def _stream(self, route: Route, body: object, caller: Caller) -> Response:
-        chunks = cast(  # an async generator function's result: it has aclose
-            AsyncGenerator[dict[str, Any], None],
-            iterate_in_thread(self._openai.stream(route, body, caller), self._threads),
-        )
+        chunks = iterate_in_thread(self._openai.stream(route, body, caller), self._threads)
         try:
             # An error raised here is answered as a whole response; `chunks` closed itself.
             first = await anext(chunks)

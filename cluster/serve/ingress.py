@@ -42,6 +42,7 @@ set by `tandem serve`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import urllib.request
@@ -179,8 +180,10 @@ class RouterIngress:
     ) -> AsyncIterator[generate_pb2.GenerateChunk]:
         try:
             chunks = self._service.stream(request, _caller(grpc_context, timed=True))
-            async for chunk in iterate_in_thread(chunks, self._threads):
-                yield chunk
+            # Closed however the call ends (`async for` left by an exception does not close).
+            async with contextlib.aclosing(iterate_in_thread(chunks, self._threads)) as steps:
+                async for chunk in steps:
+                    yield chunk
         except asyncio.CancelledError:
             raise
         except Exception as error:
