@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import with_config
 
 from cluster.api.online_audit import AuditConfig
-from cluster.api.service import ServiceConfig
+from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import AuthConfig
 from cluster.config_parsing import PARSING, load_yaml, parse
 from cluster.presets import DEFAULT_PRESET, ModelPair, resolve_pair

@@ -206,7 +206,7 @@ class Auditor:
         """`message`, validated as Generate validates it, as it must run to be replayed: a
         seed-exact request without a seed gets one. `NotReplayableError` for a sampled
         request the rejection rule would serve."""
-        request, _ = self._service.to_request(message)
+        request, _ = self._service.reader.to_request(message)
         rule = replay_rule(request.sampling)
         if rule is None:
             named = message.sampling.rule == sampling_pb2.SAMPLING_RULE_REJECTION

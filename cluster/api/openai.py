@@ -67,8 +67,9 @@ from cluster.api.openai_structured import (
     parse_structured,
     tool_message,
 )
+from cluster.api.request_reader import check_context
 from cluster.api.sampling_rule import rule_to_proto
-from cluster.api.service import ANONYMOUS_CALL, Caller, check_context
+from cluster.api.service import ANONYMOUS_CALL, Caller
 from cluster.api.status import INTERNAL_ERROR_MESSAGE, status_of
 from cluster.replica.wire import grammar_to_wire
 from cluster.runtime.errors import InvalidArgumentError, TandemError
@@ -268,14 +269,14 @@ class OpenAIService:
         if structured.grammar is not None:
             message.grammar.CopyFrom(grammar_to_wire(structured.grammar))
             try:
-                self.service.grammar(message.grammar)
+                self.service.reader.grammar(message.grammar)
             except InvalidArgumentError as error:
                 raise OpenAIError(str(error), structured.source_field) from error
         return request, message, structured
 
     def _stop_token_ids(self, request: OpenAIRequest) -> tuple[int, ...]:
         try:
-            return self.service.check_stop_token_ids(request.stop_token_ids)
+            return self.service.reader.check_stop_token_ids(request.stop_token_ids)
         except InvalidArgumentError as error:
             raise OpenAIError(str(error), "stop_token_ids") from error
 
@@ -285,7 +286,7 @@ class OpenAIService:
             prompt.text = request.prompt
         elif structured.tools:
             try:  # the tools go into the prompt through the chat template
-                prompt.text = self.service.chat_prompt(request.messages, structured.tools)
+                prompt.text = self.service.reader.chat_prompt(request.messages, structured.tools)
             except InvalidArgumentError as error:
                 raise OpenAIError(str(error), "tools") from error
         elif request.prompt is not None:
@@ -296,7 +297,7 @@ class OpenAIService:
                 for role, content in request.messages
             )
         try:
-            return self.service.prompt_tokens(prompt)
+            return self.service.reader.prompt_tokens(prompt)
         except InvalidArgumentError as error:  # e.g. text that encodes to no tokens
             raise OpenAIError(str(error), request.prompt_field) from error
 

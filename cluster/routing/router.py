@@ -36,19 +36,8 @@ drafter, so the drafter's view simply gains its committed tokens like any others
 keeps an index of its history (`drafter.ngram.PromptLookup`), so a lookup, like the rest of a
 round's bookkeeping (`cluster.routing.generation`), costs O(new tokens), not O(history).
 
-Failover: replicas hold only soft state and the router holds every committed token, so when
-a replica fails a call (unreachable, or it no longer knows the session) the request moves on.
-A verifier is replaced by a spare of the pool, whose session is opened on the whole history
-(prompt and committed tokens) before the same block is verified again; so is one that refuses
-the session for lack of KV memory, at open (its planned growth does not fit: sessions are
-opened planned for what is left of `max_tokens`) or mid-request; a drafter is replaced
-the same way, or, with no spare, the request goes on with the target alone; so it does, with no
-spare sought, when its drafter refuses at a limit of its own (RESOURCE_EXHAUSTED: a context
-smaller than the verifier's, or a full session table). Greedy output is
-the same as without the failure, and so is seed-exact output (its noise is keyed by position);
-rejection-rule output keeps its distribution (the spare's generator starts afresh, so such a
-request is no longer repeatable across the failure). At most
-`MAX_FAILOVERS` per request, then the error goes to the caller.
+Failover (`cluster.routing.failover`): a request whose replica fails it moves to a spare, on
+its whole history, or, for a drafter with none, goes on with the target alone.
 
 Deadlines: a request with a `deadline` is checked against it before its sessions open and
 before every round; past it, `DeadlineExceededError` ends the request and its sessions are
@@ -69,7 +58,6 @@ same in-process and across the network.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -79,7 +67,9 @@ from llguidance import LLTokenizer
 
 from cluster.metrics import TandemMetrics
 from cluster.routing.draft_length import DraftLength, DraftLengthConfig, Plan
+from cluster.routing.failover import DRAFTER_FAILED, Failover
 from cluster.routing.generation import Decode, Draft, DrafterView, Generation
+from cluster.routing.output import decode_for, emit
 from cluster.routing.ports import DrafterPort, FixedReplicas, ReplicaPool, VerifierPort
 from cluster.routing.request import (
     FinishReason,
@@ -90,39 +80,14 @@ from cluster.routing.request import (
 )
 from cluster.routing.speculation_gate import GateConfig, SpeculationGate
 from cluster.runtime.block import DraftBlock, Verdict
-from cluster.runtime.errors import (
-    InvalidArgumentError,
-    ReplicaUnavailableError,
-    ResourceExhaustedError,
-    SessionNotFoundError,
-    TandemError,
-)
 from drafter.ngram import NgramConfig
 
 if TYPE_CHECKING:
     from cluster.runtime.audit import Replay
 
-logger = logging.getLogger(__name__)
-
 
 MAX_CONCURRENT_DRAFTS = 64
 """Drafts running ahead at once, across all requests of one router."""
-MAX_BACKGROUND_CLOSES = 4
-"""Threads closing, in the background, the sessions of replicas a request failed over from."""
-MAX_FAILOVERS = 4
-"""Replicas one request may replace (both sides together) before it fails."""
-LOST = (ReplicaUnavailableError, SessionNotFoundError)
-"""What a replica raises when the request's session there is gone: fail over. Never
-`DeadlineExceededError` (the request is out of time) nor `ResourceExhaustedError` (a limit)."""
-VERIFIER_MOVES = (*LOST, ResourceExhaustedError)
-"""What moves a request's verification to a spare verifier mid-request: LOST, or a verifier
-whose KV pool cannot hold the session's growth (a spare may have room; the full one's session
-is closed, freeing its blocks)."""
-DRAFTER_FAILED = Exception
-"""What a drafter call may raise without failing the request: LOST fails over to a spare
-drafter; anything else (a limit of its own, a refusal, an internal fault) ends drafting for the
-request, which goes on with the target alone (the drafter is optional). Only the request's own
-deadline, checked first, ends the request."""
 
 
 class RouterOptions(TypedDict, total=False):
@@ -209,12 +174,14 @@ class Router:
         """The opening round verifies only what prompt lookup proposes while the drafter reads
         the prompt; False: it waits for the drafter (tests of the first tokens' sampling)."""
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_DRAFTS, thread_name_prefix="draft-ahead")
-        self._closer = ThreadPoolExecutor(MAX_BACKGROUND_CLOSES, thread_name_prefix="close-old")
-        """Closes sessions left on replicas a request failed over from, off its path."""
+        # A lambda, not the bound method: `metrics` may be replaced after construction.
+        self._failover = Failover(
+            replicas, self._pool, lambda cause: self.metrics.drafter_degraded(cause)
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self._closer.shutdown(wait=True)
+        self._failover.close()
 
     def generate(
         self, request: GenerationRequest, pipelined: bool | None = None
@@ -286,7 +253,7 @@ class Router:
             use_pipeline = self.pipelined if pipelined is None else pipelined
             gen = Generation(
                 request,
-                self._decode_for(request),
+                decode_for(request, self._decode, self._decode_special),
                 stats,
                 pinned,
                 use_pipeline,
@@ -321,119 +288,17 @@ class Router:
                 constraint=gen.constraint,
             )
         try:
-            self._open_verifier(gen)
+            self._failover.open_verifier(gen)
         except BaseException:
-            self._close_drafter(gen)
+            self._failover.close_drafter(gen)
             raise
         try:
             yield from self._loop(gen)
         finally:
             try:
-                self._close_quietly("verifier", gen.verifier, gen.session_id)
+                self._failover.close_quietly("verifier", gen.verifier, gen.session_id)
             finally:
-                self._close_drafter(gen)
-
-    def _open_verifier(self, gen: Generation, resumed: bool = False) -> None:
-        """Open the request's session on its verifier, over the whole history (the prompt at
-        first; after a failover, every committed token too), planned to grow by what is left
-        of `max_tokens`; fail over while that fails or the verifier has no room for it.
-        `resumed`: the request already ran on another verifier (a failover), so no plan may
-        refuse it: it would fail midway."""
-        while True:
-            request = gen.request
-            try:
-                gen.verifier.open_session(
-                    gen.session_id,
-                    gen.history,
-                    request.sampling,
-                    request.seed,
-                    max_new_tokens=gen.remaining,
-                    resumed=resumed,
-                    constraint=gen.constraint,
-                )
-                return
-            except VERIFIER_MOVES as error:
-                self._replace(gen, "verifier", error)
-
-    def _verify(self, gen: Generation, block: DraftBlock, defer_bonus: bool) -> Verdict:
-        """Verify `block`; if the verifier fails, or its KV pool is full, verify it again on a
-        spare (with none, the error ends the request)."""
-        while True:
-            try:
-                return gen.verifier.verify(gen.session_id, block, defer_bonus=defer_bonus)
-            except VERIFIER_MOVES as error:
-                self._replace(gen, "verifier", error)
-                self._open_verifier(gen, resumed=True)
-
-    def _replace(self, gen: Generation, side: str, error: Exception) -> None:
-        """Pin a spare of `side` in place of the replica that raised `error`; re-raise it when
-        there is none, or this request has failed over too often. A lost drafter leaves the
-        request to the target alone rather than failing it. A request out of time does not
-        fail over (its replica may have dropped the session for that very reason)."""
-        gen.check_deadline()
-        if side == "drafter" and not isinstance(error, LOST):
-            # A limit (a spare would be as full), a refusal or a fault of the drafter's own:
-            # drop the drafter, go on with the target alone.
-            cause = error.status.lower() if isinstance(error, TandemError) else "internal"
-            logger.log(
-                logging.INFO if isinstance(error, ResourceExhaustedError) else logging.WARNING,
-                "request %s: drafting stops (%s): %s",
-                gen.session_id,
-                cause,
-                error,
-            )
-            self.metrics.drafter_degraded(cause)
-            self._close_drafter(gen)
-            gen.drafter_port, gen.drafter_opening = None, None
-            gen.drafter = DrafterView(base_length=gen.committed)
-            return
-        failed_id = gen.verifier_id if side == "verifier" else gen.drafter_id
-        full = isinstance(error, ResourceExhaustedError)
-        (gen.full if full else gen.failed).add(failed_id)
-        logger.log(
-            logging.INFO if full else logging.WARNING,
-            "request %s: %s %s %s: %s",
-            gen.session_id,
-            side,
-            failed_id,
-            "had no room" if full else "failed",
-            error,
-        )
-        failed_port = gen.verifier if side == "verifier" else gen.drafter_port
-        if failed_port is not None and not isinstance(error, SessionNotFoundError):
-            # It may only have been slow or cut off: free the session it may still hold now
-            # rather than at its idle TTL, without holding up the request.
-            self._closer.submit(self._close_quietly, side, failed_port, gen.session_id)
-        spare = None
-        if len(gen.failed) + len(gen.full) <= MAX_FAILOVERS:
-            # A replica lost this request is never tried again; one that was full only when
-            # the request looks for room again.
-            excluded = gen.failed | gen.full if full else gen.failed
-            spare = self._replicas.spare(side, frozenset(excluded), deadline=gen.request.deadline)
-        if spare is not None:
-            gen.releases.append(spare.release)
-        if side == "verifier":
-            if spare is None:
-                raise error
-            gen.verifier, gen.verifier_id = spare.port, spare.replica_id
-            return
-        gen.drafter_opening = None
-        gen.drafter = DrafterView(base_length=gen.committed)
-        if spare is None:
-            gen.drafter_port = None  # on with the target alone (and prompt lookup)
-            return
-        gen.drafter_port, gen.drafter_id = spare.port, spare.replica_id
-        gen.stats.drafters.append(spare.replica_id)
-        request = gen.request
-        gen.drafter_opening = self._pool.submit(
-            spare.port.open_session,
-            gen.session_id,
-            list(gen.history),
-            request.sampling,
-            request.seed,
-            max_new_tokens=gen.remaining,
-            constraint=gen.constraint,
-        )
+                self._failover.close_drafter(gen)
 
     def _loop(self, gen: Generation) -> Iterator[GenerationChunk]:
         draft: Draft | None = None  # a block drafted ahead that is still valid
@@ -458,7 +323,7 @@ class Router:
                 # A looked-up block ahead is ready at once: the verify pass then runs alone.
                 overlapped = ahead is not None and not ahead.done()
                 started = time.perf_counter()
-                verdict = self._verify(gen, block, defer_bonus=ahead is not None)
+                verdict = self._failover.verify(gen, block, defer_bonus=ahead is not None)
                 if not opening:  # the opening pass runs beside the drafter's prefill
                     verify_s = time.perf_counter() - started
                     gen.lengths.observe_verify(verify_s, overlapped, verdict.load)
@@ -478,9 +343,9 @@ class Router:
                 self._count(gen.stats, block, verdict, next_draft)
                 draft = self._after_verdict(gen, block, verdict, next_draft)
                 if lost is not None:
-                    self._replace(gen, "drafter", lost)
+                    self._failover.replace(gen, "drafter", lost)
 
-                chunk = self._emit(gen, verdict)
+                chunk = emit(gen, verdict, self._eos_token_ids)
                 yield chunk
                 if chunk.finish_reason is not None:
                     return
@@ -505,7 +370,7 @@ class Router:
                 gen.session_id, view.base_length, view.behind, num_tokens, view.truncate_to
             )
         except DRAFTER_FAILED as error:
-            self._replace(gen, "drafter", error)
+            self._failover.replace(gen, "drafter", error)
             return self._draft_now(gen, num_tokens, by_drafter)
         draft_s = time.perf_counter() - started
         gen.lengths.observe_draft(len(block.tokens), draft_s, load=block.load)
@@ -528,7 +393,7 @@ class Router:
         try:
             port = gen.ready_drafter()
         except DRAFTER_FAILED as error:
-            self._replace(gen, "drafter", error)
+            self._failover.replace(gen, "drafter", error)
             return None
         # The drafter catches up on what its view lacks, then on `block` itself (a no-op
         # suffix when `block` came from it: its view then lacks nothing).
@@ -583,72 +448,3 @@ class Router:
                 stats.pipeline_hits += 1
             else:
                 stats.pipeline_misses += 1
-
-    def _decode_for(self, request: GenerationRequest) -> Decode:
-        """The decode function of `request`'s text: special tokens left out, or kept."""
-        if request.skip_special_tokens:
-            return self._decode
-        if self._decode_special is None:
-            raise InvalidArgumentError(
-                "skip_special_tokens false is not supported by this router: it has no "
-                "decode function that keeps special tokens"
-            )
-        return self._decode_special
-
-    def _emit(self, gen: Generation, verdict: Verdict) -> GenerationChunk:
-        """Commit the verdict's tokens to the output, applying end tokens and stop strings.
-
-        An end token (end-of-sequence unless the request ignores it, or one of its
-        `stop_token_ids`) at output position `min_tokens` or later ends the output, finish
-        reason stop. As in vLLM, it is the output's last token, but its text is left out (vLLM
-        does not decode it), so a stop token id never shows in the text."""
-        request = gen.request
-        new_tokens = list(verdict.tokens[: gen.remaining])
-        end_at = self._end_at(request, gen.text.num_tokens, new_tokens)
-        text_tokens = new_tokens if end_at is None else new_tokens[:end_at]
-        step = gen.text.add(text_tokens)
-        text = step.text
-        finish: FinishReason | None = None
-        if step.stopped:
-            finish = FinishReason.STOP
-            tokens = text_tokens[: step.num_tokens_kept]
-        else:
-            if end_at is not None:
-                finish = FinishReason.STOP
-            elif gen.remaining == 0:
-                finish = FinishReason.LENGTH
-            tokens = new_tokens[: len(text_tokens) + (end_at is not None)]
-            if finish is not None:
-                text += gen.text.finish()
-        return GenerationChunk(tokens=tuple(tokens), text=text, finish_reason=finish)
-
-    def _end_at(
-        self, request: GenerationRequest, num_before: int, tokens: Sequence[int]
-    ) -> int | None:
-        """Where in `tokens` (which follow `num_before` output tokens) the first end token that
-        may end the output stands; None if none does."""
-        stop_ids = frozenset(request.stop_token_ids)
-        eos = frozenset() if request.ignore_eos else self._eos_token_ids
-        first = max(request.min_tokens - num_before, 0)  # before it, end tokens do not end
-        return next(
-            (i for i in range(first, len(tokens)) if tokens[i] in eos or tokens[i] in stop_ids),
-            None,
-        )
-
-    @classmethod
-    def _close_drafter(cls, gen: Generation) -> None:
-        """Close the drafter's session, once it has opened (if opening failed, nothing is)."""
-        if gen.drafter_port is None:
-            return
-        if gen.drafter_opening is not None and gen.drafter_opening.exception() is not None:
-            return
-        cls._close_quietly("drafter", gen.drafter_port, gen.session_id)
-
-    @staticmethod
-    def _close_quietly(side: str, port: DrafterPort | VerifierPort, session_id: str) -> None:
-        """Close a session, best effort: a replica that cannot be reached, is too busy to take
-        the call or fails it drops the session itself after its time limit or TTL."""
-        try:
-            port.close_session(session_id)
-        except Exception as error:
-            logger.warning("could not close session %s on the %s: %s", session_id, side, error)

@@ -10,7 +10,7 @@
 - the router's counters on the metrics agent's Prometheus page (`degraded`: the requests whose
   drafting stopped on a drafter error, `tandem_drafter_degraded_total{cause}`);
 - failovers, which no metric counts: the router logs each one ("request R: <side> <replica>
-  failed: <error>", `cluster.routing.router`), so they are counted in the cluster's log files,
+  failed: <error>", `cluster.routing.failover`), so they are counted in the cluster's log files,
   once per request, side and replica, by side and cause (`failover_cause`).
 """
 
@@ -37,7 +37,7 @@ FAILOVER_LINE = re.compile(
     r"request (\S+): (drafter|verifier) (\S+) (?:failed|had no room): (.*)$", re.M
 )
 """The router's line when a request leaves a failed replica, or a verifier with no room for
-it (`Router._replace`)."""
+it (`Failover.replace`)."""
 STATUS_IN_ERROR = re.compile(r"\b([A-Z][A-Z_]{4,}): ")
 KV_FULL = "kv_full"
 """The cause of a verifier left for a spare because its KV pool could not hold the session."""

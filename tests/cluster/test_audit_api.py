@@ -30,7 +30,8 @@ from cluster.api.audit import Served
 from cluster.api.client import TandemClient, TandemClientError, build_request
 from cluster.api.online_audit import AuditConfig, OnlineAudit
 from cluster.api.openai import OpenAIService
-from cluster.api.service import Caller, ServiceConfig, TandemService
+from cluster.api.service import Caller, TandemService
+from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import Tenants
 from cluster.config import TandemConfig
 from cluster.local import LocalTandem, text_decoder

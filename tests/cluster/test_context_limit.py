@@ -13,7 +13,8 @@ import grpc
 import pytest
 
 from cluster.api.client import TandemClient
-from cluster.api.service import TandemService, check_context
+from cluster.api.request_reader import check_context
+from cluster.api.service import TandemService
 from cluster.api.status import status_of
 from cluster.api.tenants import Tenants
 from cluster.local import LocalTandem
@@ -112,7 +113,7 @@ def test_without_a_limit_the_service_does_not_check(local_tandem: LocalTandem) -
     service = TandemService(
         local_tandem.router, local_tandem.tokenizer, tenants=Tenants.unauthenticated()
     )
-    request, _ = service.to_request(_message(tuple(range(5, 305)), 4000))
+    request, _ = service.reader.to_request(_message(tuple(range(5, 305)), 4000))
     assert request.max_tokens == 4000
     with pytest.raises(InvalidArgumentError, match="max_context_tokens must be >= 1"):
         _service(local_tandem.router, local_tandem, 0)

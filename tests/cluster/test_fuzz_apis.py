@@ -19,7 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.api.service import ServiceConfig, TandemService
+from cluster.api.service import TandemService
+from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import AuthConfig, TenantConfig, Tenants, hash_api_key, new_api_key
 from cluster.local import LocalTandem
 from cluster.replica.rpc import SECRET_METADATA_KEY

@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster.api.openai import OpenAIService
-from cluster.api.service import ServiceConfig, TandemService
+from cluster.api.service import TandemService
+from cluster.api.service_config import ServiceConfig
 from cluster.api.status import INTERNAL_ERROR_MESSAGE
 from cluster.api.tenants import Tenants
 from cluster.local import LocalTandem

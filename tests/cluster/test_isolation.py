@@ -17,7 +17,8 @@ import grpc
 import pytest
 
 from cluster.api.client import TandemClient, TandemClientError
-from cluster.api.service import ServiceConfig, TandemService
+from cluster.api.service import TandemService
+from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import AuthConfig, TenantConfig, Tenants, hash_api_key, new_api_key
 from cluster.local import LocalTandem, text_decoder
 from cluster.routing.router import Router

@@ -16,7 +16,8 @@ import pytest
 
 from cluster.api.client import TandemClientError, build_request
 from cluster.api.openai import OpenAIError, OpenAIService, Route, error_response
-from cluster.api.service import ServiceConfig, TandemService
+from cluster.api.service import TandemService
+from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import Tenants
 from cluster.local import LocalTandem
 from cluster.routing.request import GenerationRequest
@@ -159,12 +160,12 @@ def test_the_extras_reach_the_router_request(openai: OpenAIService) -> None:
             True, 5, [7, 9],
         )  # fmt: skip
         assert message.HasField("skip_special_tokens") and not message.skip_special_tokens
-        request, _ = openai.service.to_request(message)
+        request, _ = openai.service.reader.to_request(message)
         assert (request.ignore_eos, request.min_tokens, request.stop_token_ids) == (True, 5, (7, 9))
         assert request.skip_special_tokens is False
     _, message = openai.to_generate_request("completions", body("completions"))
     assert not message.HasField("skip_special_tokens")  # unset: true, the server's default
-    request, _ = openai.service.to_request(message)
+    request, _ = openai.service.reader.to_request(message)
     assert (request.ignore_eos, request.min_tokens, request.stop_token_ids) == (False, 0, ())
     assert request.skip_special_tokens is True
 
@@ -172,10 +173,10 @@ def test_the_extras_reach_the_router_request(openai: OpenAIService) -> None:
 def test_grpc_stop_token_ids_outside_the_vocabulary_are_refused(service: TandemService) -> None:
     message = generate_pb2.GenerateRequest(text="x", max_tokens=4, stop_token_ids=[tiny.VOCAB_SIZE])
     with pytest.raises(InvalidArgumentError, match=r"stop_token_ids must be token ids in 0\.\.256"):
-        service.to_request(message)
+        service.reader.to_request(message)
     message = generate_pb2.GenerateRequest(text="x", max_tokens=4, min_tokens=5)
     with pytest.raises(InvalidArgumentError, match=r"min_tokens must be in 0\.\.max_tokens"):
-        service.to_request(message)
+        service.reader.to_request(message)
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -264,7 +265,13 @@ def test_vllms_parameters_at_their_neutral_values_are_accepted(openai: OpenAISer
 def test_which_end_token_ends_the_output(local_tandem: LocalTandem) -> None:
     """The router's rule alone (the replicas also mask end tokens before `min_tokens`): the
     first end token at output position `min_tokens` or later ends the output."""
-    end_at = local_tandem.router._end_at
+    from cluster.routing.output import end_at as router_end_at
+
+    eos_token_ids = local_tandem.router._eos_token_ids
+
+    def end_at(request: GenerationRequest, num_before: int, tokens: list[int]) -> int | None:
+        return router_end_at(request, num_before, tokens, eos_token_ids)
+
     prompt = encode(local_tandem, "x")
 
     def request(**fields: Any) -> GenerationRequest:

@@ -20,7 +20,8 @@ from cluster.api.openai import (
     served_model_name,
 )
 from cluster.api.running import RequestNotFoundError
-from cluster.api.service import Caller, RequestCancelledError, ServiceConfig, TandemService
+from cluster.api.service import Caller, RequestCancelledError, TandemService
+from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import (
     AuthConfig,
     PermissionDeniedError,
@@ -144,7 +145,9 @@ def test_chat_equals_generate_with_chat_and_with_its_text(
     openai: OpenAIService, service: TandemService
 ) -> None:
     from_chat = service.generate(tandem_request("chat.completions"))
-    as_text = generate_pb2.GenerateRequest(text=service.chat_prompt(CHAT_PROMPT), max_tokens=12)
+    as_text = generate_pb2.GenerateRequest(
+        text=service.reader.chat_prompt(CHAT_PROMPT), max_tokens=12
+    )
     assert service.generate(as_text).text == from_chat.text
     result = openai.complete("chat.completions", body("chat.completions"))
     assert result["id"].startswith("chatcmpl-") and result["object"] == "chat.completion"
@@ -274,7 +277,7 @@ def test_default_max_tokens(openai: OpenAIService, service: TandemService) -> No
         "chat.completions", body("chat.completions", max_tokens=DROP)
     )
     # The room the context leaves after the prompt (below the server's limit here).
-    num_prompt = len(service.prompt_tokens(tandem_request("chat.completions")))
+    num_prompt = len(service.reader.prompt_tokens(tandem_request("chat.completions")))
     assert chat.max_tokens == CONTEXT - num_prompt < LIMIT
 
 

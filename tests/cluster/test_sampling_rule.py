@@ -2,7 +2,7 @@
 
 Resolution: a request's own rule wins; an unnamed one takes the server's default, `auto`
 meaning seed-exact exactly when the request carries a seed. The tests walk the whole table
-through `resolve_seed_exact` and through `TandemService.to_request` under each server default,
+through `resolve_seed_exact` and through `RequestReader.to_request` under each server default,
 then every door a rule comes in by: the replica wire (`sampling_to_wire` / `sampling_from_wire`,
 round trip, out-of-range values), the OpenAI body's `sampling_rule` field (accepted values, a
 400 naming the field), the gRPC client's `build_request`, the config file, and the verifier's
@@ -30,7 +30,8 @@ from cluster.api.sampling_rule import (
     rule_name,
     rule_to_proto,
 )
-from cluster.api.service import ServiceConfig, TandemService
+from cluster.api.service import TandemService
+from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import Tenants
 from cluster.config import TandemConfig
 from cluster.local import LocalTandem
@@ -165,13 +166,13 @@ def message(rule: int, seeded: bool, temperature: float = 0.8) -> generate_pb2.G
 def test_to_request_sets_the_resolved_rule(
     services: dict[str, TandemService], rule: int, seeded: bool, default: str, expected: bool
 ) -> None:
-    converted, _ = services[default].to_request(message(rule, seeded))
+    converted, _ = services[default].reader.to_request(message(rule, seeded))
     assert converted.sampling.seed_exact is expected
     assert converted.sampling.draws_seed_exact is expected
     if seeded:
         assert converted.seed == 42
     # A greedy request resolves the same way, and draws nothing either way.
-    greedy, _ = services[default].to_request(message(rule, seeded, temperature=0.0))
+    greedy, _ = services[default].reader.to_request(message(rule, seeded, temperature=0.0))
     assert greedy.sampling.seed_exact is expected and not greedy.sampling.draws_seed_exact
 
 
@@ -180,7 +181,7 @@ def test_to_request_refuses_a_rule_that_is_no_sampling_rule(
 ) -> None:
     for seeded in (False, True):
         with pytest.raises(InvalidArgumentError, match="is not a SamplingRule") as raised:
-            services[AUTO].to_request(message(OUT_OF_RANGE, seeded))
+            services[AUTO].reader.to_request(message(OUT_OF_RANGE, seeded))
         assert raised.value.status == "INVALID_ARGUMENT"
 
 
@@ -279,7 +280,7 @@ def test_a_seeded_openai_request_is_the_reference_under_auto_and_not_under_rejec
     for seed in range(4):
         fields = {"seed": seed, "top_p": 0.9, "max_tokens": 24, "draft_tokens": 4}
         _, auto = openai.to_generate_request("completions", body("completions", **fields))
-        converted, _ = service.to_request(auto)  # the settings as the router gets them
+        converted, _ = service.reader.to_request(auto)  # the settings as the router gets them
         assert converted.sampling.seed_exact
         expected = reference_generate(
             local_tandem.target,

@@ -17,7 +17,8 @@ from cluster.api.convert import (
     stats_from_proto,
     stats_to_proto,
 )
-from cluster.api.service import RequestCancelledError, ServiceConfig, TandemService
+from cluster.api.service import RequestCancelledError, TandemService
+from cluster.api.service_config import ServiceConfig
 from cluster.api.status import INTERNAL_ERROR_MESSAGE, status_of
 from cluster.api.tenants import Tenants
 from cluster.local import LocalTandem
@@ -80,7 +81,7 @@ def test_stats_round_trip() -> None:
 
 
 def test_defaults_fill_unset_fields(service: TandemService, local_tandem: LocalTandem) -> None:
-    converted, pipelined = service.to_request(request())
+    converted, pipelined = service.reader.to_request(request())
     expected_ids = local_tandem.tokenizer.encode(CODE_PROMPT, add_special_tokens=False)
     assert converted == GenerationRequest(
         prompt_tokens=tuple(expected_ids),
@@ -92,12 +93,12 @@ def test_defaults_fill_unset_fields(service: TandemService, local_tandem: LocalT
     )
     assert pipelined is False
     # An unset seed is a fresh random one per request (generate.proto), not a fixed default.
-    seeds = {service.to_request(request())[0].seed for _ in range(8)}
+    seeds = {service.reader.to_request(request())[0].seed for _ in range(8)}
     assert len(seeds) > 1
 
 
 def test_set_fields_are_taken_as_sent(service: TandemService) -> None:
-    converted, pipelined = service.to_request(
+    converted, pipelined = service.reader.to_request(
         request(
             [5, 6, 7],
             sampling=sampling_pb2.SamplingParams(temperature=0.5, top_p=0.75, top_k=20),
@@ -146,7 +147,7 @@ def test_bad_fields_are_invalid_arguments(
 ) -> None:
     message_fields = request(**fields)
     with pytest.raises(InvalidArgumentError) as error:
-        service.to_request(message_fields)
+        service.reader.to_request(message_fields)
     assert message in str(error.value)
     assert status_of(error.value) == (grpc.StatusCode.INVALID_ARGUMENT, str(error.value))
     # stream() validates at once, before the first chunk is asked for.
@@ -180,7 +181,7 @@ def test_unary_equals_router_and_stream_concatenates_to_it(
         seed=7,
         speculation=generate_pb2.SpeculationSettings(draft_tokens=4, pipelined=pipelined),
     )
-    converted, _ = service.to_request(message)
+    converted, _ = service.reader.to_request(message)
     expected = local_tandem.router.generate(converted, pipelined=pipelined)
 
     response = service.generate(message)

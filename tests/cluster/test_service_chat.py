@@ -57,9 +57,9 @@ def chat_request(
 
 def test_the_tiny_template_is_chatml(service: TandemService) -> None:
     assert tiny.build_tokenizer().chat_template == tiny.CHAT_TEMPLATE
-    assert service.chat_prompt(CONVERSATION) == RENDERED
+    assert service.reader.chat_prompt(CONVERSATION) == RENDERED
     # A conversation that ends with the assistant still gets a new assistant turn opened.
-    assert service.chat_prompt([("assistant", "x")]) == (
+    assert service.reader.chat_prompt([("assistant", "x")]) == (
         "<|im_start|>assistant\nx<|im_end|>\n<|im_start|>assistant\n"
     )
 
@@ -68,7 +68,7 @@ def test_chat_equals_its_rendered_text(service: TandemService, local_tandem: Loc
     chat = chat_request()
     as_text = generate_pb2.GenerateRequest(text=RENDERED, max_tokens=12)
     expected_ids = tuple(local_tandem.tokenizer.encode(RENDERED, add_special_tokens=False))
-    assert service.prompt_tokens(chat) == expected_ids
+    assert service.reader.prompt_tokens(chat) == expected_ids
     # Sampled with the same seed: any difference in the prompt would show in the tokens.
     for message in (chat, as_text):
         message.sampling.CopyFrom(sampling_pb2.SamplingParams(temperature=0.8))
@@ -122,9 +122,9 @@ def test_a_template_that_refuses_the_conversation_is_an_invalid_argument(
         "{% endif %}{{ messages[0]['content'] }}"
     )
     service = TandemService(local_tandem.router, tokenizer, tenants=Tenants.unauthenticated())
-    assert service.chat_prompt([("user", "hi")]) == "hi"
+    assert service.reader.chat_prompt([("user", "hi")]) == "hi"
     with pytest.raises(InvalidArgumentError, match=r"chat template refused .*user speaks first"):
-        service.chat_prompt([("system", "hi")])
+        service.reader.chat_prompt([("system", "hi")])
 
 
 def test_build_request_takes_messages() -> None:
@@ -162,4 +162,6 @@ def test_generate_chat_sends_one_user_message(
     result = json.loads(capsys.readouterr().out)
     expected = service.generate(chat_request((("user", prompt),)))
     assert result["tokens"] == list(expected.token_ids)
-    assert result["num_prompt_tokens"] == len(service.chat_prompt([("user", prompt)]).encode())
+    assert result["num_prompt_tokens"] == len(
+        service.reader.chat_prompt([("user", prompt)]).encode()
+    )

@@ -14,7 +14,7 @@ the target with llguidance's own matcher masking each step (not Tandem's `TokenM
   fails that test.
 - 200 sampled JSON outputs all parse and validate against their schema, finish reason stop.
 - `min_tokens` masks end-of-sequence and `stop_token_ids` until it is reached.
-- A bad grammar is refused by `TandemService.to_request` (INVALID_ARGUMENT naming the field).
+- A bad grammar is refused by `RequestReader.to_request` (INVALID_ARGUMENT naming the field).
 """
 
 from __future__ import annotations
@@ -499,14 +499,14 @@ def test_a_bad_grammar_is_refused(
         text="x", max_tokens=8, grammar=sampling_pb2.Grammar(**{kind: source})
     )
     with pytest.raises(InvalidArgumentError, match=rf"grammar\.{kind}"):
-        service.to_request(message)
+        service.reader.to_request(message)
 
 
 def test_a_good_grammar_is_taken(service: TandemService) -> None:
     message = generate_pb2.GenerateRequest(
         text="x", max_tokens=8, grammar=sampling_pb2.Grammar(regex="[ab]+")
     )
-    request, _ = service.to_request(message)
+    request, _ = service.reader.to_request(message)
     assert request.grammar == Grammar("regex", "[ab]+")
 
 

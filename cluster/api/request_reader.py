@@ -1,0 +1,182 @@
+"""A `GenerateRequest` read into the router's `GenerationRequest`, validated (`RequestReader`).
+
+A text prompt is tokenized with the target's tokenizer, `add_special_tokens=False`, so the ids
+are exactly the text's; chat messages are rendered by the target's chat template first
+(`cluster.api.chat`), and their text tokenized the same way. `TandemService` reads every request
+through one reader (`TandemService.reader`), as does the OpenAI-compatible API
+(`cluster.api.openai`) for the parts it checks itself.
+
+Validation: every bad field raises `InvalidArgumentError` (INVALID_ARGUMENT) naming the field.
+Proto3 cannot tell a plain scalar's 0 from unset, so `max_tokens` 0 is an error like any value
+below 1, never a silent default. `max_tokens` above `ServiceConfig.max_tokens_limit` is
+INVALID_ARGUMENT too, not RESOURCE_EXHAUSTED: the limit is fixed configuration, so the same
+request can never succeed on this server, while RESOURCE_EXHAUSTED tells a client to back off
+and retry. Unset optional fields take defaults: `top_p` 1.0 (no nucleus cut), `seed` a fresh
+random one (as generate.proto promises; send a seed to make sampling repeatable),
+`draft_tokens` and `pipelined` from `ServiceConfig`, `skip_special_tokens` true. Prompt token
+ids are checked against the vocabulary by the verifier when the request starts;
+`stop_token_ids` against the tokenizer's here (`check_stop_token_ids`). `ignore_eos`,
+`min_tokens` (at most `max_tokens`) and `stop_token_ids` reach the router as they are: how
+each ends a generation is `cluster.routing.output`'s.
+
+Context limit: given the verifier replicas' `max_context_tokens` (the Serve ingress passes
+`TandemConfig.verifier_limits`), a request whose prompt plus `max_tokens` exceeds it is
+INVALID_ARGUMENT before anything runs, naming the limit and the largest `max_tokens` that
+fits: the router keeps every pass within prompt plus `max_tokens`, so a request admitted never
+meets the limit mid-stream, and one refused could never have finished. A drafter with a
+smaller context only stops drafting when it is full (`cluster.routing.failover`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from cluster.api.chat import render_chat
+from cluster.api.sampling_rule import resolve_seed_exact
+from cluster.api.service_config import ServiceConfig
+from cluster.replica.wire import grammar_from_wire, sampling_from_wire
+from cluster.routing.request import GenerationRequest
+from cluster.runtime.constraint import Grammar, check_grammar, grammar_tokenizer_of
+from cluster.runtime.errors import InvalidArgumentError
+from protos import generate_pb2, sampling_pb2
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class RequestReader:
+    """Reads public requests into the router's, for one target tokenizer and configuration."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        config: ServiceConfig,
+        max_context_tokens: int | None,
+    ) -> None:
+        """`max_context_tokens`: the verifier replicas' context limit, which prompt plus
+        `max_tokens` may not exceed (None: not checked here)."""
+        if max_context_tokens is not None and max_context_tokens < 1:
+            raise InvalidArgumentError(f"max_context_tokens must be >= 1, got {max_context_tokens}")
+        self.max_context_tokens = max_context_tokens
+        self.config = config
+        self._tokenizer = tokenizer
+        eos = tokenizer.eos_token_id
+        self._grammar_tokenizer = grammar_tokenizer_of(tokenizer, [] if eos is None else [eos])
+
+    def grammar(self, message: sampling_pb2.Grammar) -> Grammar | None:
+        """The request's grammar, checked to compile for the target's tokenizer (an
+        InvalidArgumentError naming `grammar.<kind>` before any work otherwise)."""
+        grammar = grammar_from_wire(message)
+        if grammar is not None:
+            check_grammar(grammar, self._grammar_tokenizer())
+        return grammar
+
+    def to_request(
+        self, message: generate_pb2.GenerateRequest, deadline: float | None = None
+    ) -> tuple[GenerationRequest, bool]:
+        """The router's request for `message`, and whether to pipeline it; validated."""
+        max_tokens = message.max_tokens
+        if max_tokens < 1:
+            raise InvalidArgumentError(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_tokens > self.config.max_tokens_limit:
+            raise InvalidArgumentError(
+                f"max_tokens must be <= {self.config.max_tokens_limit} on this server, "
+                f"got {max_tokens}"
+            )
+        seeded = message.HasField("seed")
+        sampling = dataclasses.replace(
+            sampling_from_wire(message.sampling),
+            seed_exact=resolve_seed_exact(message.sampling.rule, seeded, self.config.sampling_rule),
+        )
+        speculation = message.speculation
+        prompt_tokens = self.prompt_tokens(message)
+        if self.max_context_tokens is not None:
+            check_context(len(prompt_tokens), max_tokens, self.max_context_tokens)
+        request = GenerationRequest(
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            seed=message.seed if seeded else secrets.randbits(64),
+            stop=tuple(message.stop),
+            draft_tokens=(
+                speculation.draft_tokens
+                if speculation.HasField("draft_tokens")
+                else self.config.default_draft_tokens
+            ),
+            deadline=deadline,
+            grammar=self.grammar(message.grammar),
+            min_tokens=message.min_tokens,
+            stop_token_ids=self.check_stop_token_ids(message.stop_token_ids),
+            ignore_eos=message.ignore_eos,
+            skip_special_tokens=(
+                message.skip_special_tokens if message.HasField("skip_special_tokens") else True
+            ),
+        )
+        pipelined = (
+            speculation.pipelined
+            if speculation.HasField("pipelined")
+            else self.config.default_pipelined
+        )
+        return request, pipelined
+
+    def check_stop_token_ids(self, token_ids: Sequence[int]) -> tuple[int, ...]:
+        """`token_ids` as a tuple, each checked to be a token of the target's tokenizer."""
+        vocab_size = len(self._tokenizer)
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidArgumentError(
+                f"stop_token_ids must be token ids in 0..{vocab_size - 1} (the tokenizer's "
+                f"vocabulary), got {bad[0]}"
+            )
+        return tuple(token_ids)
+
+    def chat_prompt(
+        self, messages: Sequence[tuple[str, str]], tools: Sequence[Mapping[str, Any]] = ()
+    ) -> str:
+        """The prompt text the target's chat template makes of (role, content) `messages` and
+        function `tools`, ending with the assistant's turn open (`cluster.api.chat`)."""
+        return render_chat(self._tokenizer, messages, tools)
+
+    def prompt_tokens(self, message: generate_pb2.GenerateRequest) -> tuple[int, ...]:
+        """The prompt of `message` as token ids: text and rendered chat messages are tokenized
+        with `add_special_tokens=False`, token ids are taken as given; validated."""
+        which = message.WhichOneof("prompt")
+        if which == "text":
+            if message.text == "":
+                raise InvalidArgumentError("prompt text must not be empty")
+            return self._encode(message.text, "prompt text")
+        if which == "token_ids":
+            if not message.token_ids.ids:
+                raise InvalidArgumentError("prompt token_ids must not be empty")
+            return tuple(message.token_ids.ids)
+        if which == "chat":
+            messages = [(m.role, m.content) for m in message.chat.messages]
+            return self._encode(self.chat_prompt(messages), "chat prompt")
+        raise InvalidArgumentError("prompt is missing: set text or token_ids, or chat")
+
+    def _encode(self, text: str, what: str) -> tuple[int, ...]:
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise InvalidArgumentError(f"{what} encodes to no tokens")
+        return tuple(int(token) for token in ids)
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int, max_context_tokens: int) -> None:
+    """Raise `InvalidArgumentError` unless the prompt plus `max_tokens` fits the context."""
+    if num_prompt_tokens + max_tokens <= max_context_tokens:
+        return
+    exceeds = (
+        f"prompt of {num_prompt_tokens} tokens plus max_tokens {max_tokens} exceeds the context "
+        f"limit of {max_context_tokens} tokens"
+    )
+    if num_prompt_tokens >= max_context_tokens:
+        raise InvalidArgumentError(
+            f"{exceeds}; the prompt alone fills it: shorten the prompt so that prompt plus "
+            f"max_tokens is at most {max_context_tokens}"
+        )
+    raise InvalidArgumentError(
+        f"{exceeds}; lower max_tokens to at most {max_context_tokens - num_prompt_tokens}"
+    )
