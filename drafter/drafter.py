@@ -55,6 +55,7 @@ from cluster.runtime.session import (
     check_seed,
     check_token_ids,
 )
+from cluster.runtime.task import each_alone_if_refused
 
 
 @dataclass(frozen=True)
@@ -260,43 +261,29 @@ class _DraftRow:
 
 def _seed_exact_step(batch: list[_DraftRow]) -> list[int | Exception]:
     """Every seed-exact session of a step: its q as used from one `logits_to_probs_rows` call,
-    its token the Gumbel-max draw keyed by (seed, position) from one `gumbel_tokens` call.
-    Logits the calls refuse are retried row by row, so that only the sessions at fault fail."""
-    try:
-        probs = logits_to_probs_rows(
-            torch.cat([row.logits for row in batch]), [row.sampling for row in batch]
-        )
-        keys = [row.key for row in batch if row.key is not None]
-        return list(gumbel_tokens(probs, [k[0] for k in keys], [k[1] for k in keys]))
-    except InvalidArgumentError:
-        if len(batch) == 1:
-            raise
-    results: list[int | Exception] = []
-    for row in batch:
-        try:
-            results.extend(_seed_exact_step([row]))
-        except InvalidArgumentError as error:
-            results.append(error)
-    return results
+    its token the Gumbel-max draw keyed by (seed, position) from one `gumbel_tokens` call;
+    only the sessions whose logits the calls refuse fail (`each_alone_if_refused`)."""
+    return each_alone_if_refused(_seed_exact_tokens, batch)
+
+
+def _seed_exact_tokens(batch: list[_DraftRow]) -> list[int]:
+    probs = logits_to_probs_rows(
+        torch.cat([row.logits for row in batch]), [row.sampling for row in batch]
+    )
+    keys = [row.key for row in batch if row.key is not None]
+    return list(gumbel_tokens(probs, [k[0] for k in keys], [k[1] for k in keys]))
 
 
 def _sample_step(batch: list[_DraftRow]) -> list[tuple[int, SparseDistribution] | Exception]:
     """Every sampled session of a step: its q as used from one `logits_to_probs_rows` call (each
-    row under its own settings), its token drawn with its own generator, and q kept sparse.
-    Logits the call refuses are retried row by row, so that only the sessions at fault fail."""
-    try:
-        probs = logits_to_probs_rows(
-            torch.cat([row.logits for row in batch]), [row.sampling for row in batch]
-        )
-        tokens = sample_rows(probs, [row.generator for row in batch])
-        return [(token, to_sparse(q)) for token, q in zip(tokens, probs, strict=True)]
-    except InvalidArgumentError:
-        if len(batch) == 1:
-            raise
-    results: list[tuple[int, SparseDistribution] | Exception] = []
-    for row in batch:
-        try:
-            results.extend(_sample_step([row]))
-        except InvalidArgumentError as error:
-            results.append(error)
-    return results
+    row under its own settings), its token drawn with its own generator, and q kept sparse;
+    only the sessions whose logits the call refuses fail (`each_alone_if_refused`)."""
+    return each_alone_if_refused(_sampled_tokens, batch)
+
+
+def _sampled_tokens(batch: list[_DraftRow]) -> list[tuple[int, SparseDistribution]]:
+    probs = logits_to_probs_rows(
+        torch.cat([row.logits for row in batch]), [row.sampling for row in batch]
+    )
+    tokens = sample_rows(probs, [row.generator for row in batch])
+    return [(token, to_sparse(q)) for token, q in zip(tokens, probs, strict=True)]

@@ -39,7 +39,6 @@ from cluster.runtime.sampling import (
     SamplingParams,
     SparseDistribution,
     greedy_tokens,
-    logits_to_probs,
     logits_to_probs_rows,
     to_dense,
 )
@@ -50,6 +49,7 @@ from cluster.runtime.session import (
     SessionLimits,
     check_token_ids,
 )
+from cluster.runtime.task import each_alone_if_refused
 from verifier.audit_replica import OWN_DTYPE, ReferenceReplayer
 from verifier.batch_rejection import (
     BatchSession,
@@ -295,20 +295,10 @@ class Verifier(SessionComponent[VerifierConfig]):
 
     def _draw_seed_exact(self, batch: list[_Keyed]) -> list[list[int] | Exception]:
         """Every seed-exact block of a step: p as used from one `logits_to_probs_rows` call,
-        the draws from one `gumbel_tokens` call; retried block by block when refused, so that
-        only the blocks at fault fail."""
-        try:
-            return list(_seed_exact_draws(batch, self.config.fault != REUSED_NOISE))
-        except InvalidArgumentError:
-            if len(batch) == 1:
-                raise
-        results: list[list[int] | Exception] = []
-        for item in batch:
-            try:
-                results.extend(_seed_exact_draws([item], self.config.fault != REUSED_NOISE))
-            except InvalidArgumentError as error:
-                results.append(error)
-        return results
+        the draws from one `gumbel_tokens` call; only the blocks whose logits the calls refuse
+        fail (`each_alone_if_refused`)."""
+        noise_positions = self.config.fault != REUSED_NOISE
+        return each_alone_if_refused(lambda b: _seed_exact_draws(b, noise_positions), batch)
 
     def _score_and_accept(self, batch: list[_Scored]) -> list[SessionOutcome | Exception]:
         """Every sampled block of a step: its logits to p as used, all rows in one call (each
@@ -326,20 +316,8 @@ class Verifier(SessionComponent[VerifierConfig]):
 
     def _accept(self, batch: list[_Acceptance]) -> list[SessionOutcome | Exception]:
         """Accept every block of a step in one `batch_rejection_sample` call. A refused batch
-        changes nothing; it is then retried block by block, so that only the blocks at fault
-        fail."""
-        try:
-            return list(_accept_together(batch))
-        except InvalidArgumentError:
-            if len(batch) == 1:
-                raise
-        results: list[SessionOutcome | Exception] = []
-        for item in batch:
-            try:
-                results.extend(_accept_together([item]))
-            except InvalidArgumentError as error:
-                results.append(error)
-        return results
+        changes nothing; only the blocks at fault then fail (`each_alone_if_refused`)."""
+        return each_alone_if_refused(_accept_together, batch)
 
 
 @dataclass(frozen=True)
@@ -367,25 +345,18 @@ def _seed_exact_draws(batch: list[_Keyed], noise_positions: bool) -> list[list[i
 
 
 def _probs_by_block(batch: list[_Scored]) -> list[torch.Tensor | Exception]:
-    """Each block's p as used, from one `logits_to_probs_rows` call over every row; logits it
-    refuses are retried block by block, so that only the blocks at fault fail."""
+    """Each block's p as used, from one `logits_to_probs_rows` call over every row; only the
+    blocks whose logits it refuses fail (`each_alone_if_refused`)."""
+    return each_alone_if_refused(_probs_together, batch)
+
+
+def _probs_together(batch: list[_Scored]) -> list[torch.Tensor]:
     sizes = [item.logits.shape[0] for item in batch]
-    try:
-        together = logits_to_probs_rows(
-            torch.cat([item.logits for item in batch]),
-            [item.sampling for item, size in zip(batch, sizes, strict=True) for _ in range(size)],
-        )
-        return list(together.split(sizes))
-    except InvalidArgumentError:
-        if len(batch) == 1:
-            raise
-    results: list[torch.Tensor | Exception] = []
-    for item in batch:
-        try:
-            results.append(logits_to_probs(item.logits, item.sampling))
-        except InvalidArgumentError as error:
-            results.append(error)
-    return results
+    together = logits_to_probs_rows(
+        torch.cat([item.logits for item in batch]),
+        [item.sampling for item, size in zip(batch, sizes, strict=True) for _ in range(size)],
+    )
+    return list(together.split(sizes))
 
 
 def _accept_together(batch: list[_Acceptance]) -> list[SessionOutcome]:

@@ -20,16 +20,19 @@ Forward has run. The engine thread alone reads and writes it; the scheduler
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
+from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.runner import SequenceWork
 
 R = TypeVar("R")
+P = TypeVar("P")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,27 @@ class Batched:
 
 
 Task = Generator[Forward | Batched, Any, R]
+
+
+def each_alone_if_refused(
+    step: Callable[[list[P]], Sequence[T]], batch: list[P]
+) -> list[T | Exception]:
+    """A `Batched` handler's results: `step(batch)` in one call, the step's fast path; if it
+    refuses the batch (`InvalidArgumentError`: one payload's bad logits or settings), each
+    payload on its own, so that only the payloads at fault fail, with their error in their
+    place. A batch of one re-raises (the engine gives the error to its task)."""
+    try:
+        return list(step(batch))
+    except InvalidArgumentError:
+        if len(batch) == 1:
+            raise
+    results: list[T | Exception] = []
+    for payload in batch:
+        try:
+            results.extend(step([payload]))
+        except InvalidArgumentError as error:
+            results.append(error)
+    return results
 
 
 @dataclass(eq=False)
