@@ -2,7 +2,9 @@
 `serve.deployment`).
 
 A thin shell: load the model, build the side's component and its servicer, serve it over gRPC on
-its own port and heartbeat to the registry (`ReplicaShell`). Serve places it, restarts it,
+its own port and heartbeat to the registry (`ReplicaShell`). llguidance's view of the model's
+tokenizer is built in the background from the start (`cluster.runtime.constraint.warm_up`), so
+the first constrained request does not wait for it. Serve places it, restarts it,
 checks its health, scales it on the load it reports (`record_autoscaling_stats`) and, when it
 stops it, lets it drain. Each side's deployment module (`drafter.deployment.DrafterReplica`,
 `verifier.deployment.VerifierReplica`) names only its side and how to build its servicer.
@@ -15,6 +17,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from cluster.replica.host import ReplicaShell, kv_cache_bytes_per_token, place_threads
 from cluster.replica.servicer import SessionServicer
+from cluster.runtime.constraint import warm_up
 from cluster.runtime.models import LoadedModel, ModelSpec, load_model
 from cluster.runtime.session import SessionLimits
 
@@ -42,6 +45,7 @@ class ComponentReplica(ReplicaShell, Generic[C]):
         loaded = load_model(model)
         servicer = self._servicer(loaded, config)
         self.component = servicer.component
+        warm_up(self.component.grammar_tokenizer)
         self._serve(
             self.side,
             servicer.add_to_server,

@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Generic, TypeVar
 
 import torch
+from llguidance import LLTokenizer
 
 from cluster.runtime.constraint import GRAMMAR_TOKENIZERS, Constraint, TokenMatcher
 from cluster.runtime.engine import Engine, Forward, Preempted, Task
@@ -73,6 +74,12 @@ class SessionComponent(Generic[C]):
     def vocab_size(self) -> int:
         return self._model.vocab_size
 
+    def grammar_tokenizer(self) -> LLTokenizer:
+        """llguidance's view of the model's tokenizer over this side's vocabulary (built on
+        the first call; a replica starts that build at once: `constraint.warm_up`)."""
+        model = self._model
+        return GRAMMAR_TOKENIZERS.get(model.tokenizer, self.vocab_size, model.eos_token_ids)
+
     @property
     def engine(self) -> Engine:
         return self._engine
@@ -122,12 +129,7 @@ class SessionComponent(Generic[C]):
         drafts nothing instead: `Drafter._matcher`)."""
         if constraint is None or not constraint.active:
             return None
-        model = self._model
-        tokenizer = (
-            GRAMMAR_TOKENIZERS.get(model.tokenizer, self.vocab_size, model.eos_token_ids)
-            if constraint.grammar is not None
-            else None
-        )
+        tokenizer = self.grammar_tokenizer() if constraint.grammar is not None else None
         matcher = TokenMatcher(constraint, tokenizer, self.vocab_size)
         matcher.sync(prompt_tokens[constraint.prompt_length :])
         return matcher

@@ -19,12 +19,12 @@ opened over tokens already generated) all come down to one call.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
@@ -44,8 +44,7 @@ from cluster.runtime.grammar import (  # noqa: F401  (re-exported: the constrain
 )
 from cluster.runtime.kv_cache import common_prefix_length
 
-if TYPE_CHECKING:
-    pass
+logger = logging.getLogger(__name__)
 
 MASK_THREADS = 4
 """Workers computing masks beside the forward passes (llguidance releases the GIL)."""
@@ -120,6 +119,11 @@ class GrammarTokenizers:
         self._built: dict[tuple[int, int], LLTokenizer] = {}
         self._keep: list[PreTrainedTokenizerBase] = []  # ids stay valid while cached
 
+    def built(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> bool:
+        """Whether the view of `tokenizer` at `vocab_size` ids is built already."""
+        with self._lock:
+            return (id(tokenizer), vocab_size) in self._built
+
     def get(
         self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_ids: Iterable[int]
     ) -> LLTokenizer:
@@ -154,6 +158,24 @@ def grammar_tokenizer_of(
     router's, to check grammars and cut prompt lookup's drafts)."""
     ends = sorted(eos_ids)
     return lambda: GRAMMAR_TOKENIZERS.get(tokenizer, len(tokenizer), ends)
+
+
+def warm_up(view: Callable[[], LLTokenizer]) -> threading.Thread:
+    """Build a tokenizer's view (`view`: `grammar_tokenizer_of`'s, or a replica's) on a
+    background thread now, as a server starts, so that its first constrained request does not
+    wait 1-3 s for the build; one that arrives during it waits for this build rather than
+    starting another (`GrammarTokenizers.get` holds its lock). A tokenizer llguidance cannot
+    read is only logged here: the constrained requests that need it are refused as before."""
+
+    def build() -> None:
+        try:
+            view()
+        except InvalidArgumentError as error:
+            logger.info("constrained requests will be refused: %s", error)
+
+    thread = threading.Thread(target=build, name="grammar-tokenizer", daemon=True)
+    thread.start()
+    return thread
 
 
 def tokenizer_size(tokenizer: LLTokenizer | None) -> int:

@@ -17,7 +17,8 @@ finishes the step it is in and then closes the generation, which frees the sessi
 replicas.
 
 Context limit: the service is given `verifier_limits.max_context_tokens`, so a request whose
-prompt plus `max_tokens` cannot fit is INVALID_ARGUMENT before it runs (`cluster.api.service`).
+prompt plus `max_tokens` cannot fit is INVALID_ARGUMENT before it runs
+(`cluster.api.request_reader`).
 
 Deadlines: Serve's gRPC proxy (Ray 2.60) passes this ingress the client's metadata
 (`RayServegRPCContext.invocation_metadata`) but not its gRPC deadline: `grpc-timeout` is a
@@ -65,7 +66,7 @@ from cluster.metrics import tandem_exposition
 from cluster.routing.directory import RegistryPool, from_registry_actor
 from cluster.routing.registry import get_registry
 from cluster.routing.router import Router
-from cluster.runtime.constraint import grammar_tokenizer_of
+from cluster.runtime.constraint import grammar_tokenizer_of, warm_up
 from cluster.runtime.errors import TandemError
 from cluster.runtime.models import load_tokenizer
 from cluster.serve.calls import deadline_of, iterate_in_thread
@@ -127,6 +128,8 @@ class RouterIngress:
         # deploys them with this application. Blocks never go through them.
         self._config = config
         loaded = load_tokenizer(config.models.pair().target)
+        grammar_tokenizer = grammar_tokenizer_of(loaded.tokenizer, loaded.eos_token_ids)
+        warm_up(grammar_tokenizer)  # checking a request's grammar needs it: build it now
         self._pool = RegistryPool(
             from_registry_actor(get_registry(config.app_name)),
             rpc_timeout_s=config.replica_rpc_timeout_s,
@@ -140,7 +143,7 @@ class RouterIngress:
             ngram=config.prompt_lookup,
             draft_length=config.draft_length,
             decode_special=text_decoder(loaded.tokenizer, skip_special_tokens=False),
-            grammar_tokenizer=grammar_tokenizer_of(loaded.tokenizer, loaded.eos_token_ids),
+            grammar_tokenizer=grammar_tokenizer,
         )
         self._service = TandemService(
             self._router,

@@ -3,7 +3,7 @@
 Masks of a block (`block_masks`), the allowed count and the rows after a forbidden draft;
 `sync` and `rollback` round trips (the matcher ends where it began); `allowed_prefix`; a complete
 grammar allows only the end token; `min_tokens`; `mask_logits`; and what `Grammar` and
-`Constraint` refuse when built.
+`Constraint` refuse when built; a server's `warm_up` of its tokenizer's view.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from cluster.runtime.constraint import (
     Constraint,
     Grammar,
     TokenMatcher,
+    grammar_tokenizer_of,
     mask_logits,
     masks_ahead,
+    warm_up,
 )
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.tiny import END_OF_TEXT_ID, VOCAB_SIZE, build_tokenizer
@@ -259,3 +261,26 @@ def test_constraint_active() -> None:
     assert Constraint(REGEX).active
     with pytest.raises(InvalidArgumentError):
         Constraint(min_tokens=-1)
+
+
+# --- warm_up -----------------------------------------------------------------------------------
+
+
+def test_warm_up_builds_the_view_the_first_request_then_uses() -> None:
+    """A server builds its tokenizer's view as it starts: the requests after use that one."""
+    fresh = build_tokenizer()  # a tokenizer object no other test has built a view of
+    view = grammar_tokenizer_of(fresh, [EOS])
+    warm_up(view).join(timeout=60)
+    assert GRAMMAR_TOKENIZERS.built(fresh, len(fresh))
+    assert view() is view()
+
+
+def test_warm_up_of_a_tokenizer_llguidance_cannot_read_only_logs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def unreadable() -> LLTokenizer:
+        raise InvalidArgumentError("this model's tokenizer cannot be constrained: slow")
+
+    with caplog.at_level("INFO", logger="cluster.runtime.constraint"):
+        warm_up(unreadable).join(timeout=60)
+    assert "constrained requests will be refused" in caplog.text
