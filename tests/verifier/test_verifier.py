@@ -66,19 +66,21 @@ def test_wrong_token_is_replaced_and_the_rest_dropped(
     expected = greedy_continuation(tiny_target, PROMPT, 4)
     wrong = (expected[1] + 1) % 256
     verifier.open_session("s", PROMPT, GREEDY, seed=0)
+    started = time.perf_counter()
     verdict = verifier.verify("s", DraftBlock(len(PROMPT), (expected[0], wrong, 7, 8)))
     assert verdict.num_accepted == 1
     assert list(verdict.tokens) == expected[:2]
     # The cache keeps the prompt and the accepted draft; the correction is fed next round.
     assert verifier.stats().num_cached_tokens == len(PROMPT) + 1
     busy_before = verifier.stats().busy_s
-    started = time.perf_counter()
     follow = verifier.verify("s", DraftBlock(len(PROMPT) + 2, ()))
     busy_after = verifier.stats().busy_s
     elapsed_s = time.perf_counter() - started
-    # A forward pass is compute: the busy counter grows by its time, and only by its time.
-    # The engine's clock is this one, and its step (which may end just after it resolved the
-    # call) lies between the call's start and the stats read, which runs between steps.
+    # A forward pass is compute: the busy counter grows by its time, and only by engine time.
+    # The engine's clock is this one. `stats` reads the counter from this thread, while the
+    # first call's step may still be running after it resolved the call: the rest of that step
+    # is counted when it ends, possibly after `busy_before`. So the window starts before the
+    # first call: every step counted between the two reads ran inside it.
     assert 0 < busy_after - busy_before <= elapsed_s
     assert list(follow.tokens) == expected[2:3]
 
