@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
@@ -149,10 +150,38 @@ def ray_environment() -> dict[str, str]:
     }
 
 
+SERVER_PORTS = range(20000, 32768)
+"""Where `free_port` picks from: above Ray's worker ports (10002-19999 by default) and below the
+kernel's ephemeral range (32768-60999 by default). A port the kernel hands out for `bind(0)` is
+an ephemeral one, which any outgoing connection (Ray's processes open hundreds while a cluster
+starts) may take between the pick and the server's bind."""
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+"""Ports this process has picked already: two picks before either is bound never agree."""
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
+    """A loopback port free now, for a server about to listen on it (see `SERVER_PORTS`)."""
+    low, high = _ephemeral_range()
+    candidates = [p for p in SERVER_PORTS if not low <= p <= high and p not in _handed_out]
+    rng = random.SystemRandom()  # concurrent processes must not walk the same sequence
+    for _ in range(min(len(candidates), 256)):
+        port = rng.choice(candidates)
+        if port_is_free(port):
+            _handed_out.add(port)
+            return port
+    with socket.socket() as probe:  # none outside the ephemeral range: the kernel's pick
         probe.bind((LOOPBACK, 0))
         return int(probe.getsockname()[1])
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (Linux's default where it cannot be read)."""
+    try:
+        low, high = EPHEMERAL_RANGE_FILE.read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def _ray_bin() -> str:
