@@ -25,7 +25,6 @@ from typing import ClassVar
 
 import torch
 
-from cluster.runtime.block import DraftBlock
 from cluster.runtime.component import SessionComponent
 from cluster.runtime.constraint import (
     Constraint,
@@ -34,6 +33,7 @@ from cluster.runtime.constraint import (
     masks_ahead,
     wait_for,
 )
+from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.engine import Batched, Task
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.gumbel import gumbel_tokens

@@ -14,7 +14,7 @@ request's rule picks:
 
 Both are functions of (prompt, seed, settings, target) alone, so the served output can be
 audited token by token. A rejection-rule sampled request cannot (its tokens depend on the draw
-order): `replay` refuses it, and the statistical audit (`cluster.tools.audit_stats`) covers it.
+order): `replay` refuses it, and the statistical audit (`cluster.tools.audit.stats`) covers it.
 
 Scores, whose gaps say how close a call was: the raw logits for greedy; log(p(x) / E(x)) =
 log p(x) - log E(x) for seed-exact (-inf where p is 0). No Ray, no gRPC: a replica and the CLI

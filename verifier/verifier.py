@@ -27,9 +27,9 @@ from typing import ClassVar
 import torch
 
 from cluster.runtime.audit import Replay
-from cluster.runtime.block import DraftBlock, Verdict
 from cluster.runtime.component import SessionComponent
 from cluster.runtime.constraint import mask_logits, masks_ahead, wait_for
+from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.engine import Batched, Task
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.gumbel import gumbel_tokens

@@ -2,7 +2,7 @@
 
 The one place that knows how the router's `FinishReason` and `SpeculationStats` are laid out on
 the public wire (as `cluster.replica.wire` is for the replicas' API); pure, with round-trip
-tests in tests/cluster/test_service.py.
+tests in tests/cluster/api/test_service.py.
 """
 
 from __future__ import annotations

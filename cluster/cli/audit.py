@@ -6,7 +6,7 @@ batching, in `--dtype` (default float32). Greedy and seed-exact outputs are func
 (prompt, seed, settings, target) alone, so every served token must be the target's own choice
 (`verifier.reference`, `cluster.runtime.audit`). `--statistical` instead compares the first two
 tokens of `--samples` unseeded (rejection-rule) requests with the target's exact distribution
-by a chi-square test (`cluster.tools.audit_stats`).
+by a chi-square test (`cluster.tools.audit.stats`).
 
 The reference's flags (`--preset`, `--target`, `--dtype`, `--device`) work in both modes; those
 that build the in-process service (`--draft`, `--service-dtype`, `--prompt-lookup`,
@@ -34,7 +34,7 @@ from cluster.runtime.errors import InvalidArgumentError
 if TYPE_CHECKING:  # torch and transformers load in the handler, not when the CLI starts
     from cluster.runtime.models import LoadedModel
     from cluster.runtime.sampling import SamplingParams
-    from cluster.tools.audit_run import Generate
+    from cluster.tools.audit.run import Generate
 
 LOCAL_FLAGS = ("draft", "service_dtype", "prompt_lookup", "adaptive_draft", "verifier_fault")
 """Flags that build the in-process service: `--local` only."""
@@ -167,7 +167,7 @@ def _audit(
     args: argparse.Namespace, reference: LoadedModel, generate: Generate, drafter: str
 ) -> int:
     from cluster.runtime.sampling import SamplingParams
-    from cluster.tools import audit_run
+    from cluster.tools.audit import run as audit_run
 
     sampled = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed_exact=True
@@ -206,8 +206,8 @@ def _audit(
 def _statistical(
     args: argparse.Namespace, reference: LoadedModel, generate: Generate, sampled: SamplingParams
 ) -> int:
-    from cluster.tools import audit_run
-    from cluster.tools.audit_stats import first_two_test
+    from cluster.tools.audit import run as audit_run
+    from cluster.tools.audit.stats import first_two_test
 
     text = args.prompt if args.prompt is not None else audit_run.read_prompts(args.prompts)[0]
     prompt = audit_run.encode(reference, text)

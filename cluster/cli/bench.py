@@ -1,4 +1,5 @@
-"""`tandem bench`: see `cluster.tools.bench`; writes the JSON result, a PNG chart, and a table."""
+"""`tandem bench`: see `cluster.tools.bench.run`; writes the JSON result, a PNG chart, and a
+table."""
 
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ def add_to(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from cluster.cli.output import write_result
     from cluster.runtime.errors import InvalidArgumentError
-    from cluster.tools.bench import run_bench
-    from cluster.tools.bench_report import format_table, plot
+    from cluster.tools.bench.report import format_table, plot
+    from cluster.tools.bench.run import run_bench
 
     if args.repeats < 3:
         raise InvalidArgumentError(
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(f"[{time.monotonic() - started:7.1f}s] {message}", file=sys.stderr, flush=True)
 
-    from cluster.tools.sim_bench import format_sim_table, is_sim_preset, run_sim_bench
+    from cluster.tools.bench.sim import format_sim_table, is_sim_preset, run_sim_bench
 
     if is_sim_preset(args.preset):
         result = run_sim_bench(args, progress)

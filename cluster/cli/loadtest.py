@@ -1,5 +1,5 @@
 """`tandem loadtest`: concurrent streaming load against a running service (see
-`cluster.tools.loadtest`).
+`cluster.tools.bench.loadtest`).
 
 `--concurrency` takes one level or several; `--compare` runs every level twice, with the
 service's speculation and with the target alone (draft length 0), alternating, and reports the
@@ -15,18 +15,18 @@ before the load: exact for float32 models; in bfloat16 a near-tie can round diff
 MiB per side) is reported before the load and after it, once the sessions have drained.
 
 `--compare --hf-baseline` adds `hf_target_batched` at every level: Hugging Face serving the
-target alone at the same concurrency, in this process (`cluster.tools.hf_baseline`), after the
-service's runs of the level, so the two never share the CPU. It loads the target the service's
-verifier runs, in its dtype, with every core of the machine: the single batched server one would
-run instead (`cluster.tools.hf_levels.service_target`: `--preset`, else the model the service
-reports when `tandem serve` started it here; `--serve-config` for the rest), and runs greedy
-(`--temperature 0`). `hf_baseline` in the JSON says which method ran and why. `goals` gives per
-level speculative's tokens/s over target_only's and over hf_target_batched's, and speculative at
-8 streams over 1 when both levels ran.
+target alone at the same concurrency, in this process (`cluster.tools.baselines.hf_baseline`),
+after the service's runs of the level, so the two never share the CPU. It loads the target the
+service's verifier runs, in its dtype, with every core of the machine: the single batched server
+one would run instead (`cluster.tools.baselines.hf_levels.service_target`: `--preset`, else the
+model the service reports when `tandem serve` started it here; `--serve-config` for the rest),
+and runs greedy (`--temperature 0`). `hf_baseline` in the JSON says which method ran and why.
+`goals` gives per level speculative's tokens/s over target_only's and over hf_target_batched's,
+and speculative at 8 streams over 1 when both levels ran.
 
 `--preset NAME` says which pair the service runs (loadtest cannot always ask it). A simulated
 preset (`sim-...`, `cluster.runtime.sim`) adds the analytic ideal of every level and mode
-(`cluster.tools.loadtest_ideal`): `ideal` (aggregate tokens/s a perfect system would reach at
+(`cluster.tools.bench.loadtest_ideal`): `ideal` (aggregate tokens/s a perfect system would reach at
 that many streams: speculative, the better of serial and pipelined rounds, at the draft's
 alpha and the requests' block length, `--draft-tokens` else the service's default; target-only;
 at the mean prompt length in the preset's tokens plus half of `--max-tokens`) and
@@ -50,8 +50,8 @@ from cluster.serve import local_cluster
 from cluster.tools import faults
 
 if TYPE_CHECKING:
-    from cluster.tools.hf_levels import HFLevels
-    from cluster.tools.loadtest_ideal import SimIdeal
+    from cluster.tools.baselines.hf_levels import HFLevels
+    from cluster.tools.bench.loadtest_ideal import SimIdeal
 
 MAX_CONCURRENCY = 256
 MAX_DURATION_S = 3600.0
@@ -106,7 +106,7 @@ def add_to(commands: Any) -> None:
 
 def _check(args: argparse.Namespace) -> None:
     from cluster.presets import PRESETS
-    from cluster.tools.sim_bench import is_sim_preset
+    from cluster.tools.bench.sim import is_sim_preset
 
     if not all(1 <= c <= MAX_CONCURRENCY for c in args.concurrency):
         raise InvalidArgumentError(f"--concurrency must be in 1..{MAX_CONCURRENCY}")
@@ -143,7 +143,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cluster.cli.output import write_result
-    from cluster.tools.bench import load_prompts
+    from cluster.tools.bench.run import load_prompts
 
     _check(args)
     prompts = [p.text for p in load_prompts(args.prompts)]
@@ -168,8 +168,8 @@ def _run(
 ) -> dict[str, Any]:
     from cluster.api.client import TandemClient
     from cluster.tools import cleanup
-    from cluster.tools.loadtest import run_load
-    from cluster.tools.loadtest_ideal import ideal_of_level
+    from cluster.tools.bench.loadtest import run_load
+    from cluster.tools.bench.loadtest_ideal import ideal_of_level
 
     modes = {"speculative": args.draft_tokens}
     if args.compare:
@@ -255,9 +255,9 @@ def _sim_ideal(args: argparse.Namespace, prompts: list[str]) -> SimIdeal | None:
     from cluster.presets import resolve_pair
     from cluster.routing.request import DEFAULT_DRAFT_TOKENS
     from cluster.runtime.models import load_tokenizer
-    from cluster.tools.hf_levels import reported_model
-    from cluster.tools.loadtest_ideal import SimIdeal
-    from cluster.tools.sim_bench import is_sim_preset
+    from cluster.tools.baselines.hf_levels import reported_model
+    from cluster.tools.bench.loadtest_ideal import SimIdeal
+    from cluster.tools.bench.sim import is_sim_preset
 
     if args.preset is None or not is_sim_preset(args.preset):
         return None
@@ -287,7 +287,7 @@ def _fixed(value: float | None, digits: int = 2) -> str:
 
 def _load_baseline(args: argparse.Namespace, prompts: list[str], started: float) -> HFLevels:
     """Find the target the service's verifier runs (`service_target`) and load it here."""
-    from cluster.tools.hf_levels import HFLevels, reported_model, service_target
+    from cluster.tools.baselines.hf_levels import HFLevels, reported_model, service_target
 
     spec, threads = service_target(args.preset, args.serve_config, reported_model(args.address))
     return HFLevels(spec, args.hf_threads or threads, args.hf_method, prompts, args.concurrency,

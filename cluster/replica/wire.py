@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from cluster.runtime.block import DraftBlock, StepLoad, Verdict
 from cluster.runtime.constraint import JSON_OBJECT, Constraint, Grammar
+from cluster.runtime.draft_block import DraftBlock, StepLoad, Verdict
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.sampling import NO_TOP_P, SamplingParams, SparseDistribution

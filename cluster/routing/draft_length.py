@@ -65,7 +65,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.runtime.block import StepLoad
+from cluster.runtime.draft_block import StepLoad
 from cluster.runtime.errors import InvalidArgumentError
 
 VerifyCost = float | Callable[[int], float]

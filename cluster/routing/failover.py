@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from cluster.routing.generation import DrafterView, Generation
 from cluster.routing.ports import DrafterPort, ReplicaPool, VerifierPort
-from cluster.runtime.block import DraftBlock, Verdict
+from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.errors import (
     ReplicaUnavailableError,
     ResourceExhaustedError,

@@ -24,8 +24,8 @@ from cluster.routing.draft_length import DraftLength, DraftLengthConfig
 from cluster.routing.ports import DrafterPort, Pinned
 from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.routing.text import TextAssembler
-from cluster.runtime.block import DraftBlock
 from cluster.runtime.constraint import Constraint, TokenMatcher, tokenizer_size
+from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import DeadlineExceededError, InvalidArgumentError
 from drafter.ngram import NgramConfig, PromptLookup
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from cluster.routing.generation import Decode, Generation
 from cluster.routing.request import FinishReason, GenerationChunk, GenerationRequest
-from cluster.runtime.block import Verdict
+from cluster.runtime.draft_block import Verdict
 from cluster.runtime.errors import InvalidArgumentError
 
 

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cluster.runtime.block import DraftBlock, Verdict
 from cluster.runtime.constraint import Constraint
+from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:

@@ -38,8 +38,8 @@ from cluster.replica.rpc import (
     SECRET_METADATA_KEY,
 )
 from cluster.runtime.audit import Replay
-from cluster.runtime.block import DraftBlock, Verdict
 from cluster.runtime.constraint import Constraint
+from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.errors import (
     ClusterSecretError,
     DeadlineExceededError,

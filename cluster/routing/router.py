@@ -79,7 +79,7 @@ from cluster.routing.request import (
     SpeculationStats,
 )
 from cluster.routing.speculation_gate import GateConfig, SpeculationGate
-from cluster.runtime.block import DraftBlock, Verdict
+from cluster.runtime.draft_block import DraftBlock, Verdict
 from drafter.ngram import NgramConfig
 
 if TYPE_CHECKING:

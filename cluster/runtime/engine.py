@@ -51,9 +51,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from cluster.runtime.block import StepLoad
 from cluster.runtime.call_scope import caller_gone
 from cluster.runtime.cost_curve import CostCurve, smooth
+from cluster.runtime.draft_block import StepLoad
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import CancelledError, InvalidArgumentError, ResourceExhaustedError
 from cluster.runtime.runner import ModelRunner, PoolExhaustedError, SequenceWork

@@ -95,7 +95,8 @@ WORKER_NICENESS = "0"
 """Niceness of the cluster's worker processes (Ray's default is 15). The replicas are the
 workload: at 15, any of Ray's own daemons that wakes up takes a core from a model forward at
 once, and with two or more intra-op threads the other threads then wait for the straggler at
-every operator. Measured on 2 cores (`python -m cluster.tools.profile`, qwen-coder, two intra-op
+every operator. Measured on 2 cores (`python -m cluster.tools.bench.profile`, qwen-coder, two
+intra-op
 threads per replica): the target alone 1056 ms/token at 15, 766 at 0."""
 
 
@@ -299,8 +300,9 @@ def live_replicas() -> list[dict[str, Any]]:
 
 
 def replica_addresses() -> dict[str, str]:
-    """The internal gRPC address of one replica per side (`drafter`, `verifier`): what the
-    measuring tools (`cluster.tools.profile`, `cluster.tools.overhead`) drive directly."""
+    """The internal gRPC address of one replica per side (`drafter`, `verifier`): what
+    the measuring tools (`cluster.tools.bench.profile`, `cluster.tools.bench.overhead`) drive
+    directly."""
     addresses = {r["side"]: r["address"] for r in live_replicas()}
     missing = {"drafter", "verifier"} - addresses.keys()
     if missing:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from cluster.runtime.block import DraftBlock, Verdict
+from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.engine import Task
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import logits_to_probs, to_dense

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from cluster.runtime.block import DraftBlock
+from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,

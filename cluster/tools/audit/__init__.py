@@ -1,0 +1,1 @@
+"""`tandem audit`'s runs and statistics."""

@@ -1,0 +1,1 @@
+"""Benchmarks and load tests: speed as ratios within one run."""

@@ -1,0 +1,1 @@
+"""Grammar engines measured side by side (compile time, mask time, rollback)."""

@@ -1,0 +1,260 @@
+"""Request deadlines: the router stops a request past its deadline and frees both sessions;
+over gRPC, bounded clients stop calls when the time runs out, never call with none left, and
+tell replicas the time left, so a replica drops the session on its own."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from cluster.local import LocalTandem
+from cluster.replica.host import ReplicaInfo
+from cluster.routing.directory import RegistryPool
+from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.routing.request import GenerationRequest
+from cluster.routing.router import Router
+from cluster.runtime.draft_block import DraftBlock
+from cluster.runtime.errors import DeadlineExceededError, ReplicaUnavailableError
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams
+from drafter.drafter import Drafter
+from tests.conftest import CODE_PROMPT, encode
+from tests.replicas import serve_drafter, serve_verifier
+from verifier.verifier import Verifier
+
+PROMPT = [5, 6, 7, 8]
+GREEDY = SamplingParams()
+WAIT_S = 30.0
+"""Upper bound on waits that end as soon as the awaited thing happens."""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _assert_nothing_held(*components: Verifier | Drafter) -> None:
+    for component in components:
+        stats = component.stats()
+        assert (stats.num_sessions, stats.num_cached_tokens) == (0, 0)
+
+
+# --- the router ----------------------------------------------------------------------------------
+
+
+def test_a_request_past_its_deadline_fails_and_holds_nothing(local_tandem: LocalTandem) -> None:
+    request = GenerationRequest(
+        encode(local_tandem, CODE_PROMPT), 20, draft_tokens=4, deadline=time.monotonic() - 1.0
+    )
+    with pytest.raises(DeadlineExceededError, match="deadline passed after 0 of its 20 tokens"):
+        local_tandem.router.generate(request)
+    _assert_nothing_held(local_tandem.verifier, local_tandem.drafter)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
+def test_a_deadline_passing_mid_generation_stops_the_request_and_frees_both_sessions(
+    local_tandem: LocalTandem, pipelined: bool
+) -> None:
+    clock = Clock()
+    router = Router(
+        local_tandem.verifier,
+        local_tandem.drafter,
+        local_tandem.router._decode,
+        local_tandem.router._eos_token_ids,
+        pipelined=pipelined,
+        clock=clock,
+    )
+    request = GenerationRequest(
+        encode(local_tandem, CODE_PROMPT), 40, draft_tokens=4, deadline=10.0
+    )
+    try:
+        stream = router.stream(request)
+        first = next(stream)
+        second = next(stream)  # a round with the drafter too
+        assert first.tokens and second.tokens
+        assert local_tandem.verifier.stats().num_sessions == 1
+        clock.now = 10.0
+        with pytest.raises(DeadlineExceededError, match="deadline passed after"):
+            next(stream)
+    finally:
+        router.close()
+    _assert_nothing_held(local_tandem.verifier, local_tandem.drafter)
+
+
+# --- bounded gRPC clients ------------------------------------------------------------------------
+
+
+@dataclass
+class Served:
+    """A verifier and a drafter behind loopback servers, and plain clients of each."""
+
+    verifier: Verifier
+    drafter: Drafter
+    verifier_client: GrpcVerifier
+    drafter_client: GrpcDrafter
+    entries: list[dict[str, Any]]
+    """Both replicas as the registry lists them."""
+
+    def side(self, side: str) -> tuple[Verifier | Drafter, GrpcVerifier | GrpcDrafter]:
+        """The component and the client of `side`."""
+        if side == "verifier":
+            return self.verifier, self.verifier_client
+        return self.drafter, self.drafter_client
+
+
+@pytest.fixture(scope="module")
+def served(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> Iterator[Served]:
+    verifier, drafter = Verifier(tiny_target), Drafter(tiny_draft)
+    verifier_server, verifier_port = serve_verifier(verifier)
+    drafter_server, drafter_port = serve_drafter(drafter)
+    verifier_client = GrpcVerifier(f"127.0.0.1:{verifier_port}", timeout_s=WAIT_S)
+    drafter_client = GrpcDrafter(f"127.0.0.1:{drafter_port}", timeout_s=WAIT_S)
+    entries = [
+        ReplicaInfo("verifier-0", "verifier", f"127.0.0.1:{verifier_port}", 0, 0).to_dict(),
+        ReplicaInfo("drafter-0", "drafter", f"127.0.0.1:{drafter_port}", 0, 0).to_dict(),
+    ]
+    yield Served(verifier, drafter, verifier_client, drafter_client, entries)
+    verifier_client.close()
+    drafter_client.close()
+    verifier_server.stop(None)
+    drafter_server.stop(None)
+    _assert_nothing_held(verifier, drafter)
+
+
+def _spy_open(monkeypatch: pytest.MonkeyPatch, component: Any) -> list[float | None]:
+    """Record the `time_limit_s` of every session the component opens."""
+    limits: list[float | None] = []
+    open_session = component.open_session
+
+    def spy(*args: Any, time_limit_s: float | None = None, **kwargs: Any) -> int:
+        limits.append(time_limit_s)
+        return int(open_session(*args, time_limit_s=time_limit_s, **kwargs))
+
+    monkeypatch.setattr(component, "open_session", spy)
+    return limits
+
+
+def _wait_for(condition: Callable[[], bool]) -> bool:
+    give_up = time.monotonic() + WAIT_S
+    while not condition():
+        if time.monotonic() > give_up:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("side", ["verifier", "drafter"])
+def test_a_bounded_client_sends_the_time_left_and_the_replica_drops_the_session_itself(
+    served: Served, monkeypatch: pytest.MonkeyPatch, side: str
+) -> None:
+    component, client = served.side(side)
+    limits = _spy_open(monkeypatch, component)
+    client.open_session("plain", PROMPT, GREEDY, 0)
+    assert client.bounded(None) is client
+    client.bounded(time.monotonic() + 2.0).open_session("bounded", PROMPT, GREEDY, 0)
+    plain_limit, bounded_limit = limits
+    assert plain_limit is None
+    assert bounded_limit is not None and 0 < bounded_limit <= 2.0
+    assert component.stats().num_sessions == 2
+    # The router never closes it: the replica's own sweep drops it once its time is up.
+    assert _wait_for(lambda: component.evict_idle() == 1)
+    assert component.stats().num_sessions == 1
+    assert client.close_session("plain") and not client.close_session("bounded")
+
+
+def test_a_bounded_client_with_no_time_left_never_calls_the_replica(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    for component in (served.verifier, served.drafter):
+        for method in ("open_session", "verify", "draft"):
+            if hasattr(component, method):
+                monkeypatch.setattr(component, method, lambda *a, m=method, **k: calls.append(m))
+    late = served.verifier_client.bounded(time.monotonic() - 0.001)
+    with pytest.raises(DeadlineExceededError, match="deadline passed before its call"):
+        late.open_session("s", PROMPT, GREEDY, 0)
+    with pytest.raises(DeadlineExceededError):
+        late.verify("s", DraftBlock(base_length=4, tokens=()))
+    with pytest.raises(DeadlineExceededError):
+        served.drafter_client.bounded(time.monotonic() - 0.001).draft("s", 4, [], 1)
+    assert calls == []
+
+
+def test_closing_a_session_ignores_the_deadline(served: Served) -> None:
+    client = served.verifier_client
+    client.open_session("late", PROMPT, GREEDY, 0)
+    assert client.bounded(time.monotonic() - 1.0).close_session("late")  # freed all the same
+    _assert_nothing_held(served.verifier)
+
+
+def test_a_call_outlasting_the_deadline_raises_deadline_exceeded_not_unavailable(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def slow_verify(*args: Any, **kwargs: Any) -> None:
+        time.sleep(0.5)
+
+    monkeypatch.setattr(served.verifier, "verify", slow_verify)
+    client = served.verifier_client
+    block = DraftBlock(base_length=4, tokens=())
+    with pytest.raises(DeadlineExceededError, match="deadline passed while waiting"):
+        client.bounded(time.monotonic() + 0.1).verify("s", block)
+    # The client's own timeout running out still means a replica too slow: fail over.
+    with pytest.raises(ReplicaUnavailableError, match="DEADLINE_EXCEEDED"):
+        client.bounded(time.monotonic() + WAIT_S).verify("s", block, timeout_s=0.1)
+
+
+def test_a_replica_refusing_an_expired_session_raises_deadline_exceeded(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def expired(*args: Any, **kwargs: Any) -> None:
+        raise DeadlineExceededError("session 's' passed its deadline")
+
+    monkeypatch.setattr(served.drafter, "draft", expired)
+    with pytest.raises(DeadlineExceededError, match=r"^session 's' passed its deadline$"):
+        served.drafter_client.draft("s", 4, [], 1)  # the client has no deadline of its own
+
+
+def test_the_registry_pool_pins_clients_bound_to_the_request_deadline() -> None:
+    entries = [
+        ReplicaInfo(f"{side}-{i}", side, f"127.0.0.1:{i + 1}", 0, 0).to_dict()
+        for side in ("verifier", "drafter")
+        for i in range(2)
+    ]
+    pool = RegistryPool(lambda: entries, refresh_s=0.0)
+    past = time.monotonic() - 1.0
+    try:
+        pinned = pool.pin(speculate=True, deadline=past)
+        spare = pool.spare("verifier", frozenset({pinned.verifier_id}), deadline=past)
+        assert spare is not None and pinned.drafter is not None
+        # Raised by the clients before any call (nothing listens at these addresses).
+        for port in (pinned.verifier, pinned.drafter, spare.port):
+            with pytest.raises(DeadlineExceededError):
+                port.open_session("s", PROMPT, GREEDY, 0)
+    finally:
+        pool.close()
+
+
+def test_a_request_with_time_to_spare_runs_over_bounded_clients_exactly(
+    served: Served, local_tandem: LocalTandem
+) -> None:
+    pool = RegistryPool(lambda: served.entries, refresh_s=0.0, rpc_timeout_s=WAIT_S)
+    local = local_tandem.router
+    router = Router.over_pool(pool, local._decode, local._eos_token_ids)
+    prompt = encode(local_tandem, CODE_PROMPT)
+    try:
+        for draft_tokens in (0, 4):
+            deadline = time.monotonic() + 10 * WAIT_S
+            request = GenerationRequest(prompt, 30, draft_tokens=draft_tokens, deadline=deadline)
+            want = local.generate(GenerationRequest(prompt, 30, draft_tokens=draft_tokens))
+            assert router.generate(request).tokens == want.tokens
+    finally:
+        router.close()
+        pool.close()
+    _assert_nothing_held(served.verifier, served.drafter)

@@ -1,0 +1,247 @@
+"""The router over gRPC replicas: same output as in-process, and errors mapped back to classes.
+
+Two real loopback servers (a drafter and a verifier over the tiny pair) and the router driving
+them through `GrpcDrafter` / `GrpcVerifier`; the reference is the in-process router.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from cluster.local import LocalTandem, text_decoder
+from cluster.routing.ports import DrafterPort, VerifierPort
+from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.routing.request import GenerationRequest
+from cluster.routing.router import Router
+from cluster.runtime.draft_block import DraftBlock
+from cluster.runtime.errors import (
+    InvalidArgumentError,
+    ReplicaUnavailableError,
+    SessionExistsError,
+    SessionNotFoundError,
+    StaleBaseError,
+)
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams
+from drafter.drafter import Drafter
+from tests.conftest import PROMPTS
+from tests.replicas import serve_drafter, serve_verifier
+from verifier.verifier import Verifier
+
+MAX_TOKENS = 40
+GREEDY = SamplingParams()
+
+
+@dataclass
+class Remote:
+    """A router over two gRPC replicas, the clients it uses, and the components served."""
+
+    router: Router
+    drafter: GrpcDrafter
+    verifier: GrpcVerifier
+    drafter_component: Drafter
+    drafter_address: str
+
+
+@pytest.fixture(scope="module")
+def remote(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> Iterator[Remote]:
+    drafter_component = Drafter(tiny_draft)
+    drafter_server, drafter_port = serve_drafter(drafter_component)
+    verifier_server, verifier_port = serve_verifier(Verifier(tiny_target))
+    drafter_address = f"127.0.0.1:{drafter_port}"
+    drafter = GrpcDrafter(drafter_address, timeout_s=30.0)
+    verifier = GrpcVerifier(f"127.0.0.1:{verifier_port}", timeout_s=30.0)
+    # The clients must satisfy the router's ports (checked by mypy where this is annotated).
+    drafter_port_: DrafterPort = drafter
+    verifier_port_: VerifierPort = verifier
+    router = Router(
+        verifier_port_,
+        drafter_port_,
+        text_decoder(tiny_target.tokenizer),
+        tiny_target.eos_token_ids,
+    )
+    yield Remote(router, drafter, verifier, drafter_component, drafter_address)
+    drafter.close()
+    verifier.close()
+    drafter_server.stop(None)
+    verifier_server.stop(None)
+
+
+def encode(tandem: LocalTandem, text: str) -> tuple[int, ...]:
+    return tuple(tandem.tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("draft_tokens", range(9))
+def test_greedy_over_grpc_equals_in_process(
+    remote: Remote, local_tandem: LocalTandem, draft_tokens: int
+) -> None:
+    for prompt in PROMPTS:
+        request = GenerationRequest(
+            encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=draft_tokens
+        )
+        got = remote.router.generate(request)
+        want = local_tandem.router.generate(request)
+        assert (got.tokens, got.text, got.finish_reason) == (
+            want.tokens,
+            want.text,
+            want.finish_reason,
+        ), prompt
+        assert got.stats == want.stats
+    assert remote.verifier.stats().num_sessions == 0
+    assert remote.drafter.stats().num_sessions == 0
+
+
+def test_stats_over_grpc_carry_the_engine_figures(remote: Remote) -> None:
+    remote.router.generate(GenerationRequest((1, 2, 3), 4, draft_tokens=2))
+    over_grpc, direct = remote.drafter.stats().engine, remote.drafter_component.stats().engine
+    assert over_grpc is not None and direct is not None
+    # Idle now: the counters and the pool read the same on both sides of the wire.
+    assert (over_grpc.runner, over_grpc.steps, over_grpc.kv_blocks_total) == (
+        direct.runner,
+        direct.steps,
+        direct.kv_blocks_total,
+    )
+    assert over_grpc.steps >= 1
+    assert remote.verifier.stats().engine is not None
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.9),
+        SamplingParams(temperature=1.5),
+    ],
+)
+def test_seeded_sampling_over_grpc_equals_in_process(
+    remote: Remote, local_tandem: LocalTandem, sampling: SamplingParams
+) -> None:
+    # Sparse q crosses the wire bit for bit, and 0.8 / 0.9 (not float32-exact) arrive rounded
+    # to float32, which the float32 sampling code uses anyway: the same seed gives the same
+    # tokens.
+    for seed, prompt in enumerate(PROMPTS[:4]):
+        request = GenerationRequest(
+            encode(local_tandem, prompt), MAX_TOKENS, sampling, seed=seed, draft_tokens=4
+        )
+        assert (
+            remote.router.generate(request).tokens == local_tandem.router.generate(request).tokens
+        )
+
+
+# --- errors mapped back to their classes --------------------------------------------------------
+
+
+@pytest.fixture
+def session(remote: Remote, request: pytest.FixtureRequest) -> Iterator[str]:
+    session_id = request.node.name
+    remote.drafter.open_session(session_id, [1, 2, 3], GREEDY, seed=0)
+    remote.verifier.open_session(session_id, [1, 2, 3], GREEDY, seed=0)
+    yield session_id
+    remote.drafter.close_session(session_id)
+    remote.verifier.close_session(session_id)
+
+
+def test_stale_base_raises_stale_base_error(remote: Remote, session: str) -> None:
+    with pytest.raises(StaleBaseError, match=r"has committed length 3, but .* based on length 5"):
+        remote.drafter.draft(session, 5, [], 2)
+    with pytest.raises(StaleBaseError):
+        remote.verifier.verify(session, DraftBlock(base_length=2, tokens=()))
+
+
+def test_unknown_session_raises_session_not_found(remote: Remote) -> None:
+    with pytest.raises(SessionNotFoundError, match=r"^no open session 'nobody' \(closed, evicted"):
+        remote.verifier.verify("nobody", DraftBlock(base_length=1, tokens=()))
+    assert remote.drafter.close_session("nobody") is False
+
+
+def test_invalid_arguments_raise_invalid_argument_error(remote: Remote, session: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"block.tokens\[0\] = 999 is outside"):
+        remote.verifier.verify(session, DraftBlock(base_length=3, tokens=(999,)))
+    with pytest.raises(InvalidArgumentError, match=re.escape("truncate_to must be in 1..3")):
+        remote.drafter.draft(session, 3, [], 1, truncate_to=0)
+    # Values the wire cannot hold are refused by the client before anything is sent.
+    with pytest.raises(InvalidArgumentError, match=re.escape("base_length must be in 0..")):
+        remote.drafter.draft(session, -1, [], 1)
+    with pytest.raises(InvalidArgumentError, match=r"prompt_tokens\[1\] = -4"):
+        remote.verifier.open_session("other", [1, -4], GREEDY, seed=0)
+
+
+def test_duplicate_session_raises_session_exists(remote: Remote, session: str) -> None:
+    with pytest.raises(SessionExistsError, match="already open"):
+        remote.verifier.open_session(session, [1], GREEDY, seed=0)
+
+
+def test_truncate_to_drops_a_rejected_speculative_tail(remote: Remote, session: str) -> None:
+    # The drafter assumed block [a, b] accepted (length 5); the verdict kept none and committed
+    # one token instead: truncate to 3, append it, and draft on from length 4.
+    ahead = remote.drafter.draft(session, 3, [7, 8], 1)
+    assert ahead.base_length == 5
+    block = remote.drafter.draft(session, 5, [9], 2, truncate_to=3)
+    assert block.base_length == 4
+
+
+def test_stopped_server_raises_replica_unavailable(tiny_draft: LoadedModel) -> None:
+    server, port = serve_drafter(Drafter(tiny_draft))
+    with GrpcDrafter(f"127.0.0.1:{port}", timeout_s=5.0) as drafter:
+        assert drafter.stats().num_sessions == 0
+        server.stop(None).wait()
+        with pytest.raises(ReplicaUnavailableError, match=f"drafter at 127.0.0.1:{port}: "):
+            drafter.stats()
+
+
+def test_deadline_raises_replica_unavailable(
+    remote: Remote, session: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def slow_stats() -> None:
+        time.sleep(0.5)
+
+    monkeypatch.setattr(remote.drafter_component, "stats", slow_stats)
+    with pytest.raises(ReplicaUnavailableError, match="DEADLINE_EXCEEDED"):
+        remote.drafter.stats(timeout_s=0.05)
+
+
+def test_internal_error_raises_replica_unavailable_with_the_generic_message(
+    remote: Remote, session: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_draft(*args: object, **kwargs: object) -> None:
+        raise ZeroDivisionError("hidden")
+
+    monkeypatch.setattr(remote.drafter_component, "draft", broken_draft)
+    with pytest.raises(ReplicaUnavailableError) as caught:
+        remote.drafter.draft(session, 3, [], 1)
+    assert str(caught.value) == (
+        f"drafter at {remote.drafter_address}: INTERNAL: internal error; see the replica's log"
+    )
+
+
+def test_client_over_a_given_channel_leaves_it_open(remote: Remote) -> None:
+    channel = grpc.insecure_channel(remote.drafter_address)
+    drafter = GrpcDrafter(channel)
+    drafter.close()
+    # Still usable through another client: the channel is the caller's to close.
+    assert GrpcDrafter(channel).stats().num_sessions >= 0
+    channel.close()
+
+
+def test_a_replicas_refusal_keeps_its_retry_hint() -> None:
+    from cluster.replica.rpc import RETRY_AFTER_METADATA_KEY
+    from cluster.routing.replica_client import error_from_rpc
+    from cluster.runtime.errors import ResourceExhaustedError
+
+    class Refused(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        def details(self) -> str:
+            return "replica KV memory is fully planned"
+
+        def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+            return ((RETRY_AFTER_METADATA_KEY, "1500"),)
+
+    error = error_from_rpc(Refused(), "verifier")
+    assert isinstance(error, ResourceExhaustedError) and error.retry_after_s == 1.5

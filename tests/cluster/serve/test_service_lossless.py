@@ -1,0 +1,244 @@
+"""Sampling through the service as `tandem serve` configures it follows the target alone.
+
+`test_lossless_sampling.py` checks the acceptance rule in process, with fixed blocks. This test
+takes a user's request's path with the service's defaults: the router ingress that
+`RouterIngress` builds from a default `TandemConfig` (adaptive draft length, prompt lookup,
+pipelining and the speculation gate on; one tenant added), over a drafter and a verifier
+replica of the tiny pair (fp32) behind their own gRPC servers, listed as the registry lists
+them. Requests go through `RouterIngress.Generate`, the method Serve's gRPC proxy calls; only
+Serve's proxy and placement, which never see a token, are left out. They go one at a time: the
+gate then stays open by design (run four at a time, it finds the target alone faster for these
+three-token requests and stops speculating after its first epoch). Pipelining is on, but no
+round within three tokens drafts ahead (the opening round never does, and the next block fills
+the room left), so `test_lossless_sampling.py` alone covers that path.
+
+The verifier replica waits VERIFY_DELAY_S in each verify call but a session's first (the
+opening pass, which the router does not time). On the tiny pair a verify pass costs about as
+much as a draft, so the adaptive plan soon stops speculating (and with it prompt lookup), and a
+sample of the target alone would prove nothing. The wait makes the target dearer than its
+draft, as it is where speculation pays. PROMPT repeats itself, so prompt lookup proposes the
+opening block; when the target rejects it, the draft model proposes the next. The test asserts
+that both proposed tokens in most requests (MIN_PROPOSED), and that some were accepted and some
+rejected. With three CPU-bound processes beside it on 2 cores, the plan stopped drafting here
+(the draft latency it inherits from request to request stays high while nothing is drafted),
+and the test fails there rather than pass on a sample of the target alone.
+
+Statistic: the exact joint distribution of the first three tokens,
+P(t1, t2, t3) = p(t1 | prompt) p(t2 | prompt, t1) p(t3 | prompt, t1, t2), from the target's own
+probabilities at temperature 1 (in process), against NUM_REQUESTS seeded requests by Pearson's
+chi-square test. Cells are named by prefixes (`exact_cells`): every triple, pair and first
+token whose expected count is at least MIN_EXPECTED, each holding what its longer names do not,
+and `()` the rest, so every cell's expected count is at least MIN_EXPECTED and the chi-square
+approximation is sound. Under a lossless sampler the p-value is (asymptotically) uniform, so a
+correct service fails with probability ALPHA = 1e-3. The seeds are fixed, but the plan follows
+measured times, so reruns differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from scipy import stats
+
+import cluster.serve.ingress
+from cluster.api.tenants import AuthConfig, TenantConfig, hash_api_key, new_api_key
+from cluster.config import TandemConfig
+from cluster.replica.host import ReplicaInfo
+from cluster.runtime.draft_block import DraftBlock, Verdict
+from cluster.runtime.models import LoadedModel, load_model
+from cluster.runtime.sampling import SamplingParams, logits_to_probs
+from cluster.serve.ingress import RouterIngress
+from drafter.drafter import Drafter
+from protos import generate_pb2, sampling_pb2
+from tests.replicas import serve_drafter, serve_verifier
+from verifier.verifier import Verifier
+
+pytestmark = pytest.mark.slow
+
+ALPHA = 1e-3
+NUM_REQUESTS = 800
+MIN_EXPECTED = 5.0
+NUM_TOKENS = 3
+PROMPT = "abcabcabc"
+"""Its last two bytes recur, so prompt lookup proposes the opening block ("ab")."""
+SAMPLING = SamplingParams(temperature=1.0)
+VERIFY_DELAY_S = 0.03
+"""A verify pass then takes about 36 ms here and a drafted token 4 to 8 ms; the plan drafts
+while a token costs less than about 0.6 of a pass (its acceptance estimate after a rejection)."""
+MIN_PROPOSED = NUM_REQUESTS // 2
+"""Fewest tokens each proposer must have drafted: about 2 are looked up and 1 drafted a request
+when the plan speculates, so the sample tests acceptance in at least half the requests."""
+KEY = new_api_key()
+
+Prefix = tuple[int, ...]
+
+
+class Context:
+    """What the ingress uses of Serve's gRPC context: the caller's metadata, and setters for
+    a failed call's status (the ingress then raises the error itself)."""
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {KEY}")]
+
+    def set_code(self, code: Any) -> None:
+        pass
+
+    def set_details(self, details: str) -> None:
+        pass
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        pass
+
+
+@dataclass
+class Served:
+    ingress: RouterIngress
+    target: LoadedModel
+    model_drafted: list[int]
+    """Tokens the draft model proposed (one count); the other drafted tokens were looked up."""
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    tenant = TenantConfig("main", hash_api_key(KEY))
+    config = TandemConfig(auth=AuthConfig(tenants=(tenant,))).with_cluster_secret()
+    pair = config.pair()
+    target, draft = load_model(pair.target), load_model(pair.draft)
+    verifier = Verifier(target, config.verifier_limits)
+    drafter = Drafter(draft, config.drafter_limits)
+    verify, draft_block = verifier.verify, drafter.draft
+    verified_once: set[str] = set()
+    model_drafted = [0]
+
+    def slow_verify(session_id: str, *args: Any, **kwargs: Any) -> Verdict:
+        if session_id in verified_once:
+            time.sleep(VERIFY_DELAY_S)
+        verified_once.add(session_id)
+        return verify(session_id, *args, **kwargs)
+
+    def counted_draft(*args: Any, **kwargs: Any) -> DraftBlock:
+        block = draft_block(*args, **kwargs)
+        model_drafted[0] += len(block.tokens)
+        return block
+
+    verifier_server, verifier_port = serve_verifier(verifier, secret=config.cluster_secret)
+    drafter_server, drafter_port = serve_drafter(drafter, secret=config.cluster_secret)
+    entries = [
+        ReplicaInfo("verifier-0", "verifier", f"127.0.0.1:{verifier_port}", 0, 0).to_dict(),
+        ReplicaInfo("drafter-0", "drafter", f"127.0.0.1:{drafter_port}", 0, 0).to_dict(),
+    ]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(verifier, "verify", slow_verify)
+        patch.setattr(drafter, "draft", counted_draft)
+        # The registry actor's listing, without Ray: both replicas, always live.
+        patch.setattr(cluster.serve.ingress, "get_registry", lambda app_name: None)
+        patch.setattr(cluster.serve.ingress, "from_registry_actor", lambda actor: lambda: entries)
+        served = Served(RouterIngress(config), target, model_drafted)
+        try:
+            yield served
+        finally:
+            # RouterIngress has no close (Serve ends its process): stop what it started.
+            served.ingress._router.close()
+            served.ingress._pool.close()
+            verifier_server.stop(None)
+            drafter_server.stop(None)
+            verifier.close()
+            drafter.close()
+
+
+def probabilities(model: LoadedModel, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """`[len(contexts), vocab]` float64: the model's next-token distribution after each
+    context (all of one length), as sampled with SAMPLING."""
+    with torch.inference_mode():
+        logits = model.model(torch.tensor(contexts, device=model.device)).logits[:, -1]
+        return logits_to_probs(logits, SAMPLING).double().cpu()
+
+
+def exact_cells(model: LoadedModel, prompt: Prefix) -> dict[Prefix, float]:
+    """The test's cells and their exact probabilities. A cell is named by a prefix of the first
+    NUM_TOKENS tokens and holds the samples whose longest prefix among the names it is: a whole
+    triple, or the rest under a shorter prefix, or under `()` everything else. A prefix is a
+    name if its expected count is at least MIN_EXPECTED and so is its cell's (a thin cell
+    joins its parent's); a frequent triple's pair is frequent, so only those pairs need a
+    third forward pass."""
+    p1 = probabilities(model, [prompt])[0]  # [vocab]
+    joint2 = p1[:, None] * probabilities(model, [(*prompt, t) for t in range(p1.shape[0])])
+    mass: dict[Prefix, float] = {(): 1.0}
+    mass.update({(t,): float(p1[t]) for t in _frequent(p1)})
+    pairs = [(t1, t2) for t1, t2 in _frequent(joint2)]
+    mass.update({pair: float(joint2[pair]) for pair in pairs})
+    p3 = probabilities(model, [(*prompt, *pair) for pair in pairs])  # [pairs, vocab]
+    for pair, row in zip(pairs, p3, strict=True):
+        joint3 = joint2[pair] * row  # [vocab]
+        mass.update({(*pair, t): float(joint3[t]) for t in _frequent(joint3)})
+    for length in range(NUM_TOKENS - 1, 0, -1):
+        for prefix in [p for p in mass if len(p) == length]:
+            if _cell_mass(prefix, mass) * NUM_REQUESTS < MIN_EXPECTED:
+                del mass[prefix]
+    return {prefix: _cell_mass(prefix, mass) for prefix in mass}
+
+
+def _frequent(probs: torch.Tensor) -> list[Any]:
+    """Indices (ints, or pairs for 2-D `probs`) whose expected count is at least MIN_EXPECTED."""
+    return (probs * NUM_REQUESTS >= MIN_EXPECTED).nonzero().squeeze(-1).tolist()
+
+
+def cell_of(tokens: Prefix, names: Iterable[Prefix]) -> Prefix:
+    """The longest prefix of `tokens` among `names` (`()` is always one)."""
+    return max((p for p in names if tokens[: len(p)] == p), key=len)
+
+
+def _cell_mass(prefix: Prefix, mass: dict[Prefix, float]) -> float:
+    """The mass under `prefix` that no longer name in `mass` takes."""
+    children = [p for p in mass if p and p != prefix and cell_of(p[:-1], mass) == prefix]
+    return mass[prefix] - sum(mass[p] for p in children)
+
+
+def chi_square_p_value(samples: Sequence[Prefix], cells: dict[Prefix, float]) -> float:
+    """Pearson's p-value of `samples` over `cells` (as `exact_cells` makes them)."""
+    counts = Counter(cell_of(tokens, cells) for tokens in samples)
+    observed = [counts[cell] for cell in cells]
+    expected = [p * len(samples) for p in cells.values()]
+    assert min(expected) >= MIN_EXPECTED
+    return float(stats.chisquare(observed, expected, sum_check=False).pvalue)
+
+
+async def sample(ingress: RouterIngress) -> list[generate_pb2.GenerateResponse]:
+    """NUM_REQUESTS responses for PROMPT, seeds 0..NUM_REQUESTS-1, one after another."""
+    responses = []
+    for seed in range(NUM_REQUESTS):
+        request = generate_pb2.GenerateRequest(
+            text=PROMPT,
+            max_tokens=NUM_TOKENS,
+            seed=seed,
+            sampling=sampling_pb2.SamplingParams(temperature=SAMPLING.temperature),
+        )
+        responses.append(await ingress.Generate(request, Context()))
+    return responses
+
+
+def test_the_first_tokens_through_the_default_service_follow_the_target(served: Served) -> None:
+    prompt = tuple(served.target.tokenizer.encode(PROMPT, add_special_tokens=False))
+    cells = exact_cells(served.target, prompt)
+    responses = asyncio.run(sample(served.ingress))
+    samples = [tuple(r.token_ids) for r in responses]
+    assert all(len(tokens) == NUM_TOKENS for tokens in samples)
+    drafted = sum(r.speculation.num_drafted for r in responses)
+    accepted = sum(r.speculation.num_accepted for r in responses)
+    model_drafted = served.model_drafted[0]
+    p_value = chi_square_p_value(samples, cells)
+    print(
+        f"\n{len(cells)} cells, p-value {p_value:.3g}; drafted {drafted} (looked up "
+        f"{drafted - model_drafted}, by the draft model {model_drafted}), accepted {accepted}"
+    )
+    # The sample tests acceptance only where tokens were proposed.
+    assert min(drafted - model_drafted, model_drafted) >= MIN_PROPOSED
+    assert 0 < accepted < drafted
+    assert p_value > ALPHA
