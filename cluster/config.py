@@ -5,6 +5,12 @@
 problem is reported at once with its key's path (`verifier.max_sesions: unknown key`), so a
 typo never silently falls back to a default. Configs built in Python skip the type checks, not
 the value checks. No I/O happens when a config is built; models load in the replicas.
+
+Plain data: each part's class lives beside what it configures, in a module that imports no
+component (`drafter.config`, `verifier.config`, `cluster.autoscaling_config`,
+`cluster.api.audit_config`, `cluster.api.service_config`, `cluster.routing.draft_length_config`,
+`cluster.runtime.model_spec`...), so reading a config loads no torch, no model, no Ray and no
+`cluster.serve` (checked by `make lint`: "Configs are plain data").
 """
 
 from __future__ import annotations
@@ -18,108 +24,20 @@ from typing import Any
 
 from pydantic import with_config
 
-from cluster.api.online_audit import AuditConfig
+from cluster.api.audit_config import AuditConfig
 from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import AuthConfig
+from cluster.autoscaling_config import AutoscalingConfig
 from cluster.config_parsing import PARSING, load_yaml, parse
 from cluster.presets import DEFAULT_PRESET, ModelPair, resolve_pair
-from cluster.routing.draft_length import DraftLengthConfig
+from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.quantize import QUANTIZATIONS
-from cluster.serve.autoscaling import (
-    DEFAULT_MAX_KV_USED,
-    DEFAULT_TARGET_BUSY,
-    DEFAULT_TARGET_QUEUE_WAIT_S,
-    DEFAULT_TARGET_SESSIONS,
-    POLICY_PATH,
-    check_targets,
-)
-from drafter.drafter import DrafterConfig
-from drafter.ngram import NgramConfig
-from verifier.verifier import VerifierConfig
+from cluster.runtime.model_spec import QUANTIZATIONS
+from drafter.config import DrafterConfig, NgramConfig
+from verifier.config import VerifierConfig
 
 DEFAULT_APP_NAME = "tandem"
 DEFAULT_GRPC_PORT = 9000
-
-
-@dataclass(frozen=True)
-class AutoscalingConfig:
-    """Serve autoscaling of one side on the load its replicas report (cluster/serve/autoscaling.py):
-    enough replicas that neither open sessions nor busy fraction per replica exceeds its
-    target, a replica whose engine's KV pool is nearly full or whose calls queue too long
-    counting as fully busy. Off by default: the group runs `num_replicas`. On, Serve starts
-    `min_replicas` and `num_replicas` is not used."""
-
-    enabled: bool = False
-    min_replicas: int = 1
-    """At least 1: a side with no replica has no load to report, so nothing would scale it up."""
-    max_replicas: int = 4
-    target_sessions: float = DEFAULT_TARGET_SESSIONS
-    """Open sessions per replica (each holds a KV cache)."""
-    target_busy: float = DEFAULT_TARGET_BUSY
-    """Share of time each replica's model spends computing, in (0, 1]."""
-    max_kv_used: float = DEFAULT_MAX_KV_USED
-    """Share of a replica's KV pool in use above which it counts as fully busy, in (0, 1]."""
-    target_queue_wait_s: float = DEFAULT_TARGET_QUEUE_WAIT_S
-    """Seconds a call may wait for its replica's engine before the replica counts as fully
-    busy."""
-    upscale_delay_s: float = 10.0
-    """How long more replicas must be wanted before they are started."""
-    downscale_delay_s: float = 120.0
-    """How long fewer replicas must be wanted before one is stopped (it drains first)."""
-    look_back_period_s: float = 30.0
-    """Window over which Serve averages each replica's reported load (Serve's default)."""
-    metrics_interval_s: float = 10.0
-    """How often replicas push their load to Serve's controller, less than look_back_period_s
-    (Serve's default; lower both for a faster reaction)."""
-
-    def __post_init__(self) -> None:
-        if self.min_replicas < 1:
-            raise InvalidArgumentError(f"min_replicas must be >= 1, got {self.min_replicas}")
-        if self.max_replicas < self.min_replicas:
-            raise InvalidArgumentError(
-                f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})"
-            )
-        try:
-            check_targets(
-                self.target_sessions,
-                self.target_busy,
-                self.max_kv_used,
-                self.target_queue_wait_s,
-            )
-        except ValueError as error:
-            raise InvalidArgumentError(str(error)) from error
-        for name in ("upscale_delay_s", "downscale_delay_s"):
-            if not getattr(self, name) >= 0:
-                raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("look_back_period_s", "metrics_interval_s"):
-            if not getattr(self, name) > 0:
-                raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not self.look_back_period_s > self.metrics_interval_s:
-            raise InvalidArgumentError(
-                f"look_back_period_s ({self.look_back_period_s}) must be greater "
-                f"than metrics_interval_s ({self.metrics_interval_s})"
-            )
-
-    def serve_options(self) -> dict[str, Any]:
-        """Serve's `autoscaling_config` for the deployment."""
-        return {
-            "min_replicas": self.min_replicas,
-            "max_replicas": self.max_replicas,
-            "upscale_delay_s": self.upscale_delay_s,
-            "downscale_delay_s": self.downscale_delay_s,
-            "look_back_period_s": self.look_back_period_s,
-            "metrics_interval_s": self.metrics_interval_s,
-            "policy": {
-                "policy_function": POLICY_PATH,
-                "policy_kwargs": {
-                    "target_sessions": self.target_sessions,
-                    "target_busy": self.target_busy,
-                    "max_kv_used": self.max_kv_used,
-                    "target_queue_wait_s": self.target_queue_wait_s,
-                },
-            },
-        }
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,16 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from cluster.presets import ModelPair
-from cluster.routing.draft_length import DraftLengthConfig
+from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.generation import Decode
 from cluster.routing.router import Router
 from cluster.runtime.constraint import grammar_tokenizer_of
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel, load_model
-from drafter.drafter import Drafter, DrafterConfig
-from drafter.ngram import NgramConfig
-from verifier.verifier import Verifier, VerifierConfig
+from drafter.config import DrafterConfig, NgramConfig
+from drafter.drafter import Drafter
+from verifier.config import VerifierConfig
+from verifier.verifier import Verifier
 
 
 @dataclass

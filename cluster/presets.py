@@ -6,6 +6,10 @@ Any Hugging Face hub id, local folder or GGUF file works as a source (see
 are the converted folders in the pack cache, the one of the requested dtype (bf16 by default;
 float16 loads the fp32 folder and casts). Building a pair does no I/O; loading an unfetched pack
 says how to fetch it.
+
+Plain data: a pair is two `ModelSpec`s (`cluster.runtime.model_spec`) and a pack's folders come
+from `cluster.runtime.pack_catalog`, so resolving a preset (as reading a config does) loads no
+torch and no model.
 """
 
 from __future__ import annotations
@@ -13,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.models import TINY_DRAFT, TINY_TARGET, ModelSpec
-from cluster.runtime.packs import PACK_DTYPES, PACKS, model_dir
+from cluster.runtime.model_spec import TINY_DRAFT, TINY_TARGET, ModelSpec
+from cluster.runtime.pack_catalog import PACK_DTYPES, PACKS, model_dir
 
 DEFAULT_PRESET = "tiny"
 

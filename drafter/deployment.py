@@ -11,7 +11,8 @@ from __future__ import annotations
 from cluster.replica.deployment import ComponentReplica
 from cluster.replica.host import serve_rank
 from cluster.runtime.models import LoadedModel
-from drafter.drafter import Drafter, DrafterConfig
+from drafter.config import DrafterConfig
+from drafter.drafter import Drafter
 from drafter.servicer import DrafterServicer
 
 CHAOS_RANK = 0

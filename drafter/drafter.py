@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar
 
 import torch
 
@@ -49,48 +48,12 @@ from cluster.runtime.sampling import (
 )
 from cluster.runtime.session import (
     DRAFTER_SEED_SALT,
-    MAX_BLOCK_TOKENS,
     ReplicaSession,
-    SessionLimits,
     check_seed,
     check_token_ids,
 )
 from cluster.runtime.task import each_alone_if_refused
-
-
-@dataclass(frozen=True)
-class DrafterConfig(SessionLimits):
-    """Limits and drafting policy of one drafter replica."""
-
-    max_draft_tokens: int = MAX_BLOCK_TOKENS
-    """Longest block one draft call may ask for."""
-    top_k: int = 64
-    """Sampled drafts draw from at most this many tokens (0 = the request's own top_k), which
-    keeps the q sent per token small; exactness does not depend on it."""
-    min_confidence: float = 0.0
-    """End a block early after a token the draft model gave less than this probability (its
-    most likely token's probability, before truncation): later tokens would likely be
-    rejected, and drafting them costs time. 0 drafts every token asked for. The block length
-    then depends only on the drafter, so acceptance stays exact."""
-    error_fraction: float = 0.0
-    """Share of Draft calls answered INTERNAL on purpose, for soak tests (`tandem soak`); 0 in
-    production. Honoured by one drafter replica only, the one Serve ranks 0
-    (`drafter.deployment`), so the others show the healthy path beside it; in [0, 1]."""
-
-    _counts: ClassVar[tuple[str, ...]] = (*SessionLimits._counts, "max_draft_tokens")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.top_k < 0:
-            raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 <= self.min_confidence <= 1.0:
-            raise InvalidArgumentError(
-                f"min_confidence must be in [0, 1], got {self.min_confidence}"
-            )
-        if not 0.0 <= self.error_fraction <= 1.0:
-            raise InvalidArgumentError(
-                f"error_fraction must be in [0, 1], got {self.error_fraction}"
-            )
+from drafter.config import DrafterConfig
 
 
 def draft_sampling(request: SamplingParams, top_k: int) -> SamplingParams:

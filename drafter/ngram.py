@@ -18,25 +18,8 @@ holds one entry per token and n-gram length (a few hundred bytes per token of hi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from cluster.runtime.errors import InvalidArgumentError
-
-
-@dataclass(frozen=True)
-class NgramConfig:
-    """Whether prompt lookup runs, and which suffix lengths it tries, longest first."""
-
-    enabled: bool = False
-    max_ngram: int = 4
-    min_ngram: int = 2
-    """One-token matches are mostly coincidence; two or more are rarely."""
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise InvalidArgumentError(
-                f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}"
-            )
+from drafter.config import NgramConfig
 
 
 def propose(tokens: Sequence[int], num_tokens: int, config: NgramConfig) -> tuple[int, ...]:

@@ -4,6 +4,7 @@
   `batch_layout` and `batch_inputs` (the same rule over a step's blocks at once) and
   `verifier.Verifier` (a plain class).
 - Shell: `servicer` (the gRPC adapter) and `deployment` (the Serve body).
+- Config: `config` (`VerifierConfig`, the reference dtypes): plain data, no torch, no component.
 
 It stands on `cluster.runtime` (the model runtime both sides share) and `cluster.replica` (the
 replica host both sides share); it never imports `drafter` or the router side of `cluster`.

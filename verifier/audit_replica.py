@@ -27,26 +27,14 @@ from cluster.runtime.errors import CancelledError, InvalidArgumentError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from cluster.runtime.session import check_seed
+from verifier.config import FLOAT32, OWN_DTYPE, check_reference_dtype
 from verifier.reference import DEFAULT_CHUNK_TOKENS, Replay, fp32_copy, replay
 
-OWN_DTYPE = ""
-FLOAT32 = "float32"
-REFERENCE_DTYPES = (OWN_DTYPE, FLOAT32)
-"""What a reference may ask for: the replica's own weights, or a float32 copy of them."""
 POLL_S = 0.002
 """How often a waiting replay looks at the engine again."""
 QUIET_S = 0.004
 """How long the engine must have been idle before a chunk runs: a gap between a request's
 rounds (a few milliseconds) does not let a chunk in as readily as a real lull does."""
-
-
-def check_reference_dtype(dtype: str, what: str = "dtype") -> str:
-    """`dtype` if a reference may ask for it; InvalidArgumentError naming `what` if not."""
-    if dtype not in REFERENCE_DTYPES:
-        raise InvalidArgumentError(
-            f"{what} must be one of {', '.join(map(repr, REFERENCE_DTYPES))}, got {dtype!r}"
-        )
-    return dtype
 
 
 def wait_until_idle(

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from cluster.replica.deployment import ComponentReplica
 from cluster.runtime.models import LoadedModel
+from verifier.config import VerifierConfig
 from verifier.servicer import VerifierServicer
-from verifier.verifier import Verifier, VerifierConfig
+from verifier.verifier import Verifier
 
 
 class VerifierReplica(ComponentReplica[VerifierConfig]):

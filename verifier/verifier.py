@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -42,54 +41,24 @@ from cluster.runtime.sampling import (
     logits_to_probs_rows,
     to_dense,
 )
-from cluster.runtime.session import (
-    DRAFTER_SEED_SALT,
-    MAX_BLOCK_TOKENS,
-    ReplicaSession,
-    SessionLimits,
-    check_token_ids,
-)
+from cluster.runtime.session import DRAFTER_SEED_SALT, ReplicaSession, check_token_ids
 from cluster.runtime.task import each_alone_if_refused
-from verifier.audit_replica import OWN_DTYPE, ReferenceReplayer
+from verifier.audit_replica import ReferenceReplayer
 from verifier.batch_rejection import (
     BatchSession,
     DeferredRow,
     SessionOutcome,
     batch_rejection_sample,
 )
+from verifier.config import (
+    ACCEPT_ALL,
+    DRAFT_STREAM,
+    OWN_DTYPE,
+    REUSED_NOISE,
+    UNMASKED_BONUS,
+    VerifierConfig,
+)
 from verifier.rejection import greedy_accept
-
-NO_FAULT = ""
-ACCEPT_ALL = "accept_all"
-REUSED_NOISE = "reused_noise"
-DRAFT_STREAM = "draft_stream"
-UNMASKED_BONUS = "unmasked_bonus"
-FAULTS = (NO_FAULT, ACCEPT_ALL, REUSED_NOISE, DRAFT_STREAM, UNMASKED_BONUS)
-
-
-@dataclass(frozen=True)
-class VerifierConfig(SessionLimits):
-    """Limits of one verifier replica."""
-
-    max_block_tokens: int = MAX_BLOCK_TOKENS
-    """Longest draft block accepted."""
-    fault: str = NO_FAULT
-    """A fault injected on purpose, for the tests and the audit's own checks; "" (none) in
-    production. `accept_all`: every drafted token is accepted, whatever the target says.
-    `reused_noise`: the seed-exact rule keys its noise by the seed alone, the same at every
-    position. `draft_stream`: the seed-exact rule draws the target's tokens of a block with
-    drafts from another noise stream (the rejection rule's drafter stream) than a block
-    without, so the output depends on how the request was drafted. `unmasked_bonus`: the
-    position after a block's last draft is not masked by the request's constraint."""
-
-    _counts: ClassVar[tuple[str, ...]] = (*SessionLimits._counts, "max_block_tokens")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.fault not in FAULTS:
-            raise InvalidArgumentError(
-                f"fault must be one of {', '.join(map(repr, FAULTS))}, got {self.fault!r}"
-            )
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Greedy and seed-exact requests produce output that is a function of (prompt, see
 target model) alone (`cluster.runtime.gumbel`), so a served request can be replayed through the
 target with no drafter and no batching (`VerifierPort.reference`, on a verifier the router's
 pool picks) and compared token by token (`cluster.runtime.audit.compare`). `Auditor` is what
-`TandemService.audit` (gRPC `Tandem.Audit`) and `POST /v1/audit` (`audit_body`) delegate to:
+`TandemService.audit` (gRPC `Tandem.Audit`) and `POST /v1/audit` (`OpenAIService.audit`)
+delegate to:
 
 1. authenticate the caller and validate the request exactly as Generate does;
 2. refuse, before anything runs, a sampled request the rejection rule would serve
@@ -19,34 +20,36 @@ pool picks) and compared token by token (`cluster.runtime.audit.compare`). `Audi
    cause (`cluster.runtime.audit.cause`).
 
 A request cancelled before it finished has nothing to audit: CANCELLED.
+
+Dependencies: the service builds its `Auditor` and hands itself in as a `ServicePort`, and the
+OpenAI-compatible API calls the auditor, so this module imports neither `cluster.api.service`
+nor `cluster.api.openai`; both import it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from contextlib import closing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from cluster.api.openai_schema import OpenAIError, body_object
+from cluster.api.caller import Caller
+from cluster.api.request_reader import RequestReader
+from cluster.api.tenants import Tenants
 from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.runtime.audit import AuditReport, cause, compare, report_json
 from cluster.runtime.errors import CancelledError, InvalidArgumentError
 from cluster.runtime.sampling import SamplingParams
 from protos import generate_pb2, sampling_pb2
-from verifier.audit_replica import OWN_DTYPE, REFERENCE_DTYPES, check_reference_dtype
+from verifier.config import OWN_DTYPE, check_reference_dtype
 
 if TYPE_CHECKING:
-    from cluster.api.openai import OpenAIService
-    from cluster.api.service import Caller, TandemService
     from cluster.routing.router import Router
 
 GREEDY = "greedy"
 SEED_EXACT = "seed_exact"
 NO_DRAFTER = "none"
 PROMPT_LOOKUP = "prompt_lookup"
-AUDIT_DTYPE_FIELD = "audit_dtype"
-"""The HTTP body's field for `AuditRequest.dtype`."""
 
 
 class NotReplayableError(InvalidArgumentError):
@@ -161,10 +164,35 @@ def audit_json(audited: Audited) -> dict[str, Any]:
     }
 
 
+class ServicePort(Protocol):
+    """What `Auditor` needs of the service it audits on: `cluster.api.service.TandemService`,
+    which builds the auditor and passes itself in (module docstring)."""
+
+    @property
+    def tenants(self) -> Tenants:
+        """Who may call: the caller is authenticated before anything is validated."""
+        ...
+
+    @property
+    def reader(self) -> RequestReader:
+        """Validates a request exactly as Generate does."""
+        ...
+
+    def stream(
+        self,
+        message: generate_pb2.GenerateRequest,
+        caller: Caller,
+        *,
+        on_finished: Callable[[Served], None] | None = None,
+    ) -> Generator[generate_pb2.GenerateChunk, None, None]:
+        """Runs a request through the normal path; `on_finished` gets it as served."""
+        ...
+
+
 class Auditor:
     """Audits requests on one service and router (see the module docstring)."""
 
-    def __init__(self, service: TandemService, router: Router) -> None:
+    def __init__(self, service: ServicePort, router: Router) -> None:
         self._service = service
         self._router = router
 
@@ -225,29 +253,3 @@ class Auditor:
         pinned.seed = request.seed  # the one picked for it: the replay must know it
         pinned.sampling.rule = sampling_pb2.SAMPLING_RULE_SEED_EXACT
         return pinned
-
-
-def audit_body(
-    openai: OpenAIService,
-    body: object,
-    caller: Caller,
-    is_active: Callable[[], bool] | None = None,
-) -> dict[str, Any]:
-    """`POST /v1/audit`: a completions body (`cluster.api.openai_schema`) plus an optional
-    `audit_dtype` ("" or "float32"), run and audited; the answer is `audit_json`'s. Errors
-    name the body's field (`OpenAIError`, `NotReplayableError`: HTTP 400)."""
-    fields = dict(body_object(body))
-    dtype = fields.pop(AUDIT_DTYPE_FIELD, None)
-    if dtype is None:
-        dtype = OWN_DTYPE
-    if dtype not in REFERENCE_DTYPES:
-        raise OpenAIError(
-            f"{AUDIT_DTYPE_FIELD} must be one of {', '.join(map(repr, REFERENCE_DTYPES))}, "
-            f"got {dtype!r}",
-            AUDIT_DTYPE_FIELD,
-        )
-    if openai.wants_stream(fields):
-        raise OpenAIError("an audit answers once, when it is done: stream must be false", "stream")
-    _, message = openai.to_generate_request("completions", fields, caller)
-    request = generate_pb2.AuditRequest(request=message, dtype=dtype)
-    return audit_json(openai.service.auditor.run(request, caller, is_active, HTTP_FIELDS))

@@ -27,51 +27,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import random
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from cluster.api.audit import Served, replay_rule
+from cluster.api.audit_config import AuditConfig
 from cluster.metrics import TandemMetrics
 from cluster.runtime.audit import AuditReport, cause
-from cluster.runtime.errors import InvalidArgumentError
-from verifier.audit_replica import OWN_DTYPE, check_reference_dtype
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_PENDING = 64
 QUEUE_FULL = "queue_full"
 FAILED = "failed"
 CLOSE_TIMEOUT_S = 30.0
 """How long `close` waits for an audit in flight to finish."""
-
-
-@dataclass(frozen=True)
-class AuditConfig:
-    """The online audit of the router's finished requests."""
-
-    fraction: float = 0.0
-    """Share of finished greedy and seed-exact requests replayed through the target alone and
-    compared token by token, in [0, 1]; 0: no online audit."""
-    dtype: str = OWN_DTYPE
-    """The weights of the replays: "" the verifiers' own, "float32" a float32 copy of the
-    target on each verifier (made on its first audit, then kept: the model's size again)."""
-    max_pending: int = DEFAULT_MAX_PENDING
-    """Audits that may wait for the worker; a request drawn beyond them is dropped and
-    counted (`tandem_audit_dropped_total{reason="queue_full"}`)."""
-
-    def __post_init__(self) -> None:
-        fraction = self.fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, int | float):
-            raise InvalidArgumentError(f"fraction must be a number in [0, 1], got {fraction!r}")
-        if not (math.isfinite(fraction) and 0 <= fraction <= 1):
-            raise InvalidArgumentError(f"fraction must be in [0, 1], got {fraction!r}")
-        check_reference_dtype(self.dtype)
-        if isinstance(self.max_pending, bool) or self.max_pending < 1:
-            raise InvalidArgumentError(f"max_pending must be >= 1, got {self.max_pending!r}")
 
 
 Check = Callable[[Served], AuditReport]

@@ -1,7 +1,7 @@
 """The OpenAI-compatible API as a plain class: JSON bodies in, OpenAI's response shapes out.
 
 `OpenAIService` serves `GET /v1/models`, `POST /v1/completions` and `POST /v1/chat/completions`
-(and Tandem's own `POST /v1/audit`: `cluster.api.audit.audit_body`) over a `TandemService`,
+(and Tandem's own `POST /v1/audit`, through `cluster.api.audit`) over a `TandemService`,
 with no HTTP and no Ray: an HTTP adapter parses the JSON, passes the body and the caller (API
 key, deadline) here, and frames what comes back. Every call is
 authenticated first, like the gRPC API; the body is then checked field by field
@@ -51,7 +51,8 @@ from collections.abc import Callable, Generator
 from contextlib import closing
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cluster.api.audit import audit_body
+from cluster.api.audit import HTTP_FIELDS, audit_json
+from cluster.api.caller import ANONYMOUS_CALL, Caller
 from cluster.api.openai_schema import (
     ModelNotFoundError,
     OpenAIError,
@@ -69,11 +70,11 @@ from cluster.api.openai_structured import (
 )
 from cluster.api.request_reader import check_context
 from cluster.api.sampling_rule import rule_to_proto
-from cluster.api.service import ANONYMOUS_CALL, Caller
 from cluster.api.status import INTERNAL_ERROR_MESSAGE, status_of
 from cluster.replica.wire import grammar_to_wire
 from cluster.runtime.errors import InvalidArgumentError, TandemError
 from protos import generate_pb2, sampling_pb2
+from verifier.config import OWN_DTYPE, check_reference_dtype
 
 if TYPE_CHECKING:
     from cluster.api.service import TandemService
@@ -93,6 +94,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """`max_tokens` of a completion that sets none: OpenAI's default."""
 OWNED_BY = "tandem"
+AUDIT_DTYPE_FIELD = "audit_dtype"
+"""The `POST /v1/audit` body's field for `AuditRequest.dtype`."""
 _OBJECTS = {"completions": "text_completion", "chat.completions": "chat.completion"}
 _ID_PREFIXES = {"completions": "cmpl-", "chat.completions": "chatcmpl-"}
 _FINISH_REASONS = {
@@ -173,9 +176,25 @@ class OpenAIService:
         caller: Caller = ANONYMOUS_CALL,
         is_active: Callable[[], bool] = lambda: True,
     ) -> dict[str, Any]:
-        """The body of `POST /v1/audit`: a completions body plus `audit_dtype`, run, replayed
-        through the plain target and compared (`cluster.api.audit.audit_body`)."""
-        return audit_body(self, body, caller, is_active)
+        """The body of `POST /v1/audit`: a completions body (`cluster.api.openai_schema`) plus
+        an optional `audit_dtype` ("" or "float32"), run, replayed through the plain target and
+        compared (`cluster.api.audit.Auditor.run`); the answer is `audit_json`'s. Errors name
+        the body's field (`OpenAIError`, `NotReplayableError`: HTTP 400)."""
+        fields = dict(body_object(body))
+        dtype = fields.pop(AUDIT_DTYPE_FIELD, None)
+        if dtype is None:
+            dtype = OWN_DTYPE
+        try:
+            check_reference_dtype(dtype, AUDIT_DTYPE_FIELD)
+        except InvalidArgumentError as error:
+            raise OpenAIError(str(error), AUDIT_DTYPE_FIELD) from error
+        if self.wants_stream(fields):
+            raise OpenAIError(
+                "an audit answers once, when it is done: stream must be false", "stream"
+            )
+        _, message = self.to_generate_request("completions", fields, caller)
+        request = generate_pb2.AuditRequest(request=message, dtype=dtype)
+        return audit_json(self.service.auditor.run(request, caller, is_active, HTTP_FIELDS))
 
     def stream(
         self, route: Route, body: object, caller: Caller = ANONYMOUS_CALL

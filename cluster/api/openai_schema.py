@@ -39,7 +39,8 @@ from typing import Any, Literal
 
 from cluster.api.chat import CHAT_ROLES
 from cluster.api.sampling_rule import AUTO, check_rule_name
-from cluster.routing.request import MAX_DRAFT_TOKENS, MAX_STOP_SEQUENCES
+from cluster.routing.draft_length_config import MAX_DRAFT_TOKENS
+from cluster.routing.request import MAX_STOP_SEQUENCES
 from cluster.runtime.errors import InvalidArgumentError
 
 Route = Literal["completions", "chat.completions"]

@@ -7,9 +7,9 @@ nothing of gRPC servers or Ray: `tests.cluster.grpc_front`, the Serve ingress an
 OpenAI-compatible API (`cluster.api.openai`) are thin adapters over it, and tests call it
 directly.
 
-Deadlines: a caller's deadline (`Caller.deadline`) bounds the queue wait and every round, and
-reaches the replicas as time left; one already past when the request arrives is
-DEADLINE_EXCEEDED at once, before it is admitted.
+Deadlines: a caller's deadline (`Caller.deadline`, `cluster.api.caller`) bounds the queue wait
+and every round, and reaches the replicas as time left; one already past when the request
+arrives is DEADLINE_EXCEEDED at once, before it is admitted.
 
 Tenants (`cluster.api.tenants`): every call is authenticated first (UNAUTHENTICATED), then the
 request is validated and checked against what its tenant may ask (PERMISSION_DENIED). When
@@ -41,13 +41,14 @@ import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
 from contextlib import closing
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cluster.api.admission import Admission
 from cluster.api.audit import Auditor, Served, audit_served, drafter_label
+from cluster.api.audit_config import AuditConfig
+from cluster.api.caller import ANONYMOUS_CALL, Caller
 from cluster.api.convert import finish_reason_to_proto, stats_to_proto
-from cluster.api.online_audit import CLOSE_TIMEOUT_S, AuditConfig, OnlineAudit
+from cluster.api.online_audit import CLOSE_TIMEOUT_S, OnlineAudit
 from cluster.api.request_reader import RequestReader
 from cluster.api.running import RunningRequests
 from cluster.api.service_config import ServiceConfig
@@ -75,20 +76,6 @@ class RequestCancelledError(TandemError):
 
 def _new_request_id() -> str:
     return uuid.uuid4().hex
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who sent a call, and until when it may run: what the gRPC adapters read off the call."""
-
-    authorization: str | None = None
-    """The `authorization` metadata ("Bearer <key>"), if sent."""
-    deadline: float | None = None
-    """The client's deadline as a `time.monotonic()` instant, if it set one."""
-
-
-ANONYMOUS_CALL = Caller()
-"""A call with no metadata and no deadline (in-process callers, tests)."""
 
 
 class TandemService:
@@ -124,6 +111,8 @@ class TandemService:
             on_change=self.metrics.queue,
         )
         self.requests = RunningRequests()
+        # The auditor is handed this service as its `ServicePort`, so that audit.py need not
+        # import this module.
         self.auditor = Auditor(self, router)
         """The audit API (`audit`, `POST /v1/audit`)."""
         audit = audit if audit is not None else AuditConfig()

@@ -2,7 +2,8 @@
 
 `TandemConfig.api` carries one (cluster/config.py); `TandemService` reads its limits and
 queue sizes, and `cluster.api.request_reader` the defaults a request that sets none takes.
-Every bad value raises `InvalidArgumentError` naming the field.
+Every bad value raises `InvalidArgumentError` naming the field. Plain data, validated when
+built, no I/O: it imports no component and no torch (a config is read without them).
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.api.sampling_rule import AUTO, check_rule_name
-from cluster.routing.request import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
+from cluster.routing.draft_length_config import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.session import DEFAULT_MAX_CONTEXT_TOKENS
+from cluster.runtime.limits import DEFAULT_MAX_CONTEXT_TOKENS
 
 DEFAULT_MAX_TOKENS_LIMIT = DEFAULT_MAX_CONTEXT_TOKENS
 """Default ceiling on `max_tokens`: the verifier's default context."""

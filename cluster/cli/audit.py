@@ -124,7 +124,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     if any(seed < 0 for seed in args.seeds):
         raise InvalidArgumentError(f"--seeds must be >= 0, got {args.seeds}")
     if args.verifier_fault is not None:
-        from verifier.verifier import VerifierConfig
+        from verifier.config import VerifierConfig
 
         VerifierConfig(fault=args.verifier_fault)  # an unknown fault: InvalidArgumentError now
 
@@ -135,9 +135,9 @@ def _run_local(args: argparse.Namespace, preset: str, reference: LoadedModel) ->
     from cluster.api.tenants import Tenants
     from cluster.local import build_local
     from cluster.presets import resolve_pair
-    from cluster.routing.draft_length import DraftLengthConfig
-    from drafter.ngram import NgramConfig
-    from verifier.verifier import VerifierConfig
+    from cluster.routing.draft_length_config import DraftLengthConfig
+    from drafter.config import NgramConfig
+    from verifier.config import VerifierConfig
 
     pair = resolve_pair(preset, args.target, args.draft, args.service_dtype, args.device)
     lookup = args.prompt_lookup is not False

@@ -220,8 +220,8 @@ def _run_local(args: argparse.Namespace, request: generate_pb2.GenerateRequest) 
     from cluster.api.tenants import Tenants
     from cluster.local import build_local
     from cluster.presets import DEFAULT_PRESET, resolve_pair
-    from cluster.routing.draft_length import DraftLengthConfig
-    from drafter.ngram import NgramConfig
+    from cluster.routing.draft_length_config import DraftLengthConfig
+    from drafter.config import NgramConfig
 
     preset = args.preset if args.preset is not None else DEFAULT_PRESET
     pair = resolve_pair(preset, args.target, args.draft, args.dtype, args.device)

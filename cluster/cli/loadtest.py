@@ -253,7 +253,7 @@ def _sim_ideal(args: argparse.Namespace, prompts: list[str]) -> SimIdeal | None:
     """What the ideal of every level needs, when `--preset` names a simulated pair: its sources,
     the block length requests draft, and the prompts' lengths in its tokens."""
     from cluster.presets import resolve_pair
-    from cluster.routing.request import DEFAULT_DRAFT_TOKENS
+    from cluster.routing.draft_length_config import DEFAULT_DRAFT_TOKENS
     from cluster.runtime.models import load_tokenizer
     from cluster.tools.baselines.hf_levels import reported_model
     from cluster.tools.bench.loadtest_ideal import SimIdeal

@@ -18,7 +18,8 @@ def add_to(commands: Any) -> None:
 
 def fetch_command(args: argparse.Namespace) -> int:
     from cluster.runtime.errors import InvalidArgumentError
-    from cluster.runtime.packs import PACKS, fetch
+    from cluster.runtime.pack_catalog import PACKS
+    from cluster.runtime.packs import fetch
     from cluster.runtime.progress import Progress
 
     if args.name not in PACKS:
@@ -32,7 +33,8 @@ def fetch_command(args: argparse.Namespace) -> int:
 
 
 def list_command(args: argparse.Namespace) -> int:
-    from cluster.runtime.packs import PACK_DTYPES, PACKS, cache_root, is_converted, model_dir
+    from cluster.runtime.pack_catalog import PACK_DTYPES, PACKS, cache_root, model_dir
+    from cluster.runtime.packs import is_converted
 
     print(f"model cache: {cache_root()}")
     for pack in PACKS.values():

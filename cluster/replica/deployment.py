@@ -18,8 +18,9 @@ from typing import Any, ClassVar, Generic, TypeVar
 from cluster.replica.host import ReplicaShell, kv_cache_bytes_per_token, place_threads
 from cluster.replica.servicer import SessionServicer
 from cluster.runtime.constraint import warm_up
-from cluster.runtime.models import LoadedModel, ModelSpec, load_model
-from cluster.runtime.session import SessionLimits
+from cluster.runtime.limits import SessionLimits
+from cluster.runtime.model_spec import ModelSpec
+from cluster.runtime.models import LoadedModel, load_model
 
 C = TypeVar("C", bound=SessionLimits)
 

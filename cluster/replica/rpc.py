@@ -33,7 +33,7 @@ import grpc
 
 from cluster.runtime.call_scope import call_scope
 from cluster.runtime.errors import TandemError
-from cluster.runtime.session import DEFAULT_MAX_SESSIONS
+from cluster.runtime.limits import DEFAULT_MAX_SESSIONS
 
 logger = logging.getLogger(__name__)
 

@@ -2,6 +2,7 @@
 
 `router` (the loop), `generation` (one request's state), `request` (request, chunk and stats
 types), `text` (tokens to streamed text, stop sequences), `draft_length` (the adaptive plan,
-pure arithmetic), `ports` (the drafter and verifier interfaces), `replica_client` (those ports
-over gRPC), `registry` (where the replicas are), `directory` (pinning requests to replicas).
+pure arithmetic), `draft_length_config` (its config and a request's draft bounds, plain data),
+`ports` (the drafter and verifier interfaces), `replica_client` (those ports over gRPC),
+`registry` (where the replicas are), `directory` (pinning requests to replicas).
 """

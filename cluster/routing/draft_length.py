@@ -65,37 +65,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.runtime.draft_block import StepLoad
-from cluster.runtime.errors import InvalidArgumentError
 
 VerifyCost = float | Callable[[int], float]
 """Seconds of a verify pass: a constant, or a function of the block's length (under load)."""
-
-
-@dataclass(frozen=True)
-class DraftLengthConfig:
-    """How the router picks each block's length (up to the request's draft_tokens)."""
-
-    enabled: bool = False
-    """False: every block has the request's draft_tokens."""
-    prior_accepted: float = 3.0
-    prior_rejected: float = 1.0
-    """A Beta(3, 1) prior: an acceptance of 0.75 until the request shows otherwise."""
-    decay: float = 0.9
-    """Weight kept by past outcomes per verify pass: about the last 10 passes count."""
-    latency_decay: float = 0.8
-    """Weight kept by past draft and verify latencies per measurement."""
-    speculation_gate: bool = True
-    """While two or more requests run, the router also measures speculation against the
-    target alone for the router as a whole and keeps the better
-    (`cluster.routing.speculation_gate`); only with `enabled`."""
-
-    def __post_init__(self) -> None:
-        if self.prior_accepted <= 0 or self.prior_rejected <= 0:
-            raise InvalidArgumentError("prior_accepted and prior_rejected must be > 0")
-        for name in ("decay", "latency_decay"):
-            if not 0 <= getattr(self, name) < 1:
-                raise InvalidArgumentError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
 
 def expected_tokens(acceptance: float, k: int, pipelined: bool = False) -> float:

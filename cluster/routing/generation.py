@@ -20,14 +20,16 @@ from dataclasses import dataclass, field
 
 from llguidance import LLTokenizer
 
-from cluster.routing.draft_length import DraftLength, DraftLengthConfig
+from cluster.routing.draft_length import DraftLength
+from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.ports import DrafterPort, Pinned
 from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.routing.text import TextAssembler
 from cluster.runtime.constraint import Constraint, TokenMatcher, tokenizer_size
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import DeadlineExceededError, InvalidArgumentError
-from drafter.ngram import NgramConfig, PromptLookup
+from drafter.config import NgramConfig
+from drafter.ngram import PromptLookup
 
 Decode = Callable[[Sequence[int]], str]
 """Token ids to text, special tokens left out."""

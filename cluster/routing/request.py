@@ -10,14 +10,12 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from cluster.routing.draft_length_config import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from cluster.runtime.constraint import Constraint, Grammar
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.sampling import SamplingParams
-from cluster.runtime.session import MAX_BLOCK_TOKENS, MAX_SEED
+from cluster.runtime.session import MAX_SEED
 
-MAX_DRAFT_TOKENS = MAX_BLOCK_TOKENS
-"""Longest draft block a request may ask for: what replicas serve by default."""
-DEFAULT_DRAFT_TOKENS = 4
 MAX_STOP_SEQUENCES = 16
 
 

@@ -66,7 +66,8 @@ from typing import TYPE_CHECKING, TypedDict, Unpack
 from llguidance import LLTokenizer
 
 from cluster.metrics import TandemMetrics
-from cluster.routing.draft_length import DraftLength, DraftLengthConfig, Plan
+from cluster.routing.draft_length import DraftLength, Plan
+from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.failover import DRAFTER_FAILED, Failover
 from cluster.routing.generation import Decode, Draft, DrafterView, Generation
 from cluster.routing.output import decode_for, emit
@@ -80,7 +81,7 @@ from cluster.routing.request import (
 )
 from cluster.routing.speculation_gate import GateConfig, SpeculationGate
 from cluster.runtime.draft_block import DraftBlock, Verdict
-from drafter.ngram import NgramConfig
+from drafter.config import NgramConfig
 
 if TYPE_CHECKING:
     from cluster.runtime.audit import Replay

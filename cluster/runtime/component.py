@@ -21,16 +21,11 @@ from llguidance import LLTokenizer
 
 from cluster.runtime.constraint import GRAMMAR_TOKENIZERS, Constraint, TokenMatcher
 from cluster.runtime.engine import Engine, Forward, Preempted, Task
+from cluster.runtime.limits import MAX_BLOCK_TOKENS, SessionLimits
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.runner import ModelRunner, build_runner
 from cluster.runtime.sampling import SamplingParams
-from cluster.runtime.session import (
-    MAX_BLOCK_TOKENS,
-    ReplicaSession,
-    ReplicaStats,
-    SessionLimits,
-    SessionTable,
-)
+from cluster.runtime.session import ReplicaSession, ReplicaStats, SessionTable
 
 C = TypeVar("C", bound=SessionLimits)
 

@@ -56,27 +56,20 @@ from cluster.runtime.cost_curve import CostCurve, smooth
 from cluster.runtime.draft_block import StepLoad
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import CancelledError, InvalidArgumentError, ResourceExhaustedError
+from cluster.runtime.limits import DEFAULT_MAX_STEP_SEQUENCES, DEFAULT_MAX_STEP_TOKENS, GATHER_SHARE
 from cluster.runtime.runner import ModelRunner, PoolExhaustedError, SequenceWork
-from cluster.runtime.scheduler import (
-    DEFAULT_MAX_STEP_SEQUENCES,
-    DEFAULT_MAX_STEP_TOKENS,
-    GATHER_SHARE,
-    Scheduler,
-    remaining,
-)
+from cluster.runtime.scheduler import Scheduler, remaining
 from cluster.runtime.task import Batched, Forward, Preempted, Running, Task
 
 __all__ = [
-    "DEFAULT_MAX_STEP_SEQUENCES",
-    "DEFAULT_MAX_STEP_TOKENS",
     "Batched",
     "Engine",
     "Forward",
     "Preempted",
     "Task",
 ]
-"""The engine's public names; the task protocol and the budgets' defaults live in `task` and
-`scheduler` and are re-exported here."""
+"""The engine's public names; the task protocol lives in `task` and is re-exported here (the
+budgets' defaults live in `limits`)."""
 
 logger = logging.getLogger(__name__)
 

@@ -27,76 +27,16 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from cluster.runtime import sim, tiny, vocab
+from cluster.runtime import sim, sim_model, tiny, vocab
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.quantize import (
-    check_quantization,
-    compute_dtype,
-    output_width,
-    quantize_weights,
-)
+from cluster.runtime.model_spec import AUTO_DEVICE, TINY_DRAFT, TINY_SCHEME, TINY_TARGET, ModelSpec
+from cluster.runtime.quantize import compute_dtype, output_width, quantize_weights
 
-TINY_SCHEME = "tiny://"
-TINY_TARGET = TINY_SCHEME + "target"
-TINY_DRAFT = TINY_SCHEME + "draft"
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-AUTO_DEVICE = "auto"
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What to load. Validated when built; loads nothing."""
-
-    source: str
-    """Hub id, local folder, `.gguf` file path, or `tiny://target` / `tiny://draft`."""
-    dtype: str = "float32"
-    """Weight and compute dtype: float32, bfloat16 or float16."""
-    device: str = AUTO_DEVICE
-    """`auto` (CUDA when present, else CPU), `cpu`, `cuda` or `cuda:N`."""
-    quantization: str = "none"
-    """`none`; `int8`: int8 weights per output channel for the Linear layers; `int8-dynamic`
-    (CPU): activations quantized too, the rest in float32. Drafts only: see
-    `cluster.runtime.quantize`."""
-    trimmed_vocab: int = 0
-    """Score only this many most frequent token ids (0: all); the logits keep their width,
-    -inf elsewhere. Drafts only: see `cluster.runtime.vocab`."""
-
-    def __post_init__(self) -> None:
-        if not self.source.strip():
-            raise InvalidArgumentError("model source must not be empty")
-        if self.dtype not in DTYPES:
-            raise InvalidArgumentError(
-                f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
-            )
-        try:
-            check_quantization(self.quantization)
-        except ValueError as error:
-            raise InvalidArgumentError(str(error)) from None
-        if self.trimmed_vocab < 0:
-            raise InvalidArgumentError(f"trimmed_vocab must be >= 0, got {self.trimmed_vocab}")
-        if self.source.startswith(TINY_SCHEME) and self.source not in (TINY_TARGET, TINY_DRAFT):
-            raise InvalidArgumentError(
-                f"unknown tiny model {self.source!r}: use {TINY_TARGET} or {TINY_DRAFT}"
-            )
-        if self.source.startswith(sim.SIM_SCHEME):
-            try:
-                sim.SimSource.parse(self.source)
-            except ValueError as error:
-                raise InvalidArgumentError(str(error)) from None
-            if self.quantization != "none" or self.trimmed_vocab:
-                raise InvalidArgumentError(
-                    "a simulated model takes no quantization and no trimmed vocabulary"
-                )
-        if self.device != AUTO_DEVICE and not (
-            self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")
-        ):
-            raise InvalidArgumentError(
-                f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}"
-            )
 
 
 @dataclass(frozen=True)
@@ -144,8 +84,6 @@ def load_tokenizer(spec: ModelSpec) -> LoadedTokenizer:
     if spec.source.startswith(TINY_SCHEME):
         return LoadedTokenizer(tiny.build_tokenizer(), frozenset({tiny.END_OF_TEXT_ID}))
     if spec.source.startswith(sim.SIM_SCHEME):
-        from cluster.runtime import sim_model  # it builds on the runners, which import this
-
         vocab_size = sim.SimSource.parse(spec.source).vocab_size
         return LoadedTokenizer(
             sim_model.build_tokenizer(vocab_size), frozenset({sim.END_OF_TEXT_ID})
@@ -182,8 +120,6 @@ def _load_weights(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizer
     if spec.source == TINY_DRAFT:
         return tiny.build_draft(), tiny.build_tokenizer()
     if spec.source.startswith(sim.SIM_SCHEME):
-        from cluster.runtime import sim_model  # it builds on the runners, which import this
-
         source = sim.SimSource.parse(spec.source)
         simulated = sim_model.SimCausalLM.from_source(source)
         return simulated, sim_model.build_tokenizer(source.vocab_size)
@@ -208,7 +144,7 @@ def _check_local_path(spec: ModelSpec) -> None:
         return  # hub ids are relative; a GGUF file gets its own message when loaded
     if Path(spec.source).exists():
         return
-    from cluster.runtime.packs import cache_root
+    from cluster.runtime.pack_catalog import cache_root
 
     hint = ""
     path = Path(spec.source)

@@ -33,16 +33,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-QUANTIZATIONS = ("none", "int8", "int8-dynamic")
-"""Weight quantizations a model can be loaded with."""
-
-
-def check_quantization(quantization: str) -> None:
-    """Raises ValueError on an unknown quantization (callers turn it into their own error)."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(
-            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
-        )
+from cluster.runtime.model_spec import check_quantization
 
 
 def compute_dtype(quantization: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:

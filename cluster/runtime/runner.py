@@ -6,7 +6,9 @@ next-token logits are wanted. `ModelRunner.forward` returns those logits as floa
 order and appends the tokens; `truncate` rolls a sequence back without copying; `release` forgets
 it. KV memory is counted in blocks of `block_size` tokens out of `num_blocks`: a step whose new
 blocks do not fit raises `PoolExhaustedError` with nothing changed, so the caller can admit,
-defer or preempt by blocks whatever runner it got.
+defer or preempt by blocks whatever runner it got. Those names, and `BlockAccountedRunner`, the
+base every runner extends, live in `cluster.runtime.block_runner`, below model loading, so that
+the simulated runner builds on them too; this module re-exports them.
 
 - `PagedModelRunner`: every item in ONE model call, K/V in a `KVBlockPool` through the
   `tandem_paged` attention function. It switches the model object to that attention for good;
@@ -20,17 +22,21 @@ defer or preempt by blocks whatever runner it got.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from cluster.runtime.errors import InvalidArgumentError, ResourceExhaustedError
+from cluster.runtime.block_runner import (
+    BlockAccountedRunner,
+    ModelRunner,
+    PoolExhaustedError,
+    SequenceWork,
+)
+from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.kv_pool import (
     BlockAllocator,
     KVBlockPool,
@@ -42,7 +48,8 @@ from cluster.runtime.kv_pool import (
 )
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.paged_attention import ATTENTION_NAME, BATCH_KWARG, pack_step
-from cluster.runtime.quantize import activations_quantized, output_width
+from cluster.runtime.quantize import activations_quantized
+from cluster.runtime.sim_model import SimCausalLM, SimModelRunner
 
 __all__ = [
     "ModelRunner",
@@ -61,124 +68,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class SequenceWork:
-    """New tokens of one sequence for one step, and where their logits are wanted."""
-
-    seq_id: str
-    tokens: tuple[int, ...]
-    """Appended at the sequence's current length (>= 1 token)."""
-    logits_at: tuple[int, ...]
-    """Ascending indices into `tokens` whose next-token logits are returned (may be empty: a
-    middle prefill chunk)."""
-
-
-class PoolExhaustedError(ResourceExhaustedError):
-    """The step's new KV blocks do not fit in the free blocks; nothing was changed."""
-
-
-class ModelRunner(Protocol):
-    kind: str
-    """"paged", "serial" or "sim"."""
-    block_size: int
-    num_blocks: int
-
-    @property
-    def num_free_blocks(self) -> int: ...
-    @property
-    def vocab_size(self) -> int: ...
-    def length(self, seq_id: str) -> int: ...
-    def blocks_needed(self, seq_id: str, new_length: int) -> int: ...
-    def sequences(self) -> tuple[str, ...]: ...
-    def num_blocks_of(self, seq_id: str) -> int: ...
-    def forward(self, batch: Sequence[SequenceWork]) -> torch.Tensor: ...
-    def truncate(self, seq_id: str, length: int) -> None: ...
-    def release(self, seq_id: str) -> None: ...
-
-
 def split_rows(batch: Sequence[SequenceWork], logits: torch.Tensor) -> list[torch.Tensor]:
     """`forward`'s rows cut per item (views)."""
     return list(logits.split([len(w.logits_at) for w in batch]))
 
 
-def _supports_logits_to_keep(model: PreTrainedModel) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
-class _BlockAccountedRunner:
-    """What both runners share: block bookkeeping, validation, reservation for a step."""
-
-    kind = ""
-
-    def __init__(self, model: PreTrainedModel, allocator: BlockAllocator) -> None:
-        self.model = model
-        self.device = model.device
-        self.block_size = allocator.block_size
-        self.num_blocks = allocator.num_blocks
-        self._blocks = allocator
-        self._keep_rows_in_model = _supports_logits_to_keep(model)
-        self._vocab_size = output_width(model)
-        self._num_input_ids = num_input_ids(model)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self._blocks.num_free_blocks
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    def length(self, seq_id: str) -> int:
-        return self._blocks.length(seq_id)
-
-    def blocks_needed(self, seq_id: str, new_length: int) -> int:
-        return self._blocks.blocks_needed(seq_id, new_length)
-
-    def sequences(self) -> tuple[str, ...]:
-        """The sequences held, oldest first (`BlockAllocator.sequences`)."""
-        return self._blocks.sequences()
-
-    def num_blocks_of(self, seq_id: str) -> int:
-        return self._blocks.num_blocks_of(seq_id)
-
-    def _check(self, batch: Sequence[SequenceWork]) -> None:
-        if len({w.seq_id for w in batch}) != len(batch):
-            raise InvalidArgumentError("a step takes at most one item per sequence")
-        for w in batch:
-            if not w.tokens:
-                raise InvalidArgumentError(f"sequence {w.seq_id!r}: a step item needs tokens")
-            if min(w.tokens) < 0 or max(w.tokens) >= self._num_input_ids:
-                raise InvalidArgumentError(
-                    f"sequence {w.seq_id!r}: token ids must be in 0..{self._num_input_ids - 1}"
-                )
-            if w.logits_at and (
-                w.logits_at[0] < 0
-                or w.logits_at[-1] >= len(w.tokens)
-                or list(w.logits_at) != sorted(set(w.logits_at))
-            ):
-                raise InvalidArgumentError(
-                    f"sequence {w.seq_id!r}: logits_at must be ascending indices in "
-                    f"0..{len(w.tokens) - 1}, got {list(w.logits_at)}"
-                )
-
-    def _reserve(self, batch: Sequence[SequenceWork]) -> list[str]:
-        """Take the step's blocks (all or nothing); the ids of sequences new to the runner."""
-        self._check(batch)
-        new_ids = [w.seq_id for w in batch if w.seq_id not in self._blocks]
-        lengths = {w.seq_id: self._blocks.length(w.seq_id) + len(w.tokens) for w in batch}
-        if not self._blocks.reserve_many(lengths):
-            need = sum(self._blocks.blocks_needed(s, n) for s, n in lengths.items())
-            raise PoolExhaustedError(
-                f"KV memory full: the step needs {need} more blocks of {self.block_size} "
-                f"tokens, {self._blocks.num_free_blocks} of {self.num_blocks} are free"
-            )
-        return new_ids
-
-    def _empty_logits(self) -> torch.Tensor:
-        return torch.empty(0, self._vocab_size, dtype=torch.float32, device=self.device)
-
-
-class PagedModelRunner(_BlockAccountedRunner):
+class PagedModelRunner(BlockAccountedRunner):
     """All items of a step in one model call, over a `KVBlockPool`."""
 
     kind = "paged"
@@ -245,7 +140,7 @@ class PagedModelRunner(_BlockAccountedRunner):
         self.pool.release(seq_id)
 
 
-class SerialModelRunner(_BlockAccountedRunner):
+class SerialModelRunner(BlockAccountedRunner):
     """One `DynamicCache` per sequence and one model call per item, accounted in blocks."""
 
     kind = "serial"
@@ -389,8 +284,6 @@ def build_runner(
         block_size=block_size,
     )
     name = type(model.model).__name__
-    from cluster.runtime.sim_model import SimCausalLM, SimModelRunner  # builds on this module
-
     if isinstance(model.model, SimCausalLM):
         logger.info("%s: simulated device, %d blocks of %d tokens", name, num_blocks, block_size)
         return SimModelRunner(model.model, num_blocks=num_blocks, block_size=block_size)

@@ -36,13 +36,10 @@ from collections.abc import Callable, Iterable, Mapping
 
 from cluster.runtime.cost_curve import smooth
 from cluster.runtime.kv_pool import blocks_for
+from cluster.runtime.limits import DEFAULT_MAX_STEP_SEQUENCES, DEFAULT_MAX_STEP_TOKENS, GATHER_SHARE
 from cluster.runtime.runner import ModelRunner, SequenceWork
 from cluster.runtime.task import Forward, Running
 
-DEFAULT_MAX_STEP_TOKENS = 256
-"""Tokens one forward pass takes at most (prefill chunks fill what decodes leave)."""
-DEFAULT_MAX_STEP_SEQUENCES = 64
-"""Sessions one forward pass takes at most."""
 SMALL_ITEM_TOKENS = 33
 """Items of up to this many tokens (a decode, a draft step, a verify block of up to 32 drafts)
 are served before prefill chunks."""
@@ -52,11 +49,6 @@ MAX_GATHER_S = 0.05
 IDLE_PREEMPT_S = 1.0
 """Under memory pressure a session idle this long (no call on it) may lose its KV blocks to
 any session, older or not: its router is slow to come back, or gone until the idle TTL."""
-GATHER_SHARE = 0.5
-"""A step waits for sessions about to come back at most GATHER_SHARE of its predicted time,
-and never more than MAX_GATHER_S (`Scheduler.to_gather`). A session left behind waits a whole
-step, so waiting for it pays whenever it comes back within a step and the step's cost barely
-grows with its batch (a GPU's decode); half a step bounds what the others pay for it."""
 
 
 class Scheduler:

@@ -12,8 +12,8 @@ Both components are a `SessionComponent` (`cluster.runtime.component`) over a `S
 whose sessions keep their KV in the replica engine's paged pool (`SequenceKV`); the table is
 touched by the engine thread only. Admission is by count (`max_sessions`) and by KV memory: the
 prompt and a block must fit in the pool, and the session's planned growth beside the others'
-(`SessionLimits.kv_overcommit`). Their configs extend `SessionLimits`. The limits' defaults
-and the block limit are named here once, for every layer above to import.
+(`SessionLimits.kv_overcommit`). Their configs extend `SessionLimits`, which with the
+limits' defaults and the block limit lives in `cluster.runtime.limits` (plain data, no torch).
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
 from cluster.runtime.constraint import TokenMatcher
-from cluster.runtime.engine import DEFAULT_MAX_STEP_SEQUENCES, DEFAULT_MAX_STEP_TOKENS, GATHER_SHARE
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import (
     DeadlineExceededError,
@@ -37,6 +35,7 @@ from cluster.runtime.errors import (
     StaleBaseError,
 )
 from cluster.runtime.kv_cache import SequenceKV
+from cluster.runtime.limits import DEFAULT_KV_OVERCOMMIT
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.runner import ModelRunner
 from cluster.runtime.sampling import SamplingParams, SparseDistribution
@@ -46,17 +45,6 @@ DRAFTER_SEED_SALT = 0x9E3779B97F4A7C15
 """XOR-ed into the request seed by the drafter under the rejection rule, so that its draws are
 independent of the verifier's: that rule is only exact when the draft token and the acceptance
 test use separate randomness (the seed-exact rule shares the request's own noise instead)."""
-
-MAX_BLOCK_TOKENS = 32
-"""Longest draft block: the most a request may ask for, and by default the most a drafter
-drafts and a verifier accepts in one call."""
-DEFAULT_MAX_SESSIONS = 256
-DEFAULT_MAX_CONTEXT_TOKENS = 4096
-DEFAULT_SESSION_TTL_S = 600.0
-
-DEFAULT_KV_CACHE_FRACTION = 0.2
-DEFAULT_KV_OVERCOMMIT = 2.0
-DEFAULT_KV_BLOCK_SIZE = 16
 
 
 @dataclass
@@ -103,63 +91,6 @@ class ReplicaStats:
     forward passes and the work between them)."""
     engine: EngineStats | None = None
     """The replica engine's figures (None where no engine runs)."""
-
-
-@dataclass(frozen=True)
-class SessionLimits:
-    """The session limits of one replica; `DrafterConfig` and `VerifierConfig` extend it."""
-
-    max_sessions: int = DEFAULT_MAX_SESSIONS
-    """Sessions held at once; one more is refused with RESOURCE_EXHAUSTED."""
-    max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS
-    """Committed tokens plus a block may not exceed this."""
-    session_ttl_s: float = DEFAULT_SESSION_TTL_S
-    """A session unused this long is evicted (its client or router is gone); requests touch
-    their sessions every round, so only abandoned ones idle this long."""
-    kv_cache_bytes: int = 0
-    """Bytes of the replica's paged KV pool; 0: `kv_cache_fraction` of the device's free
-    memory, capped at what `max_sessions` sessions of `max_context_tokens` could use."""
-    kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
-    kv_overcommit: float = DEFAULT_KV_OVERCOMMIT
-    """Admission plans each session's growth (prompt plus its max_tokens, within the context
-    limit) and admits one more only while the plans of all open sessions fit in this many
-    times the KV pool: above 1 it bets that requests stop early (most end at EOS), and when
-    they do not, the engine preempts the newest sessions and recomputes them later."""
-    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
-    """Tokens per KV block (rollback frees whole blocks)."""
-    max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
-    """Tokens one batched forward pass takes at most (long prompts are prefilled in chunks)."""
-    max_step_sequences: int = DEFAULT_MAX_STEP_SEQUENCES
-    """Sessions one batched forward pass takes at most."""
-    gather_share: float = GATHER_SHARE
-    """A step waits for sessions about to come back (their next call due within this share of
-    the step's predicted time) at most that long, so that they share it; 0: never waits."""
-
-    _counts: ClassVar[tuple[str, ...]] = (
-        "max_sessions",
-        "max_context_tokens",
-        "kv_block_size",
-        "max_step_tokens",
-        "max_step_sequences",
-    )
-    """Fields that must be >= 1, checked in this order (a subclass appends its own)."""
-
-    def __post_init__(self) -> None:
-        for name in self._counts:
-            if getattr(self, name) < 1:
-                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.session_ttl_s > 0:
-            raise InvalidArgumentError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
-        if self.kv_cache_bytes < 0:
-            raise InvalidArgumentError(f"kv_cache_bytes must be >= 0, got {self.kv_cache_bytes}")
-        if not 0 <= self.gather_share <= 1:
-            raise InvalidArgumentError(f"gather_share must be in [0, 1], got {self.gather_share}")
-        if not self.kv_overcommit >= 1:
-            raise InvalidArgumentError(f"kv_overcommit must be >= 1, got {self.kv_overcommit}")
-        if not 0 < self.kv_cache_fraction <= 1:
-            raise InvalidArgumentError(
-                f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}"
-            )
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:

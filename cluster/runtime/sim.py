@@ -5,10 +5,13 @@ hundreds and hides the system's own cost. A simulated model stands in for the fo
 everything around it (router, wire, engine, KV blocks, sampling, acceptance) runs for real. This
 module is the pure part, no model object and no waiting:
 
-- `DeviceProfile`: modelled seconds of one pass, `base_s + per_token_s x tokens in the step +
-  per_context_s x tokens attended` (tokens attended: the KV length every sequence of the step
-  reads, its context after the step). Named profiles (`PROFILES`) carry their sources.
-- `SimSource`: a model source string `sim://ROLE/PROFILE?alpha=A&vocab=V&seed=S` parsed once.
+- `DeviceProfile` (`cluster.runtime.sim_source`, with the source string): modelled seconds of
+  one pass, `base_s + per_token_s x tokens in the step + per_context_s x tokens attended`
+  (tokens attended: the KV length every sequence of the step reads, its context after the
+  step). Named profiles (`PROFILES`) carry their sources.
+- `SimSource` (`cluster.runtime.sim_source`): a model source string
+  `sim://ROLE/PROFILE?alpha=A&vocab=V&seed=S` parsed once, torch-free, so that a config naming
+  one is checked without loading torch.
 - `sim_logits`: the logits of a causal LM whose next-token distribution is a function of the
   last two tokens and the position alone, from a seeded table: cheap (a gather and a scatter),
   deterministic in any process, and a proper causal LM (the same context gives the same row).
@@ -21,121 +24,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, urlsplit
 
 import torch
 from torch import Tensor
 
-SIM_SCHEME = "sim://"
-ROLES = ("target", "draft")
-DEFAULT_VOCAB_SIZE = 32_000
-DEFAULT_ALPHA = 0.8
-DEFAULT_SEED = 0
-NUM_BYTES = 256
-END_OF_TEXT_ID = NUM_BYTES
-"""Ids 0..255 are bytes (prompts encode to them), 256 ends a text, the rest are words."""
-FIRST_WORD_ID = NUM_BYTES + 1
+from cluster.runtime.sim_source import END_OF_TEXT_ID, FAVOURED, FIRST_WORD_ID, DeviceProfile
+
+# Re-exported: `cluster.runtime.models` reads a simulated source through this module.
+from cluster.runtime.sim_source import SIM_SCHEME as SIM_SCHEME
+from cluster.runtime.sim_source import SimSource as SimSource
+
 NUM_TAIL_ROWS = 16
 """Rows of seeded background logits; the favoured tokens vary over the whole vocabulary."""
 TAIL_SHIFT = -8.0
-FAVOURED = (4.0, 3.0, 2.0)
-"""Logits of a row's three favoured tokens over a N(-8, 1) background: at a vocabulary of
-32,000 the first holds about 0.55 of the mass, as a peaked language model's top token does."""
 END_OF_TEXT_LOGIT = -40.0
 """Texts never end by themselves (benchmarks run to max_tokens); the id stays a valid token."""
 DRAFT_SALT = 0x5DEECE66D
 _MASK_62 = (1 << 62) - 1
 _UNIFORM_STEPS = 1 << 24
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    """Modelled time of one forward pass. The figures are parameters with cited sources, not
-    claims about Tandem on a GPU."""
-
-    base_s: float
-    per_token_s: float
-    per_context_s: float
-    source: str = ""
-
-    def step_s(self, tokens: int, attended: int) -> float:
-        """Seconds for a pass over `tokens` new tokens whose sequences read `attended` KV
-        entries in all."""
-        return self.base_s + self.per_token_s * tokens + self.per_context_s * attended
-
-
-PROFILES: dict[str, DeviceProfile] = {
-    # Llama-3.1-8B, bf16, one H100 SXM: 158 tokens/s at batch 1 without speculation (SGLang's
-    # published decode benchmark), 6.3 ms a step. Growth with batched tokens: weights (16 GB)
-    # are read once a pass, so decode stays near memory-bound; ~0.03 ms a token is the
-    # compute cost of 16 GFLOP a token at ~550 dense bf16 TFLOP/s achieved, matching published
-    # vLLM/SGLang decode curves that reach ~8 ms a step at batch 64. Attention reads 128 KiB
-    # of bf16 K/V a token (32 layers x 8 KV heads x 128 x 2 x 2 bytes) at ~3.35 TB/s.
-    "h100-8b": DeviceProfile(
-        base_s=6.3e-3,
-        per_token_s=3.0e-5,
-        per_context_s=4.0e-8,
-        source="SGLang Llama-3.1-8B H100 decode 158 tok/s; H100 SXM 3.35 TB/s",
-    ),
-    # Qwen2.5-0.5B, bf16, one A10G (600 GB/s): ~1 GB of weights a pass plus launch overhead,
-    # about 1.5 ms a token at batch 1; 12 KiB of K/V a token.
-    "a10g-0.5b": DeviceProfile(
-        base_s=1.5e-3,
-        per_token_s=1.0e-5,
-        per_context_s=2.0e-8,
-        source="A10G 600 GB/s; ~1 GB bf16 weights of a 0.5B model per pass",
-    ),
-    # No modelled time at all: every millisecond measured is the system's own.
-    "instant": DeviceProfile(0.0, 0.0, 0.0, source="none: measures the system alone"),
-}
-
-
-@dataclass(frozen=True)
-class SimSource:
-    """A parsed `sim://ROLE/PROFILE?alpha=A&vocab=V&seed=S` source."""
-
-    role: str
-    profile_name: str
-    alpha: float = DEFAULT_ALPHA
-    """The draft's greedy agreement with the target (ignored for a target)."""
-    vocab_size: int = DEFAULT_VOCAB_SIZE
-    seed: int = DEFAULT_SEED
-    """The target's function; a draft names its target's seed."""
-
-    @property
-    def profile(self) -> DeviceProfile:
-        return PROFILES[self.profile_name]
-
-    @classmethod
-    def parse(cls, source: str) -> SimSource:
-        """Parse and validate; `ValueError` says what is wrong."""
-        if not source.startswith(SIM_SCHEME):
-            raise ValueError(f"a simulated model's source starts with {SIM_SCHEME}")
-        parts = urlsplit(source)
-        role, profile = parts.netloc, parts.path.strip("/")
-        if role not in ROLES:
-            raise ValueError(f"{source!r}: the role must be one of {', '.join(ROLES)}")
-        if profile not in PROFILES:
-            raise ValueError(
-                f"{source!r}: unknown device profile {profile!r}; known: {', '.join(PROFILES)}"
-            )
-        options = dict(parse_qsl(parts.query, strict_parsing=bool(parts.query)))
-        unknown = set(options) - {"alpha", "vocab", "seed"}
-        if unknown:
-            raise ValueError(f"{source!r}: unknown options {', '.join(sorted(unknown))}")
-        try:
-            alpha = float(options.get("alpha", DEFAULT_ALPHA))
-            vocab = int(options.get("vocab", DEFAULT_VOCAB_SIZE))
-            seed = int(options.get("seed", DEFAULT_SEED))
-        except ValueError:
-            raise ValueError(
-                f"{source!r}: alpha is a number, vocab and seed whole numbers"
-            ) from None
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"{source!r}: alpha must be in [0, 1], got {alpha}")
-        if vocab < FIRST_WORD_ID + len(FAVOURED):
-            raise ValueError(f"{source!r}: vocab must be >= {FIRST_WORD_ID + len(FAVOURED)}")
-        return cls(role, profile, alpha, vocab, seed)
 
 
 def tail_table(vocab_size: int, seed: int) -> Tensor:

@@ -3,10 +3,15 @@
 `sim://` sources (`cluster.runtime.sim`) load as a `SimCausalLM`: a `PreTrainedModel` with no
 weights to speak of whose forward pass returns `sim_logits` for every position (so a plain full
 forward is the reference a test compares against), and whose runner replaces only the forward
-pass of a step. The runner keeps each sequence's tokens in blocks accounted like the paged
-runner's (admission, rollback and refusal behave the same), computes the wanted rows, then waits
-out the rest of the modelled device time, sleeping as a host thread does while a GPU kernel
-runs, so the CPU is left to the system's own work.
+pass of a step. The runner keeps each sequence's tokens in blocks accounted as the paged
+runner's are (`cluster.runtime.block_runner.BlockAccountedRunner`, the base of both: admission,
+rollback and refusal behave the same), computes the wanted rows, then waits out the rest of the
+modelled device time, sleeping as a host thread does while a GPU kernel runs, so the CPU is left
+to the system's own work.
+
+Dependencies: this module builds on `cluster.runtime.block_runner`, never on
+`cluster.runtime.runner`, so that `cluster.runtime.models` loads `sim://` sources through it
+and `cluster.runtime.runner.build_runner` picks its runner, both with plain module-level imports.
 
 The tokenizer is byte-level (ids 0..255 are bytes, 256 ends a text) with the rest of the
 vocabulary as short words, so prompts encode as bytes and generated ids decode to readable text.
@@ -29,16 +34,15 @@ from transformers import (
 from transformers.modeling_outputs import CausalLMOutput
 
 from cluster.runtime import tiny
+from cluster.runtime.block_runner import BlockAccountedRunner, SequenceWork
 from cluster.runtime.kv_pool import BlockAllocator
-from cluster.runtime.runner import SequenceWork, _BlockAccountedRunner
-from cluster.runtime.sim import (
+from cluster.runtime.sim import sim_logits, tail_table
+from cluster.runtime.sim_source import (
     END_OF_TEXT_ID,
     FIRST_WORD_ID,
     NUM_BYTES,
     DeviceProfile,
     SimSource,
-    sim_logits,
-    tail_table,
 )
 
 _LETTERS = string.ascii_lowercase
@@ -151,7 +155,7 @@ def _word(index: int) -> str:
     return letters
 
 
-class SimModelRunner(_BlockAccountedRunner):
+class SimModelRunner(BlockAccountedRunner):
     """A step's rows from `SimCausalLM.rows`, after the modelled device time has passed."""
 
     kind = "sim"

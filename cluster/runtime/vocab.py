@@ -155,7 +155,7 @@ def table_path(source: str, tokenizer: Any) -> Path:
     folder = Path(source).expanduser()
     if folder.is_dir() and os.access(folder, os.W_OK):
         return folder / TABLE_FILE
-    from cluster.runtime.packs import cache_root
+    from cluster.runtime.pack_catalog import cache_root
 
     return cache_root() / "token-frequencies" / f"{tokenizer_digest(tokenizer)}.json"
 

@@ -19,8 +19,8 @@ from cluster.config import ReplicaGroupConfig, TandemConfig
 from cluster.replica.host import DEREGISTER_TIMEOUT_S, DRAIN_TIMEOUT_S, SHUTDOWN_GRACE_S
 from cluster.routing.registry import ensure_registry, registry_name
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.models import ModelSpec
-from cluster.runtime.session import SessionLimits
+from cluster.runtime.limits import SessionLimits
+from cluster.runtime.model_spec import ModelSpec
 from cluster.serve.ingress import MAX_CONCURRENT_REQUESTS, RouterIngress
 from drafter.deployment import DrafterReplica
 from verifier.deployment import VerifierReplica

@@ -32,7 +32,12 @@ Contract with Ray Serve (2.60, read from `ray/serve/_private/autoscaling_state.p
 `upscale_delay_s` / `downscale_delay_s` before it is acted on (so a dip in load does not stop
 replicas at once), and the result is clamped to the deployment's bounds.
 
-No Ray, torch or project import here: Serve pickles this module by value into its controller.
+No Ray or torch here, and from the project only numbers: Serve pickles this module by value into
+its controller, where the project may not be importable. The default targets come from the
+config (`cluster.autoscaling_config`, which names this policy by `POLICY_PATH`): they are floats,
+pickled by value into the defaults of the functions below. A function or class taken from
+another module would be pickled by reference and imported in the controller, which is why
+`check_targets` is this module's own (the config applies the same rule when it is built).
 """
 
 from __future__ import annotations
@@ -41,25 +46,22 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cluster.autoscaling_config import (
+    DEFAULT_MAX_KV_USED,
+    DEFAULT_TARGET_BUSY,
+    DEFAULT_TARGET_QUEUE_WAIT_S,
+    DEFAULT_TARGET_SESSIONS,
+)
+
 if TYPE_CHECKING:
     from ray.serve.config import AutoscalingContext
 
-POLICY_PATH = "cluster.serve.autoscaling:scale_on_load"
-"""What a deployment's `autoscaling_config.policy.policy_function` names."""
 # Metric names, as `ReplicaInfo.autoscaling_stats` reports them.
 SESSIONS = "sessions"
 BUSY = "busy"
 QUEUE = "queue"
 KV_USED = "kv_used"
 QUEUE_WAIT = "queue_wait_s"
-DEFAULT_TARGET_SESSIONS = 16.0
-DEFAULT_TARGET_BUSY = 0.7
-DEFAULT_MAX_KV_USED = 0.85
-"""Above this share of its KV pool in use a replica is saturated: the sessions it holds grow
-into the rest, and a new one may find no room."""
-DEFAULT_TARGET_QUEUE_WAIT_S = 0.5
-"""A call that waits longer than this for a step is queued behind full batches, not behind one
-step in progress (a step of the models Tandem serves takes milliseconds to a few tenths)."""
 SATURATED_BUSY = 1.0
 """The busy fraction a saturated replica counts as: all of one replica's compute."""
 ROUNDING_SLACK = 1e-6

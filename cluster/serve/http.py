@@ -48,9 +48,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from cluster.api.caller import Caller
 from cluster.api.json_body import parse_json_object
 from cluster.api.openai import OpenAIService, Route, error_response
-from cluster.api.service import Caller
 from cluster.api.tenants import bearer_key
 from cluster.serve.calls import deadline_of, iterate_in_thread
 

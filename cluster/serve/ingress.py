@@ -56,8 +56,9 @@ from grpc_health.v1 import health_pb2
 from starlette.requests import Request
 from starlette.responses import Response
 
+from cluster.api.caller import Caller
 from cluster.api.openai import OpenAIService, served_model_name
-from cluster.api.service import Caller, TandemService
+from cluster.api.service import TandemService
 from cluster.api.status import status_of, trailers_of
 from cluster.api.tenants import Tenants, bearer_key
 from cluster.config import TandemConfig

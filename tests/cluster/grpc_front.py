@@ -22,7 +22,8 @@ from typing import NoReturn
 
 import grpc
 
-from cluster.api.service import Caller, TandemService
+from cluster.api.caller import Caller
+from cluster.api.service import TandemService
 from cluster.api.status import status_of, trailers_of
 from cluster.api.tenants import bearer_key
 from cluster.replica.rpc import DEFAULT_MAX_WORKERS, start_server

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from cluster.api.admission import Admission
-from cluster.api.service import Caller, RequestCancelledError, TandemService
+from cluster.api.caller import Caller
+from cluster.api.service import RequestCancelledError, TandemService
 from cluster.api.tenants import (
     AuthConfig,
     PermissionDeniedError,

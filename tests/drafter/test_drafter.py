@@ -8,7 +8,8 @@ import torch
 from cluster.runtime.errors import InvalidArgumentError, StaleBaseError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams, logits_to_probs, to_dense
-from drafter.drafter import Drafter, DrafterConfig, draft_sampling
+from drafter.config import DrafterConfig
+from drafter.drafter import Drafter, draft_sampling
 
 PROMPT = tuple(b"def add(a, b):")
 GREEDY = SamplingParams()

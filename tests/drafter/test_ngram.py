@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from cluster.runtime.errors import InvalidArgumentError
-from drafter.ngram import NgramConfig, PromptLookup, propose
+from drafter.config import NgramConfig
+from drafter.ngram import PromptLookup, propose
 
 CONFIG = NgramConfig(max_ngram=3, min_ngram=2)
 

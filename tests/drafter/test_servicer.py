@@ -11,7 +11,8 @@ from cluster.routing.replica_client import GrpcDrafter
 from cluster.runtime.errors import InvalidArgumentError, ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
-from drafter.drafter import Drafter, DrafterConfig
+from drafter.config import DrafterConfig
+from drafter.drafter import Drafter
 from drafter.servicer import DrafterServicer
 from tests.replicas import serve_replica
 

@@ -15,7 +15,8 @@ import torch
 from cluster.local import LocalTandem
 from cluster.routing.request import GenerationRequest
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.models import TINY_TARGET, LoadedModel, ModelSpec, load_model
+from cluster.runtime.model_spec import TINY_TARGET, ModelSpec
+from cluster.runtime.models import LoadedModel, load_model
 from cluster.runtime.sampling import SamplingParams
 from tests.conftest import CODE_PROMPT, PROMPTS, encode
 from verifier.reference import Replay, fp32_copy, model_dtype, replay

@@ -17,7 +17,8 @@ from cluster.runtime.errors import (
 )
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams, SparseDistribution
-from verifier.verifier import Verifier, VerifierConfig
+from verifier.config import VerifierConfig
+from verifier.verifier import Verifier
 
 GREEDY = SamplingParams()
 PROMPT = tuple(b"def add(a, b):")

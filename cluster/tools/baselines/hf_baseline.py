@@ -43,7 +43,8 @@ from transformers import (
 )
 
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.models import LoadedModel, ModelSpec, load_model
+from cluster.runtime.model_spec import ModelSpec
+from cluster.runtime.models import LoadedModel, load_model
 from cluster.tools.bench.loadtest import percentile
 
 METHODS = ("generate", "generate_batch")

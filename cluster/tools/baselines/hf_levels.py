@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.models import ModelSpec
+from cluster.runtime.model_spec import ModelSpec
 from cluster.serve import local_cluster
 from cluster.tools.baselines.hf_baseline import METHODS, TargetBaseline, choose_method
 

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from cluster.runtime.models import ModelSpec, load_model
+from cluster.runtime.model_spec import ModelSpec
+from cluster.runtime.models import load_model
 
 PRECISIONS = ("none", "int8", "int8-dynamic")
 VOCAB_SIZES = (0, 65536, 32768, 16384)

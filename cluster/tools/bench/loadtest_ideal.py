@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.runtime.sim import DeviceProfile, SimSource, ideal_rates
+from cluster.runtime.sim import ideal_rates
+from cluster.runtime.sim_source import DeviceProfile, SimSource
 
 MODES = ("speculative", "target_only")
 """The modes of a load test that have an ideal (the HF baseline has none)."""

@@ -67,10 +67,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # Loading torch and the models takes seconds: only once the flags are known.
     from cluster.local import build_local
     from cluster.presets import resolve_pair
-    from cluster.routing.draft_length import DraftLengthConfig
+    from cluster.routing.draft_length_config import DraftLengthConfig
     from cluster.routing.request import GenerationRequest
     from cluster.runtime.sampling import SamplingParams
-    from drafter.ngram import NgramConfig
+    from drafter.config import NgramConfig
 
     prompts: list[Prompt] = load_prompts(args.prompts)
     pair = resolve_pair(args.preset, None, None, args.dtype, args.device)

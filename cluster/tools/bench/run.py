@@ -362,8 +362,8 @@ def _with_draft(pair: Any, settings: dict[str, Any]) -> Any:
 
 def _router_settings(settings: dict[str, Any]) -> dict[str, Any]:
     """`build_local` arguments for the router features Tandem runs with."""
-    from cluster.routing.draft_length import DraftLengthConfig
-    from drafter.ngram import NgramConfig
+    from cluster.routing.draft_length_config import DraftLengthConfig
+    from drafter.config import NgramConfig
 
     return {
         "prompt_lookup": NgramConfig(enabled=settings["prompt_lookup"]),

@@ -39,7 +39,7 @@ STAGES = ("device", "forward_overhead", "acceptance", "engine", "gather", "route
 
 def is_sim_preset(preset: str) -> bool:
     from cluster.presets import PRESETS
-    from cluster.runtime.sim import SIM_SCHEME
+    from cluster.runtime.sim_source import SIM_SCHEME
 
     known = PRESETS.get(preset)
     return known is not None and known.target.startswith(SIM_SCHEME)
@@ -142,14 +142,14 @@ def _through_service(
 
 def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     from cluster.presets import resolve_pair
-    from cluster.runtime import sim
+    from cluster.runtime import sim, sim_source
     from cluster.tools.bench.run import bench_settings
 
     prompts: list[Prompt] = load_prompts(args.prompts)
     settings = bench_settings(args)
     pair = resolve_pair(args.preset)
-    target_source = sim.SimSource.parse(pair.target.source)
-    draft_source = sim.SimSource.parse(pair.draft.source)
+    target_source = sim_source.SimSource.parse(pair.target.source)
+    draft_source = sim_source.SimSource.parse(pair.draft.source)
     progress(f"simulated pair {pair.target.source} + {pair.draft.source}; settings {settings}")
     configs = {"tandem_target": (0, False), "tandem_serial": (args.draft_tokens, False),
                "tandem_pipelined": (args.draft_tokens, True)}  # fmt: skip

@@ -188,7 +188,8 @@ def measure(
 ) -> dict[str, Any]:
     """Run every prompt in every mode `repeats` times through `tandem`; the per-mode summaries,
     the speed ratios and one record per request."""
-    from cluster.routing.request import DEFAULT_DRAFT_TOKENS, GenerationRequest
+    from cluster.routing.draft_length_config import DEFAULT_DRAFT_TOKENS
+    from cluster.routing.request import GenerationRequest
     from cluster.runtime.constraint import MASK_TIMES, Grammar
 
     tallies = {mode: ModeTally() for mode in MODES}
@@ -262,7 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from cluster.config import TandemConfig
     from cluster.local import build_local
     from cluster.presets import resolve_pair
-    from cluster.routing.request import DEFAULT_DRAFT_TOKENS
+    from cluster.routing.draft_length_config import DEFAULT_DRAFT_TOKENS
 
     prompts = load_extraction_prompts(args.prompts)
     pair = resolve_pair(args.preset, None, None, args.dtype, args.device)

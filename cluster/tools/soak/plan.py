@@ -267,7 +267,7 @@ def verifier_pool(
     planned length on the mean prompt, with the block and bonus a verifier reserves when a
     session opens (and never less than one whole context)."""
     # Imported here: the session module pulls in torch, which `tandem --help` must not wait for.
-    from cluster.runtime.session import MAX_BLOCK_TOKENS
+    from cluster.runtime.limits import MAX_BLOCK_TOKENS
 
     if kv_bytes_per_token < 1 or block_size < 1 or not prompt_tokens:
         raise InvalidArgumentError("KV bytes per token, block size and prompts must be positive")

@@ -27,10 +27,12 @@ import grpc
 import pytest
 
 from cluster.api.audit import Served
+from cluster.api.audit_config import AuditConfig
+from cluster.api.caller import Caller
 from cluster.api.client import TandemClient, TandemClientError, build_request
-from cluster.api.online_audit import AuditConfig, OnlineAudit
+from cluster.api.online_audit import OnlineAudit
 from cluster.api.openai import OpenAIService
-from cluster.api.service import Caller, TandemService
+from cluster.api.service import TandemService
 from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import Tenants
 from cluster.config import TandemConfig
@@ -58,7 +60,8 @@ from tests.cluster.grpc_front import serve_local
 from tests.cluster.serve.test_openai_http import Exchange
 from tests.conftest import CODE_PROMPT, PROMPTS
 from tests.replicas import serve_drafter, serve_verifier
-from verifier.verifier import ACCEPT_ALL, Verifier, VerifierConfig
+from verifier.config import ACCEPT_ALL, VerifierConfig
+from verifier.verifier import Verifier
 
 MAX_TOKENS = 16
 SEED = 1234

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from cluster.api.caller import Caller
 from cluster.api.chat import NoChatTemplateError
 from cluster.api.openai import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -20,7 +21,7 @@ from cluster.api.openai import (
     served_model_name,
 )
 from cluster.api.running import RequestNotFoundError
-from cluster.api.service import Caller, RequestCancelledError, TandemService
+from cluster.api.service import RequestCancelledError, TandemService
 from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import (
     AuthConfig,

@@ -41,7 +41,7 @@ from cluster.runtime.sampling import SamplingParams
 from cluster.tools.baselines.hf_reference import reference_generate
 from protos import generate_pb2, sampling_pb2
 from tests.conftest import CODE_PROMPT
-from verifier.verifier import FAULTS, VerifierConfig
+from verifier.config import FAULTS, VerifierConfig
 
 UNSPECIFIED = sampling_pb2.SAMPLING_RULE_UNSPECIFIED
 SEED_EXACT_RULE = sampling_pb2.SAMPLING_RULE_SEED_EXACT

@@ -24,7 +24,8 @@ from drafter.drafter import Drafter
 from protos import replica_pb2, replica_pb2_grpc, sampling_pb2
 from tests.replicas import serve_drafter, serve_verifier
 from tests.wire_messages import raw_sparse
-from verifier.verifier import Verifier, VerifierConfig
+from verifier.config import VerifierConfig
+from verifier.verifier import Verifier
 
 PROMPT = list(b"def add(a, b):")
 GREEDY = sampling_pb2.SamplingParams()

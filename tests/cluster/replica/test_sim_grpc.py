@@ -12,7 +12,7 @@ from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.runtime.models import load_model
-from cluster.runtime.sim import PROFILES
+from cluster.runtime.sim_source import PROFILES
 from drafter.drafter import Drafter
 from tests.replicas import serve_drafter, serve_verifier
 from verifier.verifier import Verifier

@@ -22,11 +22,13 @@ from cluster.routing.request import FinishReason, GenerationRequest
 from cluster.routing.router import Router
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel
-from drafter.drafter import Drafter, DrafterConfig
+from drafter.config import DrafterConfig
+from drafter.drafter import Drafter
 from protos import generate_pb2
 from tests.cluster.conftest import TANDEM, TENANT_KEYS, live_replicas, replica_sessions
 from tests.conftest import CODE_PROMPT, encode
-from verifier.verifier import Verifier, VerifierConfig
+from verifier.config import VerifierConfig
+from verifier.verifier import Verifier
 
 LIMIT = 64
 """A small context for the end-to-end fits, so that each runs in a moment."""

@@ -14,7 +14,6 @@ import pytest
 from cluster.local import LocalTandem, text_decoder
 from cluster.routing.draft_length import (
     DraftLength,
-    DraftLengthConfig,
     Plan,
     best_plan,
     expected_tokens,
@@ -22,6 +21,7 @@ from cluster.routing.draft_length import (
     rate,
     usable_load,
 )
+from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.runtime.draft_block import DraftBlock, StepLoad, Verdict

@@ -22,7 +22,8 @@ from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from drafter.drafter import Drafter
 from tests.conftest import encode
-from verifier.verifier import Verifier, VerifierConfig
+from verifier.config import VerifierConfig
+from verifier.verifier import Verifier
 
 MAX_TOKENS = 24
 

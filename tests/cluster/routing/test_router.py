@@ -175,7 +175,8 @@ def test_drafts_cut_short_by_confidence_stay_exact(
 ) -> None:
     from cluster.local import text_decoder
     from cluster.routing.router import Router
-    from drafter.drafter import Drafter, DrafterConfig
+    from drafter.config import DrafterConfig
+    from drafter.drafter import Drafter
 
     unsure = Drafter(tiny_draft, DrafterConfig(min_confidence=0.5))
     router = Router(local_tandem.verifier, unsure, text_decoder(local_tandem.tokenizer),
@@ -354,7 +355,7 @@ def test_long_generation_text_is_the_full_decode_from_short_windows(
     that never decode), prompt lookup on: the text is the decode of all the tokens, and no round
     decodes more than a few rounds' tokens (a full re-decode reaches them all)."""
     from cluster.local import text_decoder
-    from drafter.ngram import NgramConfig
+    from drafter.config import NgramConfig
 
     decode_all = text_decoder(local_tandem.tokenizer)
     decoded: list[int] = []

@@ -34,14 +34,15 @@ import pytest
 import torch
 
 from cluster.local import LocalTandem, text_decoder
-from cluster.routing.draft_length import DraftLengthConfig
+from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.request import GenerationRequest, GenerationResult
 from cluster.routing.router import Router
-from cluster.runtime.models import TINY_DRAFT, LoadedModel, ModelSpec, load_model
+from cluster.runtime.model_spec import TINY_DRAFT, ModelSpec
+from cluster.runtime.models import LoadedModel, load_model
 from cluster.runtime.sampling import SamplingParams, logits_to_probs
 from cluster.tools.baselines.hf_reference import reference_generate
+from drafter.config import NgramConfig
 from drafter.drafter import Drafter
-from drafter.ngram import NgramConfig
 from tests.cluster.routing.test_failover import Dying, Pool
 from tests.conftest import CODE_PROMPT, PROMPTS, encode
 from verifier.verifier import Verifier

@@ -49,7 +49,7 @@ from tests.cluster.routing.test_lossless_sampling import (
     sample_first_two,
 )
 from tests.cluster.routing.test_negative_controls import miss_probability
-from verifier.verifier import VerifierConfig
+from verifier.config import VerifierConfig
 
 SAMPLING = SamplingParams(temperature=1.5, seed_exact=True)
 """A flat setting: reused noise then draws t2 == t1 ten times as often as the target (10% of

@@ -44,9 +44,9 @@ from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from cluster.tools.baselines.hf_reference import reference_generate
-from drafter.ngram import NgramConfig
+from drafter.config import NgramConfig
 from protos import generate_pb2, sampling_pb2
-from verifier.verifier import VerifierConfig
+from verifier.config import VerifierConfig
 
 MAX_TOKENS = 64
 LOOKUP = NgramConfig(enabled=True, max_ngram=4, min_ngram=2)

@@ -19,10 +19,13 @@ import torch
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.engine import Engine
 from cluster.runtime.errors import ResourceExhaustedError
-from cluster.runtime.models import TINY_DRAFT, TINY_TARGET, LoadedModel, ModelSpec, load_model
+from cluster.runtime.model_spec import TINY_DRAFT, TINY_TARGET, ModelSpec
+from cluster.runtime.models import LoadedModel, load_model
 from cluster.runtime.sampling import SamplingParams
-from drafter.drafter import Drafter, DrafterConfig
-from verifier.verifier import Verifier, VerifierConfig
+from drafter.config import DrafterConfig
+from drafter.drafter import Drafter
+from verifier.config import VerifierConfig
+from verifier.verifier import Verifier
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=0.9, top_k=40)

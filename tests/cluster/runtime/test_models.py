@@ -9,14 +9,8 @@ import torch
 
 from cluster.runtime import tiny
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.models import (
-    TINY_DRAFT,
-    TINY_TARGET,
-    LoadedModel,
-    ModelSpec,
-    load_model,
-    load_tokenizer,
-)
+from cluster.runtime.model_spec import TINY_DRAFT, TINY_TARGET, ModelSpec
+from cluster.runtime.models import LoadedModel, load_model, load_tokenizer
 
 
 def test_tiny_pair_shares_tokenizer_and_vocabulary(

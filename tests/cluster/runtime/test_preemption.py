@@ -22,9 +22,9 @@ from cluster.presets import resolve_pair
 from cluster.routing.request import GenerationRequest
 from cluster.runtime.kv_pool import kv_bytes_per_token
 from cluster.runtime.models import load_model
-from drafter.drafter import DrafterConfig
+from drafter.config import DrafterConfig
 from tests.conftest import PROMPTS, encode
-from verifier.verifier import VerifierConfig
+from verifier.config import VerifierConfig
 
 MAX_TOKENS = 64
 POOL_BLOCKS = 16

@@ -13,7 +13,8 @@ from cluster.local import build_local
 from cluster.presets import resolve_pair
 from cluster.routing.request import GenerationRequest
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.models import TINY_DRAFT, ModelSpec, load_model
+from cluster.runtime.model_spec import TINY_DRAFT, ModelSpec
+from cluster.runtime.models import load_model
 from cluster.runtime.quantize import (
     Int8WeightOnlyLinear,
     activations_quantized,

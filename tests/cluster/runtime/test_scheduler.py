@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from cluster.runtime.scheduler import GATHER_SHARE, MAX_GATHER_S, Scheduler
+from cluster.runtime.limits import GATHER_SHARE
+from cluster.runtime.scheduler import MAX_GATHER_S, Scheduler
 
 STEP_S = 0.0064  # a GPU-like decode step: waiting for a session due within half of it pays
 

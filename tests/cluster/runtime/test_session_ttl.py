@@ -16,9 +16,11 @@ from cluster.runtime.errors import (
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from cluster.runtime.session import ReplicaStats, SessionTable
-from drafter.drafter import Drafter, DrafterConfig
+from drafter.config import DrafterConfig
+from drafter.drafter import Drafter
 from tests.cluster.runtime.fake_runner import PrefillingTable
-from verifier.verifier import Verifier, VerifierConfig
+from verifier.config import VerifierConfig
+from verifier.verifier import Verifier
 
 PROMPT = [5, 6, 7, 8]
 

@@ -9,9 +9,10 @@ import torch
 from cluster.local import build_local
 from cluster.presets import resolve_pair
 from cluster.routing.request import GenerationRequest
-from cluster.runtime import sim
+from cluster.runtime import sim, sim_source
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.models import LoadedModel, ModelSpec, load_model
+from cluster.runtime.model_spec import ModelSpec
+from cluster.runtime.models import LoadedModel, load_model
 from cluster.runtime.runner import SequenceWork, build_runner
 from cluster.runtime.sampling import SamplingParams
 from cluster.runtime.sim_model import SimCausalLM, SimModelRunner
@@ -32,7 +33,7 @@ def _greedy(model: SimCausalLM, prompt: list[int], num_tokens: int) -> list[int]
 
 
 def test_sources_parse_and_bad_ones_are_refused() -> None:
-    parsed = sim.SimSource.parse("sim://draft/a10g-0.5b?alpha=0.6&vocab=5000&seed=3")
+    parsed = sim_source.SimSource.parse("sim://draft/a10g-0.5b?alpha=0.6&vocab=5000&seed=3")
     assert (parsed.role, parsed.profile_name, parsed.alpha, parsed.vocab_size, parsed.seed) == (
         "draft", "a10g-0.5b", 0.6, 5000, 3,
     )  # fmt: skip
@@ -64,7 +65,7 @@ def test_logits_are_a_function_of_context_and_position_alone() -> None:
     assert not torch.equal(shifted[0, 1:], first[0])
     probs = first.softmax(-1)
     assert 0.3 < float(probs.max(-1).values.mean()) < 0.9  # peaked, yet sampling varies
-    assert float(probs[..., sim.END_OF_TEXT_ID].max()) < 1e-12  # texts run to max_tokens
+    assert float(probs[..., sim_source.END_OF_TEXT_ID].max()) < 1e-12  # texts run to max_tokens
 
 
 @pytest.mark.parametrize("alpha", [0.6, 0.8])
@@ -110,7 +111,7 @@ def test_the_modelled_time_is_honoured() -> None:
     runner = SimModelRunner(
         loaded.model, num_blocks=64, block_size=16, sleep=sleep, clock=lambda: now[0]
     )
-    profile = sim.PROFILES["h100-8b"]
+    profile = sim_source.PROFILES["h100-8b"]
     runner.forward([SequenceWork("a", tuple(range(10)), (9,))])
     runner.forward(
         [SequenceWork("a", (1, 2, 3), (0, 1, 2)), SequenceWork("b", (4,), (0,))]
@@ -144,7 +145,7 @@ def test_greedy_through_the_router_equals_the_sim_target_alone() -> None:
 
 
 def test_ideal_rates_follow_the_acceptance_model() -> None:
-    target, draft = sim.PROFILES["h100-8b"], sim.PROFILES["a10g-0.5b"]
+    target, draft = sim_source.PROFILES["h100-8b"], sim_source.PROFILES["a10g-0.5b"]
     rates = sim.ideal_rates(target, draft, alpha=0.8, k=4, context_tokens=0)
     assert rates.target_only == pytest.approx(1 / target.step_s(1, 0))
     assert rates.tokens_per_verify == pytest.approx((1 - 0.8**5) / 0.2)

@@ -16,7 +16,8 @@ from cluster.presets import resolve_pair
 from cluster.routing.request import GenerationRequest
 from cluster.runtime import vocab
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.models import TINY_DRAFT, ModelSpec, load_model
+from cluster.runtime.model_spec import TINY_DRAFT, ModelSpec
+from cluster.runtime.models import load_model
 from cluster.runtime.quantize import Int8WeightOnlyLinear
 from cluster.runtime.runner import PagedModelRunner, build_runner
 from cluster.runtime.tiny import END_OF_TEXT_ID

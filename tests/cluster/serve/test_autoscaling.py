@@ -13,6 +13,9 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import Future
@@ -24,7 +27,8 @@ import pytest
 import torch
 
 from cluster.api.tenants import AuthConfig
-from cluster.config import AutoscalingConfig, ReplicaGroupConfig, TandemConfig
+from cluster.autoscaling_config import POLICY_PATH, AutoscalingConfig
+from cluster.config import ReplicaGroupConfig, TandemConfig
 from cluster.replica.host import (
     DEREGISTER_TIMEOUT_S,
     DRAIN_TIMEOUT_S,
@@ -217,8 +221,43 @@ def test_the_installed_serve_instantiates_the_policy_with_its_kwargs_and_delays_
 
 
 def test_policy_path_names_the_policy() -> None:
-    module, name = autoscaling.POLICY_PATH.split(":")
+    module, name = POLICY_PATH.split(":")
     assert module == autoscaling.__name__ and getattr(autoscaling, name) is ScaleOnLoad
+
+
+_UNPICKLE_WITHOUT_THE_PROJECT = """
+import sys
+
+class NoProject:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("cluster", "drafter", "verifier", "protos"):
+            raise ImportError(f"the project is not importable here: {name}")
+        return None
+
+sys.meta_path.insert(0, NoProject())
+from ray import cloudpickle
+
+policy = cloudpickle.loads(sys.stdin.buffer.read())(target_sessions=4, target_busy=0.5)
+print(policy.target_sessions, policy.max_kv_used, policy.target_queue_wait_s)
+"""
+
+
+def test_the_policy_loads_where_the_project_cannot_be_imported() -> None:
+    """Serve pickles the policy module by value into its controller: what it takes from the
+    project (the config's default targets) must travel by value, not as an import."""
+    from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
+
+    config = ServeAutoscalingConfig(**AutoscalingConfig(enabled=True).serve_options())
+    done = subprocess.run(
+        [sys.executable, "-c", _UNPICKLE_WITHOUT_THE_PROJECT],
+        input=config.policy.get_serialized_policy_def(),
+        capture_output=True,
+        cwd=tempfile.gettempdir(),
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.decode().split() == ["4", "0.85", "0.5"]
 
 
 def test_replicas_report_the_metrics_the_policy_reads() -> None:

@@ -6,7 +6,7 @@ over a real `OpenAIService` on the in-process tiny pair, so a body that passes e
 really generated. Bodies are built from the API's own fields, each set to a plausible value or
 to any JSON value (deep, huge, NaN, lone UTF-16 surrogates...), plus unknown keys, sent to both
 routes, streamed or not, and to `POST /v1/audit` (whose answers must find no divergence).
-Counts per status are printed (`pytest -s`) for the record.
+The bodies sent per route and the answers per status are printed (`pytest -s`) for the record.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ MODEL = "tiny"
 EXAMPLES = 400  # per route
 MAX_TOKENS_LIMIT = 8  # keeps a generated answer to a few steps of the tiny pair
 STATUSES: Counter[int] = Counter()
+BODIES: Counter[str] = Counter()  # per route
 
 SURROGATES = st.sampled_from(["\ud800", "a\udfffb", "\ud83d", "ok \udc4b"])
 TEXT = st.text(max_size=24) | SURROGATES
@@ -112,7 +113,10 @@ def adapter(local_tandem: LocalTandem) -> Iterator[OpenAIHttp]:
     threads = ThreadPoolExecutor(4, thread_name_prefix="fuzz-http")
     yield OpenAIHttp(OpenAIService(service, MODEL), threads)
     threads.shutdown()
-    print(f"\nHTTP fuzz statuses: {dict(sorted(STATUSES.items()))}")
+    print(
+        f"\nHTTP fuzz: {sum(BODIES.values())} bodies, per route {dict(BODIES)}; "
+        f"statuses: {dict(sorted(STATUSES.items()))}"
+    )
 
 
 FUZZ = settings(
@@ -130,6 +134,7 @@ def test_every_body_gets_a_precise_answer(
     adapter: OpenAIHttp, path: str, data: st.DataObject
 ) -> None:
     body = data.draw(bodies(path))
+    BODIES[path] += 1
     done = exchange(adapter, "POST", path, body)
     STATUSES[done.status] += 1
     assert done.status < 500, (body[:300], done.content[:300])

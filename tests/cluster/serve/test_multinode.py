@@ -29,13 +29,13 @@ from cluster.api.client import TandemClient
 from cluster.api.tenants import AuthConfig
 from cluster.config import ModelsConfig, ReplicaGroupConfig, TandemConfig
 from cluster.local import LocalTandem
-from cluster.routing.draft_length import DraftLengthConfig
+from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.runtime.errors import ClusterSecretError
 from cluster.serve.local_cluster import LOOPBACK, cluster_processes, free_port
 from cluster.tools.bench.overhead import actor_table_nodes, measure
-from drafter.ngram import NgramConfig
+from drafter.config import NgramConfig
 from tests.cluster.multinode import (
     DRAFTER_NODE,
     REPLICA_SHARE,

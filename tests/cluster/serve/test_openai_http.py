@@ -26,9 +26,9 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import Response
 
+from cluster.api.caller import Caller
 from cluster.api.chat import render_chat
 from cluster.api.client import TandemClient
-from cluster.api.service import Caller
 from cluster.api.tenants import QuotaExceededError, UnauthenticatedError
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.tiny import build_tokenizer

@@ -14,9 +14,10 @@ from typing import Any
 import grpc
 import pytest
 
+from cluster.api.caller import Caller
 from cluster.api.client import DEADLINE_METADATA_KEY as CLIENT_KEY
 from cluster.api.client import TandemClient, TandemClientError, _timed
-from cluster.api.service import Caller, TandemService
+from cluster.api.service import TandemService
 from cluster.api.status import status_of
 from cluster.api.tenants import Tenants
 from cluster.local import LocalTandem

@@ -24,7 +24,7 @@ from cluster.api.client_types import StreamChunk
 from cluster.cli.main import main
 from cluster.runtime import tiny
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.models import TINY_TARGET, ModelSpec
+from cluster.runtime.model_spec import TINY_TARGET, ModelSpec
 from cluster.tools import cleanup
 from cluster.tools.baselines import hf_baseline
 from cluster.tools.baselines.hf_baseline import METHODS, LevelRun, TargetBaseline, choose_method

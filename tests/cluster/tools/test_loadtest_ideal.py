@@ -19,8 +19,8 @@ from cluster.api.client_types import StreamChunk
 from cluster.cli.loadtest import format_table, plot
 from cluster.cli.main import main
 from cluster.presets import PRESETS, resolve_pair
-from cluster.routing.request import DEFAULT_DRAFT_TOKENS
-from cluster.runtime import sim
+from cluster.routing.draft_length_config import DEFAULT_DRAFT_TOKENS
+from cluster.runtime import sim, sim_source
 from cluster.runtime.models import load_tokenizer
 from cluster.tools.bench.loadtest_ideal import SimIdeal, achieved_over_ideal, ideal_of_level
 from cluster.tools.bench.run import load_prompts
@@ -77,7 +77,8 @@ def test_one_stream_by_hand() -> None:
 @pytest.mark.parametrize("draft_tokens", [0, 2, 4, 8])
 def test_every_level_is_sim_ideal_rates_at_its_streams(streams: int, draft_tokens: int) -> None:
     level = h100_ideal(draft_tokens).level(streams)
-    target, draft = sim.SimSource.parse(H100_8B.target), sim.SimSource.parse(H100_8B.draft)
+    target = sim_source.SimSource.parse(H100_8B.target)
+    draft = sim_source.SimSource.parse(H100_8B.draft)
     rates = sim.ideal_rates(target.profile, draft.profile, 0.8, draft_tokens, streams, 100)
     assert level["speculative_tokens_per_s"] == max(rates.serial, rates.pipelined)
     assert level["serial_tokens_per_s"] == rates.serial
