@@ -14,12 +14,41 @@ import torch
 from cluster.local import LocalTandem, build_local
 from cluster.presets import resolve_pair
 from cluster.routing.request import GenerationRequest
-from cluster.runtime.models import TINY_DRAFT, TINY_TARGET, LoadedModel, ModelSpec, load_model
-from cluster.runtime.packs import CACHE_ENV
+from cluster.runtime.model_spec import TINY_DRAFT, TINY_TARGET, ModelSpec
+from cluster.runtime.models import LoadedModel, load_model
+from cluster.runtime.pack_catalog import CACHE_ENV
+from cluster.serve.local_cluster import SERVER_PORTS, SERVER_PORTS_ENV
+from tests.ray_guard import RayGuard
 
 # The tiny models are far too small to gain from intra-op threads, and pipelined tests run
 # drafter and verifier at once: one thread each keeps 2 cores from being oversubscribed.
 torch.set_num_threads(1)
+
+SERVICE_GROUP = "service"
+"""The xdist group of every test on the session's service (tests/cluster/conftest.py): one
+worker starts it once and runs them all; the other workers take the rest."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    guard = RayGuard()
+    config.pluginmanager.register(guard, "ray_guard")
+    config.add_cleanup(guard.stop)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and SERVER_PORTS_ENV not in os.environ:
+        # Each xdist worker, and every service it starts, picks ports from its own slice.
+        index, count = int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+        size = len(SERVER_PORTS) // count
+        low = SERVER_PORTS.start + index * size
+        os.environ[SERVER_PORTS_ENV] = f"{low}-{low + size - 1}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        # The last definition is the one the test gets (modules may define their own).
+        definitions = item._fixtureinfo.name2fixturedefs.get("service", ())  # type: ignore[attr-defined]
+        if definitions and definitions[-1].baseid == "tests/cluster":
+            item.add_marker(pytest.mark.xdist_group(SERVICE_GROUP))
+
 
 CODE_PROMPT = "def add(a, b):"
 PROMPTS = (

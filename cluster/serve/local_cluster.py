@@ -156,6 +156,10 @@ SERVER_PORTS = range(20000, 32768)
 kernel's ephemeral range (32768-60999 by default). A port the kernel hands out for `bind(0)` is
 an ephemeral one, which any outgoing connection (Ray's processes open hundreds while a cluster
 starts) may take between the pick and the server's bind."""
+SERVER_PORTS_ENV = "TANDEM_SERVER_PORTS"
+"""Narrows `SERVER_PORTS` to `LOW-HIGH` (inclusive) for this process and the processes it starts:
+two services started at once on one machine by different processes (parallel test workers, two
+operators) then never pick the same port, which `_handed_out` only rules out within a process."""
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _handed_out: set[int] = set()
 """Ports this process has picked already: two picks before either is bound never agree."""
@@ -164,7 +168,7 @@ _handed_out: set[int] = set()
 def free_port() -> int:
     """A loopback port free now, for a server about to listen on it (see `SERVER_PORTS`)."""
     low, high = _ephemeral_range()
-    candidates = [p for p in SERVER_PORTS if not low <= p <= high and p not in _handed_out]
+    candidates = [p for p in server_ports() if not low <= p <= high and p not in _handed_out]
     rng = random.SystemRandom()  # concurrent processes must not walk the same sequence
     for _ in range(min(len(candidates), 256)):
         port = rng.choice(candidates)
@@ -174,6 +178,25 @@ def free_port() -> int:
     with socket.socket() as probe:  # none outside the ephemeral range: the kernel's pick
         probe.bind((LOOPBACK, 0))
         return int(probe.getsockname()[1])
+
+
+def server_ports() -> range:
+    """`SERVER_PORTS`, or the part of it `SERVER_PORTS_ENV` names."""
+    text = os.environ.get(SERVER_PORTS_ENV, "").strip()
+    if not text:
+        return SERVER_PORTS
+    try:
+        low, high = (int(part) for part in text.split("-"))
+    except ValueError:
+        raise ClusterError(
+            f"{SERVER_PORTS_ENV}={text!r}: expected LOW-HIGH, e.g. 20000-26383"
+        ) from None
+    if not SERVER_PORTS.start <= low <= high < SERVER_PORTS.stop:
+        raise ClusterError(
+            f"{SERVER_PORTS_ENV}={text!r}: the range must lie within "
+            f"{SERVER_PORTS.start}-{SERVER_PORTS.stop - 1}"
+        )
+    return range(low, high + 1)
 
 
 def _ephemeral_range() -> tuple[int, int]:

@@ -19,6 +19,7 @@ the same router and helpers, and each must fail it.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -35,6 +36,8 @@ ALPHA = 1e-4
 NUM_SEEDS = 2000
 MIN_EXPECTED = 5.0
 PROMPT = tuple(b"def add(a, b):")
+CONCURRENT_REQUESTS = 16
+"""Seeded requests in flight at once: the engines batch them into shared forward passes."""
 
 
 def first_two(model: LoadedModel, sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,13 +78,17 @@ def sample_first_two(
 ) -> tuple[torch.Tensor, Tally]:
     """Counts `[vocab, vocab]` of the first two tokens `router` emits for PROMPT over
     NUM_SEEDS seeded requests, and their speculation counters."""
+    requests = [
+        GenerationRequest(PROMPT, max_tokens, sampling, seed=seed, draft_tokens=draft_tokens)
+        for seed in range(NUM_SEEDS)
+    ]
+    # Submitted together, the requests share the engines' forward passes; each draws only from
+    # its own seeded generator, so a seed's tokens do not depend on what it was batched with.
+    with ThreadPoolExecutor(max_workers=CONCURRENT_REQUESTS) as pool:
+        results = list(pool.map(lambda r: router.generate(r, pipelined=pipelined), requests))
     counts = torch.zeros(vocab, vocab)
     tally = Tally()
-    for seed in range(NUM_SEEDS):
-        request = GenerationRequest(
-            PROMPT, max_tokens, sampling, seed=seed, draft_tokens=draft_tokens
-        )
-        result = router.generate(request, pipelined=pipelined)
+    for result in results:
         counts[result.tokens[0], result.tokens[1]] += 1
         tally.drafted += result.stats.num_drafted
         tally.accepted += result.stats.num_accepted

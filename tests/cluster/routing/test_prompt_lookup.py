@@ -4,6 +4,7 @@ looked-up blocks replace drafter calls, and sampling stays distributed as the ta
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -14,9 +15,13 @@ from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams, logits_to_probs
+from drafter.config import NgramConfig
 from drafter.drafter import Drafter
-from drafter.ngram import NgramConfig
-from tests.cluster.routing.test_lossless_sampling import ALPHA, chi_square_p_value
+from tests.cluster.routing.test_lossless_sampling import (
+    ALPHA,
+    CONCURRENT_REQUESTS,
+    chi_square_p_value,
+)
 from tests.conftest import MAX_TOKENS, encode
 
 LOOKUP = NgramConfig(enabled=True, max_ngram=4, min_ngram=2)
@@ -110,10 +115,14 @@ def test_sampled_lookup_follows_the_target(
     lookup = router(local_tandem, None)
     counts = torch.zeros(tiny_target.vocab_size, tiny_target.vocab_size)
     drafted = accepted = 0
+    requests = [
+        GenerationRequest(prompt, 3, sampling, seed=seed, draft_tokens=2) for seed in range(2000)
+    ]
     try:
-        for seed in range(2000):
-            request = GenerationRequest(prompt, 3, sampling, seed=seed, draft_tokens=2)
-            result = lookup.generate(request, pipelined=False)
+        # Submitted together, the requests share forward passes; each draws from its own seed.
+        with ThreadPoolExecutor(max_workers=CONCURRENT_REQUESTS) as pool:
+            results = list(pool.map(lambda r: lookup.generate(r, pipelined=False), requests))
+        for result in results:
             counts[result.tokens[0], result.tokens[1]] += 1
             drafted += result.stats.num_drafted
             accepted += result.stats.num_accepted

@@ -24,5 +24,23 @@ def test_free_ports_are_free_distinct_and_outside_the_ephemeral_range() -> None:
     ports = [local_cluster.free_port() for _ in range(50)]
     assert len(set(ports)) == len(ports)
     for port in ports:
-        assert port in local_cluster.SERVER_PORTS and not low <= port <= high
+        assert port in local_cluster.server_ports() and not low <= port <= high
         assert local_cluster.port_is_free(port)
+
+
+def test_free_ports_stay_in_the_range_the_environment_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Processes given disjoint ranges (parallel test workers) never pick the same port."""
+    monkeypatch.setenv(local_cluster.SERVER_PORTS_ENV, "21000-21099")
+    ports = [local_cluster.free_port() for _ in range(20)]
+    assert all(21000 <= port <= 21099 for port in ports)
+
+
+@pytest.mark.parametrize("text", ["21000", "a-b", "19000-21000", "21000-40000", "22000-21000"])
+def test_a_bad_port_range_is_refused_with_its_name(
+    text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(local_cluster.SERVER_PORTS_ENV, text)
+    with pytest.raises(local_cluster.ClusterError, match=local_cluster.SERVER_PORTS_ENV):
+        local_cluster.free_port()

@@ -1,7 +1,8 @@
 """Restarts: `tandem serve` right after `tandem shutdown` works, on the same ports, cycle after
 cycle; `shutdown` returns only once the cluster's processes are gone and its ports are free.
 
-Cycles: `TANDEM_RESTART_CYCLES` (default 5; 20 is the full check)."""
+Cycles: `TANDEM_RESTART_CYCLES`; by default 5, and 2 in CI (`CI` set), where every cycle still
+serves, generates and shuts down on the same ports; 20 is the full check, by hand."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from cluster.config import CLUSTER_SECRET_ENV
 from cluster.serve.local_cluster import API_KEY_ENV, cluster_processes, free_port, port_is_free
 from tests.cluster.conftest import SERVE_TIMEOUT_S, TANDEM
 
-CYCLES = int(os.environ.get("TANDEM_RESTART_CYCLES", "5"))
+CYCLES = int(os.environ.get("TANDEM_RESTART_CYCLES", "2" if os.environ.get("CI") else "5"))
 CYCLE_BUDGET_S = 120  # a cycle takes 40-50 s on 2 busy cores
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def run(
