@@ -17,6 +17,8 @@ PACKS := qwen-coder
 PROMPT ?=
 PORT ?= 9000
 HTTP_PORT ?= 8000
+# pytest-xdist workers for `make test` and `make test-fast` (0: one process).
+PYTEST_WORKERS ?= 2
 # The chat request `make demo` sends with curl to the OpenAI-compatible API.
 CHAT_REQUEST = {"model": "$(PRESET)", "max_tokens": 32, "messages": [{"role": "user", "content": "Write a Python function that adds two numbers."}]}
 
@@ -35,15 +37,14 @@ $(STAMP): pyproject.toml
 # xdist workers (tests/conftest.py: the tests on the session's service form one group, so one
 # worker starts it once; the other takes everything else), with its 30 slowest tests at the end.
 # `PYTEST_WORKERS=0` runs it in this one process.
-PYTEST_WORKERS ?= 2
 test: lint
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30
 
-# The edit-run loop: no Ray cluster (marker `ray`) and none of the long statistical sweeps
-# and subprocess runs (marker `slow`, about 3 more minutes); about 2 minutes on 2 cores.
-# Lint is not included: `make lint` runs it.
+# The edit-run loop: no Ray cluster (marker `ray`; tests/ray_guard.py fails a test that starts
+# one unmarked) and none of the long statistical sweeps and subprocess runs (marker `slow`), on
+# the same two workers; about 2 minutes on 2 cores. Lint is not included: `make lint` runs it.
 test-fast: setup
-	$(BIN)/python -m pytest -m "not ray and not slow" --durations=10
+	$(BIN)/python -m pytest -m "not ray and not slow" -n $(PYTEST_WORKERS) --dist loadgroup --durations=10
 
 lint: setup
 	$(BIN)/ruff check .
