@@ -19,7 +19,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from cluster.api.tool_format import CallArguments, CallStart, TextPiece, ToolEvent, ToolFormat
+from cluster.api.tool_format import CallStart, TextPiece, ToolEvent, ToolFormat
 
 
 def call_id() -> str:

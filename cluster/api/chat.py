@@ -2,10 +2,11 @@
 
 `render_chat(tokenizer, messages)` checks the messages (at least one; each role one of
 `CHAT_ROLES`, or `MESSAGE_ROLES` for a message given as the template's own dict, as the OpenAI
-API sends tool results and calls; each content a string) and returns what the tokenizer's chat template makes of
-them with the assistant's turn opened (`add_generation_prompt=True`), as text. The caller then
-tokenizes that text like any text prompt (`add_special_tokens=False`: the template already
-wrote every special token the model wants, exactly as Hugging Face's own tokenizing path does).
+API sends tool results and calls; each content a string) and returns what the tokenizer's chat
+template makes of them with the assistant's turn opened (`add_generation_prompt=True`), as
+text. The caller then tokenizes that text like any text prompt (`add_special_tokens=False`:
+the template already wrote every special token the model wants, exactly as Hugging Face's own
+tokenizing path does).
 
 A tokenizer without a chat template gets `NoChatTemplateError` (FAILED_PRECONDITION: the request
 is fine, this server's model cannot take it). A template that refuses the conversation (many

@@ -52,6 +52,7 @@ from contextlib import closing
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cluster.api.audit import HTTP_FIELDS, audit_json
+from cluster.api.auto_tool_calls import AutoToolDeltas
 from cluster.api.caller import ANONYMOUS_CALL, Caller
 from cluster.api.openai_schema import (
     ModelNotFoundError,
@@ -62,7 +63,6 @@ from cluster.api.openai_schema import (
     parse_request,
     parse_stream,
 )
-from cluster.api.auto_tool_calls import AutoToolDeltas
 from cluster.api.openai_structured import (
     Structured,
     ToolCallDeltas,
