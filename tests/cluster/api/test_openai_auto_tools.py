@@ -381,8 +381,7 @@ def test_an_openai_agents_sdk_agent_completes_its_loop(service: TandemService) -
         called.append(("get_time", {"zone": zone}))
         return "noon"
 
-    format_ = FirstTurnForced()
-    with serving(OpenAIService(service, MODEL, tool_format=format_)) as url:
+    async def run(url: str, streamed: bool) -> Any:
         http = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
         agent = Agent(
             name="assistant",
@@ -391,11 +390,21 @@ def test_an_openai_agents_sdk_agent_completes_its_loop(service: TandemService) -
             model=OpenAIChatCompletionsModel(model=MODEL, openai_client=http),
             model_settings=ModelSettings(temperature=0, max_tokens=160),
         )
-        result = asyncio.run(
-            Runner.run(agent, "Weather in Paris, and the time?", max_turns=4,
-                       run_config=RunConfig(tracing_disabled=True))
-        )  # fmt: skip
-    kinds = [type(item) for item in result.new_items]
-    assert ToolCallItem in kinds and ToolCallOutputItem in kinds and kinds[-1] is MessageOutputItem
-    assert called and isinstance(result.final_output, str) and result.final_output
-    assert format_.turns == 2  # a call, then the answer: both requests "auto"
+        ask, config = "Weather in Paris, and the time?", RunConfig(tracing_disabled=True)
+        if not streamed:
+            return await Runner.run(agent, ask, max_turns=4, run_config=config)
+        result = Runner.run_streamed(agent, ask, max_turns=4, run_config=config)
+        async for _ in result.stream_events():  # the calls arrive as streamed deltas
+            pass
+        return result
+
+    for streamed in (False, True):
+        called.clear()
+        format_ = FirstTurnForced()
+        with serving(OpenAIService(service, MODEL, tool_format=format_)) as url:
+            result = asyncio.run(run(url, streamed))
+        kinds = [type(item) for item in result.new_items]
+        assert ToolCallItem in kinds and ToolCallOutputItem in kinds, kinds
+        assert kinds[-1] is MessageOutputItem
+        assert called and isinstance(result.final_output, str) and result.final_output
+        assert format_.turns == 2  # a call, then the answer: both requests "auto"
