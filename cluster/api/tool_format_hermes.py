@@ -16,7 +16,8 @@ The grammar (`HermesFormat.grammar`):
 can only contain `<tool_call>` as the start of a call. In Qwen's tokenizer `<tool_call>` is an
 added token that is not special, so llguidance matches it as its text, whichever tokens spell
 it. The reader undoes exactly this layout; the text before a call loses the whitespace that
-separates it from the tag.
+separates it from the tag. Output generated without the grammar (a benchmark's baseline) may
+stray from it: a call in another JSON layout is read as JSON, text after the calls is text.
 """
 
 from __future__ import annotations
@@ -119,6 +120,10 @@ class HermesReader:
             if match is not None:
                 events.append(CallStart(self._calls, json.loads(f'"{match.group(1)}"')))
                 self._buffer, self._state = buffer[match.end() :], "arguments"
+            elif "\n</tool_call>" in buffer:  # another layout: only without the grammar
+                block, _, rest = buffer.partition("\n</tool_call>")
+                self._whole_call(block, events)
+                self._buffer, self._state = rest, "between"
         elif self._state == "arguments":
             at = buffer.find(CLOSE)
             if at >= 0:
@@ -131,6 +136,26 @@ class HermesReader:
             self._buffer = buffer[len(buffer) - keep :]
         elif buffer.startswith(SEPARATOR + OPEN):
             self._buffer, self._state = buffer[len(SEPARATOR + OPEN) :], "head"
+        elif not (SEPARATOR + OPEN).startswith(buffer):  # text after the calls
+            self._state = "text"
+
+    def _whole_call(self, block: str, events: list[ToolEvent]) -> None:
+        """A call whose JSON is not in the template's layout (possible only when the output
+        was not generated under the grammar): read as JSON if it is, else kept as it is, under
+        no name, so that it counts as a call that is not valid."""
+        try:
+            call = json.loads(block)
+        except ValueError:
+            call = None
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            arguments = call.get("arguments")
+            events.append(CallStart(self._calls, call["name"]))
+            fragment = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        else:
+            events.append(CallStart(self._calls, ""))
+            fragment = block
+        self._arguments(fragment, events)
+        self._calls += 1
 
     def _text(self, text: str, events: list[ToolEvent]) -> None:
         if text:

@@ -174,6 +174,19 @@ def test_any_split_of_a_stream_reads_as_the_unary_message() -> None:
     assert reason == "length" and cut["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
+def test_output_made_without_the_grammar_is_still_read() -> None:
+    loose = '<tool_call>\n{"arguments": {"zone": "utc"}, "name": "get_time"}\n</tool_call>'
+    message, _ = auto_message(HERMES, f"{loose}\nDone.", "stop")
+    assert message["content"] == "\nDone."  # text after the calls, as written
+    assert message["tool_calls"][0]["function"] == {"name": "get_time",
+                                                    "arguments": '{"zone": "utc"}'}  # fmt: skip
+    broken, reason = auto_message(HERMES, "<tool_call>\n{oops\n</tool_call>", "stop")
+    assert reason == "tool_calls" and broken["tool_calls"][0]["function"] == {
+        "name": "",
+        "arguments": "{oops",
+    }
+
+
 # --- requests ---------------------------------------------------------------------------------
 
 
