@@ -8,7 +8,8 @@ choice goes through a call's name and JSON arguments. The prompt is the tiny cha
 rendering of a question with the two tools. The reference is `reference_generate`
 (`cluster.tools.baselines.hf_reference`): Hugging Face `generate` over the target with
 llguidance's own matcher masking each step. Block lengths 1..8, serial and pipelined rounds,
-as tests/cluster/routing/test_structured_outputs.py checks the other grammars.
+as tests/cluster/routing/test_structured_outputs.py checks the other grammars; and seed-exact
+sampling (temperature 1), whose output is the reference's draw whatever was drafted.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.runtime.constraint import Grammar, grammar_tokenizer_of
 from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams
 from tests.cluster.api.test_openai_auto_tools import ASK, SCHEMAS, TOOLS
 from tests.cluster.routing.test_structured_outputs import (
     MODES,
@@ -73,7 +75,9 @@ def test_greedy_output_under_the_auto_grammar_equals_the_target_alone(
     tally = Tally()
     request = GenerationRequest(prompt, max_tokens, grammar=grammar)
     assert check_equal_to_reference(router, expected, request, RUNS, tally) == []
-    assert tally.drafted > 0  # speculation ran
+    assert tally.drafted > 0 and tally.pipeline_hits > 0  # speculation ran, pipelined too
+    if name == "text or calls":
+        assert 0 < tally.accepted < tally.drafted, tally  # drafts accepted and rejected
     output = bytes(t for t in expected if t < 256).decode(errors="replace")
     if name == "forced calls":  # the reference itself made two whole, valid calls
         calls = [
@@ -85,3 +89,26 @@ def test_greedy_output_under_the_auto_grammar_equals_the_target_alone(
             jsonschema.validate(call["arguments"], SCHEMAS[call["name"]])
     else:
         assert "<tool_call>" not in output
+
+
+def test_seed_exact_output_under_the_auto_grammar_equals_the_reference(
+    router: Router, local_tandem: LocalTandem, tiny_target: LoadedModel
+) -> None:
+    sampling = SamplingParams(temperature=1.0, seed_exact=True)
+    runs: list[Run] = [(1, False, False), (3, True, True), (8, True, False), (5, False, True)]
+    text = local_tandem.tokenizer.apply_chat_template(
+        ASK, tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    assert isinstance(text, str)
+    prompt, reference, tally = tuple(text.encode()), Reference(tiny_target), Tally()
+    mismatches = []
+    for name, (grammar, max_tokens) in GRAMMARS.items():
+        for seed in (0, 1):
+            expected = reference(prompt, grammar, sampling, seed, max_tokens=max_tokens)
+            request = GenerationRequest(prompt, max_tokens, sampling, seed=seed, grammar=grammar)
+            mismatches += [
+                f"{name} seed={seed} {m}"
+                for m in check_equal_to_reference(router, expected, request, runs, tally)
+            ]
+    assert not mismatches, "differs from the reference: " + "; ".join(mismatches)
+    assert 0 < tally.accepted < tally.drafted, tally
