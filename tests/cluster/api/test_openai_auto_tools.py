@@ -421,3 +421,33 @@ def test_an_openai_agents_sdk_agent_completes_its_loop(service: TandemService) -
         assert kinds[-1] is MessageOutputItem
         assert called and isinstance(result.final_output, str) and result.final_output
         assert format_.turns == 2  # a call, then the answer: both requests "auto"
+
+
+def test_a_model_without_a_known_format_refuses_auto_with_a_400(service: TandemService) -> None:
+    unknown = OpenAIService(service, MODEL)
+    unknown.tool_format = None  # as for a chat template with no tool-call syntax Tandem reads
+    with serving(unknown) as url, client(url) as http:
+        with pytest.raises(openai.BadRequestError) as refused:
+            http.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=4)
+        body = refused.value.body
+        assert isinstance(body, dict) and body.get("param") == "tool_choice", body
+        forced = http.chat.completions.create(  # the other choices still work
+            model=MODEL, messages=ASK, tools=TOOLS, max_tokens=96, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+        )  # fmt: skip
+        assert forced.choices[0].message.tool_calls
+
+
+def test_a_stream_with_usage_ends_with_it(service: TandemService) -> None:
+    forced = OpenAIService(service, MODEL, tool_format=ForcedHermes())
+    with serving(forced) as url, client(url) as http:
+        chunks = list(
+            http.chat.completions.create(
+                model=MODEL, messages=ASK, tools=TOOLS, max_tokens=160, temperature=0,
+                stream=True, stream_options={"include_usage": True},
+            )
+        )  # fmt: skip
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-2].choices[0].finish_reason == "tool_calls"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens > 0
