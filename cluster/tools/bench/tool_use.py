@@ -17,7 +17,9 @@ all greedy:
 Per mode: the share of requests that made a call, the share of calls that are valid (a known
 tool, arguments that are JSON and validate against its parameters with `jsonschema`), finish
 reasons, acceptance (accepted over drafted tokens), tokens per verify pass and generated tokens
-per second; and the speed of `auto_spec` over `auto_target`. The output is read by the format's
+per second, and the masks' cost (`MASK_TIMES` around each request: compute milliseconds per
+generated token on the mask workers, and what callers still waited for after their forward
+pass); and the speed of `auto_spec` over `auto_target`. The output is read by the format's
 own reader (`cluster.api.auto_tool_calls.auto_message`), as the API reads it. Progress goes to
 stderr. Needs the dev extra (jsonschema).
 """
@@ -106,6 +108,8 @@ class ModeTally:
     drafted: int = 0
     accepted: int = 0
     passes: int = 0
+    mask_compute_s: float = 0.0
+    mask_waited_s: float = 0.0
     finish_reasons: Counter[str] = field(default_factory=Counter)
 
     def add(self, record: dict[str, Any]) -> None:
@@ -118,6 +122,8 @@ class ModeTally:
         self.drafted += record["drafted"]
         self.accepted += record["accepted"]
         self.passes += record["passes"]
+        self.mask_compute_s += record["mask_compute_s"]
+        self.mask_waited_s += record["mask_waited_s"]
         self.finish_reasons[record["finish_reason"]] += 1
 
     def tokens_per_s(self) -> float:
@@ -133,6 +139,8 @@ class ModeTally:
             "acceptance": _ratio(self.accepted, self.drafted),
             "tokens_per_pass": _ratio(self.tokens, self.passes),
             "tokens_per_s": self.tokens_per_s(),
+            "mask_compute_ms_per_token": _ratio(1e3 * self.mask_compute_s, self.tokens),
+            "mask_waited_ms_per_token": _ratio(1e3 * self.mask_waited_s, self.tokens),
             "tokens": self.tokens,
             "seconds": self.seconds,
             "drafted": self.drafted,
@@ -165,7 +173,7 @@ def measure(
     record per request."""
     from cluster.routing.draft_length_config import DEFAULT_DRAFT_TOKENS
     from cluster.routing.request import GenerationRequest
-    from cluster.runtime.constraint import Grammar
+    from cluster.runtime.constraint import MASK_TIMES, Grammar
 
     tallies = {mode: ModeTally() for mode in MODES}
     records: list[dict[str, Any]] = []
@@ -186,9 +194,11 @@ def measure(
                     grammar=None if mode == "free_spec" else grammars[index],
                     draft_tokens=0 if mode == "auto_target" else DEFAULT_DRAFT_TOKENS,
                 )
+                _, compute_s, waited_s = MASK_TIMES.snapshot()
                 started = time.perf_counter()
                 result = tandem.router.generate(request)
                 seconds = time.perf_counter() - started
+                _, compute_after, waited_after = MASK_TIMES.snapshot()
                 reason = result.finish_reason.value
                 message, _ = auto_message(tool_format, result.text, reason)
                 calls = message.get("tool_calls", [])
@@ -204,6 +214,8 @@ def measure(
                     "drafted": result.stats.num_drafted,
                     "accepted": result.stats.num_accepted,
                     "passes": result.stats.num_verify_passes,
+                    "mask_compute_s": compute_after - compute_s,
+                    "mask_waited_s": waited_after - waited_s,
                     "text": result.text,
                 }
                 tallies[mode].add(record)
@@ -275,7 +287,7 @@ def _progress(line: str) -> None:
 def table(result: dict[str, Any]) -> str:
     lines = [
         f"{'mode':<12} {'call rate':>9} {'valid calls':>11} {'finish (stop/length)':>20} "
-        f"{'accept':>6} {'tok/pass':>8} {'tok/s':>7}"
+        f"{'accept':>6} {'tok/pass':>8} {'tok/s':>7} {'mask ms/token':>13} {'waited':>6}"
     ]
     for mode, row in result["modes"].items():
         finish = row["finish_reasons"]
@@ -283,7 +295,8 @@ def table(result: dict[str, Any]) -> str:
             f"{mode:<12} {_num(row['call_rate'], 2):>9} {_num(row['valid_call_share'], 2):>11} "
             f"{finish.get('stop', 0):>15}/{finish.get('length', 0):<4} "
             f"{_num(row['acceptance'], 3):>6} {_num(row['tokens_per_pass'], 2):>8} "
-            f"{row['tokens_per_s']:>7.2f}"
+            f"{row['tokens_per_s']:>7.2f} {_num(row['mask_compute_ms_per_token'], 3):>13} "
+            f"{_num(row['mask_waited_ms_per_token'], 3):>6}"
         )
     for name, value in result["ratios"].items():
         lines.append(f"{name}: {_num(value, 2)}x")

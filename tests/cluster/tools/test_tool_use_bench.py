@@ -31,6 +31,7 @@ def test_bench_reports_each_mode_on_the_tiny_pair(tmp_path: Path) -> None:
     for mode, summary in result["modes"].items():
         assert summary["requests"] == 2 and summary["tokens_per_s"] > 0
         assert (summary["drafted"] > 0) == (mode != "auto_target")
+        assert (summary["mask_compute_ms_per_token"] > 0) == (mode != "free_spec")
     for record in result["requests"]:
         assert record["valid_calls"] <= record["calls"]
         if record["mode"] != "free_spec":  # the grammar: text never holds a stray tag
