@@ -330,13 +330,15 @@ class OpenAIService:
         prompt = generate_pb2.GenerateRequest()
         if isinstance(request.prompt, str):
             prompt.text = request.prompt
-        elif structured.tools or any(len(m) > 2 for m in request.conversation):
+        elif structured.tools or request.has_tool_turns:
             try:  # tools, calls and their results go into the prompt through the chat template
                 prompt.text = self.service.reader.chat_prompt(
                     request.conversation, structured.tools
                 )
             except InvalidArgumentError as error:
-                raise OpenAIError(str(error), "tools") from error
+                raise OpenAIError(
+                    str(error), "tools" if structured.tools else "messages"
+                ) from error
         elif request.prompt is not None:
             prompt.token_ids.ids.extend(request.prompt)
         else:

@@ -111,6 +111,12 @@ class OpenAIRequest:
     def prompt_field(self) -> str:
         return "prompt" if self.prompt is not None else "messages"
 
+    @property
+    def has_tool_turns(self) -> bool:
+        """Whether the conversation carries tool calls or their results (which only
+        `conversation` holds: `messages` has their role and content alone)."""
+        return any(m["role"] == "tool" or "tool_calls" in m for m in self.conversation)
+
 
 def _is(*values: object) -> Callable[[object], bool]:
     # `type(v) is type(x)` keeps True from passing for 1 and 0 for False.

@@ -46,7 +46,7 @@ AUTO = "auto"
 
 @dataclass(frozen=True)
 class ToolCalling:
-    """How a forced tool call's output becomes `tool_calls`."""
+    """How the output of a request with tools becomes `tool_calls`."""
 
     mode: str
     """`NAMED` (the output is the function's arguments), `REQUIRED` (a list of calls) or

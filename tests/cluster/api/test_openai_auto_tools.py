@@ -451,3 +451,28 @@ def test_a_stream_with_usage_ends_with_it(service: TandemService) -> None:
     assert chunks[-2].choices[0].finish_reason == "tool_calls"
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].usage.completion_tokens > 0
+
+
+def test_a_conversation_with_tool_turns_is_rendered_by_the_template(
+    service: TandemService,
+) -> None:
+    history = [
+        *ASK,
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_time", "arguments": '{"zone": "cet"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+    ]  # fmt: skip
+    openai_service = OpenAIService(service, MODEL)
+    for tools in ([], TOOLS):  # the tools sent again, as agents do, or not
+        body = {"model": MODEL, "messages": history, "max_tokens": 4, "temperature": 0}
+        body |= {"tools": tools} if tools else {}
+        _, message = openai_service.to_generate_request("chat.completions", body)
+        rendered = tiny.build_tokenizer().apply_chat_template(
+            [*history[:1], {**history[1], "tool_calls": [{**history[1]["tool_calls"][0],
+             "function": {"name": "get_time", "arguments": {"zone": "cet"}}}]}, history[2]],
+            tools=tools or None, add_generation_prompt=True, tokenize=False,
+        )  # fmt: skip
+        assert isinstance(rendered, str)
+        assert tuple(message.token_ids.ids) == tuple(rendered.encode())
+        assert "<tool_response>\nnoon\n</tool_response>" in rendered
