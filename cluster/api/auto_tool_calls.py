@@ -5,7 +5,7 @@ become:
 - unary (`auto_message`): the message, with `content` the text before the calls (null when
   there is none and there are calls) and `tool_calls` (`id`, `type: "function"`,
   `function.name`, `function.arguments` as JSON text), and `finish_reason` "tool_calls" when a
-  call was made and the output ended by itself;
+  call was made and the output ended by itself after a whole call;
 - streamed (`AutoToolDeltas`): text as `content` deltas; a call as a delta with its `index`,
   `id`, `type` and `function.name` (and `arguments: ""`), then deltas of argument fragments,
   which concatenate to the arguments' JSON.
@@ -53,8 +53,9 @@ class AutoToolDeltas:
 
     def finish_reason(self, reason: str) -> str:
         """The last chunk's `finish_reason`: "tool_calls" for an output that made calls and
-        ended by itself."""
-        return "tool_calls" if reason == "stop" and self.calls else reason
+        ended by itself after a whole call (not one cut by a stop string)."""
+        whole = self.calls and not self._reader.in_call
+        return "tool_calls" if reason == "stop" and whole else reason
 
 
 def _merged(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:

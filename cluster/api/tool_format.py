@@ -61,6 +61,11 @@ class ToolCallReader(Protocol):
         """The events left once the output has ended (text held back is text after all)."""
         ...
 
+    @property
+    def in_call(self) -> bool:
+        """Whether the output so far ends inside a call (one cut short when it ends here)."""
+        ...
+
 
 class ToolFormat(Protocol):
     """A model family's tool-call syntax."""

@@ -139,6 +139,10 @@ class HermesReader:
         elif not (SEPARATOR + OPEN).startswith(buffer):  # text after the calls
             self._state = "text"
 
+    @property
+    def in_call(self) -> bool:
+        return self._state in ("head", "arguments")
+
     def _whole_call(self, block: str, events: list[ToolEvent]) -> None:
         """A call whose JSON is not in the template's layout (possible only when the output
         was not generated under the grammar): read as JSON if it is, else kept as it is, under

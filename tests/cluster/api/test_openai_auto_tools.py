@@ -172,6 +172,8 @@ def test_any_split_of_a_stream_reads_as_the_unary_message() -> None:
     assert fold(read(HERMES, plain, 0)) == (plain, [])
     cut, reason = auto_message(HERMES, text[:75], "length")  # a call cut by max_tokens
     assert reason == "length" and cut["tool_calls"][0]["function"]["name"] == "get_weather"
+    _, reason = auto_message(HERMES, text[:75], "stop")  # cut by a stop string
+    assert reason == "stop"
 
 
 def test_output_made_without_the_grammar_is_still_read() -> None:
