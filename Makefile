@@ -31,10 +31,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# The README's test command: lint, type checks, generated-code drift, then the test suite,
-# with its 15 slowest tests listed at the end.
+# The README's test command: lint, type checks, generated-code drift, then the test suite on two
+# xdist workers (tests/conftest.py: the tests on the session's service form one group, so one
+# worker starts it once; the other takes everything else), with its 30 slowest tests at the end.
+# `PYTEST_WORKERS=0` runs it in this one process.
+PYTEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest --durations=15
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30
 
 # The edit-run loop: no Ray cluster (marker `ray`) and none of the long statistical sweeps
 # and subprocess runs (marker `slow`, about 3 more minutes); about 2 minutes on 2 cores.

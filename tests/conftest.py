@@ -19,6 +19,7 @@ from cluster.runtime.models import LoadedModel, load_model
 from cluster.runtime.pack_catalog import CACHE_ENV
 from cluster.serve.local_cluster import SERVER_PORTS, SERVER_PORTS_ENV
 from tests.ray_guard import RayGuard
+from tests.xdist_groups import GroupScheduling, name_groups_file, write_groups
 
 # The tiny models are far too small to gain from intra-op threads, and pipelined tests run
 # drafter and verifier at once: one thread each keeps 2 cores from being oversubscribed.
@@ -30,6 +31,7 @@ worker starts it once and runs them all; the other workers take the rest."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    name_groups_file(config)
     guard = RayGuard()
     config.pluginmanager.register(guard, "ray_guard")
     config.add_cleanup(guard.stop)
@@ -42,12 +44,35 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[SERVER_PORTS_ENV] = f"{low}-{low + size - 1}"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The session service's tests form one xdist group, and the longest work comes first.
+
+    xdist hands each worker a module (or the group) at a time, in this order when run with
+    `--no-loadscope-reorder` (`make test`): the group first, then the modules that start a
+    cluster of their own, then the other slow ones, then the rest, which fill in at the end.
+    The sort is stable, so tests keep their order within a module."""
+    on_service = set()
     for item in items:
         # The last definition is the one the test gets (modules may define their own).
         definitions = item._fixtureinfo.name2fixturedefs.get("service", ())  # type: ignore[attr-defined]
         if definitions and definitions[-1].baseid == "tests/cluster":
             item.add_marker(pytest.mark.xdist_group(SERVICE_GROUP))
+            on_service.add(item)
+    write_groups(config, {item.nodeid: SERVICE_GROUP for item in on_service})
+    rank: dict[str, int] = {}
+    for item in items:
+        if item not in on_service:
+            mark = (
+                1 if item.get_closest_marker("ray") else 2 if item.get_closest_marker("slow") else 3
+            )
+            rank[item.path.as_posix()] = min(mark, rank.get(item.path.as_posix(), 3))
+    items.sort(key=lambda item: 0 if item in on_service else rank[item.path.as_posix()])
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> GroupScheduling | None:
+    """`--dist loadgroup` that keeps each group on one worker (tests/xdist_groups.py)."""
+    return GroupScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None  # type: ignore[arg-type]
 
 
 CODE_PROMPT = "def add(a, b):"

@@ -1,13 +1,17 @@
-"""Load a causal LM and its tokenizer: a Hugging Face hub id, a local folder, a GGUF file, or tiny.
+"""Load a causal LM and its tokenizer: a Hugging Face hub id, a local folder, a GGUF file, tiny
+or simulated.
 
-`ModelSpec` says what to load and how (dtype, device); `load_model` does it and returns a
-`LoadedModel`. Drafter and verifier both load through here, so a model means the same thing on
-either side. Sources:
+What to load and how (source, dtype, device, quantization, trimmed vocabulary) is a `ModelSpec`,
+which lives in `cluster.runtime.model_spec` (plain data, checked when a config is read, without
+torch); `load_model` loads one and returns a `LoadedModel`, and `load_tokenizer` its tokenizer.
+Drafter and verifier both load through here, so a model means the same thing on either side.
+Sources:
 
 - `tiny://target`, `tiny://draft`: the random-weight test pair of `cluster.runtime.tiny` (no
   download);
-- `sim://target/PROFILE`, `sim://draft/PROFILE?alpha=A`: a simulated device
-  (`cluster.runtime.sim`): modelled forward-pass time, cheap deterministic logits;
+- `sim://target/PROFILE`, `sim://draft/PROFILE?alpha=A`: a simulated device, its source parsed
+  by `cluster.runtime.sim_source` and its model object built by `cluster.runtime.sim_model`
+  (`cluster.runtime.sim`: modelled forward-pass time, cheap deterministic logits);
 - a path ending in `.gguf`: a GGUF file, dequantised by transformers (needs the `gguf` package);
 - an existing folder: a `save_pretrained` directory;
 - anything else: a Hugging Face hub id (needs hub access).

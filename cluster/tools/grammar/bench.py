@@ -3,9 +3,10 @@
 `python -m cluster.tools.grammar.bench --tokenizer PATH [--engines llguidance xgrammar
 outlines-core] [--json OUT]` measures each engine that imports (one that does not is skipped,
 and the report says why) on three workloads, each with a valid output to walk: a JSON schema,
-a regex and a Lark grammar (`grammar_workloads`). The engines sit behind one interface
-(`grammar_engines`); what is measured per engine and workload (compile and mask times,
-rollback, k + 1 block masks, the GIL) is listed in `grammar_measure`.
+a regex and a Lark grammar (`cluster.tools.grammar.workloads`). The engines sit behind one
+interface (`cluster.tools.grammar.engines`); what is measured per engine and workload (compile
+and mask times, rollback, k + 1 block masks, the GIL) is listed in
+`cluster.tools.grammar.measure`.
 
 Each (engine, workload) pair runs in a child process of its own, so engines never share imports
 or threads, and a compile still running after `--timeout-s` is killed and reported as timed

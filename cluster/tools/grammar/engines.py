@@ -1,4 +1,5 @@
-"""The grammar engines `grammar_bench` measures, each behind one small interface.
+"""The grammar engines the grammar bench (`cluster.tools.grammar.bench`) measures, each behind one
+small interface.
 
 A `GrammarEngine` builds its view of a tokenizer and compiles a `Workload` into a `Matcher`; a
 `Matcher` writes full-vocabulary masks, consumes tokens, rolls back and resets, and fills the

@@ -1,4 +1,5 @@
-"""The workloads of `grammar_bench`: a constraint each, and a valid output to walk along it.
+"""The workloads of the grammar bench (`cluster.tools.grammar.bench`): a constraint each, and a
+valid output to walk along it.
 
 - `json_schema`: `INVOICE_SCHEMA`, an invoice extraction record (24 properties: nested parties
   and addresses through `$ref`, an array of line items, enums, patterns, `date` and `email`
