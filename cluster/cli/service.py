@@ -175,6 +175,8 @@ def serve_command(args: argparse.Namespace) -> int:
     if state is None:
         _check_port_free(config.grpc_port)
         _check_port_free(args.http_port, "--http-port")
+        # Ray's own servers get free ports too; not the two this service is about to bind.
+        local_cluster.reserve_ports(config.grpc_port, args.http_port)
         _say(f"starting a local Ray cluster in {local_cluster.home()} ...")
         state = local_cluster.start_cluster(args.num_cpus)
     local_cluster.connect(state)

@@ -180,6 +180,12 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def reserve_ports(*ports: int) -> None:
+    """Never hand out `ports` from `free_port` in this process: the ports a user named for the
+    service's own servers, which the cluster started for it must not take first."""
+    _handed_out.update(ports)
+
+
 def server_ports() -> range:
     """`SERVER_PORTS`, or the part of it `SERVER_PORTS_ENV` names."""
     text = os.environ.get(SERVER_PORTS_ENV, "").strip()

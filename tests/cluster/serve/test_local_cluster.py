@@ -44,3 +44,13 @@ def test_a_bad_port_range_is_refused_with_its_name(
     monkeypatch.setenv(local_cluster.SERVER_PORTS_ENV, text)
     with pytest.raises(local_cluster.ClusterError, match=local_cluster.SERVER_PORTS_ENV):
         local_cluster.free_port()
+
+
+def test_reserved_ports_are_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tandem serve --port P --http-port H` reserves P and H before Ray's servers get ports,
+    so the cluster it starts cannot take them (a restart on the same ports once failed so)."""
+    monkeypatch.setenv(local_cluster.SERVER_PORTS_ENV, "21100-21109")
+    monkeypatch.setattr(local_cluster, "_handed_out", set())
+    local_cluster.reserve_ports(21100, 21105)
+    ports = {local_cluster.free_port() for _ in range(8)}
+    assert ports == set(range(21100, 21110)) - {21100, 21105}
