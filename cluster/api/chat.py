@@ -1,10 +1,12 @@
 """Chat messages to prompt text: the target model's chat template, applied as the model expects.
 
 `render_chat(tokenizer, messages)` checks the messages (at least one; each role one of
-`CHAT_ROLES`; each content a string) and returns what the tokenizer's chat template makes of
-them with the assistant's turn opened (`add_generation_prompt=True`), as text. The caller then
-tokenizes that text like any text prompt (`add_special_tokens=False`: the template already
-wrote every special token the model wants, exactly as Hugging Face's own tokenizing path does).
+`CHAT_ROLES`, or `MESSAGE_ROLES` for a message given as the template's own dict, as the OpenAI
+API sends tool results and calls; each content a string) and returns what the tokenizer's chat
+template makes of them with the assistant's turn opened (`add_generation_prompt=True`), as
+text. The caller then tokenizes that text like any text prompt (`add_special_tokens=False`:
+the template already wrote every special token the model wants, exactly as Hugging Face's own
+tokenizing path does).
 
 A tokenizer without a chat template gets `NoChatTemplateError` (FAILED_PRECONDITION: the request
 is fine, this server's model cannot take it). A template that refuses the conversation (many
@@ -22,7 +24,13 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 CHAT_ROLES = ("system", "user", "assistant")
-"""The roles a chat message may have."""
+"""The roles a (role, content) chat message may have."""
+MESSAGE_ROLES = (*CHAT_ROLES, "tool")
+"""The roles a message given as a dict may have: a `tool` message is a call's result."""
+
+Message = tuple[str, str] | Mapping[str, Any]
+"""A (role, content) pair, or a message as the chat template takes it (`role`, `content`,
+`tool_calls` with arguments as objects, `tool_call_id`)."""
 
 
 class NoChatTemplateError(TandemError):
@@ -31,14 +39,21 @@ class NoChatTemplateError(TandemError):
     status = "FAILED_PRECONDITION"
 
 
-def check_messages(messages: Sequence[tuple[str, str]]) -> None:
-    """Raise `InvalidArgumentError` naming the first bad message, if any; (role, content) pairs."""
+def check_messages(messages: Sequence[Message]) -> None:
+    """Raise `InvalidArgumentError` naming the first bad message, if any."""
     if not messages:
         raise InvalidArgumentError("chat messages must not be empty")
-    for i, (role, content) in enumerate(messages):
-        if role not in CHAT_ROLES:
+    for i, message in enumerate(messages):
+        role: object
+        content: object
+        roles: tuple[str, ...]
+        if isinstance(message, tuple):
+            (role, content), roles = message, CHAT_ROLES
+        else:
+            role, content, roles = message.get("role"), message.get("content"), MESSAGE_ROLES
+        if role not in roles:
             raise InvalidArgumentError(
-                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}"
+                f"messages[{i}].role must be one of {', '.join(roles)}, got {role!r}"
             )
         if not isinstance(content, str):
             raise InvalidArgumentError(
@@ -52,10 +67,10 @@ def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
 
 def render_chat(
     tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[tuple[str, str]],
+    messages: Sequence[Message],
     tools: Sequence[Mapping[str, Any]] = (),
 ) -> str:
-    """The prompt text for (role, content) `messages`, ending with the assistant's turn open;
+    """The prompt text for `messages`, ending with the assistant's turn open;
     `tools` (OpenAI's function tools) are rendered the way the template renders them."""
     check_messages(messages)
     if not has_chat_template(tokenizer):
@@ -63,7 +78,9 @@ def render_chat(
     # Imported here: jinja2 comes with transformers, which this module does not load eagerly.
     from jinja2 import TemplateError
 
-    conversation = [{"role": role, "content": content} for role, content in messages]
+    conversation = [
+        {"role": m[0], "content": m[1]} if isinstance(m, tuple) else dict(m) for m in messages
+    ]
     try:
         text = tokenizer.apply_chat_template(
             conversation,

@@ -52,6 +52,7 @@ from contextlib import closing
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cluster.api.audit import HTTP_FIELDS, audit_json
+from cluster.api.auto_tool_calls import AutoToolDeltas
 from cluster.api.caller import ANONYMOUS_CALL, Caller
 from cluster.api.openai_schema import (
     ModelNotFoundError,
@@ -71,6 +72,8 @@ from cluster.api.openai_structured import (
 from cluster.api.request_reader import check_context
 from cluster.api.sampling_rule import rule_to_proto
 from cluster.api.status import INTERNAL_ERROR_MESSAGE, status_of
+from cluster.api.tool_format import ToolFormat
+from cluster.api.tool_formats import choose_format
 from cluster.replica.wire import grammar_to_wire
 from cluster.runtime.errors import InvalidArgumentError, TandemError
 from protos import generate_pb2, sampling_pb2
@@ -124,11 +127,21 @@ def served_model_name(models: ModelSource) -> str:
 
 class OpenAIService:
     """OpenAI-compatible completions and chat over a TandemService (a plain class: no HTTP, no
-    Ray); `model_name` is the one model it serves."""
+    Ray); `model_name` is the one model it serves. `tool_format`: the model's tool-call syntax
+    for "auto" tool choice; by default the service config's `tool_parser`, or the one the
+    target's chat template asks for (`cluster.api.tool_formats`)."""
 
-    def __init__(self, service: TandemService, model_name: str) -> None:
+    def __init__(
+        self,
+        service: TandemService,
+        model_name: str,
+        tool_format: ToolFormat | None = None,
+    ) -> None:
         self.service = service
         self.model_name = model_name
+        self.tool_format = tool_format or choose_format(
+            service.config.tool_parser, service.reader.chat_template
+        )
         self._created = int(time.time())
 
     def models(self, caller: Caller = ANONYMOUS_CALL) -> dict[str, Any]:
@@ -203,7 +216,9 @@ class OpenAIService:
         `next()`. Closing the generator early ends the Tandem request."""
         created = int(time.time())
         request, message, structured = self._prepare(route, body, caller)
-        calls = ToolCallDeltas(structured.calling) if structured.calling is not None else None
+        calling = structured.calling
+        auto = AutoToolDeltas(calling.tool_format) if calling and calling.tool_format else None
+        calls = ToolCallDeltas(calling) if calling is not None and auto is None else None
         chunk_object = "text_completion" if route == "completions" else "chat.completion.chunk"
         usage: dict[str, Any] = {"usage": None} if request.include_usage else {}
         num_prompt_tokens, num_generated = len(message.token_ids.ids), 0
@@ -220,6 +235,18 @@ class OpenAIService:
                     if chunk.text or finished:
                         choice = {"index": 0, "text": chunk.text, "logprobs": None}
                         yield {**head, "choices": [choice | {"finish_reason": reason}], **usage}
+                elif auto is not None:
+                    deltas = auto.deltas(chunk.text, finished)
+                    if finished:
+                        deltas = deltas or [{}]
+                    for n, piece in enumerate(deltas):
+                        last = finished and n == len(deltas) - 1
+                        if first:
+                            piece = {"role": "assistant"} | piece
+                        choice = {"index": 0, "delta": piece, "logprobs": None}
+                        end = auto.finish_reason(reason) if last and reason else None
+                        yield {**head, "choices": [choice | {"finish_reason": end}], **usage}
+                        first = False
                 elif calls is not None:
                     delta = calls.delta(chunk.text, first, reason)
                     if delta is not None or finished:
@@ -254,7 +281,7 @@ class OpenAIService:
         """`to_generate_request`'s, and the constraint or tool call the body asks for."""
         tenant = self.service.tenants.authenticate(caller.authorization)
         request = parse_request(route, body)
-        structured = parse_structured(route, body_object(body))
+        structured = parse_structured(route, body_object(body), self.tool_format)
         if request.model != self.model_name:
             raise ModelNotFoundError(
                 f"the model {request.model!r} does not exist: this server serves "
@@ -303,11 +330,15 @@ class OpenAIService:
         prompt = generate_pb2.GenerateRequest()
         if isinstance(request.prompt, str):
             prompt.text = request.prompt
-        elif structured.tools:
-            try:  # the tools go into the prompt through the chat template
-                prompt.text = self.service.reader.chat_prompt(request.messages, structured.tools)
+        elif structured.tools or request.has_tool_turns:
+            try:  # tools, calls and their results go into the prompt through the chat template
+                prompt.text = self.service.reader.chat_prompt(
+                    request.conversation, structured.tools
+                )
             except InvalidArgumentError as error:
-                raise OpenAIError(str(error), "tools") from error
+                raise OpenAIError(
+                    str(error), "tools" if structured.tools else "messages"
+                ) from error
         elif request.prompt is not None:
             prompt.token_ids.ids.extend(request.prompt)
         else:

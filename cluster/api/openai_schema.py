@@ -20,9 +20,10 @@ A JSON `null` means the same as a field left out, everywhere. Fields taken:
   `sampling_rule` (`auto`, `seed_exact` or `rejection`: `cluster.api.sampling_rule`);
 - completions: `prompt`, a non-empty string, a list of token ids, or a one-element list of
   either (several prompts per request are refused);
-- chat: `messages` (roles system, user, assistant; content a string or a list of text parts,
-  joined with newlines as vLLM joins them) and `max_completion_tokens` (with `max_tokens`
-  too, both must agree).
+- chat: `messages` (roles system, user, assistant and tool; content a string or a list of text
+  parts, joined with newlines as vLLM joins them; an assistant message may carry `tool_calls`
+  instead of content, and a tool message needs the `tool_call_id` it answers) and
+  `max_completion_tokens` (with `max_tokens` too, both must agree).
 Fields OpenAI has but Tandem cannot honour (`n` > 1, `logprobs`, `tools`, penalties...) are
 accepted only at the value that changes nothing (`NEUTRAL`), and so are vLLM's extra parameters
 that Tandem does not implement (`repetition_penalty`, `min_p`, `use_beam_search`, `bad_words`,
@@ -32,12 +33,13 @@ Either way the error names the field: nothing is silently ignored that would cha
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from cluster.api.chat import CHAT_ROLES
+from cluster.api.chat import MESSAGE_ROLES
 from cluster.api.sampling_rule import AUTO, check_rule_name
 from cluster.routing.draft_length_config import MAX_DRAFT_TOKENS
 from cluster.routing.request import MAX_STOP_SEQUENCES
@@ -81,6 +83,9 @@ class OpenAIRequest:
     """Completions: the prompt text, or its token ids."""
     messages: tuple[tuple[str, str], ...] = ()
     """Chat: (role, content) pairs."""
+    conversation: tuple[dict[str, Any], ...] = ()
+    """Chat: the messages as the chat template takes them (`role`, `content`, and
+    `tool_calls` with arguments as objects, `tool_call_id`)."""
     max_tokens: int | None = None
     max_tokens_field: str = "max_tokens"
     """The field `max_tokens` came from (for errors about its value)."""
@@ -105,6 +110,12 @@ class OpenAIRequest:
     @property
     def prompt_field(self) -> str:
         return "prompt" if self.prompt is not None else "messages"
+
+    @property
+    def has_tool_turns(self) -> bool:
+        """Whether the conversation carries tool calls or their results (which only
+        `conversation` holds: `messages` has their role and content alone)."""
+        return any(m["role"] == "tool" or "tool_calls" in m for m in self.conversation)
 
 
 def _is(*values: object) -> Callable[[object], bool]:
@@ -273,13 +284,13 @@ def parse_request(route: Route, body: object) -> OpenAIRequest:
             "model is required: a non-empty string, the name GET /v1/models lists", "model"
         )
     prompt: str | tuple[int, ...] | None = None
-    messages: tuple[tuple[str, str], ...] = ()
+    conversation: tuple[dict[str, Any], ...] = ()
     if route == "completions":
         if "prompt" not in got:
             raise OpenAIError("prompt is required", "prompt")
         prompt = _prompt(got["prompt"])
     else:
-        messages = _messages(got.get("messages"))
+        conversation = _messages(got.get("messages"))
     stream = parse_stream(fields)
     max_tokens, max_tokens_field = _max_tokens(got)
     top_k = _int(got, "top_k", -1, MAX_INT32)
@@ -299,7 +310,8 @@ def parse_request(route: Route, body: object) -> OpenAIRequest:
     return OpenAIRequest(
         model=model,
         prompt=prompt,
-        messages=messages,
+        messages=tuple((m["role"], m["content"]) for m in conversation),
+        conversation=conversation,
         max_tokens=max_tokens,
         max_tokens_field=max_tokens_field,
         temperature=_number(got, "temperature", DEFAULT_TEMPERATURE, "must be >= 0", 0.0),
@@ -445,27 +457,91 @@ def _prompt(value: object) -> str | tuple[int, ...]:
     return ids
 
 
-def _messages(value: object) -> tuple[tuple[str, str], ...]:
+def _messages(value: object) -> tuple[dict[str, Any], ...]:
     if not isinstance(value, list) or not value:
         raise OpenAIError("messages must be a non-empty list of messages", "messages")
     return tuple(_message(i, message) for i, message in enumerate(value))
 
 
-def _message(i: int, message: object) -> tuple[str, str]:
+_TOOL_TURN_FIELDS = {"assistant": "tool_calls", "tool": "tool_call_id"}
+"""The field only that role may carry."""
+
+
+def _message(i: int, message: object) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise OpenAIError(f"{where} must be an object with role and content", where)
+    role = message.get("role")
+    if role not in MESSAGE_ROLES:
+        raise OpenAIError(
+            f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}",
+            f"{where}.role",
+        )
+    own = _TOOL_TURN_FIELDS.get(role)
     for key, value in message.items():
+        if key == own or (key == "name" and role == "tool"):
+            continue
         if key in _NULL_MESSAGE_FIELDS and value not in (None, []):
             raise OpenAIError(f"{where}.{key} is not supported", f"{where}.{key}")
         if key not in _NULL_MESSAGE_FIELDS | {"role", "content"}:
             raise OpenAIError(f"unknown field {key!r} in {where}", f"{where}.{key}")
-    role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise OpenAIError(
-            f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role"
+    calls = message.get("tool_calls") if role == "assistant" else None
+    if calls not in (None, []):
+        turn: dict[str, Any] = {"role": role, "tool_calls": _tool_calls(where, calls)}
+        content = message.get("content")
+        turn["content"] = "" if content is None else _content(f"{where}.content", content)
+        return turn
+    turn = {"role": role, "content": _content(f"{where}.content", message.get("content"))}
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise OpenAIError(
+                f"{where}.tool_call_id must be the id of the call it answers",
+                f"{where}.tool_call_id",
+            )
+        turn["tool_call_id"] = call_id
+        if isinstance(message.get("name"), str):
+            turn["name"] = message["name"]
+    return turn
+
+
+def _tool_calls(where: str, calls: object) -> list[dict[str, Any]]:
+    """An assistant message's calls, their arguments parsed (chat templates write them as
+    JSON objects, as vLLM hands them over)."""
+    where = f"{where}.tool_calls"
+    if not isinstance(calls, list):
+        raise OpenAIError(f"{where} must be a list of calls", where)
+    parsed = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(call, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not isinstance(call.get("id", ""), str)
+        ):
+            raise OpenAIError(
+                f'{at} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}',
+                at,
+            )
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except (TypeError, json.JSONDecodeError):
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise OpenAIError(
+                f"{at}.function.arguments must be a JSON object as text", f"{at}.function.arguments"
+            )
+        parsed.append(
+            {
+                "id": call.get("id", ""),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
         )
-    return role, _content(f"{where}.content", message.get("content"))
+    return parsed
 
 
 def _content(where: str, content: object) -> str:

@@ -17,7 +17,11 @@ request:
   false: exactly one) or `{"type": "function", "function": {"name": ...}}` (that function).
   The output is then JSON constrained by the functions' parameter schemas: for a named
   function its arguments, for "required" a list of `{"name", "arguments"}`. `"none"` renders
-  the tools and constrains nothing; `"auto"` (the default when tools are given) is refused.
+  the tools and constrains nothing. `"auto"` (the default when tools are given): the model
+  writes text, or text then calls in its own syntax (`ToolFormat`, chosen by the caller from
+  the chat template: `cluster.api.tool_formats`), with the grammar of that format holding each
+  call's name to the tools and its arguments to the function's schema (`parallel_tool_calls`
+  false: at most one call); without a known format it is refused.
 """
 
 from __future__ import annotations
@@ -30,21 +34,27 @@ from typing import Any
 
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
+from cluster.api.auto_tool_calls import auto_message
 from cluster.api.openai_schema import STRUCTURED_FIELDS, OpenAIError, Route
+from cluster.api.tool_format import ToolFormat
 from cluster.runtime.grammar import JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, Grammar
 
 REQUIRED = "required"
 NAMED = "named"
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
 class ToolCalling:
-    """How a forced tool call's output becomes `tool_calls`."""
+    """How the output of a request with tools becomes `tool_calls`."""
 
     mode: str
-    """`NAMED` (the output is the function's arguments) or `REQUIRED` (a list of calls)."""
+    """`NAMED` (the output is the function's arguments), `REQUIRED` (a list of calls) or
+    `AUTO` (text, then calls in the model's format)."""
     name: str = ""
     """The named function."""
+    tool_format: ToolFormat | None = None
+    """`AUTO`'s format."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +72,11 @@ class Structured:
     """The fields read."""
 
 
-def parse_structured(route: Route, body: Mapping[str, Any]) -> Structured:
-    """The grammar and tool calling `body` asks for; `OpenAIError` naming the field at fault."""
+def parse_structured(
+    route: Route, body: Mapping[str, Any], tool_format: ToolFormat | None = None
+) -> Structured:
+    """The grammar and tool calling `body` asks for; `OpenAIError` naming the field at fault.
+    `tool_format`: the model's tool-call syntax, which "auto" tool choice needs."""
     found: list[tuple[str, Grammar]] = []
     response_format = body.get("response_format")
     if response_format is not None:
@@ -89,9 +102,10 @@ def parse_structured(route: Route, body: Mapping[str, Any]) -> Structured:
     backend = body.get("guided_decoding_backend")
     if backend is not None and not isinstance(backend, str):
         raise OpenAIError("guided_decoding_backend must be a string", "guided_decoding_backend")
-    tools, calling, tool_grammar = _tools(route, body)
+    tools, calling, tool_grammar = _tools(route, body, tool_format)
     if tool_grammar is not None:
-        found.append(("tool_choice", tool_grammar))
+        found.append(("tools" if calling and calling.mode == AUTO else "tool_choice",
+                      tool_grammar))  # fmt: skip
     if len(found) > 1:
         first, second = (name.split(".")[0] for name, _ in found[:2])
         raise OpenAIError(
@@ -198,7 +212,7 @@ def _json_schema(schema: object, where: str) -> Grammar:
 
 
 def _tools(
-    route: Route, body: Mapping[str, Any]
+    route: Route, body: Mapping[str, Any], tool_format: ToolFormat | None
 ) -> tuple[tuple[dict[str, Any], ...], ToolCalling | None, Grammar | None]:
     tools = body.get("tools")
     choice = body.get("tool_choice")
@@ -218,12 +232,17 @@ def _tools(
     if len(set(names)) != len(names):
         raise OpenAIError("tools must have distinct function names", "tools")
     rendered = tuple({"type": "function", "function": f} for f in functions)
-    if choice is None or choice == "auto":
-        raise OpenAIError(
-            'tool_choice "auto" (the default with tools) is not supported: send "required", '
-            'a named function ({"type": "function", "function": {"name": ...}}) or "none"',
-            "tool_choice",
-        )
+    if choice is None or choice == AUTO:
+        if tool_format is None:
+            raise OpenAIError(
+                'tool_choice "auto" (the default with tools) needs the model\'s tool-call '
+                "format, and this model's chat template asks for none Tandem knows: set the "
+                'service\'s tool_parser, or send "required", a named function '
+                '({"type": "function", "function": {"name": ...}}) or "none"',
+                "tool_choice",
+            )
+        grammar = Grammar(LARK, tool_format.grammar(functions, parallel is not False))
+        return rendered, ToolCalling(AUTO, tool_format=tool_format), grammar
     if choice == "none":
         return rendered, None, None
     if choice == REQUIRED:
@@ -282,7 +301,7 @@ def _named(choice: object) -> str:
     where = "tool_choice"
     if not isinstance(choice, dict) or choice.get("type") != "function":
         raise OpenAIError(
-            'tool_choice must be "none", "required" or '
+            'tool_choice must be "none", "auto", "required" or '
             '{"type": "function", "function": {"name": ...}}',
             where,
         )
@@ -325,7 +344,10 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
 
 def tool_message(calling: ToolCalling, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
     """The chat `message` and `finish_reason` of a finished forced call: `tool_calls` and no
-    content when `text` is a whole call, else the text as content (a call cut by max_tokens)."""
+    content when `text` is a whole call, else the text as content (a call cut by max_tokens);
+    for `AUTO`, the text and calls the model's format reads (`auto_message`)."""
+    if calling.tool_format is not None:
+        return auto_message(calling.tool_format, text, finish_reason)
     calls = tool_calls(calling, text) if finish_reason == "stop" else None
     if calls is None:
         return {"role": "assistant", "content": text, "refusal": None}, finish_reason

@@ -34,7 +34,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cluster.api.chat import render_chat
+from cluster.api.chat import Message, render_chat
 from cluster.api.sampling_rule import resolve_seed_exact
 from cluster.api.service_config import ServiceConfig
 from cluster.replica.wire import grammar_from_wire, sampling_from_wire
@@ -133,10 +133,17 @@ class RequestReader:
             )
         return tuple(token_ids)
 
+    @property
+    def chat_template(self) -> str | None:
+        """The target tokenizer's chat template (None: it has none)."""
+        template = getattr(self._tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
     def chat_prompt(
-        self, messages: Sequence[tuple[str, str]], tools: Sequence[Mapping[str, Any]] = ()
+        self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] = ()
     ) -> str:
-        """The prompt text the target's chat template makes of (role, content) `messages` and
+        """The prompt text the target's chat template makes of `messages` ((role, content)
+        pairs, or the template's own dicts: tool calls and results) and
         function `tools`, ending with the assistant's turn open (`cluster.api.chat`)."""
         return render_chat(self._tokenizer, messages, tools)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.api.sampling_rule import AUTO, check_rule_name
+from cluster.api.tool_formats import DETECT, check_format_name
 from cluster.routing.draft_length_config import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.limits import DEFAULT_MAX_CONTEXT_TOKENS
@@ -40,9 +41,13 @@ class ServiceConfig:
     """The rule of a sampled request that names none (`cluster.api.sampling_rule`): `auto`
     (seed-exact when the request carries a seed, rejection sampling otherwise), `seed_exact`
     or `rejection`."""
+    tool_parser: str = DETECT
+    """The tool-call format read with `tool_choice` "auto" (`cluster.api.tool_formats`): ""
+    picks it by the model's chat template; a name (`hermes`) overrides that."""
 
     def __post_init__(self) -> None:
         check_rule_name(self.sampling_rule, "sampling_rule")
+        check_format_name(self.tool_parser, "tool_parser")
         if not 0 <= self.default_draft_tokens <= MAX_DRAFT_TOKENS:
             raise InvalidArgumentError(
                 f"default_draft_tokens must be in 0..{MAX_DRAFT_TOKENS}, "

@@ -30,13 +30,44 @@ TARGET_LAYERS = 4
 DRAFT_LAYERS = 2
 DEFAULT_SEED = 0
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n'
+    "</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{{- '\\n<tool_call>\\n{\\\"name\\\": \\\"' + call['function']['name'] + "
+    "'\\\", \\\"arguments\\\": ' + (call['function']['arguments'] | tojson) + '}\\n"
+    "</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
+    "{%- endif %}"
+    "{%- endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-r"""ChatML, as Qwen's instruct models use it, without their default system message: each
-message is `<|im_start|>{role}\n{content}<|im_end|>\n`, then `<|im_start|>assistant\n`."""
+r"""ChatML, as Qwen2.5's instruct models use it, without their default system message: each
+message is `<|im_start|>{role}\n{content}<|im_end|>\n`, then `<|im_start|>assistant\n`. With
+`tools`, Qwen2.5's tool prompt opens a system message (the tools as JSON, in `<tools>`, and the
+Hermes call syntax: `cluster.api.tool_format_hermes`); an assistant's `tool_calls` are written
+as `<tool_call>` JSON and `tool` results as `<tool_response>` in a user message, as Qwen2.5's
+template writes them. A conversation of plain messages without tools renders as before."""
 
 # Standard deviations of the random weights, chosen by measuring greedy agreement of the pair
 # (about 0.76 over a few code and prose prompts) and a peaked target distribution (mean top
