@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from cluster.tools.bench.output import figure
 from cluster.tools.bench.run import Prompt, load_prompts
 
 RULES = ("seed_exact", "rejection")
@@ -183,17 +184,11 @@ def table(result: dict[str, Any]) -> str:
     for key, row in result["by_category"].items():
         exact, rejection = row["seed_exact"], row["rejection"]
         lines.append(
-            f"{key:<11} {_num(exact['acceptance'], 3)} / {_num(rejection['acceptance'], 3)}"
-            f"{'':<22}{_num(exact['tokens_per_pass'], 2)} / "
-            f"{_num(rejection['tokens_per_pass'], 2)}{'':<7}{row['speed_ratio']:.2f}x"
+            f"{key:<11} {figure(exact['acceptance'], 3)} / {figure(rejection['acceptance'], 3)}"
+            f"{'':<22}{figure(exact['tokens_per_pass'], 2)} / "
+            f"{figure(rejection['tokens_per_pass'], 2)}{'':<7}{row['speed_ratio']:.2f}x"
         )
     return "\n".join(lines)
-
-
-def _num(value: float | None, digits: int) -> str:
-    """`value` to `digits` places; "-" where nothing was drafted (a request that stopped at
-    its first token)."""
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import jsonschema  # type: ignore[import-untyped]  # the dev extra's, no stubs
 
 from cluster.runtime.errors import InvalidArgumentError
+from cluster.tools.bench.output import figure, progress
 from cluster.tools.bench.run import prompt_rows
 
 if TYPE_CHECKING:
@@ -268,7 +269,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = load_extraction_prompts(args.prompts)
     pair = resolve_pair(args.preset, None, None, args.dtype, args.device)
     serve = TandemConfig()
-    progress = _progress
     progress(f"loading the {args.preset} pair")
     tandem = build_local(pair, prompt_lookup=serve.prompt_lookup, draft_length=serve.draft_length)
     try:
@@ -304,10 +304,6 @@ def close(tandem: LocalTandem) -> None:
     tandem.router.close()
 
 
-def _progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def table(result: dict[str, Any]) -> str:
     lines = [
         f"{'mode':<19} {'valid':>5} {'finish (stop/length)':>20} {'accept':>6} {'tok/pass':>8} "
@@ -316,21 +312,16 @@ def table(result: dict[str, Any]) -> str:
     for mode, row in result["modes"].items():
         finish = row["finish_reasons"]
         lines.append(
-            f"{mode:<19} {_num(row['validity'], 2):>5} "
+            f"{mode:<19} {figure(row['validity'], 2):>5} "
             f"{finish.get('stop', 0):>15}/{finish.get('length', 0):<4} "
-            f"{_num(row['acceptance'], 3):>6} {_num(row['tokens_per_pass'], 2):>8} "
-            f"{row['tokens_per_s']:>6.2f} {_num(row['mask_compute_ms_per_row'], 3):>11} "
-            f"{_num(row['mask_compute_ms_per_token'], 3):>8} "
-            f"{_num(row['mask_waited_ms_per_token'], 3):>15}"
+            f"{figure(row['acceptance'], 3):>6} {figure(row['tokens_per_pass'], 2):>8} "
+            f"{row['tokens_per_s']:>6.2f} {figure(row['mask_compute_ms_per_row'], 3):>11} "
+            f"{figure(row['mask_compute_ms_per_token'], 3):>8} "
+            f"{figure(row['mask_waited_ms_per_token'], 3):>15}"
         )
     for name, value in result["ratios"].items():
-        lines.append(f"{name}: {_num(value, 2)}x")
+        lines.append(f"{name}: {figure(value, 2)}x")
     return "\n".join(lines)
-
-
-def _num(value: float | None, digits: int) -> str:
-    """`value` to `digits` places; "-" where there is nothing to divide by."""
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def main(argv: list[str] | None = None) -> int:

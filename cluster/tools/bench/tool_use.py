@@ -41,6 +41,7 @@ from cluster.api.auto_tool_calls import auto_message
 from cluster.api.tool_format import ToolFormat
 from cluster.api.tool_formats import DETECT, TOOL_FORMATS, choose_format
 from cluster.runtime.errors import InvalidArgumentError
+from cluster.tools.bench.output import figure, progress
 from cluster.tools.bench.run import prompt_rows
 
 if TYPE_CHECKING:
@@ -220,7 +221,7 @@ def measure(
                 }
                 tallies[mode].add(record)
                 records.append(record)
-            _progress(
+            progress(
                 f"[{index + 1}/{len(prompts)}] {prompt.category} repeat {repeat + 1}: "
                 + ", ".join(
                     f"{r['mode']} {r['tokens'] / r['seconds']:.2f} tok/s "
@@ -249,7 +250,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = load_tool_prompts(args.prompts)
     pair = resolve_pair(args.preset, None, None, args.dtype, args.device)
     serve = TandemConfig()
-    _progress(f"loading the {args.preset} pair")
+    progress(f"loading the {args.preset} pair")
     tandem = build_local(pair, prompt_lookup=serve.prompt_lookup, draft_length=serve.draft_length)
     try:
         tool_format = choose_format(args.tool_parser, tandem.tokenizer.chat_template)
@@ -280,10 +281,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def table(result: dict[str, Any]) -> str:
     lines = [
         f"{'mode':<12} {'call rate':>9} {'valid calls':>11} {'finish (stop/length)':>20} "
@@ -292,20 +289,15 @@ def table(result: dict[str, Any]) -> str:
     for mode, row in result["modes"].items():
         finish = row["finish_reasons"]
         lines.append(
-            f"{mode:<12} {_num(row['call_rate'], 2):>9} {_num(row['valid_call_share'], 2):>11} "
+            f"{mode:<12} {figure(row['call_rate'], 2):>9} {figure(row['valid_call_share'], 2):>11} "
             f"{finish.get('stop', 0):>15}/{finish.get('length', 0):<4} "
-            f"{_num(row['acceptance'], 3):>6} {_num(row['tokens_per_pass'], 2):>8} "
-            f"{row['tokens_per_s']:>7.2f} {_num(row['mask_compute_ms_per_token'], 3):>13} "
-            f"{_num(row['mask_waited_ms_per_token'], 3):>6}"
+            f"{figure(row['acceptance'], 3):>6} {figure(row['tokens_per_pass'], 2):>8} "
+            f"{row['tokens_per_s']:>7.2f} {figure(row['mask_compute_ms_per_token'], 3):>13} "
+            f"{figure(row['mask_waited_ms_per_token'], 3):>6}"
         )
     for name, value in result["ratios"].items():
-        lines.append(f"{name}: {_num(value, 2)}x")
+        lines.append(f"{name}: {figure(value, 2)}x")
     return "\n".join(lines)
-
-
-def _num(value: float | None, digits: int) -> str:
-    """`value` to `digits` places; "-" where there is nothing to divide by."""
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def main(argv: list[str] | None = None) -> int:
