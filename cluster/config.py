@@ -29,7 +29,7 @@ from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import AuthConfig
 from cluster.autoscaling_config import AutoscalingConfig
 from cluster.config_parsing import PARSING, load_yaml, parse
-from cluster.presets import DEFAULT_PRESET, ModelPair, resolve_pair
+from cluster.presets import DEFAULT_PRESET, PRESETS, ModelPair, resolve_pair
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.model_spec import QUANTIZATIONS
@@ -112,6 +112,11 @@ class ModelsConfig:
 
     def pair(self) -> ModelPair:
         return resolve_pair(self.preset, self.target, self.draft, self.dtype, self.device)
+
+    def tool_parser(self) -> str:
+        """The preset's tool-call format ("": the chat template's), unless the target is
+        another model."""
+        return "" if self.target else PRESETS[self.preset].tool_parser
 
 
 CLUSTER_SECRET_ENV = "TANDEM_CLUSTER_SECRET"

@@ -11,10 +11,11 @@ it here. Pure: no tokenizer, no engine.
 from __future__ import annotations
 
 from cluster.api.tool_format import ToolFormat
+from cluster.api.tool_format_fenced import FencedJsonFormat
 from cluster.api.tool_format_hermes import HermesFormat
 from cluster.runtime.errors import InvalidArgumentError
 
-TOOL_FORMATS: dict[str, ToolFormat] = {"hermes": HermesFormat()}
+TOOL_FORMATS: dict[str, ToolFormat] = {"hermes": HermesFormat(), "json_fence": FencedJsonFormat()}
 """Every known format by name, in the order templates are tried."""
 DETECT = ""
 """`tool_parser` meaning: pick the format by the model's chat template."""

@@ -61,6 +61,7 @@ from cluster.api.openai import OpenAIService, served_model_name
 from cluster.api.service import TandemService
 from cluster.api.status import status_of, trailers_of
 from cluster.api.tenants import Tenants, bearer_key
+from cluster.api.tool_formats import choose_format
 from cluster.config import TandemConfig
 from cluster.local import text_decoder
 from cluster.metrics import tandem_exposition
@@ -155,7 +156,11 @@ class RouterIngress:
             audit=config.audit,
         )
         self._threads = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="request")
-        openai = OpenAIService(self._service, served_model_name(config.models))
+        tool_format = choose_format(
+            config.api.tool_parser or config.models.tool_parser(),
+            self._service.reader.chat_template,
+        )
+        openai = OpenAIService(self._service, served_model_name(config.models), tool_format)
         self._probes = IngressProbes(self._pool)
         self._http = OpenAIHttp(openai, self._threads, self._probes)
 

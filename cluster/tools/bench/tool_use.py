@@ -7,10 +7,10 @@ without.
 Tandem, in three modes, interleaved per prompt, their order alternated per prompt and repeat,
 all greedy:
 
-- `auto_spec`: the grammar `tool_choice: "auto"` sends (the model's tool-call format, chosen by
-  its chat template or `--tool-parser`: text, or text then calls whose names and arguments
-  follow the tools), speculation as `tandem serve` runs it (default block length, prompt
-  lookup and the adaptive plan on, pipelined);
+- `auto_spec`: the grammar `tool_choice: "auto"` sends (the model's tool-call format:
+  `--tool-parser`, else the preset's, else the one its chat template asks for: text, or text
+  then calls whose names and arguments follow the tools), speculation as `tandem serve` runs
+  it (default block length, prompt lookup and the adaptive plan on, pipelined);
 - `free_spec`: the same without the grammar (what a server that only parses the output gets);
 - `auto_target`: the grammar, the target alone (`draft_tokens=0`).
 
@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # Loading torch and the models takes seconds: only once the flags are known.
     from cluster.config import TandemConfig
     from cluster.local import build_local
-    from cluster.presets import resolve_pair
+    from cluster.presets import PRESETS, resolve_pair
     from cluster.tools.bench.structured import close
 
     prompts = load_tool_prompts(args.prompts)
@@ -253,7 +253,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     progress(f"loading the {args.preset} pair")
     tandem = build_local(pair, prompt_lookup=serve.prompt_lookup, draft_length=serve.draft_length)
     try:
-        tool_format = choose_format(args.tool_parser, tandem.tokenizer.chat_template)
+        parser_name = args.tool_parser or PRESETS[args.preset].tool_parser
+        tool_format = choose_format(parser_name, tandem.tokenizer.chat_template)
         if tool_format is None:
             raise InvalidArgumentError(
                 "the target's chat template asks for no known tool-call format: pass "
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tool-parser",
         default=DETECT,
         choices=[DETECT, *TOOL_FORMATS],
-        help="the tool-call format (default: the one the chat template asks for)",
+        help="the tool-call format (default: the preset's, else the chat template's)",
     )
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=2)
