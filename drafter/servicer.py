@@ -1,7 +1,7 @@
 """The drafter's gRPC servicer: `tandem.v1.Drafter` over a plain `Drafter`.
 
 A thin adapter: the session RPCs come from `SessionServicer` (cluster/replica/servicer.py); the
-one of its own, Draft, converts the request with `cluster.replica.wire`, calls the drafter
+one of its own, Draft, converts the request with `cluster.wire.convert`, calls the drafter
 under the servicer's `CallGuard` (errors become gRPC statuses; calls run concurrently, batched
 by the drafter's engine), and converts the block back.
 
@@ -16,9 +16,9 @@ import random
 
 import grpc
 
-from cluster.replica import wire
 from cluster.replica.servicer import SessionServicer
 from cluster.runtime.errors import InvalidArgumentError, TandemError
+from cluster.wire import convert
 from drafter.drafter import Drafter
 from protos import replica_pb2, replica_pb2_grpc
 
@@ -53,12 +53,12 @@ class DrafterServicer(SessionServicer[Drafter], replica_pb2_grpc.DrafterServicer
             if self._error_fraction and self._chaos.random() < self._error_fraction:
                 raise InjectedError("Draft failed on purpose (drafter_limits.error_fraction)")
             block = self.component.draft(
-                wire.session_id_from_wire(request.session_id),
+                convert.session_id_from_wire(request.session_id),
                 request.base_length,
                 tuple(request.appended_token_ids),
                 request.num_tokens,
                 truncate_to=request.truncate_to if request.HasField("truncate_to") else None,
             )
-            return wire.block_to_wire(block)
+            return convert.block_to_wire(block)
 
         return self._guard.run(context, "Draft", call)

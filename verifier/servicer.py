@@ -1,19 +1,19 @@
 """The verifier's gRPC servicer: `tandem.v1.Verifier` over a plain `Verifier`.
 
 A thin adapter: the session RPCs come from `SessionServicer` (cluster/replica/servicer.py); the
-one of its own, Verify, converts the block with `cluster.replica.wire`, calls the verifier
+one of its own, Verify, converts the block with `cluster.wire.convert`, calls the verifier
 under the servicer's `CallGuard` (errors become gRPC statuses; calls run concurrently, batched
 by the verifier's engine), and converts the verdict back. Reference (the audit's replay) runs in
 the handler's own thread, between the engine's calls (`verifier.audit_replica`); its gaps travel
-as raw float32 bytes (`wire.floats_to_wire`).
+as raw float32 bytes (`convert.floats_to_wire`).
 """
 
 from __future__ import annotations
 
 import grpc
 
-from cluster.replica import wire
 from cluster.replica.servicer import SessionServicer
+from cluster.wire import convert
 from protos import replica_pb2, replica_pb2_grpc
 from verifier.verifier import Verifier
 
@@ -32,11 +32,11 @@ class VerifierServicer(SessionServicer[Verifier], replica_pb2_grpc.VerifierServi
     ) -> replica_pb2.Verdict:
         def call() -> replica_pb2.Verdict:
             verdict = self.component.verify(
-                wire.session_id_from_wire(request.session_id),
-                wire.block_from_wire(request.block),
+                convert.session_id_from_wire(request.session_id),
+                convert.block_from_wire(request.block),
                 defer_bonus=request.defer_bonus,
             )
-            return wire.verdict_to_wire(verdict)
+            return convert.verdict_to_wire(verdict)
 
         return self._guard.run(context, "Verify", call)
 
@@ -47,14 +47,14 @@ class VerifierServicer(SessionServicer[Verifier], replica_pb2_grpc.VerifierServi
             replay = self.component.reference(
                 tuple(request.prompt_token_ids),
                 tuple(request.served_token_ids),
-                wire.sampling_from_wire(request.sampling),
+                convert.sampling_from_wire(request.sampling),
                 request.seed,
                 dtype=request.dtype,
             )
             return replica_pb2.ReferenceResponse(
                 token_ids=replay.tokens,
-                gaps=wire.floats_to_wire(replay.gaps),
-                served_gaps=wire.floats_to_wire(replay.served_gaps),
+                gaps=convert.floats_to_wire(replay.gaps),
+                served_gaps=convert.floats_to_wire(replay.served_gaps),
                 dtype=replay.dtype,
             )
 

@@ -1,7 +1,7 @@
 """Router results <-> `tandem.v1` public messages: finish reasons and speculation counters.
 
 The one place that knows how the router's `FinishReason` and `SpeculationStats` are laid out on
-the public wire (as `cluster.replica.wire` is for the replicas' API); pure, with round-trip
+the public wire (as `cluster.wire.convert` is for the replicas' API); pure, with round-trip
 tests in tests/cluster/api/test_service.py.
 """
 

@@ -74,8 +74,8 @@ from cluster.api.sampling_rule import rule_to_proto
 from cluster.api.status import INTERNAL_ERROR_MESSAGE, status_of
 from cluster.api.tool_format import ToolFormat
 from cluster.api.tool_formats import choose_format
-from cluster.replica.wire import grammar_to_wire
 from cluster.runtime.errors import InvalidArgumentError, TandemError
+from cluster.wire.convert import grammar_to_wire
 from protos import generate_pb2, sampling_pb2
 from verifier.config import OWN_DTYPE, check_reference_dtype
 

@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Any
 from cluster.api.chat import Message, render_chat
 from cluster.api.sampling_rule import resolve_seed_exact
 from cluster.api.service_config import ServiceConfig
-from cluster.replica.wire import grammar_from_wire, sampling_from_wire
 from cluster.routing.request import GenerationRequest
 from cluster.runtime.constraint import Grammar, check_grammar, grammar_tokenizer_of
 from cluster.runtime.errors import InvalidArgumentError
+from cluster.wire.convert import grammar_from_wire, sampling_from_wire
 from protos import generate_pb2, sampling_pb2
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """What a client of the public `tandem.v1.Tandem` API sees when a call fails.
 
 Contract: `status_of(error)` turns any exception into a gRPC `(code, message)` pair. A
-`TandemError` keeps its own status (the name-to-code mapping is `cluster.replica.rpc.status_code`,
+`TandemError` keeps its own status (the name-to-code mapping is `cluster.wire.status.status_code`,
 shared with the replica servers) and its message, which is written for the caller. Anything
 else is a bug: its traceback is logged here and the client gets INTERNAL with the fixed message
 `INTERNAL_ERROR_MESSAGE`, never the exception's text.
@@ -22,8 +22,8 @@ import re
 
 import grpc
 
-from cluster.replica.rpc import status_code
 from cluster.runtime.errors import TandemError
+from cluster.wire.status import status_code
 
 logger = logging.getLogger(__name__)
 

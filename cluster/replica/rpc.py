@@ -1,10 +1,9 @@
-"""What the drafter and verifier gRPC servicers share: status codes, call handling, the server.
+"""What the drafter and verifier gRPC servicers share: call handling and the server.
 
-- `status_code` maps a `TandemError.status` name to its `grpc.StatusCode`.
 - `CallGuard` turns what a servicer's handlers raise into a gRPC status: a `TandemError`
-  becomes its own code with its message (a retry hint as `retry-after-ms` trailing metadata);
-  anything else becomes INTERNAL with a fixed message, its traceback logged here and never sent
-  to the client.
+  becomes its own code (`cluster.wire.status.status_code`) with its message (a retry hint as
+  `retry-after-ms` trailing metadata); anything else becomes INTERNAL with a fixed message, its
+  traceback logged here and never sent to the client.
 - `start_server` starts a sync gRPC server on a thread pool and returns the port it bound. A
   handler only waits for the replica's engine (which batches every waiting call into one
   forward pass), so the pool is as large as the calls the server holds: it never caps the batch.
@@ -16,7 +15,7 @@
   rather than gRPC's own INTERNAL.
 
 Both servicers are thin adapters over a plain component (docs/architecture.md, "Layers"): they
-convert with `cluster.replica.wire`, call the component inside `CallGuard.run`, and convert the
+convert with `cluster.wire.convert`, call the component inside `CallGuard.run`, and convert the
 result back.
 """
 
@@ -34,19 +33,14 @@ import grpc
 from cluster.runtime.call_scope import call_scope
 from cluster.runtime.errors import TandemError
 from cluster.runtime.limits import DEFAULT_MAX_SESSIONS
+from cluster.wire.metadata import (
+    MESSAGE_SIZE_OPTIONS,
+    RETRY_AFTER_METADATA_KEY,
+    SECRET_METADATA_KEY,
+)
+from cluster.wire.status import status_code
 
 logger = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-"""Largest message a replica server or client sends or accepts. A block of `MAX_BLOCK_TOKENS`
-(32) tokens, each with an untruncated q over a 150k vocabulary, is over 30 MiB; gRPC's default
-limit is 4 MiB."""
-
-MESSAGE_SIZE_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-)
-"""Channel and server options that apply `MAX_MESSAGE_BYTES`."""
 
 INTERNAL_ERROR_MESSAGE = "internal error; see the replica's log"
 """The only details a client gets for an unexpected server-side exception."""
@@ -63,22 +57,7 @@ DEFAULT_MAX_WORKERS = DEFAULT_MAX_CONCURRENT_RPCS
 compute), the pool starts threads only as calls arrive, and a smaller pool would cap the batch
 the engine can form."""
 
-RETRY_AFTER_METADATA_KEY = "retry-after-ms"
-"""Trailing metadata of a RESOURCE_EXHAUSTED that will pass: milliseconds to wait."""
-
-SECRET_METADATA_KEY = "x-tandem-cluster-secret"
-"""gRPC metadata key that carries the cluster's shared secret on internal calls."""
-
 R = TypeVar("R")
-
-
-def status_code(status: str) -> grpc.StatusCode:
-    """The code named by a `TandemError.status` (a `grpc.StatusCode` member name).
-
-    An unknown name maps to INTERNAL: a typo in an error class must not become a wrong but
-    plausible code.
-    """
-    return grpc.StatusCode.__members__.get(status, grpc.StatusCode.INTERNAL)
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:

@@ -1,7 +1,7 @@
 """What the drafter's and the verifier's gRPC servicers share: the session RPCs.
 
 `SessionServicer` serves OpenSession, CloseSession and Stats over a `SessionComponent`: each
-handler converts the request with `cluster.replica.wire`, calls the component under the
+handler converts the request with `cluster.wire.convert`, calls the component under the
 servicer's `CallGuard` (errors become gRPC statuses; calls run concurrently, batched by the
 component's engine), and converts the result back. Each side's servicer (`drafter.servicer`,
 `verifier.servicer`) adds its own RPC (Draft, Verify) the same way, and says how it registers on
@@ -14,9 +14,9 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
-from cluster.replica import wire
 from cluster.replica.rpc import CallGuard
 from cluster.runtime.component import SessionComponent
+from cluster.wire import convert
 from protos import replica_pb2
 
 K = TypeVar("K", bound=SessionComponent[Any])
@@ -39,16 +39,16 @@ class SessionServicer(Generic[K]):
     ) -> replica_pb2.OpenSessionResponse:
         def call() -> replica_pb2.OpenSessionResponse:
             length = self.component.open_session(
-                wire.session_id_from_wire(request.session_id),
+                convert.session_id_from_wire(request.session_id),
                 tuple(request.prompt_token_ids),
-                wire.sampling_from_wire(request.sampling),
+                convert.sampling_from_wire(request.sampling),
                 request.seed,
-                time_limit_s=wire.time_limit_from_wire(request),
+                time_limit_s=convert.time_limit_from_wire(request),
                 max_new_tokens=(
                     request.max_new_tokens if request.HasField("max_new_tokens") else None
                 ),
                 resumed=request.resumed,
-                constraint=wire.constraint_from_wire(request),
+                constraint=convert.constraint_from_wire(request),
             )
             return replica_pb2.OpenSessionResponse(committed_length=length)
 
@@ -58,7 +58,7 @@ class SessionServicer(Generic[K]):
         self, request: replica_pb2.CloseSessionRequest, context: grpc.ServicerContext
     ) -> replica_pb2.CloseSessionResponse:
         def call() -> replica_pb2.CloseSessionResponse:
-            existed = self.component.close_session(wire.session_id_from_wire(request.session_id))
+            existed = self.component.close_session(convert.session_id_from_wire(request.session_id))
             return replica_pb2.CloseSessionResponse(existed=existed)
 
         return self._guard.run(context, "CloseSession", call)
@@ -66,4 +66,6 @@ class SessionServicer(Generic[K]):
     def Stats(
         self, request: replica_pb2.StatsRequest, context: grpc.ServicerContext
     ) -> replica_pb2.ReplicaStats:
-        return self._guard.run(context, "Stats", lambda: wire.stats_to_wire(self.component.stats()))
+        return self._guard.run(
+            context, "Stats", lambda: convert.stats_to_wire(self.component.stats())
+        )

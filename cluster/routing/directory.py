@@ -23,10 +23,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from cluster.replica.host import ReplicaInfo
 from cluster.routing.ports import Pinned, Spare
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.runtime.errors import ReplicaUnavailableError
+from cluster.wire.replica_info import ReplicaInfo
 
 DEFAULT_REFRESH_S = 0.5
 REGISTRY_TIMEOUT_S = 10.0

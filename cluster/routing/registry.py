@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cluster.metrics import TandemMetrics
-from cluster.replica.host import REGISTRY_NAMESPACE, ReplicaInfo
+from cluster.wire.replica_info import REGISTRY_NAMESPACE, ReplicaInfo
 
 DEFAULT_TTL_S = 5.0
 HEAD_NODE_RESOURCE = "node:__internal_head__"

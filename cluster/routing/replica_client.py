@@ -3,14 +3,14 @@
 `GrpcDrafter` implements `DrafterPort` and `GrpcVerifier` implements `VerifierPort`, so the
 router runs unchanged over replicas in other processes (docs/architecture.md, invariant 4: direct
 gRPC to the pinned replica, no Serve hop). Each wraps one `grpc.Channel`, given or opened from a
-"host:port" address, and converts values with `cluster.replica.wire`.
+"host:port" address, and converts values with `cluster.wire.convert`.
 
 Errors: a failed call raises the `TandemError` subclass the replica raised (matched by status
-code, with the replica's message), so callers handle a remote replica as they would a local
-one. Codes with no class of their own (UNAVAILABLE, INTERNAL, ...) raise
-`ReplicaUnavailableError`. Every call has an optional timeout, `timeout_s`: the client's
-default, or the one passed to the call; a call that outlasts it raises
-`ReplicaUnavailableError` too (the replica is too slow: fail over). Every call carries the
+code, with the replica's message; `cluster.wire.status.error_from_rpc`), so callers handle a
+remote replica as they would a local one. Codes with no class of their own (UNAVAILABLE,
+INTERNAL, ...) raise `ReplicaUnavailableError`. Every call has an optional timeout,
+`timeout_s`: the client's default, or the one passed to the call; a call that outlasts it
+raises `ReplicaUnavailableError` too (the replica is too slow: fail over). Every call carries the
 cluster's shared secret when the client has one (replicas refuse calls without it:
 UNAUTHENTICATED, raised as `ClusterSecretError`).
 
@@ -25,82 +25,25 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Self
 
 import grpc
 
-from cluster.replica import wire
-from cluster.replica.rpc import (
-    MESSAGE_SIZE_OPTIONS,
-    RETRY_AFTER_METADATA_KEY,
-    SECRET_METADATA_KEY,
-)
 from cluster.runtime.audit import Replay
 from cluster.runtime.constraint import Constraint
 from cluster.runtime.draft_block import DraftBlock, Verdict
-from cluster.runtime.errors import (
-    ClusterSecretError,
-    DeadlineExceededError,
-    InvalidArgumentError,
-    ReplicaUnavailableError,
-    ResourceExhaustedError,
-    SessionExistsError,
-    SessionNotFoundError,
-    StaleBaseError,
-    TandemError,
-)
+from cluster.runtime.errors import DeadlineExceededError, ReplicaUnavailableError
 from cluster.runtime.sampling import SamplingParams
 from cluster.runtime.session import ReplicaStats
+from cluster.wire import convert
+from cluster.wire.metadata import MESSAGE_SIZE_OPTIONS, SECRET_METADATA_KEY
+from cluster.wire.status import error_from_rpc
 from protos import replica_pb2, replica_pb2_grpc
-
-ERRORS_BY_CODE: Mapping[grpc.StatusCode, type[TandemError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
-    grpc.StatusCode.FAILED_PRECONDITION: StaleBaseError,
-    grpc.StatusCode.NOT_FOUND: SessionNotFoundError,
-    grpc.StatusCode.ALREADY_EXISTS: SessionExistsError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
-    grpc.StatusCode.UNAUTHENTICATED: ClusterSecretError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
-}
-"""The error a replica raised, by the status code it sent; any other code means the replica
-itself failed: `ReplicaUnavailableError`. RESOURCE_EXHAUSTED (a replica full of sessions, or
-of calls) and DEADLINE_EXCEEDED (the request's time ran out) end the request: neither is a
-reason to fail over."""
 
 NO_TIMEOUT = None
 """`timeout_s` value that waits for an answer as long as it takes."""
-
-
-def error_from_rpc(error: grpc.RpcError, replica: str, timed_out: bool = False) -> TandemError:
-    """The `TandemError` for a failed call to `replica` (named in unavailability messages).
-
-    `timed_out`: the call ran out the client's own timeout, so a DEADLINE_EXCEEDED is that
-    timeout (the replica was too slow to answer), not the replica's: `ReplicaUnavailableError`.
-    """
-    code = error.code()
-    details = error.details() or ""
-    slow = timed_out and code == grpc.StatusCode.DEADLINE_EXCEEDED
-    error_class = None if slow else ERRORS_BY_CODE.get(code)
-    if error_class is ResourceExhaustedError:
-        return ResourceExhaustedError(details, retry_after_s=_retry_after_s(error))
-    if error_class is not None:
-        return error_class(details)
-    name = code.name if isinstance(code, grpc.StatusCode) else str(code)
-    return ReplicaUnavailableError(f"{replica}: {name}: {details}")
-
-
-def _retry_after_s(error: grpc.RpcError) -> float | None:
-    """When the replica said to retry (its `retry-after-ms` trailer), if it did."""
-    trailers = getattr(error, "trailing_metadata", None)
-    for key, value in (trailers() if callable(trailers) else None) or ():
-        if key == RETRY_AFTER_METADATA_KEY:
-            try:
-                return int(value) / 1000
-            except ValueError:
-                return None
-    return None
 
 
 class _ReplicaClient:
@@ -209,19 +152,19 @@ class _ReplicaClient:
         """Open a session; returns its committed length."""
         request = replica_pb2.OpenSessionRequest(
             session_id=session_id,
-            prompt_token_ids=wire.token_ids_to_wire(prompt_tokens, "prompt_tokens"),
-            sampling=wire.sampling_to_wire(sampling),
-            seed=wire.uint_to_wire(seed, "seed"),
+            prompt_token_ids=convert.token_ids_to_wire(prompt_tokens, "prompt_tokens"),
+            sampling=convert.sampling_to_wire(sampling),
+            seed=convert.uint_to_wire(seed, "seed"),
             resumed=resumed,
         )
-        wire.constraint_to_wire(constraint, request)
+        convert.constraint_to_wire(constraint, request)
         if max_new_tokens is not None:
-            request.max_new_tokens = wire.uint_to_wire(
-                max_new_tokens, "max_new_tokens", wire.MAX_UINT32
+            request.max_new_tokens = convert.uint_to_wire(
+                max_new_tokens, "max_new_tokens", convert.MAX_UINT32
             )
         left = self._time_left()
         if left is not None:
-            request.time_limit_ms = wire.time_limit_to_wire(left)
+            request.time_limit_ms = convert.time_limit_to_wire(left)
         response: replica_pb2.OpenSessionResponse = self._call(
             self._stub.OpenSession, request, timeout_s
         )
@@ -238,7 +181,7 @@ class _ReplicaClient:
 
     def stats(self, *, timeout_s: float | None = None) -> ReplicaStats:
         """What the replica holds right now."""
-        return wire.stats_from_wire(
+        return convert.stats_from_wire(
             self._call(self._stub.Stats, replica_pb2.StatsRequest(), timeout_s, bounded=False)
         )
 
@@ -279,13 +222,13 @@ class GrpcDrafter(_ReplicaClient):
         """See `DrafterPort.draft`."""
         request = replica_pb2.DraftRequest(
             session_id=session_id,
-            base_length=wire.uint_to_wire(base_length, "base_length"),
-            appended_token_ids=wire.token_ids_to_wire(appended_tokens, "appended_tokens"),
-            num_tokens=wire.uint_to_wire(num_tokens, "num_tokens", wire.MAX_UINT32),
+            base_length=convert.uint_to_wire(base_length, "base_length"),
+            appended_token_ids=convert.token_ids_to_wire(appended_tokens, "appended_tokens"),
+            num_tokens=convert.uint_to_wire(num_tokens, "num_tokens", convert.MAX_UINT32),
         )
         if truncate_to is not None:
-            request.truncate_to = wire.uint_to_wire(truncate_to, "truncate_to")
-        return wire.block_from_wire(self._call(self._stub.Draft, request, timeout_s))
+            request.truncate_to = convert.uint_to_wire(truncate_to, "truncate_to")
+        return convert.block_from_wire(self._call(self._stub.Draft, request, timeout_s))
 
 
 class GrpcVerifier(_ReplicaClient):
@@ -305,9 +248,9 @@ class GrpcVerifier(_ReplicaClient):
     ) -> Verdict:
         """See `VerifierPort.verify`."""
         request = replica_pb2.VerifyRequest(
-            session_id=session_id, block=wire.block_to_wire(block), defer_bonus=defer_bonus
+            session_id=session_id, block=convert.block_to_wire(block), defer_bonus=defer_bonus
         )
-        return wire.verdict_from_wire(self._call(self._stub.Verify, request, timeout_s))
+        return convert.verdict_from_wire(self._call(self._stub.Verify, request, timeout_s))
 
     def reference(
         self,
@@ -322,18 +265,18 @@ class GrpcVerifier(_ReplicaClient):
         """See `VerifierPort.reference`. A replay waits while the replica serves calls, so
         under load it may take long: its timeout and deadline are those of any call."""
         request = replica_pb2.ReferenceRequest(
-            prompt_token_ids=wire.token_ids_to_wire(prompt_tokens, "prompt_tokens"),
-            served_token_ids=wire.token_ids_to_wire(served_tokens, "served_tokens"),
-            sampling=wire.sampling_to_wire(sampling),
-            seed=wire.uint_to_wire(seed, "seed"),
+            prompt_token_ids=convert.token_ids_to_wire(prompt_tokens, "prompt_tokens"),
+            served_token_ids=convert.token_ids_to_wire(served_tokens, "served_tokens"),
+            sampling=convert.sampling_to_wire(sampling),
+            seed=convert.uint_to_wire(seed, "seed"),
             dtype=dtype,
         )
         response: replica_pb2.ReferenceResponse = self._call(
             self._stub.Reference, request, timeout_s
         )
         tokens = tuple(response.token_ids)
-        gaps = wire.floats_from_wire(response.gaps, "gaps")
-        served_gaps = wire.floats_from_wire(response.served_gaps, "served_gaps")
+        gaps = convert.floats_from_wire(response.gaps, "gaps")
+        served_gaps = convert.floats_from_wire(response.served_gaps, "served_gaps")
         if len(gaps) != len(tokens) or len(served_gaps) not in (0, len(tokens)):
             raise ReplicaUnavailableError(
                 f"{self._replica}: a reference of {len(tokens)} tokens came with {len(gaps)} "

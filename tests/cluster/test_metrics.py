@@ -58,11 +58,11 @@ from cluster.metrics import (
     series,
     summarize,
 )
-from cluster.replica.host import ReplicaInfo
 from cluster.routing.registry import ReplicaRegistry
 from cluster.routing.request import SpeculationStats
 from cluster.runtime.engine_stats import EngineStats
 from cluster.serve import local_cluster
+from cluster.wire.replica_info import ReplicaInfo
 from protos import generate_pb2
 from tests.conftest import CODE_PROMPT
 from tests.polling import wait_until

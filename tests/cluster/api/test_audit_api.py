@@ -45,7 +45,6 @@ from cluster.metrics import (
     MemorySink,
     TandemMetrics,
 )
-from cluster.replica.host import ReplicaInfo
 from cluster.routing.directory import RegistryPool
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
@@ -54,6 +53,7 @@ from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from cluster.serve.http import OpenAIHttp
+from cluster.wire.replica_info import ReplicaInfo
 from drafter.drafter import Drafter
 from protos import generate_pb2, generate_pb2_grpc, sampling_pb2
 from tests.cluster.grpc_front import serve_local

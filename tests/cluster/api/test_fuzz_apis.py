@@ -23,8 +23,8 @@ from cluster.api.service import TandemService
 from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import AuthConfig, TenantConfig, Tenants, hash_api_key, new_api_key
 from cluster.local import LocalTandem
-from cluster.replica.rpc import SECRET_METADATA_KEY
 from cluster.runtime.models import LoadedModel
+from cluster.wire.metadata import SECRET_METADATA_KEY
 from drafter.drafter import Drafter
 from protos import generate_pb2, generate_pb2_grpc, replica_pb2, replica_pb2_grpc, sampling_pb2
 from tests.cluster.grpc_front import serve_local

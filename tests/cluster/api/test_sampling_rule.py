@@ -35,10 +35,10 @@ from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import Tenants
 from cluster.config import TandemConfig
 from cluster.local import LocalTandem
-from cluster.replica.wire import sampling_from_wire, sampling_to_wire
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.sampling import SamplingParams
 from cluster.tools.baselines.hf_reference import reference_generate
+from cluster.wire.convert import sampling_from_wire, sampling_to_wire
 from protos import generate_pb2, sampling_pb2
 from tests.conftest import CODE_PROMPT
 from verifier.config import FAULTS, VerifierConfig

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 import grpc
 import pytest
 
-from cluster.replica.rpc import INTERNAL_ERROR_MESSAGE, CallGuard, start_server, status_code
+from cluster.replica.rpc import INTERNAL_ERROR_MESSAGE, CallGuard, start_server
 from cluster.runtime import errors
 from cluster.runtime.call_scope import caller_gone
 from cluster.runtime.models import LoadedModel
@@ -307,26 +307,6 @@ def test_unexpected_exception_is_internal_without_traceback(
 
 
 # --- rpc building blocks ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "error_class",
-    [
-        errors.InvalidArgumentError,
-        errors.StaleBaseError,
-        errors.SessionNotFoundError,
-        errors.SessionExistsError,
-        errors.ResourceExhaustedError,
-        errors.ReplicaUnavailableError,
-        errors.TandemError,
-    ],
-)
-def test_every_error_status_names_a_grpc_code(error_class: type[errors.TandemError]) -> None:
-    assert status_code(error_class.status).name == error_class.status
-
-
-def test_unknown_status_name_is_internal() -> None:
-    assert status_code("NOT_A_CODE") == grpc.StatusCode.INTERNAL
 
 
 class AbortingContext:

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from cluster.local import LocalTandem
-from cluster.replica.host import ReplicaInfo
 from cluster.routing.directory import RegistryPool
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
@@ -21,6 +20,7 @@ from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import DeadlineExceededError, ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
+from cluster.wire.replica_info import ReplicaInfo
 from drafter.drafter import Drafter
 from tests.conftest import CODE_PROMPT, encode
 from tests.replicas import serve_drafter, serve_verifier

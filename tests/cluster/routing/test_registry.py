@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from cluster.replica.host import ReplicaInfo
 from cluster.routing.directory import RegistryPool
 from cluster.routing.registry import ReplicaRegistry
 from cluster.runtime.errors import ReplicaUnavailableError
+from cluster.wire.replica_info import ReplicaInfo
 
 
 def entry(replica_id: str, side: str, sessions: int = 0, port: int = 1) -> dict[str, Any]:

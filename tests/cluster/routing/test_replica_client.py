@@ -226,22 +226,3 @@ def test_client_over_a_given_channel_leaves_it_open(remote: Remote) -> None:
     # Still usable through another client: the channel is the caller's to close.
     assert GrpcDrafter(channel).stats().num_sessions >= 0
     channel.close()
-
-
-def test_a_replicas_refusal_keeps_its_retry_hint() -> None:
-    from cluster.replica.rpc import RETRY_AFTER_METADATA_KEY
-    from cluster.routing.replica_client import error_from_rpc
-    from cluster.runtime.errors import ResourceExhaustedError
-
-    class Refused(grpc.RpcError):
-        def code(self) -> grpc.StatusCode:
-            return grpc.StatusCode.RESOURCE_EXHAUSTED
-
-        def details(self) -> str:
-            return "replica KV memory is fully planned"
-
-        def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-            return ((RETRY_AFTER_METADATA_KEY, "1500"),)
-
-    error = error_from_rpc(Refused(), "verifier")
-    assert isinstance(error, ResourceExhaustedError) and error.retry_after_s == 1.5

@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from cluster.replica import wire
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import (
     DeadlineExceededError,
@@ -18,6 +17,7 @@ from cluster.runtime.errors import (
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from cluster.runtime.session import SessionTable
+from cluster.wire import convert
 from drafter.drafter import Drafter
 from protos import replica_pb2
 from tests.cluster.runtime.fake_runner import PrefillingTable
@@ -133,13 +133,13 @@ def test_components_drop_their_sessions_past_the_time_limit(
 
 
 def test_the_time_limit_crosses_the_wire_in_whole_milliseconds_rounded_up() -> None:
-    assert wire.time_limit_to_wire(1.2341) == 1235  # never drops a session early
-    assert wire.time_limit_to_wire(1e-6) == 1  # 0 would be refused
-    assert wire.time_limit_to_wire(1e12) == wire.MAX_UINT32
+    assert convert.time_limit_to_wire(1.2341) == 1235  # never drops a session early
+    assert convert.time_limit_to_wire(1e-6) == 1  # 0 would be refused
+    assert convert.time_limit_to_wire(1e12) == convert.MAX_UINT32
     request = replica_pb2.OpenSessionRequest(session_id="s")
-    assert wire.time_limit_from_wire(request) is None
+    assert convert.time_limit_from_wire(request) is None
     request.time_limit_ms = 1500
-    assert wire.time_limit_from_wire(request) == 1.5
+    assert convert.time_limit_from_wire(request) == 1.5
     request.time_limit_ms = 0
     with pytest.raises(InvalidArgumentError, match="time_limit_ms must be >= 1 when set"):
-        wire.time_limit_from_wire(request)
+        convert.time_limit_from_wire(request)

@@ -34,11 +34,9 @@ from cluster.replica.host import (
     DRAIN_TIMEOUT_S,
     SHUTDOWN_GRACE_S,
     ReplicaHost,
-    ReplicaInfo,
     ReplicaShell,
     kv_cache_bytes_per_token,
 )
-from cluster.replica.rpc import SECRET_METADATA_KEY
 from cluster.routing.replica_client import GrpcVerifier
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import InvalidArgumentError, ReplicaUnavailableError
@@ -54,6 +52,8 @@ from cluster.serve.autoscaling import (
     saturated_busy,
     scale_on_load,
 )
+from cluster.wire.metadata import SECRET_METADATA_KEY
+from cluster.wire.replica_info import ReplicaInfo
 from protos import replica_pb2_grpc
 from tests.polling import wait_until
 from verifier.servicer import VerifierServicer

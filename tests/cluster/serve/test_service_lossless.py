@@ -50,11 +50,11 @@ from scipy import stats
 import cluster.serve.ingress
 from cluster.api.tenants import AuthConfig, TenantConfig, hash_api_key, new_api_key
 from cluster.config import TandemConfig
-from cluster.replica.host import ReplicaInfo
 from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.models import LoadedModel, load_model
 from cluster.runtime.sampling import SamplingParams, logits_to_probs
 from cluster.serve.ingress import RouterIngress
+from cluster.wire.replica_info import ReplicaInfo
 from drafter.drafter import Drafter
 from protos import generate_pb2, sampling_pb2
 from tests.replicas import serve_drafter, serve_verifier

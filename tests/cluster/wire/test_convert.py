@@ -1,4 +1,4 @@
-"""cluster.replica.wire: every plain value survives a trip through serialised replica.proto
+"""cluster.wire.convert: every plain value survives a trip through serialised replica.proto
 bytes."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import pytest
 import torch
 from google.protobuf.message import Message
 
-from cluster.replica import wire
 from cluster.runtime.draft_block import DraftBlock, StepLoad, Verdict
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.sampling import SamplingParams, SparseDistribution, to_dense
 from cluster.runtime.session import ReplicaStats
+from cluster.wire import convert
 from protos import replica_pb2, sampling_pb2
 from tests.wire_messages import raw_sparse
 
@@ -60,17 +60,19 @@ def assert_same_rows(
 )
 def test_sampling_round_trips(params: SamplingParams) -> None:
     # Values float32 can hold exactly come back equal.
-    assert wire.sampling_from_wire(over_the_wire(wire.sampling_to_wire(params))) == params
+    assert convert.sampling_from_wire(over_the_wire(convert.sampling_to_wire(params))) == params
 
 
 def test_default_top_p_travels_unset_and_unset_reads_as_no_cut() -> None:
-    assert not wire.sampling_to_wire(SamplingParams(temperature=1.0)).HasField("top_p")
-    params = wire.sampling_from_wire(sampling_pb2.SamplingParams(temperature=1.0))
+    assert not convert.sampling_to_wire(SamplingParams(temperature=1.0)).HasField("top_p")
+    params = convert.sampling_from_wire(sampling_pb2.SamplingParams(temperature=1.0))
     assert params.top_p == 1.0
 
 
 def test_temperature_travels_as_float32() -> None:
-    params = wire.sampling_from_wire(over_the_wire(wire.sampling_to_wire(SamplingParams(0.7))))
+    params = convert.sampling_from_wire(
+        over_the_wire(convert.sampling_to_wire(SamplingParams(0.7)))
+    )
     assert params.temperature == torch.tensor(0.7, dtype=torch.float32).item() != 0.7
 
 
@@ -87,7 +89,7 @@ def test_bad_sampling_from_the_wire_is_refused(
     message: sampling_pb2.SamplingParams, field: str
 ) -> None:
     with pytest.raises(InvalidArgumentError, match=field):
-        wire.sampling_from_wire(message)
+        convert.sampling_from_wire(message)
 
 
 # --- SparseDistribution -----------------------------------------------------------------------
@@ -100,7 +102,7 @@ def test_sparse_q_round_trips_bit_for_bit() -> None:
     ids = torch.randperm(150_000, generator=generator)[:1000]
     row = SparseDistribution(token_ids=ids, probs=probs)
 
-    back = wire.sparse_from_wire(over_the_wire(wire.sparse_to_wire(row)))
+    back = convert.sparse_from_wire(over_the_wire(convert.sparse_to_wire(row)))
 
     assert_same_rows((back,), (row,))
 
@@ -108,7 +110,7 @@ def test_sparse_q_round_trips_bit_for_bit() -> None:
 def test_sparse_with_mismatched_counts_is_refused_naming_the_row() -> None:
     message = raw_sparse(token_ids=[1, 2, 3], probs=[0.5, 0.5])
     with pytest.raises(InvalidArgumentError, match=r"draft_probs\[4\] has 3 token ids but 2"):
-        wire.sparse_from_wire(message, "draft_probs[4]")
+        convert.sparse_from_wire(message, "draft_probs[4]")
 
 
 @pytest.mark.parametrize(
@@ -125,7 +127,7 @@ def test_sparse_contents_are_left_to_to_dense(
     ids: list[int], probs: list[float], reason: str
 ) -> None:
     # The wire cannot know the vocabulary; to_dense, which the verifier runs, rejects these.
-    row = wire.sparse_from_wire(raw_sparse(token_ids=ids, probs=probs))
+    row = convert.sparse_from_wire(raw_sparse(token_ids=ids, probs=probs))
     with pytest.raises(InvalidArgumentError, match=reason):
         to_dense([row], vocab_size=10)
 
@@ -147,7 +149,7 @@ def test_sparse_contents_are_left_to_to_dense(
     ids=["deterministic", "empty", "sampled"],
 )
 def test_block_round_trips(block: DraftBlock) -> None:
-    back = wire.block_from_wire(over_the_wire(wire.block_to_wire(block)))
+    back = convert.block_from_wire(over_the_wire(convert.block_to_wire(block)))
     assert (back.base_length, back.tokens) == (block.base_length, block.tokens)
     assert_same_rows(back.draft_probs, block.draft_probs)
 
@@ -158,21 +160,21 @@ LOAD = StepLoad(batch_sequences=12, batch_tokens=57, cost_base_s=0.0125, cost_pe
 @pytest.mark.parametrize("load", [LOAD, StepLoad(0, 0, 0.0, 0.0), None], ids=str)
 def test_block_load_round_trips(load: StepLoad | None) -> None:
     block = DraftBlock(base_length=9, tokens=(1, 2), load=load)
-    message = over_the_wire(wire.block_to_wire(block))
+    message = over_the_wire(convert.block_to_wire(block))
     assert message.HasField("load") == (load is not None)  # all zeros is still a report
-    assert wire.block_from_wire(message).load == load
+    assert convert.block_from_wire(message).load == load
 
 
 def test_block_load_the_wire_cannot_hold_is_refused() -> None:
     block = DraftBlock(base_length=9, tokens=(1,), load=StepLoad(-1, 5, 0.0, 0.0))
     with pytest.raises(InvalidArgumentError, match=r"load\.batch_sequences"):
-        wire.block_to_wire(block)
+        convert.block_to_wire(block)
 
 
 def test_sampled_empty_block_reads_back_as_deterministic() -> None:
     # With no token to accept, () and None mean the same; the wire cannot tell them apart.
     block = DraftBlock(base_length=5, tokens=(), draft_probs=())
-    assert wire.block_from_wire(over_the_wire(wire.block_to_wire(block))).draft_probs is None
+    assert convert.block_from_wire(over_the_wire(convert.block_to_wire(block))).draft_probs is None
 
 
 def test_block_with_wrong_number_of_distributions_is_refused() -> None:
@@ -182,7 +184,7 @@ def test_block_with_wrong_number_of_distributions_is_refused() -> None:
         draft_probs=[raw_sparse(token_ids=[1], probs=[1.0])],
     )
     with pytest.raises(InvalidArgumentError, match="2 tokens but 1 draft distributions"):
-        wire.block_from_wire(message)
+        convert.block_from_wire(message)
 
 
 def test_block_row_mismatch_names_its_position() -> None:
@@ -194,7 +196,7 @@ def test_block_row_mismatch_names_its_position() -> None:
         ],
     )
     with pytest.raises(InvalidArgumentError, match=r"draft_probs\[1\] has 1 token ids but 2"):
-        wire.block_from_wire(message)
+        convert.block_from_wire(message)
 
 
 @pytest.mark.parametrize(
@@ -209,7 +211,7 @@ def test_block_the_wire_cannot_hold_is_refused_before_sending(
     block: DraftBlock, message: str
 ) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
-        wire.block_to_wire(block)
+        convert.block_to_wire(block)
 
 
 # --- Verdict, ReplicaStats, scalars -----------------------------------------------------------
@@ -239,14 +241,14 @@ def test_block_the_wire_cannot_hold_is_refused_before_sending(
     ids=["rejected", "bonus_deferred", "none_accepted", "with_load", "zero_load"],
 )
 def test_verdict_round_trips(verdict: Verdict) -> None:
-    assert wire.verdict_from_wire(over_the_wire(wire.verdict_to_wire(verdict))) == verdict
+    assert convert.verdict_from_wire(over_the_wire(convert.verdict_to_wire(verdict))) == verdict
 
 
 def test_stats_round_trip() -> None:
     stats = ReplicaStats(num_sessions=3, num_cached_tokens=2**40, busy_s=12.375)
-    message = over_the_wire(wire.stats_to_wire(stats))
+    message = over_the_wire(convert.stats_to_wire(stats))
     assert not message.HasField("engine")
-    assert wire.stats_from_wire(message) == stats  # engine None: no engine runs
+    assert convert.stats_from_wire(message) == stats  # engine None: no engine runs
 
 
 ENGINE = EngineStats(
@@ -274,7 +276,7 @@ ENGINE = EngineStats(
 @pytest.mark.parametrize("engine", [ENGINE, EngineStats()], ids=["busy", "fresh"])
 def test_stats_with_engine_round_trip(engine: EngineStats) -> None:
     stats = ReplicaStats(num_sessions=3, num_cached_tokens=77, busy_s=1.5, engine=engine)
-    back = wire.stats_from_wire(over_the_wire(wire.stats_to_wire(stats)))
+    back = convert.stats_from_wire(over_the_wire(convert.stats_to_wire(stats)))
     assert back == stats and back.engine is not None
     assert back.engine.kv_blocks_free == engine.kv_blocks_free
 
@@ -289,13 +291,13 @@ def test_every_engine_figure_has_a_wire_field() -> None:
 def test_engine_figures_the_wire_cannot_hold_are_refused() -> None:
     stats = ReplicaStats(1, 1, engine=EngineStats(kv_blocks_used=-1))
     with pytest.raises(InvalidArgumentError, match=r"engine\.kv_blocks_used"):
-        wire.stats_to_wire(stats)
+        convert.stats_to_wire(stats)
 
 
 def test_empty_session_id_is_refused() -> None:
-    assert wire.session_id_from_wire("s-1") == "s-1"
+    assert convert.session_id_from_wire("s-1") == "s-1"
     with pytest.raises(InvalidArgumentError, match="session_id must not be empty"):
-        wire.session_id_from_wire("")
+        convert.session_id_from_wire("")
 
 
 @pytest.mark.parametrize("value", [-1, 2**32, True])
@@ -303,4 +305,4 @@ def test_uint_out_of_field_range_is_refused(value: int) -> None:
     with pytest.raises(
         InvalidArgumentError, match=re.escape("num_tokens must be in 0..4294967295")
     ):
-        wire.uint_to_wire(value, "num_tokens", wire.MAX_UINT32)
+        convert.uint_to_wire(value, "num_tokens", convert.MAX_UINT32)

@@ -1,0 +1,81 @@
+"""gRPC status codes and `TandemError`s on the replicas' internal API, both directions.
+
+A replica's server answers a `TandemError` with the code its `status` names (`status_code`,
+used by `cluster.replica.rpc.CallGuard`, and by `cluster.api.status` for the public API); the
+router's client turns a failed call's code back into the error the replica raised
+(`error_from_rpc`, by `ERRORS_BY_CODE`), so a remote replica fails as a local one would. A new
+error class with a code of its own gets both directions here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import grpc
+
+from cluster.runtime.errors import (
+    ClusterSecretError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    ReplicaUnavailableError,
+    ResourceExhaustedError,
+    SessionExistsError,
+    SessionNotFoundError,
+    StaleBaseError,
+    TandemError,
+)
+from cluster.wire.metadata import RETRY_AFTER_METADATA_KEY
+
+
+def status_code(status: str) -> grpc.StatusCode:
+    """The code named by a `TandemError.status` (a `grpc.StatusCode` member name).
+
+    An unknown name maps to INTERNAL: a typo in an error class must not become a wrong but
+    plausible code.
+    """
+    return grpc.StatusCode.__members__.get(status, grpc.StatusCode.INTERNAL)
+
+
+ERRORS_BY_CODE: Mapping[grpc.StatusCode, type[TandemError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.FAILED_PRECONDITION: StaleBaseError,
+    grpc.StatusCode.NOT_FOUND: SessionNotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: SessionExistsError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAUTHENTICATED: ClusterSecretError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+}
+"""The error a replica raised, by the status code it sent; any other code means the replica
+itself failed: `ReplicaUnavailableError`. RESOURCE_EXHAUSTED (a replica full of sessions, or
+of calls) and DEADLINE_EXCEEDED (the request's time ran out) end the request: neither is a
+reason to fail over."""
+
+
+def error_from_rpc(error: grpc.RpcError, replica: str, timed_out: bool = False) -> TandemError:
+    """The `TandemError` for a failed call to `replica` (named in unavailability messages).
+
+    `timed_out`: the call ran out the client's own timeout, so a DEADLINE_EXCEEDED is that
+    timeout (the replica was too slow to answer), not the replica's: `ReplicaUnavailableError`.
+    """
+    code = error.code()
+    details = error.details() or ""
+    slow = timed_out and code == grpc.StatusCode.DEADLINE_EXCEEDED
+    error_class = None if slow else ERRORS_BY_CODE.get(code)
+    if error_class is ResourceExhaustedError:
+        return ResourceExhaustedError(details, retry_after_s=_retry_after_s(error))
+    if error_class is not None:
+        return error_class(details)
+    name = code.name if isinstance(code, grpc.StatusCode) else str(code)
+    return ReplicaUnavailableError(f"{replica}: {name}: {details}")
+
+
+def _retry_after_s(error: grpc.RpcError) -> float | None:
+    """When the replica said to retry (its `retry-after-ms` trailer), if it did."""
+    trailers = getattr(error, "trailing_metadata", None)
+    for key, value in (trailers() if callable(trailers) else None) or ():
+        if key == RETRY_AFTER_METADATA_KEY:
+            try:
+                return int(value) / 1000
+            except ValueError:
+                return None
+    return None
