@@ -14,6 +14,13 @@ before the load: exact for float32 models; in bfloat16 a near-tie can round diff
 5-token verify pass than in a 1-token step). Replica memory (sessions, cached tokens, resident
 MiB per side) is reported before the load and after it, once the sessions have drained.
 
+Every run (each level, each mode) also reports `cpu_ms_per_token`: CPU per generated token by
+process role (router, proxy, controller, registry, drafter, verifier, Ray's own, and
+`service_total`), with the load client (this process) apart, and `cpu` (seconds, cores busy,
+each process): `cluster.tools.bench.process_cpu`, over the processes of the service `tandem
+serve` started here when `--address` is its port, else every Ray or Tandem process of this user
+(`cpu_scope` in the JSON). The load streams from one asyncio event loop.
+
 `--compare --hf-baseline` adds `hf_target_batched` at every level: Hugging Face serving the
 target alone at the same concurrency, in this process (`cluster.tools.baselines.hf_baseline`),
 after the service's runs of the level, so the two never share the CPU. It loads the target the
@@ -40,9 +47,12 @@ device speed outside the service, so `--hf-baseline` refuses a sim preset. When 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from cluster.runtime.errors import InvalidArgumentError
@@ -50,8 +60,10 @@ from cluster.serve import local_cluster
 from cluster.tools import faults
 
 if TYPE_CHECKING:
+    from cluster.api.client import AsyncTandemClient
     from cluster.tools.baselines.hf_levels import HFLevels
     from cluster.tools.bench.loadtest_ideal import SimIdeal
+    from cluster.tools.bench.process_cpu import Scope
 
 MAX_CONCURRENCY = 256
 MAX_DURATION_S = 3600.0
@@ -170,6 +182,7 @@ def _run(
     from cluster.tools import cleanup
     from cluster.tools.bench.loadtest import run_load
     from cluster.tools.bench.loadtest_ideal import ideal_of_level
+    from cluster.tools.bench.process_cpu import CpuWindow, cpu_fields, cpu_line
 
     modes = {"speculative": args.draft_tokens}
     if args.compare:
@@ -178,7 +191,11 @@ def _run(
     replicas = _local_replicas(args.kill is not None)
     kills: list[dict[str, Any]] = []
     memory_before = faults.memory(replicas) if replicas is not None else None
-    with TandemClient(args.address, timeout_s=600, api_key=local_cluster.api_key()) as client:
+    scope = _cpu_scope(args.address)
+    with (
+        TandemClient(args.address, timeout_s=600, api_key=local_cluster.api_key()) as client,
+        _async_client(args.address) as (loop, load_client),
+    ):
         reference = None
         if args.temperature == 0:
             reference = {
@@ -198,13 +215,19 @@ def _run(
                 if args.kill is not None and name == "speculative":
                     assert replicas is not None
                     midway = faults.kill_busiest(args.kill, replicas, kills)
-                level[name] = run_load(
-                    client, prompts, concurrency, args.duration, settings, midway, reference
-                )
+                window = CpuWindow(scope)
+                window.start()
+                try:
+                    run = loop.run(run_load(load_client, prompts, concurrency, args.duration,
+                                            settings, midway, reference))  # fmt: skip
+                finally:  # Ctrl-C too: stop the window's poller
+                    window.close()
+                level[name] = {**run, **cpu_fields(window.stop(run["tokens"], run["seconds"]))}
                 print(f"[{time.monotonic() - started:7.1f}s] concurrency {concurrency} {name}: "
                       f"{level[name]['tokens_per_s']:.2f} tokens/s, "
                       f"{level[name]['requests']} requests, errors {level[name]['errors']}, "
-                      f"lost {level[name]['lost']}, corrupted {level[name]['corrupted']}",
+                      f"lost {level[name]['lost']}, corrupted {level[name]['corrupted']}; "
+                      f"{cpu_line(level[name]['cpu_ms_per_token'])}",
                       file=sys.stderr, flush=True)  # fmt: skip
             if hf is not None:  # after the service's runs: it is idle now
                 # SIGTERM unwinds like Ctrl-C: the baseline's threads stop (`hf_baseline`).
@@ -233,6 +256,7 @@ def _run(
         "corrupted": None if reference is None
                      else sum(lv[m]["corrupted"] for lv in levels for m in modes),
         "killed": kills,
+        "cpu_scope": scope.description,
         "memory": {"before": memory_before,
                    "after": _drained_memory(replicas) if replicas is not None else None},
     }  # fmt: skip
@@ -243,6 +267,35 @@ def _run(
         result["hf_baseline"] = hf.describe()
         result["config"]["serve_config"] = args.serve_config
     return result
+
+
+def _cpu_scope(address: str) -> Scope:
+    """Whose CPU a window counts: the Ray cluster of the service `tandem serve` started here when
+    `address` is its port, else every Ray or Tandem process of this user
+    (`cluster.tools.bench.process_cpu`)."""
+    from cluster.tools.bench.process_cpu import cluster_scope, user_scope
+
+    state = local_cluster.load_state()
+    if state is not None and address.rpartition(":")[2] == str(state.grpc_port):
+        return cluster_scope(state.temp_dir)
+    return user_scope()
+
+
+@contextmanager
+def _async_client(address: str) -> Iterator[tuple[asyncio.Runner, AsyncTandemClient]]:
+    """An event loop and an asyncio client on it, for the load (`run_load`): every stream of a
+    level on one thread, which costs the client far less CPU than a thread per stream."""
+    from cluster.api.client import AsyncTandemClient
+
+    async def open_client() -> AsyncTandemClient:
+        return AsyncTandemClient(address, timeout_s=600, api_key=local_cluster.api_key())
+
+    with asyncio.Runner() as loop:
+        client = loop.run(open_client())
+        try:
+            yield loop, client
+        finally:
+            loop.run(client.close())
 
 
 def _say(started: float, message: str) -> None:
@@ -339,7 +392,10 @@ def _drained_memory(replicas: faults.Replicas, timeout_s: float = 30.0) -> dict[
 
 def format_table(result: dict[str, Any]) -> str:
     """Markdown: a row per level and mode, then the level's speedups; with a sim preset, each
-    mode's ideal tokens/s and achieved/ideal ("–": unbounded, or no ideal for the mode)."""
+    mode's ideal tokens/s and achieved/ideal ("–": unbounded, or no ideal for the mode); then
+    CPU ms per generated token by process role, a row per level and mode."""
+    from cluster.tools.bench.process_cpu import cpu_section
+
     with_ideal = any("ideal" in level for level in result["levels"])
     header = ["concurrency", "mode", "tokens/s", "requests", "TTFT p50 ms", "ITL p50 ms",
               "errors", *(["ideal tokens/s", "achieved/ideal"] if with_ideal else [])]  # fmt: skip
@@ -379,6 +435,13 @@ def format_table(result: dict[str, Any]) -> str:
             "speculative: the better of serial and pipelined"
             + ("" if bounded else "; –: unbounded, the simulated device costs nothing"),
         ]
+    cpu_rows = [
+        ((str(level["concurrency"]), mode), level[mode]["cpu_ms_per_token"])
+        for level in result["levels"]
+        for mode in ("speculative", "target_only")
+        if "cpu_ms_per_token" in level.get(mode, {})
+    ]
+    lines += cpu_section(("concurrency", "mode"), cpu_rows, result.get("cpu_scope"))
     return "\n".join(lines) + "\n"
 
 

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cluster.tools.bench.process_cpu import cpu_section
+
 # Printed in place of a value the run did not measure (HF runs have no acceptance rate).
 MISSING = "–"
 
@@ -97,7 +99,15 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append("")
         lines += _markdown_table(["category", f"acceptance ({CATEGORY_RUN})", *runs], category_rows)
     lines += _forms_table(result.get("draft_forms"))
+    lines += runs_cpu_section(result)
     return "\n".join(lines) + "\n"
+
+
+def runs_cpu_section(result: dict[str, Any]) -> list[str]:
+    """--mode service: CPU ms per generated token by process role, a row per Tandem run."""
+    rows = [((name,), run["cpu_ms_per_token"]) for name, run in result["runs"].items()
+            if "cpu_ms_per_token" in run]  # fmt: skip
+    return cpu_section(("run",), rows, result.get("cpu_scope"))
 
 
 def _forms_table(forms: list[dict[str, Any]] | None) -> list[str]:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.runtime.errors import InvalidArgumentError
+from cluster.tools.bench.process_cpu import CpuCalls, cluster_scope
 
 RUNS = ("hf_target", "hf_assisted", "tandem_target", "tandem_serial", "tandem_pipelined")
 TANDEM_RUNS = RUNS[2:]
@@ -182,7 +183,10 @@ def _measure(
     prompt_ids: list[tuple[int, ...]],
     repeats: int,
     progress: Callable[[str], None],
+    cpu: CpuCalls | None = None,
 ) -> dict[str, list[Sample]]:
+    """Every runner on every prompt, `repeats` times, the order rotated; with `cpu`, the CPU
+    of each call of the runners it names, read outside the timed region."""
     samples = {name: [Sample() for _ in prompt_ids] for name in runners}
     names = list(runners)
     total, done = repeats * len(prompt_ids) * len(names), 0
@@ -190,9 +194,12 @@ def _measure(
         for index, ids in enumerate(prompt_ids):
             shift = (repeat + index) % len(names)
             for name in names[shift:] + names[:shift]:
+                counted = cpu.open(name) if cpu is not None else None
                 start = time.perf_counter()
                 tokens, stats = runners[name](ids)
                 seconds = time.perf_counter() - start
+                if counted is not None:
+                    counted(len(tokens), seconds)
                 sample = samples[name][index]
                 sample.seconds.append(seconds)
                 sample.tokens, sample.stats = tokens, stats
@@ -294,7 +301,7 @@ def run_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
         "hf_target": _hf_runner(target, args.max_tokens),
         "hf_assisted": _hf_runner(target, args.max_tokens, assistant=draft),
     }
-    with _maybe_service(args, settings, progress) as client:
+    with _maybe_service(args, settings, progress) as (client, cpu):
         for name, k, pipelined in (("tandem_target", 0, False),
                                    ("tandem_serial", args.draft_tokens, False),
                                    ("tandem_pipelined", args.draft_tokens, True)):  # fmt: skip
@@ -303,11 +310,14 @@ def run_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
                 if client is None
                 else _service_runner(client, args.max_tokens, k, pipelined)
             )
-        samples = _measure(runners, ids, args.repeats, progress)
+        samples = _measure(runners, ids, args.repeats, progress, cpu)
     runs = {
         name: summarize_run(samples[name], name in TANDEM_RUNS, name == "tandem_pipelined")
         for name in RUNS
     }
+    if cpu is not None:
+        for name, fields in cpu.fields().items():
+            runs[name].update(fields)
     best = runs["tandem_pipelined"]["tokens_per_s"]
     result: dict[str, Any] = {
         "config": {
@@ -327,6 +337,8 @@ def run_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
         },
         "by_category": _by_category(prompts, samples),
     }  # fmt: skip
+    if cpu is not None:
+        result["cpu_scope"] = cpu.scope.description
     if args.draft_forms:
         from cluster.tools.bench.draft_forms import Example, measure_forms
 
@@ -389,16 +401,17 @@ def _serve_flags(args: Any, settings: dict[str, Any]) -> list[str]:
 def _maybe_service(
     args: Any, settings: dict[str, Any], progress: Callable[[str], None]
 ) -> Iterator[Any]:
+    """(client, CPU of its calls) of the service `--mode service` starts; (None, None) local."""
     if args.mode == "local":
-        yield None
+        yield None, None
         return
     from cluster.api.client import TandemClient
 
     with (
-        _service(args.preset, _serve_flags(args, settings), progress) as (address, api_key, _),
+        _service(args.preset, _serve_flags(args, settings), progress) as (address, api_key, home),
         TandemClient(address, timeout_s=3600, api_key=api_key) as client,
     ):
-        yield client
+        yield client, CpuCalls(cluster_scope(str(home / "ray")), TANDEM_RUNS)
 
 
 def _by_category(prompts: list[Prompt], samples: dict[str, list[Sample]]) -> dict[str, Any]:

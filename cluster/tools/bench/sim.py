@@ -31,6 +31,7 @@ from typing import Any
 
 from cluster.runtime.engine_stats import EngineStats
 from cluster.tools.bench.overhead import _percentile
+from cluster.tools.bench.process_cpu import CpuCalls, cluster_scope, cpu_section
 from cluster.tools.bench.run import Prompt, load_prompts
 
 SIM_RUNS = ("tandem_target", "tandem_serial", "tandem_pipelined")
@@ -87,7 +88,7 @@ def _in_process(pair: Any, settings: dict[str, Any], max_tokens: int) -> Iterato
         return local.verifier.engine.stats(), local.drafter.engine.stats()
 
     try:
-        yield local.tokenizer.encode, generate, engines
+        yield local.tokenizer.encode, generate, engines, None
     finally:
         local.router.close()
 
@@ -137,7 +138,8 @@ def _through_service(
                 assert stats[0] is not None and stats[1] is not None, "replicas run engines"
                 return stats[0], stats[1]
 
-            yield tokenizer.encode, generate, engines
+            cpu = CpuCalls(cluster_scope(str(home / "ray")), SIM_RUNS)
+            yield tokenizer.encode, generate, engines, cpu
 
 
 def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -158,7 +160,7 @@ def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
         _in_process(pair, settings, args.max_tokens)
         if args.mode == "local"
         else _through_service(args, settings, progress)
-    ) as (encode, generate, engines):
+    ) as (encode, generate, engines, cpu):
         ids = [tuple(encode(p.text, add_special_tokens=False)) for p in prompts]
         records: dict[str, list[list[dict[str, Any]]]] = {n: [[] for _ in ids] for n in configs}
         for repeat in range(args.repeats):
@@ -166,10 +168,14 @@ def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
                 shift = (repeat + index) % len(names)
                 for name in names[shift:] + names[:shift]:
                     k, pipelined = configs[name]
-                    records[name][index].append(_one(generate, engines, prompt, k, pipelined))
+                    record = _one(generate, engines, prompt, k, pipelined, cpu, name)
+                    records[name][index].append(record)
             progress(f"repeat {repeat + 1}/{args.repeats} done")
     context = statistics.mean(len(p) for p in ids) + args.max_tokens / 2
     runs = {name: _summarize(records[name]) for name in names}
+    if cpu is not None:
+        for name, fields in cpu.fields().items():
+            runs[name].update(fields)
     serial = runs["tandem_serial"]
     alpha = draft_source.alpha  # per position; a run's accepted/drafted counts a block's tail too
     ideal = sim.ideal_rates(
@@ -200,6 +206,7 @@ def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
             "draft_block_ms": 1000 * ideal.draft_block_s,
         },
         "achieved_over_ideal": achieved,
+        **({"cpu_scope": cpu.scope.description} if cpu is not None else {}),
         "speedup": {
             "vs_tandem_target": runs["tandem_pipelined"]["tokens_per_s"]
             / runs["tandem_target"]["tokens_per_s"],
@@ -209,13 +216,23 @@ def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
 
 
 def _one(
-    generate: Generate, engines: Engines, prompt: tuple[int, ...], k: int, pipelined: bool
+    generate: Generate,
+    engines: Engines,
+    prompt: tuple[int, ...],
+    k: int,
+    pipelined: bool,
+    cpu: CpuCalls | None = None,
+    name: str = "",
 ) -> dict[str, Any]:
-    """One request, timed, with its engines' counters read before and after."""
+    """One request, timed, with its engines' counters read before and after; with `cpu`, the
+    CPU of the service's processes while it ran (run `name`), read outside the timed region."""
     before = engines()
+    counted = cpu.open(name) if cpu is not None else None
     started = time.perf_counter()
     tokens, stats = generate(prompt, k, pipelined)
     wall_s = time.perf_counter() - started
+    if counted is not None:
+        counted(len(tokens), wall_s)
     stages = _split(before, engines(), wall_s)
     if pipelined:  # draft and verify overlap: the device split is not additive
         stages["device"] = stages["router_and_handoffs"] = float("nan")
@@ -294,6 +311,9 @@ def format_sim_table(result: dict[str, Any]) -> str:
         f"{ideal['draft_block_ms']:.2f} ms, {ideal['tokens_per_verify']:.2f} tokens/verify at "
         f"alpha {ideal['alpha']:.2f}",
     ]
+    rows = [((name,), run["cpu_ms_per_token"]) for name, run in result["runs"].items()
+            if "cpu_ms_per_token" in run]  # fmt: skip
+    lines += cpu_section(("run",), rows, result.get("cpu_scope"))
     return "\n".join(lines) + "\n"
 
 

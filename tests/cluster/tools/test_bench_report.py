@@ -131,3 +131,19 @@ def test_plot_accepts_a_string_path_with_no_positions_at_all(tmp_path: Path) -> 
     path = tmp_path / "empty.png"
     plot(result, str(path))
     assert path.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_service_mode_tables_cpu_per_token_by_role() -> None:
+    """--mode service: a row per Tandem run that measured its processes' CPU; none otherwise."""
+    assert "CPU ms per generated token" not in format_table(make_result())
+    result = make_result()
+    result["cpu_scope"] = "the Ray cluster of /tmp/x/ray and its descendants"
+    per_token = {"router": 0.9, "proxy": 0.5, "verifier": 0.6, "service_total": 2.0,
+                 "load_client": 0.2}  # fmt: skip
+    for name in ("tandem_target", "tandem_serial", "tandem_pipelined"):
+        result["runs"][name]["cpu_ms_per_token"] = per_token
+    text = format_table(result)
+    assert "CPU ms per generated token, by process role (the Ray cluster of /tmp/x/ray" in text
+    assert "| run | router | proxy | controller |" in text
+    assert "| tandem_serial | 0.900 | 0.500 | – |" in text
+    assert "| hf_target | 0.9" not in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -58,13 +59,14 @@ def test_memory_sums_each_side() -> None:
 class _Client:
     """Streams fixed tokens; the prompt "fail" raises as a lost request does."""
 
-    def stream(self, prompt: str, **settings: Any) -> Any:
+    async def stream(self, prompt: str, **settings: Any) -> Any:
         from cluster.api.client_types import StreamChunk, TandemClientError
 
         if prompt == "fail":
             import grpc
 
             raise TandemClientError(grpc.StatusCode.UNAVAILABLE, "replica gone")
+        await asyncio.sleep(0.001)  # a bounded number of requests, as over a network
         yield StreamChunk("r", (1, 2), "ab")
         yield StreamChunk("r", (3,) if prompt == "good" else (4,), "c", finish_reason="length")
 
@@ -72,8 +74,8 @@ class _Client:
 def test_run_load_counts_lost_and_corrupted_requests_and_runs_midway_once() -> None:
     calls: list[int] = []
     reference = {"good": (1, 2, 3), "bad": (1, 2, 3), "fail": (1,)}
-    result = run_load(
-        _Client(), ["good", "bad", "fail"], 3, 0.2, {}, lambda: calls.append(1), reference
+    result = asyncio.run(
+        run_load(_Client(), ["good", "bad", "fail"], 3, 0.2, {}, lambda: calls.append(1), reference)
     )
     assert calls == [1]
     assert result["lost"] == result["errors"]["UNAVAILABLE"] > 0

@@ -29,6 +29,7 @@ from cluster.tools import cleanup
 from cluster.tools.baselines import hf_baseline
 from cluster.tools.baselines.hf_baseline import METHODS, LevelRun, TargetBaseline, choose_method
 from cluster.tools.baselines.hf_levels import reported_model, service_target
+from tests.cluster.tools.load_fakes import as_async
 
 MAX_TOKENS = 12
 # Different lengths, so that a padded batch really pads.
@@ -243,6 +244,7 @@ def test_the_load_test_reports_the_baseline(
 ) -> None:
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))  # no service recorded here
     monkeypatch.setattr("cluster.api.client.TandemClient", ReferenceClient)
+    monkeypatch.setattr("cluster.api.client.AsyncTandemClient", as_async(ReferenceClient))
     out = tmp_path / "result.json"
     argv = ["loadtest", "--concurrency", "1", "8", "--duration", "0.2", "--max-tokens", "6",
             "--compare", "--hf-baseline", "--preset", "tiny", "--json", str(out),

@@ -1,16 +1,20 @@
-"""The load loop over a scripted client: counts, latencies, errors by code, and its bounds."""
+"""The load loop over a scripted client: counts, latencies, errors by code, and its bounds;
+and the CPU per token by process role that `tandem loadtest` adds to each run."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
 from cluster.api.client_types import StreamChunk, TandemClientError
+from cluster.cli.loadtest import _cpu_scope
 from cluster.cli.main import main
+from cluster.serve import local_cluster
 from cluster.tools.bench.loadtest import run_load
 
 CHUNK_GAP_S = 0.01
@@ -22,19 +26,20 @@ class ScriptedClient:
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
 
-    def stream(self, prompt: str, **settings: Any) -> Iterator[StreamChunk]:
+    async def stream(self, prompt: str, **settings: Any) -> AsyncIterator[StreamChunk]:
         self.calls.append(settings)
         if prompt == "bad":
             raise TandemClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
-        time.sleep(CHUNK_GAP_S)
+        await asyncio.sleep(CHUNK_GAP_S)
         yield StreamChunk("r", (1,), "a")
-        time.sleep(CHUNK_GAP_S)
+        await asyncio.sleep(CHUNK_GAP_S)
         yield StreamChunk("r", (2, 3, 4), "bcd", "length")
 
 
 def test_counts_tokens_latencies_and_errors() -> None:
     client = ScriptedClient()
-    result = run_load(client, ["ok", "bad"], concurrency=2, duration_s=0.3, settings={"x": 1})
+    load = run_load(client, ["ok", "bad"], concurrency=2, duration_s=0.3, settings={"x": 1})
+    result = asyncio.run(load)
     assert all(call == {"x": 1} for call in client.calls)
     # Every call either finished or failed with its code.
     assert result["requests"] + result["errors"]["RESOURCE_EXHAUSTED"] == len(client.calls)
@@ -64,7 +69,7 @@ class TimedScript:
     def __init__(self, clock: VirtualClock) -> None:
         self.clock = clock
 
-    def stream(self, prompt: str, **settings: Any) -> Iterator[StreamChunk]:
+    async def stream(self, prompt: str, **settings: Any) -> AsyncIterator[StreamChunk]:
         self.clock.now += 0.5
         yield StreamChunk("r", (1,), "a")
         self.clock.now += 0.75
@@ -73,7 +78,9 @@ class TimedScript:
 
 def test_latencies_and_the_deadline_on_a_virtual_clock() -> None:
     clock = VirtualClock()
-    result = run_load(TimedScript(clock), ["p"], 1, duration_s=5.0, settings={}, clock=clock)
+    result = asyncio.run(
+        run_load(TimedScript(clock), ["p"], 1, duration_s=5.0, settings={}, clock=clock)
+    )
     # Requests start at 0, 1.25, 2.5 and 3.75 s; at 5 s the deadline has passed.
     assert result["requests"] == 4 and result["tokens"] == 16
     assert result["seconds"] == 5.0 and result["tokens_per_s"] == 16 / 5.0
@@ -105,3 +112,15 @@ def test_latencies_and_the_deadline_on_a_virtual_clock() -> None:
 def test_bad_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["loadtest", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_cpu_scope_is_the_cluster_of_the_service_started_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(local_cluster.HOME_ENV, str(tmp_path))
+    assert "every process of uid" in _cpu_scope("127.0.0.1:9000").description  # none recorded
+    temp_dir = str(tmp_path / "ray")
+    local_cluster.save_state(local_cluster.ClusterState("127.0.0.1:6379", temp_dir, True, 9000))
+    assert temp_dir in _cpu_scope("127.0.0.1:9000").description
+    # Another port is another service: its processes are found by their titles.
+    assert "every process of uid" in _cpu_scope("127.0.0.1:9001").description

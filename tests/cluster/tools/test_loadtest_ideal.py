@@ -6,6 +6,7 @@ JSON and plot on fabricated results and on a fake service (no Ray, no timed asse
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,11 @@ from cluster.routing.draft_length_config import DEFAULT_DRAFT_TOKENS
 from cluster.runtime import sim, sim_source
 from cluster.runtime.models import load_tokenizer
 from cluster.tools.bench.loadtest_ideal import SimIdeal, achieved_over_ideal, ideal_of_level
+from cluster.tools.bench.process_cpu import CLIENT, ROLES, SERVICE_TOTAL
 from cluster.tools.bench.run import load_prompts
+from tests.cluster.tools.load_fakes import as_async
+
+CPU_KEYS = (*ROLES, SERVICE_TOTAL, CLIENT)
 
 H100_8B = PRESETS["sim-h100-8b"]
 INSTANT = PRESETS["sim-instant"]
@@ -256,6 +261,7 @@ def test_loadtest_with_a_sim_preset_reports_the_ideal_per_level(
 ) -> None:
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))  # no service recorded here
     monkeypatch.setattr("cluster.api.client.TandemClient", FakeService)
+    monkeypatch.setattr("cluster.api.client.AsyncTandemClient", as_async(FakeService))
     out = tmp_path / "result.json"
     argv = ["loadtest", "--concurrency", "1", "2", "--duration", "0.05", "--max-tokens", "8",
             "--compare", "--preset", "sim-h100-8b", "--json", str(out),
@@ -275,8 +281,25 @@ def test_loadtest_with_a_sim_preset_reports_the_ideal_per_level(
             assert level["achieved_over_ideal"][mode] == pytest.approx(
                 level[mode]["tokens_per_s"] / level["ideal"][f"{mode}_tokens_per_s"]
             )
+    # Every run carries its CPU per generated token by process role; with no service recorded
+    # in TANDEM_HOME, every Ray or Tandem process of this user counts.
+    assert "every process of uid" in result["cpu_scope"]
+    for level in result["levels"]:
+        for mode in ("speculative", "target_only"):
+            run = level[mode]
+            assert set(run["cpu_ms_per_token"]) == set(CPU_KEYS)
+            assert set(run["cpu"]["cpu_s"]) == set(CPU_KEYS)
+            assert run["cpu_ms_per_token"]["load_client"] == pytest.approx(
+                1000 * run["cpu"]["cpu_s"]["load_client"] / run["tokens"]
+            )
+            # This process is the load client, never one of the service's roles.
+            service = [p for p in run["cpu"]["processes"] if p["role"] != "load_client"]
+            assert os.getpid() not in {p["pid"] for p in service}
     captured = capsys.readouterr()
     assert "| ideal tokens/s | achieved/ideal |" in captured.out
+    assert "| concurrency | mode | router | proxy |" in captured.out
+    assert "CPU ms per generated token, by process role (every process of uid" in captured.out
+    assert "concurrency 2 target_only: " in captured.err and "load client " in captured.err
     speculative = result["levels"][1]["ideal"]["speculative_tokens_per_s"]
     assert "concurrency 2 achieved/ideal: speculative " in captured.err
     assert f"(ideal {speculative:.2f} tokens/s)" in captured.err
@@ -298,6 +321,7 @@ def test_the_ideal_is_refused_for_a_service_that_reports_another_preset(
 ) -> None:
     monkeypatch.setattr("cluster.tools.baselines.hf_levels.reported_model", lambda address: "tiny")
     monkeypatch.setattr("cluster.api.client.TandemClient", FakeService)
+    monkeypatch.setattr("cluster.api.client.AsyncTandemClient", as_async(FakeService))
     argv = ["loadtest", "--duration", "0.05", "--preset", "sim-instant"]
     assert main(argv) == 2
     assert "the service serves 'tiny', not the preset 'sim-instant'" in capsys.readouterr().err
