@@ -55,6 +55,11 @@ class DrafterStub:
                 request_serializer=protos_dot_replica__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_replica__pb2.ReplicaStats.FromString,
                 _registered_method=True)
+        self.Frames = channel.stream_stream(
+                '/tandem.v1.Drafter/Frames',
+                request_serializer=protos_dot_replica__pb2.RouterFrame.SerializeToString,
+                response_deserializer=protos_dot_replica__pb2.ReplicaFrame.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -89,6 +94,15 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Frames(self, request_iterator, context):
+        """One long-lived stream per router process: OpenSession, Draft and CloseSession work of
+        any number of sessions in each RouterFrame; one ReplicaFrame per engine step with every
+        result that step produced for this stream (Verify entries are refused per entry).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +125,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_replica__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_replica__pb2.ReplicaStats.SerializeToString,
+            ),
+            'Frames': grpc.stream_stream_rpc_method_handler(
+                    servicer.Frames,
+                    request_deserializer=protos_dot_replica__pb2.RouterFrame.FromString,
+                    response_serializer=protos_dot_replica__pb2.ReplicaFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -232,6 +251,33 @@ class Drafter:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Frames(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.Drafter/Frames',
+            protos_dot_replica__pb2.RouterFrame.SerializeToString,
+            protos_dot_replica__pb2.ReplicaFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class VerifierStub:
     """Verifies draft blocks with the target model and commits the result.
@@ -267,6 +313,11 @@ class VerifierStub:
                 '/tandem.v1.Verifier/Reference',
                 request_serializer=protos_dot_replica__pb2.ReferenceRequest.SerializeToString,
                 response_deserializer=protos_dot_replica__pb2.ReferenceResponse.FromString,
+                _registered_method=True)
+        self.Frames = channel.stream_stream(
+                '/tandem.v1.Verifier/Frames',
+                request_serializer=protos_dot_replica__pb2.RouterFrame.SerializeToString,
+                response_deserializer=protos_dot_replica__pb2.ReplicaFrame.FromString,
                 _registered_method=True)
 
 
@@ -313,6 +364,15 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Frames(self, request_iterator, context):
+        """One long-lived stream per router process: OpenSession, Verify and CloseSession work of
+        any number of sessions in each RouterFrame; one ReplicaFrame per engine step with every
+        result that step produced for this stream (Draft entries are refused per entry).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -340,6 +400,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Reference,
                     request_deserializer=protos_dot_replica__pb2.ReferenceRequest.FromString,
                     response_serializer=protos_dot_replica__pb2.ReferenceResponse.SerializeToString,
+            ),
+            'Frames': grpc.stream_stream_rpc_method_handler(
+                    servicer.Frames,
+                    request_deserializer=protos_dot_replica__pb2.RouterFrame.FromString,
+                    response_serializer=protos_dot_replica__pb2.ReplicaFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -478,6 +543,33 @@ class Verifier:
             '/tandem.v1.Verifier/Reference',
             protos_dot_replica__pb2.ReferenceRequest.SerializeToString,
             protos_dot_replica__pb2.ReferenceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Frames(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.Verifier/Frames',
+            protos_dot_replica__pb2.RouterFrame.SerializeToString,
+            protos_dot_replica__pb2.ReplicaFrame.FromString,
             options,
             channel_credentials,
             insecure,

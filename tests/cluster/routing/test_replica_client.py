@@ -211,7 +211,8 @@ def test_internal_error_raises_replica_unavailable_with_the_generic_message(
     def broken_draft(*args: object, **kwargs: object) -> None:
         raise ZeroDivisionError("hidden")
 
-    monkeypatch.setattr(remote.drafter_component, "draft", broken_draft)
+    # `submit_draft`: what both a Frames entry and the unary call go through.
+    monkeypatch.setattr(remote.drafter_component, "submit_draft", broken_draft)
     with pytest.raises(ReplicaUnavailableError) as caught:
         remote.drafter.draft(session, 3, [], 1)
     assert str(caught.value) == (
