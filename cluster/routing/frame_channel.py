@@ -107,6 +107,9 @@ class _Stream:
         self._ending = False
         self.ended = False
         """The call has ended: nothing more is answered (read under the channel's lock)."""
+        self._failure: Callable[[], TandemError] = self._gone_error
+        """Makes the error the call ended with (one per future: each is raised in its own
+        thread)."""
         self._call = frames(self._outgoing(), metadata=metadata)
         self._receiver = threading.Thread(
             target=self._receive, name=f"frames-{replica}", daemon=True
@@ -116,8 +119,8 @@ class _Stream:
     def submit(self, entry: replica_pb2.FrameEntry) -> Future[Any]:
         future: Future[Any] = Future()
         with self._condition:
-            if self.ended:
-                future.set_exception(self._gone_error())
+            if self.ended:  # it ended as it opened (a refused secret): the same error
+                future.set_exception(self._failure())
                 return future
             self._pending[entry.tag] = future
             self._queue.append(entry)
@@ -168,6 +171,7 @@ class _Stream:
             failure = self._gone_error
         with self._condition:
             self.ended = self._ending = True
+            self._failure = failure
             pending, self._pending = self._pending, {}
             self._condition.notify()
         for future in pending.values():
