@@ -226,7 +226,7 @@ def test_32_sessions_get_at_most_two_frames_per_engine_step(served: Served) -> N
     # Every verify of a step finishes in that step, and the step listener sends them as one
     # frame; the bound 2 leaves room for a result that completes between steps.
     client = GrpcVerifier(served.address, timeout_s=WAIT_S, secret=SECRET)
-    opened, rounds_done = threading.Barrier(SESSIONS + 1), threading.Barrier(SESSIONS + 1)
+    opened, go, rounds_done, counted = (threading.Barrier(SESSIONS + 1) for _ in range(4))
     errors: list[BaseException] = []
 
     def session(index: int) -> None:
@@ -234,9 +234,11 @@ def test_32_sessions_get_at_most_two_frames_per_engine_step(served: Served) -> N
         try:
             length = client.open_session(session_id, [1, 2, 3, index % 200], GREEDY, 0)
             opened.wait(WAIT_S)
+            go.wait(WAIT_S)  # once the counters before the rounds are read
             for _ in range(ROUNDS):
                 length = client.verify(session_id, DraftBlock(length, ())).committed_length
             rounds_done.wait(WAIT_S)
+            counted.wait(WAIT_S)  # once the counters after the rounds are read
             client.close_session(session_id)
         except BaseException as error:
             errors.append(error)
@@ -248,8 +250,10 @@ def test_32_sessions_get_at_most_two_frames_per_engine_step(served: Served) -> N
     try:
         opened.wait(WAIT_S)
         before = client.stats()
+        go.wait(WAIT_S)
         rounds_done.wait(WAIT_S)
         after = client.stats()
+        counted.wait(WAIT_S)
     finally:
         for thread in threads:
             thread.join(WAIT_S)
