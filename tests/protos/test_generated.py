@@ -199,6 +199,7 @@ def test_services_have_expected_methods() -> None:
         "Draft",
         "CloseSession",
         "Stats",
+        "Frames",
     ]
     assert _method_names(replica_pb2.DESCRIPTOR, "Verifier") == [
         "OpenSession",
@@ -206,9 +207,13 @@ def test_services_have_expected_methods() -> None:
         "CloseSession",
         "Stats",
         "Reference",
+        "Frames",
     ]
     stream = generate_pb2.DESCRIPTOR.services_by_name["Tandem"].methods_by_name["GenerateStream"]
     assert stream.server_streaming and not stream.client_streaming
+    for side in ("Drafter", "Verifier"):
+        frames = replica_pb2.DESCRIPTOR.services_by_name[side].methods_by_name["Frames"]
+        assert frames.server_streaming and frames.client_streaming
 
 
 def test_all_files_share_one_package() -> None:

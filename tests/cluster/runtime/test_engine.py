@@ -217,8 +217,9 @@ def test_batched_handlers_see_every_waiting_payload_at_once(
     futures = [engine.submit(task(f"s{i}", i), key=f"s{i}") for i in range(4)]
     runner.gate.set()
     assert futures[0].result(timeout=10) == 0 and futures[2].result(timeout=10) == 4
-    with pytest.raises(ValueError, match="odd"):
-        futures[1].result(timeout=10)
+    for odd in (futures[1], futures[3]):  # s3 may run a step after the others: wait for it
+        with pytest.raises(ValueError, match="odd"):
+            odd.result(timeout=10)
     assert sum(len(c) for c in calls) == 4 and len(calls) <= 2  # grouped per step
 
 
