@@ -20,11 +20,12 @@ the verifier accepts such a token exactly when it is the target's own draw.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import torch
 
-from cluster.runtime.component import SessionComponent
+from cluster.runtime.component import SessionComponent, submitted
 from cluster.runtime.constraint import (
     Constraint,
     TokenMatcher,
@@ -99,8 +100,21 @@ class Drafter(SessionComponent[DrafterConfig]):
         `truncate_to` undoes a block the router let this drafter assume accepted (pipelining)
         when the verdict rejected part of it.
         """
+        return self.submit_draft(
+            session_id, base_length, appended_tokens, num_tokens, truncate_to
+        ).result()
+
+    def submit_draft(
+        self,
+        session_id: str,
+        base_length: int,
+        appended_tokens: Sequence[int],
+        num_tokens: int,
+        truncate_to: int | None = None,
+    ) -> Future[DraftBlock]:
+        """`draft` without waiting: a future of the block."""
         task = self._draft(session_id, base_length, tuple(appended_tokens), num_tokens, truncate_to)
-        return self._engine.run(task, key=session_id)
+        return submitted(lambda: self._engine.submit(task, key=session_id))
 
     def _draft(
         self,

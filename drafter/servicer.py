@@ -1,22 +1,26 @@
 """The drafter's gRPC servicer: `tandem.v1.Drafter` over a plain `Drafter`.
 
-A thin adapter: the session RPCs come from `SessionServicer` (cluster/replica/servicer.py); the
-one of its own, Draft, converts the request with `cluster.wire.convert`, calls the drafter
-under the servicer's `CallGuard` (errors become gRPC statuses; calls run concurrently, batched
-by the drafter's engine), and converts the block back.
+A thin adapter: the session RPCs and the Frames stream come from `SessionServicer`
+(cluster/replica/servicer.py); the one of its own, Draft, converts the request with
+`cluster.wire.convert`, calls the drafter under the servicer's `CallGuard` (errors become gRPC
+statuses; calls run concurrently, batched by the drafter's engine), and converts the block
+back; a Frames stream's draft entries take the same way through `submit_draft`.
 
 Chaos for soak tests: given an `error_fraction` above 0 (`DrafterConfig.error_fraction`), that
-share of Draft calls, drawn from the servicer's own `random.Random`, is answered INTERNAL
-(`InjectedError`) before the drafter sees it, as a faulty drafter would answer.
+share of Draft calls and draft entries, drawn from the servicer's own `random.Random`, is
+answered INTERNAL (`InjectedError`) before the drafter sees it, as a faulty drafter would.
 """
 
 from __future__ import annotations
 
 import random
+from concurrent.futures import Future
 
 import grpc
 
+from cluster.replica.frames import EntryHandler
 from cluster.replica.servicer import SessionServicer
+from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import InvalidArgumentError, TandemError
 from cluster.wire import convert
 from drafter.drafter import Drafter
@@ -50,15 +54,38 @@ class DrafterServicer(SessionServicer[Drafter], replica_pb2_grpc.DrafterServicer
         self, request: replica_pb2.DraftRequest, context: grpc.ServicerContext
     ) -> replica_pb2.DraftBlock:
         def call() -> replica_pb2.DraftBlock:
-            if self._error_fraction and self._chaos.random() < self._error_fraction:
-                raise InjectedError("Draft failed on purpose (drafter_limits.error_fraction)")
+            self._maybe_fail()
+            read = convert.draft_request_from_wire(request)
             block = self.component.draft(
-                convert.session_id_from_wire(request.session_id),
-                request.base_length,
-                tuple(request.appended_token_ids),
-                request.num_tokens,
-                truncate_to=request.truncate_to if request.HasField("truncate_to") else None,
+                read.session_id,
+                read.base_length,
+                read.appended_tokens,
+                read.num_tokens,
+                truncate_to=read.truncate_to,
             )
             return convert.block_to_wire(block)
 
         return self._guard.run(context, "Draft", call)
+
+    def _maybe_fail(self) -> None:
+        """Fail this draft on purpose, `error_fraction` of the time."""
+        if self._error_fraction and self._chaos.random() < self._error_fraction:
+            raise InjectedError("Draft failed on purpose (drafter_limits.error_fraction)")
+
+    def _entry_handlers(self) -> dict[str, EntryHandler]:
+        return {**super()._entry_handlers(), "draft": EntryHandler(self._submit_draft, _drafted)}
+
+    def _submit_draft(self, request: replica_pb2.DraftRequest) -> Future[DraftBlock]:
+        self._maybe_fail()
+        read = convert.draft_request_from_wire(request)
+        return self.component.submit_draft(
+            read.session_id,
+            read.base_length,
+            read.appended_tokens,
+            read.num_tokens,
+            truncate_to=read.truncate_to,
+        )
+
+
+def _drafted(block: DraftBlock) -> replica_pb2.FrameResult:
+    return replica_pb2.FrameResult(block=convert.block_to_wire(block))

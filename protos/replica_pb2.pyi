@@ -7,6 +7,62 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RouterFrame(_message.Message):
+    __slots__ = ("version", "entries")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    entries: _containers.RepeatedCompositeFieldContainer[FrameEntry]
+    def __init__(self, version: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[FrameEntry, _Mapping]]] = ...) -> None: ...
+
+class FrameEntry(_message.Message):
+    __slots__ = ("tag", "open", "draft", "verify", "close")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    open: OpenSessionRequest
+    draft: DraftRequest
+    verify: VerifyRequest
+    close: CloseSessionRequest
+    def __init__(self, tag: _Optional[int] = ..., open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., close: _Optional[_Union[CloseSessionRequest, _Mapping]] = ...) -> None: ...
+
+class ReplicaFrame(_message.Message):
+    __slots__ = ("version", "results")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    results: _containers.RepeatedCompositeFieldContainer[FrameResult]
+    def __init__(self, version: _Optional[int] = ..., results: _Optional[_Iterable[_Union[FrameResult, _Mapping]]] = ...) -> None: ...
+
+class FrameResult(_message.Message):
+    __slots__ = ("tag", "opened", "block", "verdict", "closed", "error")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    opened: OpenSessionResponse
+    block: DraftBlock
+    verdict: Verdict
+    closed: CloseSessionResponse
+    error: EntryError
+    def __init__(self, tag: _Optional[int] = ..., opened: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., block: _Optional[_Union[DraftBlock, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., closed: _Optional[_Union[CloseSessionResponse, _Mapping]] = ..., error: _Optional[_Union[EntryError, _Mapping]] = ...) -> None: ...
+
+class EntryError(_message.Message):
+    __slots__ = ("status", "message", "retry_after_ms")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    message: str
+    retry_after_ms: int
+    def __init__(self, status: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+
 class OpenSessionRequest(_message.Message):
     __slots__ = ("session_id", "prompt_token_ids", "sampling", "seed", "time_limit_ms", "max_new_tokens", "resumed", "grammar", "min_tokens", "end_token_ids", "prompt_length")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -128,16 +184,24 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("num_sessions", "num_cached_tokens", "busy_s", "engine")
+    __slots__ = ("num_sessions", "num_cached_tokens", "busy_s", "engine", "frames_sent", "results_sent", "frames_received", "entries_received")
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUSY_S_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_SENT_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_SENT_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     num_sessions: int
     num_cached_tokens: int
     busy_s: float
     engine: EngineStats
-    def __init__(self, num_sessions: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., engine: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
+    frames_sent: int
+    results_sent: int
+    frames_received: int
+    entries_received: int
+    def __init__(self, num_sessions: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., engine: _Optional[_Union[EngineStats, _Mapping]] = ..., frames_sent: _Optional[int] = ..., results_sent: _Optional[int] = ..., frames_received: _Optional[int] = ..., entries_received: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
     __slots__ = ("runner", "steps", "max_batch_sequences", "kv_blocks_total", "kv_blocks_used", "block_size", "batch_sequences", "step_tokens", "queue_wait_s", "queued", "cost_base_s", "cost_per_token_s", "busy_s", "forward_s", "device_s", "batched_s", "gather_s", "gathers", "preemptions", "recomputed_tokens", "refusals")
@@ -210,59 +274,3 @@ class ReferenceResponse(_message.Message):
     dtype: str
     served_gaps: bytes
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., gaps: _Optional[bytes] = ..., dtype: _Optional[str] = ..., served_gaps: _Optional[bytes] = ...) -> None: ...
-
-class RouterFrame(_message.Message):
-    __slots__ = ("version", "entries")
-    VERSION_FIELD_NUMBER: _ClassVar[int]
-    ENTRIES_FIELD_NUMBER: _ClassVar[int]
-    version: int
-    entries: _containers.RepeatedCompositeFieldContainer[FrameEntry]
-    def __init__(self, version: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[FrameEntry, _Mapping]]] = ...) -> None: ...
-
-class FrameEntry(_message.Message):
-    __slots__ = ("tag", "open", "draft", "verify", "close")
-    TAG_FIELD_NUMBER: _ClassVar[int]
-    OPEN_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_FIELD_NUMBER: _ClassVar[int]
-    VERIFY_FIELD_NUMBER: _ClassVar[int]
-    CLOSE_FIELD_NUMBER: _ClassVar[int]
-    tag: int
-    open: OpenSessionRequest
-    draft: DraftRequest
-    verify: VerifyRequest
-    close: CloseSessionRequest
-    def __init__(self, tag: _Optional[int] = ..., open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., close: _Optional[_Union[CloseSessionRequest, _Mapping]] = ...) -> None: ...
-
-class ReplicaFrame(_message.Message):
-    __slots__ = ("version", "results")
-    VERSION_FIELD_NUMBER: _ClassVar[int]
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
-    version: int
-    results: _containers.RepeatedCompositeFieldContainer[FrameResult]
-    def __init__(self, version: _Optional[int] = ..., results: _Optional[_Iterable[_Union[FrameResult, _Mapping]]] = ...) -> None: ...
-
-class FrameResult(_message.Message):
-    __slots__ = ("tag", "opened", "block", "verdict", "closed", "error")
-    TAG_FIELD_NUMBER: _ClassVar[int]
-    OPENED_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_FIELD_NUMBER: _ClassVar[int]
-    VERDICT_FIELD_NUMBER: _ClassVar[int]
-    CLOSED_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    tag: int
-    opened: OpenSessionResponse
-    block: DraftBlock
-    verdict: Verdict
-    closed: CloseSessionResponse
-    error: EntryError
-    def __init__(self, tag: _Optional[int] = ..., opened: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., block: _Optional[_Union[DraftBlock, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., closed: _Optional[_Union[CloseSessionResponse, _Mapping]] = ..., error: _Optional[_Union[EntryError, _Mapping]] = ...) -> None: ...
-
-class EntryError(_message.Message):
-    __slots__ = ("status", "message", "retry_after_ms")
-    STATUS_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
-    status: str
-    message: str
-    retry_after_ms: int
-    def __init__(self, status: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...

@@ -95,8 +95,9 @@ class DrafterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Frames(self, request_iterator, context):
-        """One long-lived stream per router: each RouterFrame carries many sessions' entries, each
-        ReplicaFrame the results one engine step produced for that router. Not served yet.
+        """One long-lived stream per router process: OpenSession, Draft and CloseSession work of
+        any number of sessions in each RouterFrame; one ReplicaFrame per engine step with every
+        result that step produced for this stream (Verify entries are refused per entry).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -364,8 +365,9 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Frames(self, request_iterator, context):
-        """One long-lived stream per router: each RouterFrame carries many sessions' entries, each
-        ReplicaFrame the results one engine step produced for that router. Not served yet.
+        """One long-lived stream per router process: OpenSession, Verify and CloseSession work of
+        any number of sessions in each RouterFrame; one ReplicaFrame per engine step with every
+        result that step produced for this stream (Draft entries are refused per entry).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,18 +1,23 @@
 """The verifier's gRPC servicer: `tandem.v1.Verifier` over a plain `Verifier`.
 
-A thin adapter: the session RPCs come from `SessionServicer` (cluster/replica/servicer.py); the
-one of its own, Verify, converts the block with `cluster.wire.convert`, calls the verifier
-under the servicer's `CallGuard` (errors become gRPC statuses; calls run concurrently, batched
-by the verifier's engine), and converts the verdict back. Reference (the audit's replay) runs in
-the handler's own thread, between the engine's calls (`verifier.audit_replica`); its gaps travel
-as raw float32 bytes (`convert.floats_to_wire`).
+A thin adapter: the session RPCs and the Frames stream come from `SessionServicer`
+(cluster/replica/servicer.py); the one of its own, Verify, converts the block with
+`cluster.wire.convert`, calls the verifier under the servicer's `CallGuard` (errors become gRPC
+statuses; calls run concurrently, batched by the verifier's engine), and converts the verdict
+back; a Frames stream's verify entries take the same way through `submit_verify`. Reference
+(the audit's replay) runs in the handler's own thread, between the engine's calls
+(`verifier.audit_replica`); its gaps travel as raw float32 bytes (`convert.floats_to_wire`).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import grpc
 
+from cluster.replica.frames import EntryHandler
 from cluster.replica.servicer import SessionServicer
+from cluster.runtime.draft_block import Verdict
 from cluster.wire import convert
 from protos import replica_pb2, replica_pb2_grpc
 from verifier.verifier import Verifier
@@ -31,14 +36,22 @@ class VerifierServicer(SessionServicer[Verifier], replica_pb2_grpc.VerifierServi
         self, request: replica_pb2.VerifyRequest, context: grpc.ServicerContext
     ) -> replica_pb2.Verdict:
         def call() -> replica_pb2.Verdict:
+            read = convert.verify_request_from_wire(request)
             verdict = self.component.verify(
-                convert.session_id_from_wire(request.session_id),
-                convert.block_from_wire(request.block),
-                defer_bonus=request.defer_bonus,
+                read.session_id, read.block, defer_bonus=read.defer_bonus
             )
             return convert.verdict_to_wire(verdict)
 
         return self._guard.run(context, "Verify", call)
+
+    def _entry_handlers(self) -> dict[str, EntryHandler]:
+        return {**super()._entry_handlers(), "verify": EntryHandler(self._submit_verify, _verified)}
+
+    def _submit_verify(self, request: replica_pb2.VerifyRequest) -> Future[Verdict]:
+        read = convert.verify_request_from_wire(request)
+        return self.component.submit_verify(
+            read.session_id, read.block, defer_bonus=read.defer_bonus
+        )
 
     def Reference(
         self, request: replica_pb2.ReferenceRequest, context: grpc.ServicerContext
@@ -59,3 +72,7 @@ class VerifierServicer(SessionServicer[Verifier], replica_pb2_grpc.VerifierServi
             )
 
         return self._guard.run(context, "Reference", call)
+
+
+def _verified(verdict: Verdict) -> replica_pb2.FrameResult:
+    return replica_pb2.FrameResult(verdict=convert.verdict_to_wire(verdict))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.runtime.audit import Replay
-from cluster.runtime.component import SessionComponent
+from cluster.runtime.component import SessionComponent, submitted
 from cluster.runtime.constraint import mask_logits, masks_ahead, wait_for
 from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.engine import Batched, Task
@@ -110,7 +110,14 @@ class Verifier(SessionComponent[VerifierConfig]):
         is verified against it. This is the same acceptance rule applied across two passes,
         so it stays lossless; it lets a block drafted ahead (pipelining) be used as it is.
         """
-        return self._engine.run(self._verify(session_id, block, defer_bonus), key=session_id)
+        return self.submit_verify(session_id, block, defer_bonus).result()
+
+    def submit_verify(
+        self, session_id: str, block: DraftBlock, defer_bonus: bool = False
+    ) -> Future[Verdict]:
+        """`verify` without waiting: a future of the verdict."""
+        task = self._verify(session_id, block, defer_bonus)
+        return submitted(lambda: self._engine.submit(task, key=session_id))
 
     def reference(
         self,
@@ -351,8 +358,8 @@ def _greedy_outcome(
 
 
 def _on_device(
-    rows: tuple[SparseDistribution, ...] | None, device: torch.device
-) -> tuple[SparseDistribution, ...] | None:
+    rows: Sequence[SparseDistribution] | None, device: torch.device
+) -> Sequence[SparseDistribution] | None:
     """Sparse q rows on the target's device (they arrive on the host)."""
     if rows is None or device.type == "cpu":
         return rows

@@ -10,9 +10,12 @@
   It holds at most `max_concurrent_rpcs` calls at once, running or queued, and answers
   RESOURCE_EXHAUSTED to one more, so a replica's queue never grows without bound. Given the
   cluster's shared secret, it answers UNAUTHENTICATED to every call that does not carry it
-  (`SecretCheck`), so nothing but the router can drive a replica; and it parses each request
-  itself (`ParseCheck`), so bytes that are not the method's message get INVALID_ARGUMENT
-  rather than gRPC's own INTERNAL.
+  (`SecretCheck`; a Frames stream as well as a unary call), so nothing but the router can drive
+  a replica; and it parses each request itself (`ParseCheck`), so bytes that are not the
+  method's message get INVALID_ARGUMENT rather than gRPC's own INTERNAL (on a stream: a frame
+  that is not a RouterFrame ends that stream with INVALID_ARGUMENT). A stream counts as one
+  call against `max_concurrent_rpcs`, however many sessions its frames carry; a frame larger
+  than `MAX_MESSAGE_BYTES` ends its stream with RESOURCE_EXHAUSTED (gRPC's own check).
 
 Both servicers are thin adapters over a plain component (docs/architecture.md, "Layers"): they
 convert with `cluster.wire.convert`, call the component inside `CallGuard.run`, and convert the
@@ -31,7 +34,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from cluster.runtime.call_scope import call_scope
-from cluster.runtime.errors import TandemError
+from cluster.runtime.errors import InvalidArgumentError, TandemError
 from cluster.runtime.limits import DEFAULT_MAX_SESSIONS
 from cluster.wire.metadata import (
     MESSAGE_SIZE_OPTIONS,
@@ -107,7 +110,14 @@ class SecretCheck(grpc.ServerInterceptor):
         if not secret:
             raise ValueError("the cluster secret must not be empty")
         self._secret = secret.encode()
-        self._refuse = grpc.unary_unary_rpc_method_handler(self._unauthenticated)
+        # A refusal of the method's own kind: gRPC answers a streaming method served by a
+        # unary handler with its own error, not UNAUTHENTICATED.
+        self._refusals = {
+            (False, False): grpc.unary_unary_rpc_method_handler(self._unauthenticated),
+            (False, True): grpc.unary_stream_rpc_method_handler(self._unauthenticated),
+            (True, False): grpc.stream_unary_rpc_method_handler(self._unauthenticated),
+            (True, True): grpc.stream_stream_rpc_method_handler(self._unauthenticated),
+        }
 
     @staticmethod
     def _unauthenticated(request: Any, context: grpc.ServicerContext) -> NoReturn:
@@ -127,13 +137,18 @@ class SecretCheck(grpc.ServerInterceptor):
                 given = value.encode() if isinstance(value, str) else bytes(value)
                 if hmac.compare_digest(given, self._secret):
                     return continuation(handler_call_details)
-        return self._refuse
+        handler = continuation(handler_call_details)  # looked up, never run
+        if handler is None:
+            return self._refusals[False, False]
+        return self._refusals[bool(handler.request_streaming), bool(handler.response_streaming)]
 
 
 class ParseCheck(grpc.ServerInterceptor):
-    """Parses each unary request in the handler instead of in gRPC: a payload that is not the
+    """Parses each request in the handler instead of in gRPC: a payload that is not the
     method's message is answered INVALID_ARGUMENT (gRPC itself would answer INTERNAL, "Exception
-    deserializing request!"), and the servicer sees only parsed messages."""
+    deserializing request!"), and the servicer sees only parsed messages. On a streaming
+    request the handler's request iterator raises `InvalidArgumentError` at the first frame
+    that does not parse, and the handler ends the stream with it (`SessionServicer.Frames`)."""
 
     def intercept_service(
         self,
@@ -141,10 +156,12 @@ class ParseCheck(grpc.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Any:
         handler = continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
         parse = handler.request_deserializer
         method = handler_call_details.method
+        if handler.request_streaming:
+            return _parsed_stream(handler, parse, method)
 
         def parsed(raw: bytes, context: grpc.ServicerContext) -> Any:
             try:
@@ -167,6 +184,32 @@ class ParseCheck(grpc.ServerInterceptor):
             lambda raw, context: unary(parsed(raw, context), context),
             response_serializer=handler.response_serializer,
         )
+
+
+def _parsed_stream(handler: Any, parse: Callable[[bytes], Any], method: str) -> Any:
+    """`handler` (a streaming-request one) over raw frames that it parses itself."""
+
+    def frames(raw_frames: Any) -> Any:
+        for raw in raw_frames:
+            try:
+                message = parse(raw)
+            except Exception:
+                raise InvalidArgumentError(
+                    f"{method}: a frame is not a valid request message"
+                ) from None
+            yield message
+
+    if handler.response_streaming:
+        stream = handler.stream_stream
+        return grpc.stream_stream_rpc_method_handler(
+            lambda raw_frames, context: stream(frames(raw_frames), context),
+            response_serializer=handler.response_serializer,
+        )
+    unary = handler.stream_unary
+    return grpc.stream_unary_rpc_method_handler(
+        lambda raw_frames, context: unary(frames(raw_frames), context),
+        response_serializer=handler.response_serializer,
+    )
 
 
 def start_server(

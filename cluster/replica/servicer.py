@@ -1,25 +1,46 @@
-"""What the drafter's and the verifier's gRPC servicers share: the session RPCs.
+"""What the drafter's and the verifier's gRPC servicers share: the session RPCs, the Frames stream.
 
 `SessionServicer` serves OpenSession, CloseSession and Stats over a `SessionComponent`: each
 handler converts the request with `cluster.wire.convert`, calls the component under the
 servicer's `CallGuard` (errors become gRPC statuses; calls run concurrently, batched by the
 component's engine), and converts the result back. Each side's servicer (`drafter.servicer`,
-`verifier.servicer`) adds its own RPC (Draft, Verify) the same way, and says how it registers on
-a server (`add_to_server`).
+`verifier.servicer`) adds its own RPC (Draft, Verify) the same way, its kind of frame entry
+(`_entry_handlers`), and says how it registers on a server (`add_to_server`).
+
+`Frames` is the thin adapter over a `FrameStream` (`cluster.replica.frames`): the router's
+frames are read on a thread of their own and handed to the stream, and the stream's frames are
+yielded from a queue as the engine's steps produce them. A frame the stream refuses (an unknown
+version) or that is not a RouterFrame (`ParseCheck`) ends the stream with INVALID_ARGUMENT;
+the other streams and the replica carry on. Stats reports the frames counted over every stream
+(`FrameCounters`).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 import grpc
 
+from cluster.replica.frames import END, EntryHandler, FrameCounters, FrameStream
 from cluster.replica.rpc import CallGuard
 from cluster.runtime.component import SessionComponent
+from cluster.runtime.errors import TandemError
 from cluster.wire import convert
+from cluster.wire.status import status_code
 from protos import replica_pb2
 
 K = TypeVar("K", bound=SessionComponent[Any])
+
+
+class _StreamError:
+    """Queued by the frame reader: end the stream with this status."""
+
+    def __init__(self, error: TandemError) -> None:
+        self.code = status_code(error.status)
+        self.details = str(error)
 
 
 class SessionServicer(Generic[K]):
@@ -28,7 +49,10 @@ class SessionServicer(Generic[K]):
     def __init__(self, component: K, component_name: str) -> None:
         """`component_name` names the component in the log of an unexpected failure."""
         self.component = component
+        self._name = component_name
         self._guard = CallGuard(component_name)
+        self.frame_counters = FrameCounters()
+        """Frames sent and received over every Frames stream of this servicer."""
 
     def add_to_server(self, server: grpc.Server) -> None:
         """Register this servicer on `server` (what `start_server` takes as `add_servicer`)."""
@@ -38,17 +62,16 @@ class SessionServicer(Generic[K]):
         self, request: replica_pb2.OpenSessionRequest, context: grpc.ServicerContext
     ) -> replica_pb2.OpenSessionResponse:
         def call() -> replica_pb2.OpenSessionResponse:
+            read = convert.open_request_from_wire(request)
             length = self.component.open_session(
-                convert.session_id_from_wire(request.session_id),
-                tuple(request.prompt_token_ids),
-                convert.sampling_from_wire(request.sampling),
-                request.seed,
-                time_limit_s=convert.time_limit_from_wire(request),
-                max_new_tokens=(
-                    request.max_new_tokens if request.HasField("max_new_tokens") else None
-                ),
-                resumed=request.resumed,
-                constraint=convert.constraint_from_wire(request),
+                read.session_id,
+                read.prompt_tokens,
+                read.sampling,
+                read.seed,
+                time_limit_s=read.time_limit_s,
+                max_new_tokens=read.max_new_tokens,
+                resumed=read.resumed,
+                constraint=read.constraint,
             )
             return replica_pb2.OpenSessionResponse(committed_length=length)
 
@@ -58,7 +81,7 @@ class SessionServicer(Generic[K]):
         self, request: replica_pb2.CloseSessionRequest, context: grpc.ServicerContext
     ) -> replica_pb2.CloseSessionResponse:
         def call() -> replica_pb2.CloseSessionResponse:
-            existed = self.component.close_session(convert.session_id_from_wire(request.session_id))
+            existed = self.component.close_session(convert.close_request_from_wire(request))
             return replica_pb2.CloseSessionResponse(existed=existed)
 
         return self._guard.run(context, "CloseSession", call)
@@ -67,5 +90,80 @@ class SessionServicer(Generic[K]):
         self, request: replica_pb2.StatsRequest, context: grpc.ServicerContext
     ) -> replica_pb2.ReplicaStats:
         return self._guard.run(
-            context, "Stats", lambda: convert.stats_to_wire(self.component.stats())
+            context,
+            "Stats",
+            lambda: convert.stats_to_wire(self.frame_counters.add_to(self.component.stats())),
         )
+
+    def Frames(
+        self, request_iterator: Iterator[replica_pb2.RouterFrame], context: grpc.ServicerContext
+    ) -> Iterator[replica_pb2.ReplicaFrame]:
+        outgoing: queue.SimpleQueue[replica_pb2.ReplicaFrame | _StreamError | None] = (
+            queue.SimpleQueue()
+        )
+        stream = FrameStream(
+            self.component.engine,
+            self._entry_handlers(),
+            outgoing.put,
+            self.frame_counters,
+            self._name,
+        )
+
+        def read() -> None:
+            try:
+                for frame in request_iterator:
+                    stream.receive(frame)
+            except TandemError as error:  # a frame that is no RouterFrame, or of another version
+                outgoing.put(_StreamError(error))
+                return
+            except Exception:  # the call ended under the iterator (cancelled, or aborted)
+                outgoing.put(END)
+                return
+            stream.half_close()
+
+        if not context.add_callback(lambda: outgoing.put(END)):
+            stream.close()
+            return
+        threading.Thread(target=read, name="replica-frames-reader", daemon=True).start()
+        try:
+            while True:
+                item = outgoing.get()
+                if item is END:
+                    return
+                if isinstance(item, _StreamError):
+                    context.abort(item.code, item.details)
+                else:
+                    yield item
+        finally:
+            stream.close()
+
+    def _entry_handlers(self) -> dict[str, EntryHandler]:
+        """How this servicer serves each kind of frame entry; a side adds its own."""
+        return {
+            "open": EntryHandler(self._submit_open, _opened),
+            "close": EntryHandler(
+                lambda request: self.component.submit_close(
+                    convert.close_request_from_wire(request)
+                ),
+                lambda existed: replica_pb2.FrameResult(
+                    closed=replica_pb2.CloseSessionResponse(existed=existed)
+                ),
+            ),
+        }
+
+    def _submit_open(self, request: replica_pb2.OpenSessionRequest) -> Any:
+        read = convert.open_request_from_wire(request)
+        return self.component.submit_open(
+            read.session_id,
+            read.prompt_tokens,
+            read.sampling,
+            read.seed,
+            time_limit_s=read.time_limit_s,
+            max_new_tokens=read.max_new_tokens,
+            resumed=read.resumed,
+            constraint=read.constraint,
+        )
+
+
+def _opened(length: int) -> replica_pb2.FrameResult:
+    return replica_pb2.FrameResult(opened=replica_pb2.OpenSessionResponse(committed_length=length))

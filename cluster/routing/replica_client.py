@@ -5,10 +5,20 @@ router runs unchanged over replicas in other processes (docs/architecture.md, in
 gRPC to the pinned replica, no Serve hop). Each wraps one `grpc.Channel`, given or opened from a
 "host:port" address, and converts values with `cluster.wire.convert`.
 
-Errors: a failed call raises the `TandemError` subclass the replica raised (matched by status
-code, with the replica's message; `cluster.wire.status.error_from_rpc`), so callers handle a
-remote replica as they would a local one. Codes with no class of their own (UNAVAILABLE,
-INTERNAL, ...) raise `ReplicaUnavailableError`. Every call has an optional timeout,
+Frames (the default, `frames=True`): OpenSession, Draft, Verify and CloseSession travel as
+entries of one long-lived Frames stream per client (`cluster.routing.frame_channel.
+FrameChannel`), shared by every `bounded` view of it, so a router sends one frame per replica
+for whatever its sessions have pending, not one call per session (docs/architecture.md, "Frame
+stream"). A client is kept per replica address (`cluster.routing.directory`), so one router
+process holds one stream per replica and service. The semantics below are the same either way;
+`frames=False` makes one unary call per operation (for comparison). Stats and Reference are
+unary always. A drafter's q rows are kept as received (`convert.WireRows`) and sent on to the
+verifier as bytes: the router never decodes q.
+
+Errors: a failed call (or frame entry) raises the `TandemError` subclass the replica raised
+(matched by status code, with the replica's message; `cluster.wire.status.error_from_rpc`), so
+callers handle a remote replica as they would a local one. Codes with no class of their own
+(UNAVAILABLE, INTERNAL, ...) raise `ReplicaUnavailableError`. Every call has an optional timeout,
 `timeout_s`: the client's default, or the one passed to the call; a call that outlasts it
 raises `ReplicaUnavailableError` too (the replica is too slow: fail over). Every call carries the
 cluster's shared secret when the client has one (replicas refuse calls without it:
@@ -26,11 +36,14 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from types import TracebackType
 from typing import Any, Self
 
 import grpc
 
+from cluster.routing.frame_channel import FrameChannel
 from cluster.runtime.audit import Replay
 from cluster.runtime.constraint import Constraint
 from cluster.runtime.draft_block import DraftBlock, Verdict
@@ -58,15 +71,21 @@ class _ReplicaClient:
     _stub_class: Callable[[grpc.Channel], Any]
     """The service's stub class; each subclass names its service."""
 
+    _service: str
+    """The service's full name ("tandem.v1.Verifier"), for its Frames stream."""
+
     def __init__(
         self,
         target: grpc.Channel | str,
         timeout_s: float | None = NO_TIMEOUT,
         secret: str | None = None,
+        *,
+        frames: bool = True,
     ) -> None:
         """`target`: an open channel (still the caller's to close) or a "host:port" address
         (its channel is opened here and closed by `close`). `secret`: the cluster's shared
-        secret, sent with every call."""
+        secret, sent with every call. `frames`: the session calls travel over the client's
+        Frames stream (False: one unary call each)."""
         if isinstance(target, str):
             self._channel = grpc.insecure_channel(target, options=list(MESSAGE_SIZE_OPTIONS))
             self._owns_channel = True
@@ -78,6 +97,13 @@ class _ReplicaClient:
         self.timeout_s = timeout_s
         self._metadata = ((SECRET_METADATA_KEY, secret),) if secret is not None else None
         self._stub = self._stub_class(self._channel)
+        self._frames = (
+            FrameChannel(self._channel, self._service, self._replica, self._metadata)
+            if frames
+            else None
+        )
+        """The Frames stream every view of this client shares (None: unary calls)."""
+        self._owns_frames = True
         self._deadline: float | None = None
         """The request's `time.monotonic()` deadline, on a view made by `bounded`."""
 
@@ -85,7 +111,7 @@ class _ReplicaClient:
         """This client as seen by one request that must end by `deadline` (a
         `time.monotonic()` instant; None: no deadline, and this client itself is returned).
 
-        A cheap view sharing the channel and stub: each call waits at most
+        A cheap view sharing the channel, stub and Frames stream: each call waits at most
         min(`timeout_s`, the time left) and raises `DeadlineExceededError` without calling
         when none is left; `open_session` sends the time left to the replica. `close_session`
         and `stats` ignore the deadline. Closing the view leaves the channel open.
@@ -95,6 +121,7 @@ class _ReplicaClient:
         view = copy.copy(self)
         view._deadline = deadline
         view._owns_channel = False
+        view._owns_frames = False
         return view
 
     def _time_left(self) -> float | None:
@@ -137,6 +164,37 @@ class _ReplicaClient:
             timed_out = own_timeout_s is not None and now - started >= own_timeout_s
             raise error_from_rpc(error, self._replica, timed_out) from error
 
+    def _send(
+        self,
+        call: str,
+        request: Any,
+        method: Callable[..., Any],
+        timeout_s: float | None,
+        bounded: bool = True,
+    ) -> Any:
+        """`request` as a frame entry whose `call` field is `call` (or, without frames, by
+        `method` on the stub); the answer's message. The same waits and errors as `_call`:
+        at most min(timeout, the time left), then `DeadlineExceededError` once the request's
+        time is up, else `ReplicaUnavailableError` (the replica was too slow)."""
+        if self._frames is None:
+            return self._call(method, request, timeout_s, bounded)
+        own_timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        left = self._time_left() if bounded else None
+        wait_s = min((t for t in (own_timeout_s, left) if t is not None), default=None)
+        future: Future[Any] = self._frames.submit(replica_pb2.FrameEntry(**{call: request}))
+        try:
+            return future.result(timeout=wait_s)
+        except FutureTimeout:
+            self._frames.forget(future)
+            out_of_time = self._deadline is not None and time.monotonic() >= self._deadline
+            if left is not None and out_of_time:
+                raise DeadlineExceededError(
+                    f"the request's deadline passed while waiting for the {self._replica}"
+                ) from None
+            raise ReplicaUnavailableError(
+                f"{self._replica}: DEADLINE_EXCEEDED: no answer within {wait_s:g} s"
+            ) from None
+
     def open_session(
         self,
         session_id: str,
@@ -150,32 +208,27 @@ class _ReplicaClient:
         timeout_s: float | None = None,
     ) -> int:
         """Open a session; returns its committed length."""
-        request = replica_pb2.OpenSessionRequest(
-            session_id=session_id,
-            prompt_token_ids=convert.token_ids_to_wire(prompt_tokens, "prompt_tokens"),
-            sampling=convert.sampling_to_wire(sampling),
-            seed=convert.uint_to_wire(seed, "seed"),
+        request = convert.open_request_to_wire(
+            session_id,
+            prompt_tokens,
+            sampling,
+            seed,
+            max_new_tokens=max_new_tokens,
             resumed=resumed,
+            constraint=constraint,
+            time_left_s=self._time_left(),
         )
-        convert.constraint_to_wire(constraint, request)
-        if max_new_tokens is not None:
-            request.max_new_tokens = convert.uint_to_wire(
-                max_new_tokens, "max_new_tokens", convert.MAX_UINT32
-            )
-        left = self._time_left()
-        if left is not None:
-            request.time_limit_ms = convert.time_limit_to_wire(left)
-        response: replica_pb2.OpenSessionResponse = self._call(
-            self._stub.OpenSession, request, timeout_s
+        response: replica_pb2.OpenSessionResponse = self._send(
+            "open", request, self._stub.OpenSession, timeout_s
         )
         return response.committed_length
 
     def close_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
         """Free the session; True if it existed."""
-        request = replica_pb2.CloseSessionRequest(session_id=session_id)
+        request = convert.close_request_to_wire(session_id)
         # Not bounded: a session is freed even after its request's deadline.
-        response: replica_pb2.CloseSessionResponse = self._call(
-            self._stub.CloseSession, request, timeout_s, bounded=False
+        response: replica_pb2.CloseSessionResponse = self._send(
+            "close", request, self._stub.CloseSession, timeout_s, bounded=False
         )
         return response.existed
 
@@ -186,7 +239,10 @@ class _ReplicaClient:
         )
 
     def close(self) -> None:
-        """Close the channel if this client opened it; a channel passed in stays open."""
+        """End this client's Frames stream (a view's close leaves it to the client) and close
+        the channel if this client opened it; a channel passed in stays open."""
+        if self._frames is not None and self._owns_frames:
+            self._frames.close()
         if self._owns_channel:
             self._channel.close()
 
@@ -206,7 +262,7 @@ class GrpcDrafter(_ReplicaClient):
     """A drafter replica over gRPC; a `DrafterPort`."""
 
     _kind = "drafter"
-
+    _service = "tandem.v1.Drafter"
     _stub_class = replica_pb2_grpc.DrafterStub
 
     def draft(
@@ -219,23 +275,19 @@ class GrpcDrafter(_ReplicaClient):
         *,
         timeout_s: float | None = None,
     ) -> DraftBlock:
-        """See `DrafterPort.draft`."""
-        request = replica_pb2.DraftRequest(
-            session_id=session_id,
-            base_length=convert.uint_to_wire(base_length, "base_length"),
-            appended_token_ids=convert.token_ids_to_wire(appended_tokens, "appended_tokens"),
-            num_tokens=convert.uint_to_wire(num_tokens, "num_tokens", convert.MAX_UINT32),
+        """See `DrafterPort.draft`. The block's q stays as received (`convert.WireRows`)."""
+        request = convert.draft_request_to_wire(
+            session_id, base_length, appended_tokens, num_tokens, truncate_to
         )
-        if truncate_to is not None:
-            request.truncate_to = convert.uint_to_wire(truncate_to, "truncate_to")
-        return convert.block_from_wire(self._call(self._stub.Draft, request, timeout_s))
+        block = self._send("draft", request, self._stub.Draft, timeout_s)
+        return convert.block_from_wire(block, lazy_rows=True)
 
 
 class GrpcVerifier(_ReplicaClient):
     """A verifier replica over gRPC; a `VerifierPort`."""
 
     _kind = "verifier"
-
+    _service = "tandem.v1.Verifier"
     _stub_class = replica_pb2_grpc.VerifierStub
 
     def verify(
@@ -246,11 +298,11 @@ class GrpcVerifier(_ReplicaClient):
         *,
         timeout_s: float | None = None,
     ) -> Verdict:
-        """See `VerifierPort.verify`."""
-        request = replica_pb2.VerifyRequest(
-            session_id=session_id, block=convert.block_to_wire(block), defer_bonus=defer_bonus
+        """See `VerifierPort.verify`. A drafter's q rows are sent on as received."""
+        request = convert.verify_request_to_wire(session_id, block, defer_bonus)
+        return convert.verdict_from_wire(
+            self._send("verify", request, self._stub.Verify, timeout_s)
         )
-        return convert.verdict_from_wire(self._call(self._stub.Verify, request, timeout_s))
 
     def reference(
         self,

@@ -8,11 +8,18 @@ stats). Each call is a task the engine thread runs, so calls from any number of 
 safe and the table has one writer; every forward pass a task needs joins the engine's next
 batched step. Each side adds its own call (`draft`, `verify`) the same way and may derive the
 sampling and seed a session keeps (`_session_sampling`). A plain class: no Ray, no gRPC.
+
+Every call comes in two forms: `submit_*` hands the task to the engine and returns a future at
+once (what a Frames stream uses, `cluster.replica.frames`: many calls in flight from one
+thread), and the blocking method waits on it. An error raised before the engine takes the task
+(a constraint this model cannot follow, a stopped engine) comes back as a failed future, never
+raised by `submit_*`, so a caller has one place to look for every outcome.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Generic, TypeVar
 
@@ -28,6 +35,18 @@ from cluster.runtime.sampling import SamplingParams
 from cluster.runtime.session import ReplicaSession, ReplicaStats, SessionTable
 
 C = TypeVar("C", bound=SessionLimits)
+R = TypeVar("R")
+
+
+def submitted(submit: Callable[[], Future[R]]) -> Future[R]:
+    """`submit()`, or a future failed with what it raised: an error before the engine takes
+    a task reaches the caller where every later one does."""
+    try:
+        return submit()
+    except Exception as error:
+        failed: Future[R] = Future()
+        failed.set_exception(error)
+        return failed
 
 
 class SessionComponent(Generic[C]):
@@ -103,18 +122,46 @@ class SessionComponent(Generic[C]):
         waits for them. `constraint`: what the generated tokens must follow (None: anything);
         its matcher is built here, in the caller's thread, and advanced along the tokens of
         `prompt_tokens` past `constraint.prompt_length` (generated before a failover)."""
-        matcher = self._matcher(constraint, prompt_tokens)
-        task = self._open(
+        return self.submit_open(
             session_id,
-            tuple(prompt_tokens),
+            prompt_tokens,
             sampling,
             seed,
-            time_limit_s,
-            max_new_tokens,
-            resumed,
-            (constraint is not None and constraint.active, matcher),
-        )
-        return self._engine.run(task, key=session_id)
+            time_limit_s=time_limit_s,
+            max_new_tokens=max_new_tokens,
+            resumed=resumed,
+            constraint=constraint,
+        ).result()
+
+    def submit_open(
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+        *,
+        time_limit_s: float | None = None,
+        max_new_tokens: int | None = None,
+        resumed: bool = False,
+        constraint: Constraint | None = None,
+    ) -> Future[int]:
+        """`open_session` without waiting: a future of the committed length."""
+
+        def submit() -> Future[int]:
+            matcher = self._matcher(constraint, prompt_tokens)
+            task = self._open(
+                session_id,
+                tuple(prompt_tokens),
+                sampling,
+                seed,
+                time_limit_s,
+                max_new_tokens,
+                resumed,
+                (constraint is not None and constraint.active, matcher),
+            )
+            return self._engine.submit(task, key=session_id)
+
+        return submitted(submit)
 
     def _matcher(
         self, constraint: Constraint | None, prompt_tokens: Sequence[int]
@@ -189,8 +236,14 @@ class SessionComponent(Generic[C]):
     def close_session(self, session_id: str) -> bool:
         """Free the session and its KV blocks (after a call on it still running); True if it
         existed."""
-        return self._engine.call(
-            lambda: self._sessions.remove(session_id), key=session_id, closes=True
+        return self.submit_close(session_id).result()
+
+    def submit_close(self, session_id: str) -> Future[bool]:
+        """`close_session` without waiting: a future of whether the session existed."""
+        return submitted(
+            lambda: self._engine.submit_call(
+                lambda: self._sessions.remove(session_id), key=session_id, closes=True
+            )
         )
 
     def evict_idle(self) -> int:

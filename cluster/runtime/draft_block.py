@@ -7,6 +7,7 @@ gRPC transport converts them to and from `protos/replica.proto`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cluster.runtime.sampling import SparseDistribution
@@ -38,9 +39,11 @@ class DraftBlock:
 
     base_length: int
     tokens: tuple[int, ...]
-    draft_probs: tuple[SparseDistribution, ...] | None = None
+    draft_probs: Sequence[SparseDistribution] | None = None
     """The exact q each token was sampled from, one per token; None when drafted
-    deterministically (q is one-hot at the drafted token)."""
+    deterministically (q is one-hot at the drafted token). A tuple, or on the router a lazy
+    sequence over the rows as they came off the wire (`cluster.wire.convert.WireRows`), which
+    the router passes on to the verifier as bytes, never decoded."""
     load: StepLoad | None = None
     """The drafter's load when it drafted this block (None: not reported)."""
 

@@ -33,6 +33,13 @@ its next step (a task waiting on a preemptible Forward gets `Preempted` and plan
 full pool delays requests instead of failing them. Counted: `preemptions`, `recomputed_tokens`,
 `refusals`.
 
+Step listeners (`add_step_listener`): the engine thread calls each once at the end of every
+loop iteration in which some task finished (after the step's forward pass and its Batched
+handlers), so a caller that collects results as their futures complete (a future's
+done-callbacks run on the engine thread when its result is set, before the listeners) can send
+everything one step produced at once: a Frames stream's one ReplicaFrame per step
+(`cluster.replica.frames`).
+
 The engine measures itself: steps, the largest batch, tokens and sessions per step, queue
 wait, the split of its time (`busy_s`, `forward_s`, `batched_s`, `gather_s`, `gathers`), and
 the step cost curve (`cluster.runtime.cost_curve`, seeded by `calibrate` at startup), which
@@ -133,6 +140,10 @@ class Engine:
         """Tasks failed because their work could not fit in the whole KV pool."""
         self._to_recompute: dict[str, int] = {}
         """Per preempted sequence, the freed tokens not yet run again."""
+        self._step_listeners: tuple[Callable[[], None], ...] = ()
+        """Called on the engine thread after an iteration in which a task finished."""
+        self._finished_any = False
+        """Some task finished in this loop iteration (engine thread)."""
         self._steps = 0
         self._max_batch = 0
         self._mean_batch = 0.0
@@ -166,12 +177,31 @@ class Engine:
 
     def call(self, fn: Callable[[], R], key: str | None = None, *, closes: bool = False) -> R:
         """Run `fn()` on the engine thread, between steps; `closes` as for `submit`."""
+        return self.submit_call(fn, key, closes=closes).result()
+
+    def submit_call(
+        self, fn: Callable[[], R], key: str | None = None, *, closes: bool = False
+    ) -> Future[R]:
+        """`call` without waiting: a future of `fn()`'s result."""
 
         def task() -> Task[R]:
             return fn()
             yield  # a generator that yields nothing
 
-        return self.run(task(), key, closes=closes)
+        return self.submit(task(), key, closes=closes)
+
+    def add_step_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` on the engine thread at the end of every loop iteration in which
+        some task finished, after that step's forward pass, its Batched handlers and the
+        done-callbacks of the futures it resolved. It must be quick and must not raise (an
+        exception is logged and dropped): it runs between steps."""
+        with self._condition:
+            self._step_listeners = (*self._step_listeners, listener)
+
+    def remove_step_listener(self, listener: Callable[[], None]) -> None:
+        """Stop calling `listener` (no error if it was not added)."""
+        with self._condition:
+            self._step_listeners = tuple(fn for fn in self._step_listeners if fn != listener)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the loop; tasks not finished fail with RuntimeError."""
@@ -180,6 +210,12 @@ class Engine:
             self._condition.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
+
+    @property
+    def on_engine_thread(self) -> bool:
+        """Whether the calling thread is the engine's (where step listeners will run before
+        the loop goes on)."""
+        return threading.current_thread() is self._thread
 
     @property
     def alive(self) -> bool:
@@ -268,11 +304,23 @@ class Engine:
                 if self._has_forward():
                     self._gather()
                     self._step()
+                self._notify_listeners()
         except BaseException:  # never die silently: fail every caller instead
             logger.exception("engine loop failed")
             raise
         finally:
             self._fail_all(RuntimeError("the engine has stopped"))
+
+    def _notify_listeners(self) -> None:
+        """Call the step listeners if a task finished since they last ran."""
+        if not self._finished_any:
+            return
+        self._finished_any = False
+        for listener in self._step_listeners:
+            try:
+                listener()
+            except Exception:  # a listener's fault must not stop the engine
+                logger.exception("a step listener failed")
 
     def _gather(self) -> None:
         """Wait a little for sessions about to come back before stepping: the scheduler names
@@ -374,6 +422,7 @@ class Engine:
         self, running: Running, result: Any, failure: BaseException | None, keyed: bool
     ) -> None:
         running.waiting = None
+        self._finished_any = True
         if self._in_step:
             self._count_busy()  # before the caller can return and read `busy_s`
         if failure is None:
@@ -565,7 +614,10 @@ class Engine:
         for running in pending:
             if not running.future.done():
                 running.future.set_exception(error)
+                self._finished_any = True
             running.task.close()
+        if threading.current_thread() is self._thread:
+            self._notify_listeners()
 
 
 def _one(results: list[Any]) -> tuple[Any, BaseException | None]:

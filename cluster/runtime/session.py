@@ -91,6 +91,14 @@ class ReplicaStats:
     forward passes and the work between them)."""
     engine: EngineStats | None = None
     """The replica engine's figures (None where no engine runs)."""
+    frames_sent: int = 0
+    """ReplicaFrames its Frames streams sent since start (0 where none is served)."""
+    results_sent: int = 0
+    """FrameResults in those frames."""
+    frames_received: int = 0
+    """RouterFrames its Frames streams received since start."""
+    entries_received: int = 0
+    """FrameEntries in those frames."""
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:

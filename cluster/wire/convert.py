@@ -12,6 +12,16 @@ replica's own state and is checked there: token ids against the vocabulary, leng
 the session, and a sparse row's contents (empty, repeated ids, negative or NaN probabilities)
 by `sampling.to_dense`. Each failure is an `InvalidArgumentError` naming the field.
 
+Requests are built here too (`open_request_to_wire`, `draft_request_to_wire`,
+`verify_request_to_wire`, `close_request_to_wire`) and read back as the arguments of the
+component's call (`OpenCall`, `DraftCall`, `VerifyCall`), so the router's clients and the
+replica's servicers and Frames streams share one layout.
+
+Pass-through: a draft block read on the router (`block_from_wire(..., lazy_rows=True)`) keeps
+its q rows as the protobuf messages that came off the wire (`WireRows`, decoded only if
+indexed), and `block_to_wire` copies those messages into the verify request as they are: the
+router never decodes or re-encodes q.
+
 Exactness: sparse probabilities travel as raw float32 bytes (ids as int32 bytes, both
 little-endian) and `SparseDistribution.probs` is float32, so q round-trips bit for bit
 (docs/architecture.md, invariant 1). `SamplingParams.temperature` and `top_p` travel as
@@ -22,7 +32,9 @@ the sampling code computes in float32, so the distribution is the same.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import torch
@@ -185,19 +197,58 @@ def sparse_from_wire(
 ) -> SparseDistribution:
     """Ids and probabilities as sent; only their sizes and counts are checked (see the module
     doc)."""
-    for field in ("token_ids", "probs"):
-        if len(getattr(message, field)) % 4:
-            raise InvalidArgumentError(f"{what}.{field} is not a whole number of 4-byte values")
+    check_sparse(message, what)
     ids = np.frombuffer(message.token_ids, dtype=_INT32_LE)
     probs = np.frombuffer(message.probs, dtype=_FLOAT32_LE)
-    if len(ids) != len(probs):
-        raise InvalidArgumentError(
-            f"{what} has {len(ids)} token ids but {len(probs)} probabilities"
-        )
     return SparseDistribution(
         token_ids=torch.from_numpy(ids.astype(np.int64)),
         probs=torch.from_numpy(probs.astype(np.float32)),  # a native, writable copy
     )
+
+
+def check_sparse(message: replica_pb2.SparseDistribution, what: str) -> None:
+    """Refuse a row whose byte arrays are not whole values or whose counts differ, without
+    decoding it."""
+    for field in ("token_ids", "probs"):
+        if len(getattr(message, field)) % 4:
+            raise InvalidArgumentError(f"{what}.{field} is not a whole number of 4-byte values")
+    num_ids, num_probs = len(message.token_ids) // 4, len(message.probs) // 4
+    if num_ids != num_probs:
+        raise InvalidArgumentError(f"{what} has {num_ids} token ids but {num_probs} probabilities")
+
+
+class WireRows(Sequence[SparseDistribution]):
+    """A draft block's q rows as they came off the wire: the protobuf messages, each decoded
+    into a `SparseDistribution` only if indexed. The router holds a drafter's block this way
+    and `block_to_wire` sends the same messages on to the verifier, never decoding q."""
+
+    def __init__(self, messages: Sequence[replica_pb2.SparseDistribution]) -> None:
+        """Checks each row's sizes (`check_sparse`); reads no value."""
+        for position, message in enumerate(messages):
+            check_sparse(message, f"draft_probs[{position}]")
+        self.messages = messages
+        """The rows as received (the caller must not change them)."""
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+    @overload
+    def __getitem__(self, index: int) -> SparseDistribution: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[SparseDistribution]: ...
+
+    def __getitem__(self, index: int | slice) -> SparseDistribution | Sequence[SparseDistribution]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"draft_probs[{index}] out of range ({len(self)} rows)")
+        return sparse_from_wire(self.messages[index], f"draft_probs[{index}]")
+
+    def __iter__(self) -> Iterator[SparseDistribution]:
+        return (self[i] for i in range(len(self)))
 
 
 def floats_to_wire(values: Sequence[float]) -> bytes:
@@ -233,23 +284,29 @@ def load_from_wire(message: replica_pb2.StepLoad) -> StepLoad:
 
 
 def block_to_wire(block: DraftBlock) -> replica_pb2.DraftBlock:
-    """`draft_probs` None and () both become an empty field (see `block_from_wire`); a `load`
-    of None leaves the field unset."""
+    """`draft_probs` None and () both become an empty field (see `block_from_wire`), and
+    `WireRows` are copied as received; a `load` of None leaves the field unset."""
     message = replica_pb2.DraftBlock(
         base_length=uint_to_wire(block.base_length, "base_length"),
         token_ids=token_ids_to_wire(block.tokens, "block.tokens"),
-        draft_probs=[sparse_to_wire(row) for row in block.draft_probs or ()],
     )
+    rows = block.draft_probs
+    if isinstance(rows, WireRows):
+        message.draft_probs.extend(rows.messages)  # the bytes as received, not decoded
+    else:
+        message.draft_probs.extend(sparse_to_wire(row) for row in rows or ())
     if block.load is not None:
         message.load.CopyFrom(load_to_wire(block.load))
     return message
 
 
-def block_from_wire(message: replica_pb2.DraftBlock) -> DraftBlock:
+def block_from_wire(message: replica_pb2.DraftBlock, *, lazy_rows: bool = False) -> DraftBlock:
     """An empty `draft_probs` reads back as None (deterministic draft, q one-hot).
 
     A block of zero tokens drafted by sampling had `draft_probs == ()`, which the wire cannot
     tell from None; with no token to accept, the two mean the same to the verifier.
+    `lazy_rows` (the router): q stays as the received messages (`WireRows`, sizes checked),
+    for `block_to_wire` to pass on; otherwise every row is decoded here.
     """
     tokens = tuple(message.token_ids)
     rows = message.draft_probs
@@ -258,11 +315,13 @@ def block_from_wire(message: replica_pb2.DraftBlock) -> DraftBlock:
             f"block has {len(tokens)} tokens but {len(rows)} draft distributions: "
             "send one per token, or none for a deterministic draft"
         )
-    draft_probs = (
-        tuple(sparse_from_wire(row, f"draft_probs[{i}]") for i, row in enumerate(rows))
-        if rows
-        else None
-    )
+    draft_probs: Sequence[SparseDistribution] | None = None
+    if rows and lazy_rows:
+        draft_probs = WireRows(rows)
+    elif rows:
+        draft_probs = tuple(
+            sparse_from_wire(row, f"draft_probs[{i}]") for i, row in enumerate(rows)
+        )
     return DraftBlock(
         base_length=message.base_length,
         tokens=tokens,
@@ -356,6 +415,10 @@ def stats_to_wire(stats: ReplicaStats) -> replica_pb2.ReplicaStats:
         num_sessions=stats.num_sessions,
         num_cached_tokens=stats.num_cached_tokens,
         busy_s=stats.busy_s,
+        frames_sent=uint_to_wire(stats.frames_sent, "frames_sent"),
+        results_sent=uint_to_wire(stats.results_sent, "results_sent"),
+        frames_received=uint_to_wire(stats.frames_received, "frames_received"),
+        entries_received=uint_to_wire(stats.entries_received, "entries_received"),
     )
     if stats.engine is not None:
         message.engine.CopyFrom(engine_stats_to_wire(stats.engine))
@@ -369,4 +432,146 @@ def stats_from_wire(message: replica_pb2.ReplicaStats) -> ReplicaStats:
         num_cached_tokens=message.num_cached_tokens,
         busy_s=message.busy_s,
         engine=engine_stats_from_wire(message.engine) if message.HasField("engine") else None,
+        frames_sent=message.frames_sent,
+        results_sent=message.results_sent,
+        frames_received=message.frames_received,
+        entries_received=message.entries_received,
     )
+
+
+# --- requests: built by the router's clients, read by the replica's servicers and streams ---
+
+
+FRAME_VERSION = 1
+"""`RouterFrame.version` and `ReplicaFrame.version` of the frame layout in `protos/replica.proto`;
+a replica ends a stream whose frames carry another (INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class OpenCall:
+    """An OpenSession request read off the wire: the arguments of the component's
+    `open_session` / `submit_open`."""
+
+    session_id: str
+    prompt_tokens: tuple[int, ...]
+    sampling: SamplingParams
+    seed: int
+    time_limit_s: float | None
+    max_new_tokens: int | None
+    resumed: bool
+    constraint: Constraint | None
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    """A Draft request read off the wire: the arguments of `Drafter.draft` / `submit_draft`."""
+
+    session_id: str
+    base_length: int
+    appended_tokens: tuple[int, ...]
+    num_tokens: int
+    truncate_to: int | None
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    """A Verify request read off the wire: the arguments of `Verifier.verify` /
+    `submit_verify` (the block's q decoded)."""
+
+    session_id: str
+    block: DraftBlock
+    defer_bonus: bool
+
+
+def open_request_to_wire(
+    session_id: str,
+    prompt_tokens: Sequence[int],
+    sampling: SamplingParams,
+    seed: int,
+    *,
+    max_new_tokens: int | None = None,
+    resumed: bool = False,
+    constraint: Constraint | None = None,
+    time_left_s: float | None = None,
+) -> replica_pb2.OpenSessionRequest:
+    """`time_left_s`: the request's time left, sent as `time_limit_ms` (None: unset)."""
+    request = replica_pb2.OpenSessionRequest(
+        session_id=session_id,
+        prompt_token_ids=token_ids_to_wire(prompt_tokens, "prompt_tokens"),
+        sampling=sampling_to_wire(sampling),
+        seed=uint_to_wire(seed, "seed"),
+        resumed=resumed,
+    )
+    constraint_to_wire(constraint, request)
+    if max_new_tokens is not None:
+        request.max_new_tokens = uint_to_wire(max_new_tokens, "max_new_tokens", MAX_UINT32)
+    if time_left_s is not None:
+        request.time_limit_ms = time_limit_to_wire(time_left_s)
+    return request
+
+
+def open_request_from_wire(request: replica_pb2.OpenSessionRequest) -> OpenCall:
+    return OpenCall(
+        session_id=session_id_from_wire(request.session_id),
+        prompt_tokens=tuple(request.prompt_token_ids),
+        sampling=sampling_from_wire(request.sampling),
+        seed=request.seed,
+        time_limit_s=time_limit_from_wire(request),
+        max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
+        resumed=request.resumed,
+        constraint=constraint_from_wire(request),
+    )
+
+
+def draft_request_to_wire(
+    session_id: str,
+    base_length: int,
+    appended_tokens: Sequence[int],
+    num_tokens: int,
+    truncate_to: int | None = None,
+) -> replica_pb2.DraftRequest:
+    request = replica_pb2.DraftRequest(
+        session_id=session_id,
+        base_length=uint_to_wire(base_length, "base_length"),
+        appended_token_ids=token_ids_to_wire(appended_tokens, "appended_tokens"),
+        num_tokens=uint_to_wire(num_tokens, "num_tokens", MAX_UINT32),
+    )
+    if truncate_to is not None:
+        request.truncate_to = uint_to_wire(truncate_to, "truncate_to")
+    return request
+
+
+def draft_request_from_wire(request: replica_pb2.DraftRequest) -> DraftCall:
+    return DraftCall(
+        session_id=session_id_from_wire(request.session_id),
+        base_length=request.base_length,
+        appended_tokens=tuple(request.appended_token_ids),
+        num_tokens=request.num_tokens,
+        truncate_to=request.truncate_to if request.HasField("truncate_to") else None,
+    )
+
+
+def verify_request_to_wire(
+    session_id: str, block: DraftBlock, defer_bonus: bool = False
+) -> replica_pb2.VerifyRequest:
+    """The block's `WireRows` (a drafter's q, as received) are copied as bytes."""
+    return replica_pb2.VerifyRequest(
+        session_id=session_id, block=block_to_wire(block), defer_bonus=defer_bonus
+    )
+
+
+def verify_request_from_wire(request: replica_pb2.VerifyRequest) -> VerifyCall:
+    return VerifyCall(
+        session_id=session_id_from_wire(request.session_id),
+        block=block_from_wire(request.block),
+        defer_bonus=request.defer_bonus,
+    )
+
+
+def close_request_to_wire(session_id: str) -> replica_pb2.CloseSessionRequest:
+    return replica_pb2.CloseSessionRequest(session_id=session_id)
+
+
+def close_request_from_wire(request: replica_pb2.CloseSessionRequest) -> str:
+    """The session id to close."""
+    return session_id_from_wire(request.session_id)

@@ -3,8 +3,11 @@
 A replica's server answers a `TandemError` with the code its `status` names (`status_code`,
 used by `cluster.replica.rpc.CallGuard`, and by `cluster.api.status` for the public API); the
 router's client turns a failed call's code back into the error the replica raised
-(`error_from_rpc`, by `ERRORS_BY_CODE`), so a remote replica fails as a local one would. A new
-error class with a code of its own gets both directions here.
+(`error_from_rpc`, by `ERRORS_BY_CODE`), so a remote replica fails as a local one would. On a
+Frames stream one entry's failure travels as an `EntryError` (the code's name, the message, the
+retry hint) instead of a call's status: `entry_error` builds it, `error_from_entry` reads it
+back into the same error a unary call would have raised. A new error class with a code of its
+own gets both directions here.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from cluster.runtime.errors import (
     TandemError,
 )
 from cluster.wire.metadata import RETRY_AFTER_METADATA_KEY
+from protos import replica_pb2
 
 
 def status_code(status: str) -> grpc.StatusCode:
@@ -79,3 +83,28 @@ def _retry_after_s(error: grpc.RpcError) -> float | None:
             except ValueError:
                 return None
     return None
+
+
+def entry_error(
+    status: str, message: str, retry_after_s: float | None = None
+) -> replica_pb2.EntryError:
+    """A Frames entry's failure: `status` a `TandemError.status` (a code's name), the message,
+    and the retry hint in whole milliseconds (at least 1) when there is one."""
+    error = replica_pb2.EntryError(status=status_code(status).name, message=message)
+    if retry_after_s is not None:
+        error.retry_after_ms = min(max(1, round(retry_after_s * 1000)), 2**32 - 1)
+    return error
+
+
+def error_from_entry(entry: replica_pb2.EntryError, replica: str) -> TandemError:
+    """The `TandemError` a unary call that failed as `entry` says would raise (see
+    `error_from_rpc`); an unknown code name means the replica failed: `ReplicaUnavailableError`
+    naming `replica`."""
+    code = grpc.StatusCode.__members__.get(entry.status)
+    error_class = None if code is None else ERRORS_BY_CODE.get(code)
+    if error_class is ResourceExhaustedError:
+        retry_after_s = entry.retry_after_ms / 1000 if entry.HasField("retry_after_ms") else None
+        return ResourceExhaustedError(entry.message, retry_after_s=retry_after_s)
+    if error_class is not None:
+        return error_class(entry.message)
+    return ReplicaUnavailableError(f"{replica}: {entry.status}: {entry.message}")

@@ -211,8 +211,8 @@ def test_services_have_expected_methods() -> None:
     ]
     stream = generate_pb2.DESCRIPTOR.services_by_name["Tandem"].methods_by_name["GenerateStream"]
     assert stream.server_streaming and not stream.client_streaming
-    for service in ("Drafter", "Verifier"):
-        frames = replica_pb2.DESCRIPTOR.services_by_name[service].methods_by_name["Frames"]
+    for side in ("Drafter", "Verifier"):
+        frames = replica_pb2.DESCRIPTOR.services_by_name[side].methods_by_name["Frames"]
         assert frames.server_streaming and frames.client_streaming
 
 

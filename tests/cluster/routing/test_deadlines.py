@@ -4,8 +4,10 @@ tell replicas the time left, so a replica drops the session on its own."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,15 +131,16 @@ def served(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> Iterator[Served
 
 
 def _spy_open(monkeypatch: pytest.MonkeyPatch, component: Any) -> list[float | None]:
-    """Record the `time_limit_s` of every session the component opens."""
+    """Record the `time_limit_s` of every session the component opens (`submit_open`, which
+    both a Frames entry and the unary call go through)."""
     limits: list[float | None] = []
-    open_session = component.open_session
+    submit_open = component.submit_open
 
-    def spy(*args: Any, time_limit_s: float | None = None, **kwargs: Any) -> int:
+    def spy(*args: Any, time_limit_s: float | None = None, **kwargs: Any) -> Future[int]:
         limits.append(time_limit_s)
-        return int(open_session(*args, time_limit_s=time_limit_s, **kwargs))
+        return submit_open(*args, time_limit_s=time_limit_s, **kwargs)  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(component, "open_session", spy)
+    monkeypatch.setattr(component, "submit_open", spy)
     return limits
 
 
@@ -174,7 +177,15 @@ def test_a_bounded_client_with_no_time_left_never_calls_the_replica(
 ) -> None:
     calls: list[str] = []
     for component in (served.verifier, served.drafter):
-        for method in ("open_session", "verify", "draft"):
+        methods = (
+            "open_session",
+            "verify",
+            "draft",
+            "submit_open",
+            "submit_verify",
+            "submit_draft",
+        )
+        for method in methods:
             if hasattr(component, method):
                 monkeypatch.setattr(component, method, lambda *a, m=method, **k: calls.append(m))
     late = served.verifier_client.bounded(time.monotonic() - 0.001)
@@ -197,10 +208,12 @@ def test_closing_a_session_ignores_the_deadline(served: Served) -> None:
 def test_a_call_outlasting_the_deadline_raises_deadline_exceeded_not_unavailable(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def slow_verify(*args: Any, **kwargs: Any) -> None:
-        time.sleep(0.5)
+    def slow_verify(*args: Any, **kwargs: Any) -> Future[None]:
+        slow: Future[None] = Future()
+        threading.Timer(0.5, slow.set_result, (None,)).start()
+        return slow
 
-    monkeypatch.setattr(served.verifier, "verify", slow_verify)
+    monkeypatch.setattr(served.verifier, "submit_verify", slow_verify)
     client = served.verifier_client
     block = DraftBlock(base_length=4, tokens=())
     with pytest.raises(DeadlineExceededError, match="deadline passed while waiting"):
@@ -216,7 +229,7 @@ def test_a_replica_refusing_an_expired_session_raises_deadline_exceeded(
     def expired(*args: Any, **kwargs: Any) -> None:
         raise DeadlineExceededError("session 's' passed its deadline")
 
-    monkeypatch.setattr(served.drafter, "draft", expired)
+    monkeypatch.setattr(served.drafter, "submit_draft", expired)
     with pytest.raises(DeadlineExceededError, match=r"^session 's' passed its deadline$"):
         served.drafter_client.draft("s", 4, [], 1)  # the client has no deadline of its own
 

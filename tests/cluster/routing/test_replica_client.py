@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -30,6 +31,7 @@ from cluster.runtime.errors import (
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from drafter.drafter import Drafter
+from tests.conftest import MAX_TOKENS as REFERENCE_TOKENS
 from tests.conftest import PROMPTS
 from tests.replicas import serve_drafter, serve_verifier
 from verifier.verifier import Verifier
@@ -211,7 +213,8 @@ def test_internal_error_raises_replica_unavailable_with_the_generic_message(
     def broken_draft(*args: object, **kwargs: object) -> None:
         raise ZeroDivisionError("hidden")
 
-    monkeypatch.setattr(remote.drafter_component, "draft", broken_draft)
+    # `submit_draft`: what both a Frames entry and the unary call go through.
+    monkeypatch.setattr(remote.drafter_component, "submit_draft", broken_draft)
     with pytest.raises(ReplicaUnavailableError) as caught:
         remote.drafter.draft(session, 3, [], 1)
     assert str(caught.value) == (
@@ -226,3 +229,26 @@ def test_client_over_a_given_channel_leaves_it_open(remote: Remote) -> None:
     # Still usable through another client: the channel is the caller's to close.
     assert GrpcDrafter(channel).stats().num_sessions >= 0
     channel.close()
+
+
+CONCURRENT_STREAMS = 16
+
+
+def test_greedy_over_frames_at_many_streams_equals_the_target_alone(
+    remote: Remote, local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
+) -> None:
+    # 16 requests at once through one router: their calls share each replica's Frames stream
+    # (several sessions' entries per frame), and each output is still the target's alone.
+    requests = [
+        (prompt, GenerationRequest(encode(local_tandem, prompt), REFERENCE_TOKENS, draft_tokens=k))
+        for k in (2, 4)
+        for prompt in PROMPTS
+    ][:CONCURRENT_STREAMS]
+    before = remote.verifier.stats()
+    with ThreadPoolExecutor(CONCURRENT_STREAMS) as pool:
+        results = list(pool.map(lambda pair: remote.router.generate(pair[1]), requests))
+    for (prompt, _), result in zip(requests, results, strict=True):
+        assert result.tokens == target_only[prompt], prompt
+    after = remote.verifier.stats()
+    assert after.entries_received - before.entries_received >= 3 * len(requests)  # over frames
+    assert remote.verifier.stats().num_sessions == 0

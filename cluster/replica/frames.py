@@ -1,0 +1,247 @@
+"""One Frames stream served: RouterFrames in, one ReplicaFrame per engine step out.
+
+A router keeps one long-lived bidirectional stream to each replica it uses (`rpc Frames` in
+`protos/replica.proto`; docs/architecture.md, "Frame stream"). Each `RouterFrame` holds the
+work the router had pending for any number of sessions; `FrameStream.receive` reads each of
+its entries with `cluster.wire.convert` and submits it to the component (its future-returning
+calls, `submit_open`, `submit_draft`...) inside `call_scope(gone)`, so that the engine drops
+whatever work the stream leaves behind once it ends. Results gather in an outbox as their
+futures complete; the engine's step listener flushes the outbox as ONE `ReplicaFrame` at the
+end of each step, so everything a step produced for this router leaves in one message.
+Results that complete off the engine thread (an entry refused when read, before any step) go
+out when the frame that brought them has been read, together.
+
+Errors are per entry: an entry's failure becomes its `FrameResult.error` (the `TandemError`'s
+status name and message, its retry hint; anything unexpected INTERNAL with a fixed message,
+logged, as `CallGuard` does) and the stream and the other sessions carry on. A frame of another
+layout version is the stream's error (`InvalidArgumentError` out of `receive`: the adapter ends
+the stream with INVALID_ARGUMENT). Entries of one session keep their order: the engine runs the
+tasks of one key in submission order.
+
+A plain class over an `Engine`, the entry handlers and a `send` callback: no gRPC here (the
+servicer's `Frames` handler is the adapter: `cluster.replica.servicer`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+from cluster.runtime.call_scope import call_scope
+from cluster.runtime.engine import Engine
+from cluster.runtime.errors import InvalidArgumentError, TandemError
+from cluster.runtime.session import ReplicaStats
+from cluster.wire.convert import FRAME_VERSION
+from cluster.wire.status import entry_error
+from protos import replica_pb2
+
+logger = logging.getLogger(__name__)
+
+INTERNAL_ERROR_MESSAGE = "internal error; see the replica's log"
+"""The only details a router gets for an unexpected failure of an entry (as `CallGuard`)."""
+
+
+@dataclass(frozen=True)
+class EntryHandler:
+    """How a replica serves one kind of `FrameEntry` (the field set in its `call` oneof)."""
+
+    submit: Callable[[Any], Future[Any]]
+    """The entry's request message -> a future of the component's answer; may raise (a
+    request that does not convert), which fails the entry alone."""
+    answer: Callable[[Any], replica_pb2.FrameResult]
+    """The component's answer as a `FrameResult` (its tag is set by the stream)."""
+
+
+class FrameCounters:
+    """Frames and their entries/results since start, over every stream of a replica (any
+    thread may count; `ReplicaStats` reports them)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.frames_sent = 0
+        self.results_sent = 0
+        self.frames_received = 0
+        self.entries_received = 0
+
+    def sent(self, results: int) -> None:
+        with self._lock:
+            self.frames_sent += 1
+            self.results_sent += results
+
+    def received(self, entries: int) -> None:
+        with self._lock:
+            self.frames_received += 1
+            self.entries_received += entries
+
+    def add_to(self, stats: ReplicaStats) -> ReplicaStats:
+        """`stats` with these counts."""
+        with self._lock:
+            return replace(
+                stats,
+                frames_sent=self.frames_sent,
+                results_sent=self.results_sent,
+                frames_received=self.frames_received,
+                entries_received=self.entries_received,
+            )
+
+
+END = None
+"""What `send` is given once the stream has nothing more to send (see `FrameStream`)."""
+
+
+class FrameStream:
+    """Serves one Frames stream over a component's engine (see the module docstring).
+
+    `send(frame)` hands a `ReplicaFrame` to the transport (any thread; frames in the order
+    given), and `send(END)` once the router has half-closed and every entry is answered.
+    `handlers` by entry kind ("open", "draft", "verify", "close"): a kind missing is refused
+    per entry (a drafter serves no verify entries, a verifier no draft entries). `name` names
+    the component in the log of an unexpected failure.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        handlers: Mapping[str, EntryHandler],
+        send: Callable[[replica_pb2.ReplicaFrame | None], None],
+        counters: FrameCounters,
+        name: str,
+    ) -> None:
+        self._engine = engine
+        self._handlers = handlers
+        self._send = send
+        self._counters = counters
+        self._name = name
+        self.gone = threading.Event()
+        """Set when the stream ends: the engine drops the work it left (`call_scope`)."""
+        self._lock = threading.Lock()
+        self._outbox: list[replica_pb2.FrameResult] = []
+        """Results waiting for the end of the engine's step."""
+        self._reading: list[replica_pb2.FrameResult] | None = None
+        """While `receive` runs: results completed on its thread, sent when it returns."""
+        self._reader: threading.Thread | None = None
+        self._pending = 0
+        """Entries received and not yet answered."""
+        self._half_closed = False
+        self._ended = False
+        engine.add_step_listener(self.flush)
+
+    def receive(self, frame: replica_pb2.RouterFrame) -> None:
+        """Submit every entry of `frame`; raises `InvalidArgumentError` for a frame of an
+        unknown version (the stream's error: nothing of it is submitted)."""
+        if frame.version != FRAME_VERSION:
+            raise InvalidArgumentError(
+                f"frame version {frame.version} is not supported (this replica speaks "
+                f"version {FRAME_VERSION})"
+            )
+        self._counters.received(len(frame.entries))
+        with self._lock:
+            self._pending += len(frame.entries)
+            self._reader, self._reading = threading.current_thread(), []
+        try:
+            with call_scope(self.gone):
+                for entry in frame.entries:
+                    self._submit(entry)
+        finally:
+            with self._lock:
+                ready, self._reader, self._reading = self._reading or [], None, None
+            self._emit(ready)
+
+    def half_close(self) -> None:
+        """The router sends no more: end the stream once every entry is answered."""
+        with self._lock:
+            self._half_closed = True
+        self._emit([])
+
+    def close(self) -> None:
+        """The stream has ended: stop sending, and let the engine drop what is left of it."""
+        self.gone.set()
+        self._engine.remove_step_listener(self.flush)
+        with self._lock:
+            self._ended = True
+            self._outbox.clear()
+
+    def flush(self) -> None:
+        """Send the results gathered so far as one frame (the engine's step listener)."""
+        with self._lock:
+            ready, self._outbox = self._outbox, []
+        self._emit(ready)
+
+    def _submit(self, entry: replica_pb2.FrameEntry) -> None:
+        kind = entry.WhichOneof("call")
+        handler = self._handlers.get(kind) if kind is not None else None
+        if handler is None:
+            refusal = (
+                "a frame entry must carry a call"
+                if kind is None
+                else f"the {self._name.lower()} serves no {kind} entries"
+            )
+            self._done(entry.tag, None, _failed(InvalidArgumentError(refusal)))
+            return
+        try:
+            future = handler.submit(getattr(entry, kind))
+        except Exception as error:  # the entry alone fails; the stream goes on
+            future = _failed(error)
+        future.add_done_callback(partial(self._done, entry.tag, handler))
+
+    def _done(self, tag: int, handler: EntryHandler | None, future: Future[Any]) -> None:
+        """A future completed: put its result where the next send picks it up."""
+        result = self._result(tag, handler, future)
+        with self._lock:
+            if self._ended:
+                return
+            self._pending -= 1
+            if self._reading is not None and threading.current_thread() is self._reader:
+                self._reading.append(result)
+                return
+            self._outbox.append(result)
+            now = not self._engine.on_engine_thread  # else the step listener sends it
+        if now:
+            self.flush()
+
+    def _result(
+        self, tag: int, handler: EntryHandler | None, future: Future[Any]
+    ) -> replica_pb2.FrameResult:
+        error = future.exception()
+        if error is None and handler is not None:
+            try:
+                result = handler.answer(future.result())
+            except Exception as failure:
+                error = failure
+            else:
+                result.tag = tag
+                return result
+        if isinstance(error, TandemError):
+            retry_after_s = getattr(error, "retry_after_s", None)
+            failure_message = entry_error(error.status, str(error), retry_after_s)
+        else:
+            logger.error("%s frame entry failed unexpectedly", self._name, exc_info=error)
+            failure_message = entry_error("INTERNAL", INTERNAL_ERROR_MESSAGE)
+        return replica_pb2.FrameResult(tag=tag, error=failure_message)
+
+    def _emit(self, results: list[replica_pb2.FrameResult]) -> None:
+        """Send `results` as one frame (none: nothing), then the end once the router has
+        half-closed and nothing is pending."""
+        with self._lock:
+            if self._ended:
+                return
+            finished = self._half_closed and self._pending == 0 and not self._outbox
+            if finished:
+                self._ended = True
+            # Sent under the lock so that frames leave in the order they were made.
+            if results:
+                self._counters.sent(len(results))
+                self._send(replica_pb2.ReplicaFrame(version=FRAME_VERSION, results=results))
+            if finished:
+                self._send(END)
+
+
+def _failed(error: BaseException) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_exception(error)
+    return future

@@ -1,0 +1,202 @@
+"""The router's end of a Frames stream: many sessions' calls to one replica over one stream.
+
+`FrameChannel` runs one long-lived bidirectional gRPC stream (`rpc Frames`,
+`protos/replica.proto`; docs/architecture.md, "Frame stream") over one `grpc.Channel` to one
+service (the drafter's or the verifier's). `submit(entry)` gives the entry a tag, queues it and
+returns a future of its answer. The stream's request iterator blocks until entries are pending,
+then yields ONE `RouterFrame` holding all of them: gRPC pulls the next frame only once the
+previous one is sent, so entries that arrive meanwhile leave together; batching comes from
+load, never from a timer. A receiver thread reads the replica's `ReplicaFrame`s and resolves
+each future by its tag: the response message, or the `TandemError` its `EntryError` names
+(`cluster.wire.status.error_from_entry`).
+
+If the stream fails or ends (the replica died or stopped: UNAVAILABLE; a wrong secret:
+UNAUTHENTICATED...), every pending future fails with the matching error
+(`cluster.wire.status.error_from_rpc`: `ReplicaUnavailableError` naming the replica for a
+transport failure) and the next `submit` opens a new stream. The cluster's secret travels as
+the stream's metadata. Threads: one receiver of ours and gRPC's one request consumer per
+stream, whatever the number of sessions. `close` ends the stream and joins the receiver.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from functools import partial
+from typing import Any
+
+import grpc
+
+from cluster.runtime.errors import ReplicaUnavailableError, TandemError
+from cluster.wire.convert import FRAME_VERSION
+from cluster.wire.status import error_from_entry, error_from_rpc
+from protos import replica_pb2
+
+JOIN_S = 5.0
+"""How long `close` waits for the receiver thread."""
+
+
+class FrameChannel:
+    """Calls to one replica service over one Frames stream at a time (see the module doc)."""
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        service: str,
+        replica: str,
+        metadata: Sequence[tuple[str, str]] | None = None,
+    ) -> None:
+        """`service`: the full service name ("tandem.v1.Verifier"); `replica` names the replica
+        in errors ("verifier at host:port"); `metadata`: sent when each stream opens (the
+        cluster's secret)."""
+        self._frames = channel.stream_stream(
+            f"/{service}/Frames",
+            request_serializer=replica_pb2.RouterFrame.SerializeToString,
+            response_deserializer=replica_pb2.ReplicaFrame.FromString,
+        )
+        self._replica = replica
+        self._metadata = tuple(metadata) if metadata else None
+        self._lock = threading.Lock()
+        self._stream: _Stream | None = None
+        self._tags = itertools.count(1)
+        self._closed = False
+
+    def submit(self, entry: replica_pb2.FrameEntry) -> Future[Any]:
+        """Send `entry` (its `call` set; its tag is given here) with the next frame; a future of
+        the answer's message (`OpenSessionResponse`, `DraftBlock`, `Verdict`,
+        `CloseSessionResponse`) or of the error the replica or the stream failed it with."""
+        with self._lock:
+            if self._closed:
+                return _failed(ReplicaUnavailableError(f"{self._replica}: the client is closed"))
+            if self._stream is None or self._stream.ended:
+                self._stream = _Stream(self._frames, self._replica, self._metadata)
+            entry.tag = next(self._tags)
+            return self._stream.submit(entry)
+
+    def forget(self, future: Future[Any]) -> None:
+        """Stop waiting for `future` (its caller gave up): an answer to it is dropped."""
+        with self._lock:
+            stream = self._stream
+        if stream is not None:
+            stream.forget(future)
+
+    def close(self) -> None:
+        """End the stream (pending futures fail) and join its receiver; submits then fail."""
+        with self._lock:
+            self._closed = True
+            stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+
+
+class _Stream:
+    """One bidirectional call: the frames out, the receiver thread, the pending futures."""
+
+    def __init__(
+        self,
+        frames: Callable[..., Any],
+        replica: str,
+        metadata: tuple[tuple[str, str], ...] | None,
+    ) -> None:
+        self._replica = replica
+        self._condition = threading.Condition()
+        self._queue: list[replica_pb2.FrameEntry] = []
+        self._pending: dict[int, Future[Any]] = {}
+        self._ending = False
+        self.ended = False
+        """The call has ended: nothing more is answered (read under the channel's lock)."""
+        self._failure: Callable[[], TandemError] = self._gone_error
+        """Makes the error the call ended with (one per future: each is raised in its own
+        thread)."""
+        self._call = frames(self._outgoing(), metadata=metadata)
+        self._receiver = threading.Thread(
+            target=self._receive, name=f"frames-{replica}", daemon=True
+        )
+        self._receiver.start()
+
+    def submit(self, entry: replica_pb2.FrameEntry) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._condition:
+            if self.ended:  # it ended as it opened (a refused secret): the same error
+                future.set_exception(self._failure())
+                return future
+            self._pending[entry.tag] = future
+            self._queue.append(entry)
+            self._condition.notify()
+        return future
+
+    def forget(self, future: Future[Any]) -> None:
+        with self._condition:
+            for tag, waiting in list(self._pending.items()):
+                if waiting is future:
+                    del self._pending[tag]
+
+    def close(self) -> None:
+        with self._condition:
+            self._ending = True
+            self._condition.notify()
+        self._call.cancel()
+        self._receiver.join(JOIN_S)
+
+    def _outgoing(self) -> Iterator[replica_pb2.RouterFrame]:
+        """gRPC's request iterator: blocks until entries are pending, then all of them in one
+        frame (gRPC asks for the next frame once the last one is sent)."""
+        while True:
+            with self._condition:
+                while not self._queue and not self._ending:
+                    self._condition.wait()
+                if self._ending:
+                    return
+                entries, self._queue = self._queue, []
+            yield replica_pb2.RouterFrame(version=FRAME_VERSION, entries=entries)
+
+    def _receive(self) -> None:
+        failure: Callable[[], TandemError]
+        try:
+            for frame in self._call:
+                if frame.version != FRAME_VERSION:
+                    self._call.cancel()
+                    message = f"{self._replica}: frame version {frame.version} is not supported"
+                    failure = partial(ReplicaUnavailableError, message)
+                    break
+                for result in frame.results:
+                    self._resolve(result)
+            else:
+                failure = self._gone_error
+        except grpc.RpcError as error:
+            failure = partial(error_from_rpc, error, self._replica)
+        except BaseException:  # never leave a future waiting
+            failure = self._gone_error
+        with self._condition:
+            self.ended = self._ending = True
+            self._failure = failure
+            pending, self._pending = self._pending, {}
+            self._condition.notify()
+        for future in pending.values():
+            future.set_exception(failure())  # one error each: raised in many threads
+
+    def _resolve(self, result: replica_pb2.FrameResult) -> None:
+        with self._condition:
+            future = self._pending.pop(result.tag, None)
+        if future is None:
+            return  # its caller gave up (`forget`)
+        kind = result.WhichOneof("result")
+        if kind == "error":
+            future.set_exception(error_from_entry(result.error, self._replica))
+        elif kind is None:
+            future.set_exception(
+                ReplicaUnavailableError(f"{self._replica}: a frame result carried nothing")
+            )
+        else:
+            future.set_result(getattr(result, kind))
+
+    def _gone_error(self) -> TandemError:
+        return ReplicaUnavailableError(f"{self._replica}: the frame stream ended")
+
+
+def _failed(error: BaseException) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_exception(error)
+    return future

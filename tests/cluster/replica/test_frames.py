@@ -1,0 +1,311 @@
+"""Frames streams against a real verifier server on the tiny target: bad frames end only their
+own stream (or only their entry) and the replica goes on serving; one frame per engine step
+under 32 concurrent sessions; a replica stopped mid-run fails every pending call promptly.
+
+Raw streams (`RawStream`) send what a broken or hostile router would; `GrpcVerifier` is the
+router's own client. Each bad-frame test ends by serving another session on a fresh stream.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+
+from cluster.routing.replica_client import GrpcVerifier
+from cluster.runtime.draft_block import DraftBlock
+from cluster.runtime.errors import ReplicaUnavailableError
+from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams
+from cluster.wire import convert
+from cluster.wire.metadata import MAX_MESSAGE_BYTES, SECRET_METADATA_KEY
+from protos import replica_pb2
+from tests.replicas import serve_verifier
+from verifier.verifier import Verifier
+
+SECRET = "frames-secret-0123456789abcdef01"
+AUTH = ((SECRET_METADATA_KEY, SECRET),)
+METHOD = "/tandem.v1.Verifier/Frames"
+GREEDY = SamplingParams()
+WAIT_S = 30.0
+"""Upper bound on waits that end as soon as the replica answers; never reached when it works."""
+
+
+@dataclass
+class Served:
+    verifier: Verifier
+    server: grpc.Server
+    address: str
+
+
+@pytest.fixture(scope="module")
+def served(tiny_target: LoadedModel) -> Iterator[Served]:
+    verifier = Verifier(tiny_target)
+    server, port = serve_verifier(verifier, secret=SECRET)
+    yield Served(verifier, server, f"127.0.0.1:{port}")
+    server.stop(None)
+    verifier.close()
+
+
+class RawStream:
+    """One Frames call driven by hand: `send` frames (or raw bytes), read the replica's."""
+
+    def __init__(
+        self,
+        address: str,
+        metadata: Any = AUTH,
+        serialize: Callable[[Any], bytes] = replica_pb2.RouterFrame.SerializeToString,
+    ) -> None:
+        self._channel = grpc.insecure_channel(address)
+        self._outgoing: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        call = self._channel.stream_stream(
+            METHOD,
+            request_serializer=serialize,
+            response_deserializer=replica_pb2.ReplicaFrame.FromString,
+        )
+        self.responses = call(iter(self._outgoing.get, None), metadata=metadata, timeout=WAIT_S)
+
+    def send(self, frame: Any) -> None:
+        self._outgoing.put(frame)
+
+    def results(self, count: int) -> dict[int, replica_pb2.FrameResult]:
+        """The next `count` results, by tag."""
+        got: dict[int, replica_pb2.FrameResult] = {}
+        while len(got) < count:
+            for result in next(self.responses).results:
+                got[result.tag] = result
+        return got
+
+    def status(self) -> tuple[grpc.StatusCode, str]:
+        """How the call ended (reading whatever frames come before)."""
+        try:
+            for _ in self.responses:
+                pass
+        except grpc.RpcError as error:
+            return error.code(), error.details() or ""
+        return grpc.StatusCode.OK, ""
+
+    def close(self) -> None:
+        self._outgoing.put(None)
+        self.responses.cancel()
+        self._channel.close()
+
+
+def frame(*entries: replica_pb2.FrameEntry, version: int = convert.FRAME_VERSION) -> Any:
+    return replica_pb2.RouterFrame(version=version, entries=entries)
+
+
+def open_entry(tag: int, session_id: str) -> replica_pb2.FrameEntry:
+    request = convert.open_request_to_wire(session_id, [1, 2, 3], GREEDY, 0)
+    return replica_pb2.FrameEntry(tag=tag, open=request)
+
+
+def verify_entry(tag: int, session_id: str, base_length: int) -> replica_pb2.FrameEntry:
+    block = DraftBlock(base_length=base_length, tokens=())
+    return replica_pb2.FrameEntry(tag=tag, verify=convert.verify_request_to_wire(session_id, block))
+
+
+def close_entry(tag: int, session_id: str) -> replica_pb2.FrameEntry:
+    return replica_pb2.FrameEntry(tag=tag, close=convert.close_request_to_wire(session_id))
+
+
+def assert_serves(served: Served, session_id: str) -> None:
+    """Another session's entries on a fresh stream: open, verify, close, all answered."""
+    stream = RawStream(served.address)
+    try:
+        stream.send(frame(open_entry(1, session_id)))
+        assert stream.results(1)[1].opened.committed_length == 3
+        stream.send(frame(verify_entry(2, session_id, 3)))
+        assert stream.results(1)[2].verdict.committed_length == 4
+        stream.send(frame(close_entry(3, session_id)))
+        assert stream.results(1)[3].closed.existed
+    finally:
+        stream.close()
+    assert served.verifier.stats().num_sessions == 0
+
+
+def test_entries_fail_alone_and_the_stream_goes_on(served: Served) -> None:
+    stream = RawStream(served.address)
+    try:
+        stream.send(frame(open_entry(1, "a"), verify_entry(2, "nobody", 3), open_entry(3, "b")))
+        first = stream.results(3)
+        assert first[1].opened.committed_length == first[3].opened.committed_length == 3
+        assert first[2].error.status == "NOT_FOUND"
+        assert first[2].error.message.startswith("no open session 'nobody'")
+        # A verifier serves no draft entries; an entry with no call is refused too.
+        draft = convert.draft_request_to_wire("a", 3, [], 1)
+        stream.send(
+            frame(
+                replica_pb2.FrameEntry(tag=4, draft=draft),
+                replica_pb2.FrameEntry(tag=5),
+                verify_entry(6, "a", 3),
+                verify_entry(7, "b", 3),
+            )
+        )
+        later = stream.results(4)
+        assert (later[4].error.status, later[5].error.status) == ("INVALID_ARGUMENT",) * 2
+        assert "serves no draft entries" in later[4].error.message
+        assert later[6].verdict.committed_length == later[7].verdict.committed_length == 4
+        stream.send(frame(close_entry(8, "a"), close_entry(9, "b")))
+        assert all(result.closed.existed for result in stream.results(2).values())
+    finally:
+        stream.close()
+    assert_serves(served, "after-entry-errors")
+
+
+def test_entries_of_one_session_run_in_their_order(served: Served) -> None:
+    stream = RawStream(served.address)
+    try:
+        # Open, three verifies on the lengths each leaves, and the close, in one frame.
+        entries = [open_entry(1, "ordered")]
+        entries += [verify_entry(2 + i, "ordered", 3 + i) for i in range(3)]
+        stream.send(frame(*entries, close_entry(5, "ordered")))
+        results = stream.results(5)
+        assert [results[2 + i].verdict.committed_length for i in range(3)] == [4, 5, 6]
+        assert results[5].closed.existed
+    finally:
+        stream.close()
+
+
+def bad_bytes() -> bytes:
+    return frame(open_entry(1, "x")).SerializeToString()[:-3]
+
+
+@pytest.mark.parametrize(
+    ("payload", "code", "details"),
+    [
+        (bad_bytes(), grpc.StatusCode.INVALID_ARGUMENT, "not a valid request message"),
+        (b"\xff\xff\xff garbage", grpc.StatusCode.INVALID_ARGUMENT, "not a valid request"),
+        (
+            frame(open_entry(1, "x"), version=7).SerializeToString(),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "frame version 7 is not supported",
+        ),
+        (b"\x00" * (MAX_MESSAGE_BYTES + 1), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+    ],
+    ids=["truncated", "garbage", "unknown-version", "oversized"],
+)
+def test_a_bad_frame_ends_only_its_stream(
+    served: Served, payload: bytes, code: grpc.StatusCode, details: str
+) -> None:
+    stream = RawStream(served.address, serialize=lambda raw: raw)
+    try:
+        stream.send(payload)
+        got_code, got_details = stream.status()
+    finally:
+        stream.close()
+    assert got_code == code and details in got_details
+    assert_serves(served, f"after-{code.name}")
+    assert served.verifier.stats().num_sessions == 0  # the bad frame opened nothing
+
+
+@pytest.mark.parametrize("metadata", [None, ((SECRET_METADATA_KEY, "wrong"),)])
+def test_a_stream_without_the_secret_is_unauthenticated(served: Served, metadata: Any) -> None:
+    stream = RawStream(served.address, metadata=metadata)
+    try:
+        stream.send(frame(open_entry(1, "intruder")))
+        code, details = stream.status()
+    finally:
+        stream.close()
+    assert code == grpc.StatusCode.UNAUTHENTICATED and SECRET_METADATA_KEY in details
+    assert served.verifier.stats().num_sessions == 0
+    assert_serves(served, "after-intruder")
+
+
+SESSIONS = 32
+ROUNDS = 6
+
+
+def test_32_sessions_get_at_most_two_frames_per_engine_step(served: Served) -> None:
+    # Every verify of a step finishes in that step, and the step listener sends them as one
+    # frame; the bound 2 leaves room for a result that completes between steps.
+    client = GrpcVerifier(served.address, timeout_s=WAIT_S, secret=SECRET)
+    opened, go, rounds_done, counted = (threading.Barrier(SESSIONS + 1) for _ in range(4))
+    errors: list[BaseException] = []
+
+    def session(index: int) -> None:
+        session_id = f"load-{index}"
+        try:
+            length = client.open_session(session_id, [1, 2, 3, index % 200], GREEDY, 0)
+            opened.wait(WAIT_S)
+            go.wait(WAIT_S)  # once the counters before the rounds are read
+            for _ in range(ROUNDS):
+                length = client.verify(session_id, DraftBlock(length, ())).committed_length
+            rounds_done.wait(WAIT_S)
+            counted.wait(WAIT_S)  # once the counters after the rounds are read
+            client.close_session(session_id)
+        except BaseException as error:
+            errors.append(error)
+            raise
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(SESSIONS)]
+    for thread in threads:
+        thread.start()
+    try:
+        opened.wait(WAIT_S)
+        before = client.stats()
+        go.wait(WAIT_S)
+        rounds_done.wait(WAIT_S)
+        after = client.stats()
+        counted.wait(WAIT_S)
+    finally:
+        for thread in threads:
+            thread.join(WAIT_S)
+        client.close()
+    assert not errors
+    assert before.engine is not None and after.engine is not None
+    steps = after.engine.steps - before.engine.steps
+    frames = after.frames_sent - before.frames_sent
+    results = after.results_sent - before.results_sent
+    print(f"{steps} steps, {frames} frames, {results} results over {SESSIONS} sessions")
+    assert results == SESSIONS * ROUNDS
+    assert 0 < frames <= 2 * steps
+    # The router side batched too: fewer frames than entries arrived.
+    assert after.frames_received - before.frames_received <= results
+
+
+def test_a_replica_stopped_mid_run_fails_every_pending_call_promptly(
+    tiny_target: LoadedModel,
+) -> None:
+    verifier = Verifier(tiny_target)
+    server, port = serve_verifier(verifier)
+    client = GrpcVerifier(f"127.0.0.1:{port}", timeout_s=WAIT_S)
+    running, stopped_at = threading.Barrier(17), [0.0]
+    outcomes: list[tuple[BaseException | None, float]] = []
+
+    def session(index: int) -> None:
+        session_id = f"doomed-{index}"
+        length = client.open_session(session_id, [4, 5, 6], GREEDY, 0)
+        running.wait(WAIT_S)
+        try:
+            while True:  # rounds until the replica goes
+                length = client.verify(session_id, DraftBlock(length, ())).committed_length
+        except BaseException as error:
+            outcomes.append((error, time.monotonic()))
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    try:
+        running.wait(WAIT_S)
+        time.sleep(0.2)
+        stopped_at[0] = time.monotonic()
+        server.stop(None)
+        for thread in threads:
+            thread.join(WAIT_S)
+    finally:
+        server.stop(None)
+        client.close()
+        verifier.close()
+    assert len(outcomes) == 16
+    for error, at in outcomes:
+        assert isinstance(error, ReplicaUnavailableError), error
+        assert str(error).startswith(f"verifier at 127.0.0.1:{port}: ")
+        # Promptly: the stream's end, not the 30 s per-call timeout.
+        assert at - stopped_at[0] < 5.0

@@ -1,0 +1,246 @@
+"""The Frames codec: entries and results built from plain values and read back, through serialised
+bytes, give the same values (q bit for bit); a drafter's q rows kept as received (`WireRows`)
+reach the verify request as the same bytes; entry errors read back as the errors a unary call
+raises."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster.runtime.draft_block import DraftBlock, StepLoad, Verdict
+from cluster.runtime.errors import (
+    InvalidArgumentError,
+    ReplicaUnavailableError,
+    ResourceExhaustedError,
+    SessionNotFoundError,
+    StaleBaseError,
+    TandemError,
+)
+from cluster.runtime.sampling import SamplingParams, SparseDistribution
+from cluster.runtime.session import ReplicaStats
+from cluster.wire import convert
+from cluster.wire.status import entry_error, error_from_entry
+from protos import replica_pb2
+
+EXAMPLES = settings(max_examples=60, deadline=None, derandomize=True)
+
+tokens = st.lists(st.integers(0, convert.MAX_INT32), max_size=12).map(tuple)
+session_ids = st.text(min_size=1, max_size=20)
+tags = st.integers(0, convert.MAX_UINT64)
+
+
+@st.composite
+def rows(draw: st.DrawFn, count: int) -> tuple[SparseDistribution, ...]:
+    """`count` sparse rows whose probabilities are any float32 bit patterns (NaN included):
+    the codec must carry them bit for bit whatever they are."""
+    made = []
+    for _ in range(count):
+        size = draw(st.integers(0, 6))
+        ids = draw(st.lists(st.integers(0, convert.MAX_INT32), min_size=size, max_size=size))
+        bits = draw(st.lists(st.integers(0, 2**32 - 1), min_size=size, max_size=size))
+        probs = torch.from_numpy(np.asarray(bits, dtype=np.uint32).view(np.float32).copy())
+        made.append(SparseDistribution(torch.tensor(ids, dtype=torch.int64), probs))
+    return tuple(made)
+
+
+@st.composite
+def blocks(draw: st.DrawFn) -> DraftBlock:
+    drafted = draw(tokens)
+    sampled = draw(st.booleans()) and len(drafted) > 0
+    load = draw(
+        st.none()
+        | st.builds(StepLoad, st.integers(0, 99), st.integers(0, 999), st.just(0.5), st.just(0.25))
+    )
+    return DraftBlock(
+        base_length=draw(st.integers(0, 10**6)),
+        tokens=drafted,
+        draft_probs=draw(rows(len(drafted))) if sampled else None,
+        load=load,
+    )
+
+
+def over_the_wire(message: replica_pb2.RouterFrame | replica_pb2.ReplicaFrame) -> bytes:
+    return message.SerializeToString()
+
+
+def bits(row: SparseDistribution) -> tuple[list[int], list[int]]:
+    return row.token_ids.tolist(), row.probs.view(torch.int32).tolist()
+
+
+def same_rows(got: object, want: tuple[SparseDistribution, ...] | None) -> bool:
+    if want is None:
+        return got is None
+    assert got is not None
+    return [bits(r) for r in got] == [bits(r) for r in want]  # type: ignore[attr-defined]
+
+
+@EXAMPLES
+@given(
+    tag=tags,
+    session_id=session_ids,
+    prompt=tokens.filter(bool),
+    seed=st.integers(0, 2**63 - 1),
+    max_new_tokens=st.none() | st.integers(0, convert.MAX_UINT32),
+    resumed=st.booleans(),
+)
+def test_an_open_entry_reads_back_as_its_values(
+    tag: int,
+    session_id: str,
+    prompt: tuple[int, ...],
+    seed: int,
+    max_new_tokens: int | None,
+    resumed: bool,
+) -> None:
+    sampling = SamplingParams(temperature=0.5, top_k=3)
+    request = convert.open_request_to_wire(
+        session_id, prompt, sampling, seed, max_new_tokens=max_new_tokens, resumed=resumed
+    )
+    frame = replica_pb2.RouterFrame(
+        version=convert.FRAME_VERSION, entries=[replica_pb2.FrameEntry(tag=tag, open=request)]
+    )
+    (entry,) = replica_pb2.RouterFrame.FromString(over_the_wire(frame)).entries
+    assert entry.tag == tag and entry.WhichOneof("call") == "open"
+    read = convert.open_request_from_wire(entry.open)
+    assert (read.session_id, read.prompt_tokens, read.seed) == (session_id, prompt, seed)
+    assert (read.max_new_tokens, read.resumed, read.sampling) == (max_new_tokens, resumed, sampling)
+    assert read.time_limit_s is None and read.constraint is None
+
+
+@EXAMPLES
+@given(
+    tag=tags,
+    session_id=session_ids,
+    base=st.integers(0, convert.MAX_UINT64),
+    appended=tokens,
+    num_tokens=st.integers(0, convert.MAX_UINT32),
+    truncate_to=st.none() | st.integers(0, convert.MAX_UINT64),
+)
+def test_a_draft_entry_reads_back_as_its_values(
+    tag: int,
+    session_id: str,
+    base: int,
+    appended: tuple[int, ...],
+    num_tokens: int,
+    truncate_to: int | None,
+) -> None:
+    request = convert.draft_request_to_wire(session_id, base, appended, num_tokens, truncate_to)
+    frame = replica_pb2.RouterFrame(entries=[replica_pb2.FrameEntry(tag=tag, draft=request)])
+    (entry,) = replica_pb2.RouterFrame.FromString(over_the_wire(frame)).entries
+    assert entry.tag == tag
+    assert convert.draft_request_from_wire(entry.draft) == convert.DraftCall(
+        session_id, base, appended, num_tokens, truncate_to
+    )
+
+
+@EXAMPLES
+@given(tag=tags, session_id=session_ids, block=blocks(), defer_bonus=st.booleans())
+def test_a_verify_entry_reads_back_with_q_bit_for_bit(
+    tag: int, session_id: str, block: DraftBlock, defer_bonus: bool
+) -> None:
+    request = convert.verify_request_to_wire(session_id, block, defer_bonus)
+    frame = replica_pb2.RouterFrame(entries=[replica_pb2.FrameEntry(tag=tag, verify=request)])
+    (entry,) = replica_pb2.RouterFrame.FromString(over_the_wire(frame)).entries
+    read = convert.verify_request_from_wire(entry.verify)
+    assert (entry.tag, read.session_id, read.defer_bonus) == (tag, session_id, defer_bonus)
+    assert (read.block.base_length, read.block.tokens, read.block.load) == (
+        block.base_length,
+        block.tokens,
+        block.load,
+    )
+    assert same_rows(read.block.draft_probs, block.draft_probs)
+
+
+@EXAMPLES
+@given(tag=tags, block=blocks(), session_id=session_ids)
+def test_a_drafted_block_passes_through_the_router_as_the_same_bytes(
+    tag: int, block: DraftBlock, session_id: str
+) -> None:
+    # The drafter answers in a frame; the router keeps q as received and verifies with it.
+    sent = convert.block_to_wire(block)
+    frame = replica_pb2.ReplicaFrame(results=[replica_pb2.FrameResult(tag=tag, block=sent)])
+    (result,) = replica_pb2.ReplicaFrame.FromString(over_the_wire(frame)).results
+    on_router = convert.block_from_wire(result.block, lazy_rows=True)
+    if block.draft_probs is not None:
+        assert isinstance(on_router.draft_probs, convert.WireRows)
+    request = convert.verify_request_to_wire(session_id, on_router)
+    assert [(r.token_ids, r.probs) for r in request.block.draft_probs] == [
+        (r.token_ids, r.probs) for r in sent.draft_probs
+    ]
+    # Read where it is used (the verifier), q is still what the drafter sampled from.
+    verifier_side = convert.verify_request_from_wire(
+        replica_pb2.VerifyRequest.FromString(request.SerializeToString())
+    )
+    assert same_rows(verifier_side.block.draft_probs, block.draft_probs)
+    assert same_rows(on_router.draft_probs, block.draft_probs)  # decoded only when indexed
+
+
+def test_wire_rows_check_sizes_without_decoding_and_refuse_a_bad_row() -> None:
+    good = convert.sparse_to_wire(SparseDistribution(torch.tensor([3]), torch.tensor([1.0])))
+    bad = replica_pb2.SparseDistribution(token_ids=b"\x01\x00\x00\x00", probs=b"")
+    assert len(convert.WireRows([good, good])) == 2
+    try:
+        convert.WireRows([good, bad])
+    except InvalidArgumentError as error:
+        assert "draft_probs[1] has 1 token ids but 0 probabilities" in str(error)
+    else:
+        raise AssertionError("a row with ids and no probabilities was taken")
+
+
+@EXAMPLES
+@given(
+    tag=tags,
+    num_accepted=st.integers(0, 8),
+    committed=st.integers(0, 10**9),
+    bonus_deferred=st.booleans(),
+)
+def test_a_verdict_result_reads_back(
+    tag: int, num_accepted: int, committed: int, bonus_deferred: bool
+) -> None:
+    verdict = Verdict(7, num_accepted, tuple(range(num_accepted + 1)), committed, bonus_deferred)
+    frame = replica_pb2.ReplicaFrame(
+        results=[replica_pb2.FrameResult(tag=tag, verdict=convert.verdict_to_wire(verdict))]
+    )
+    (result,) = replica_pb2.ReplicaFrame.FromString(over_the_wire(frame)).results
+    assert result.tag == tag and convert.verdict_from_wire(result.verdict) == verdict
+
+
+ERRORS: list[TandemError] = [
+    SessionNotFoundError("no open session 's'"),
+    StaleBaseError("has committed length 3, but based on length 5"),
+    InvalidArgumentError("block.tokens[0] = 999 is outside the vocabulary"),
+    ResourceExhaustedError("the KV pool is full", retry_after_s=1.25),
+    ResourceExhaustedError("too many sessions"),
+]
+
+
+@EXAMPLES
+@given(tag=tags, error=st.sampled_from(ERRORS))
+def test_an_entry_error_reads_back_as_the_error_a_unary_call_raises(
+    tag: int, error: TandemError
+) -> None:
+    retry_after_s = getattr(error, "retry_after_s", None)
+    result = replica_pb2.FrameResult(
+        tag=tag, error=entry_error(error.status, str(error), retry_after_s)
+    )
+    frame = replica_pb2.ReplicaFrame(results=[result])
+    (back,) = replica_pb2.ReplicaFrame.FromString(over_the_wire(frame)).results
+    raised = error_from_entry(back.error, "verifier at here")
+    assert type(raised) is type(error) and str(raised) == str(error)
+    assert getattr(raised, "retry_after_s", None) == retry_after_s
+
+
+def test_an_internal_entry_error_reads_back_as_the_replica_unavailable() -> None:
+    raised = error_from_entry(entry_error("INTERNAL", "internal error"), "drafter at x:1")
+    assert isinstance(raised, ReplicaUnavailableError)
+    assert str(raised) == "drafter at x:1: INTERNAL: internal error"
+
+
+def test_stats_carry_the_frame_counters_both_ways() -> None:
+    stats = ReplicaStats(
+        2, 10, frames_sent=5, results_sent=40, frames_received=6, entries_received=41
+    )
+    message = replica_pb2.ReplicaStats.FromString(convert.stats_to_wire(stats).SerializeToString())
+    assert convert.stats_from_wire(message) == stats
