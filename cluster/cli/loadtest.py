@@ -19,7 +19,10 @@ process role (router, proxy, controller, registry, drafter, verifier, Ray's own,
 `service_total`), with the load client (this process) apart, and `cpu` (seconds, cores busy,
 each process): `cluster.tools.bench.process_cpu`, over the processes of the service `tandem
 serve` started here when `--address` is its port, else every Ray or Tandem process of this user
-(`cpu_scope` in the JSON). The load streams from one asyncio event loop.
+(`cpu_scope` in the JSON). The load streams from one asyncio event loop. Against the service
+`tandem serve` started here, each run also reports `replica_traffic`: per side, the Frames
+stream's frames each way, entries and results per generated token, results per frame and frames
+per engine step (`cluster.tools.bench.replica_traffic`).
 
 `--compare --hf-baseline` adds `hf_target_batched` at every level: Hugging Face serving the
 target alone at the same concurrency, in this process (`cluster.tools.baselines.hf_baseline`),
@@ -183,6 +186,7 @@ def _run(
     from cluster.tools.bench.loadtest import run_load
     from cluster.tools.bench.loadtest_ideal import ideal_of_level
     from cluster.tools.bench.process_cpu import CpuWindow, cpu_fields, cpu_line
+    from cluster.tools.bench.replica_traffic import read_traffic, traffic_line, traffic_per_token
 
     modes = {"speculative": args.draft_tokens}
     if args.compare:
@@ -215,6 +219,8 @@ def _run(
                 if args.kill is not None and name == "speculative":
                     assert replicas is not None
                     midway = faults.kill_busiest(args.kill, replicas, kills)
+                secret = local_cluster.cluster_secret() if replicas is not None else None
+                traffic = read_traffic(replicas, secret) if replicas is not None else None
                 window = CpuWindow(scope)
                 window.start()
                 try:
@@ -223,6 +229,13 @@ def _run(
                 finally:  # Ctrl-C too: stop the window's poller
                     window.close()
                 level[name] = {**run, **cpu_fields(window.stop(run["tokens"], run["seconds"]))}
+                if replicas is not None and traffic is not None:
+                    after = read_traffic(replicas, secret)
+                    level[name]["replica_traffic"] = traffic_per_token(
+                        traffic, after, run["tokens"]
+                    )
+                    _say(started, f"concurrency {concurrency} {name}: "
+                         f"{traffic_line(level[name]['replica_traffic'])}")  # fmt: skip
                 print(f"[{time.monotonic() - started:7.1f}s] concurrency {concurrency} {name}: "
                       f"{level[name]['tokens_per_s']:.2f} tokens/s, "
                       f"{level[name]['requests']} requests, errors {level[name]['errors']}, "
