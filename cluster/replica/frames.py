@@ -7,7 +7,8 @@ its entries with `cluster.wire.convert` and submits it to the component (its fut
 calls, `submit_open`, `submit_draft`...) inside `call_scope(gone)`, so that the engine drops
 whatever work the stream leaves behind once it ends. Results gather in an outbox as their
 futures complete; the engine's step listener flushes the outbox as ONE `ReplicaFrame` at the
-end of each step, so everything a step produced for this router leaves in one message.
+end of each step, so everything a step produced for this router leaves in one message (or
+several, each under `MAX_FRAME_BYTES`: `cluster.wire.frame_budget`).
 Results that complete off the engine thread (an entry refused when read, before any step) go
 out when the frame that brought them has been read, together.
 
@@ -37,6 +38,7 @@ from cluster.runtime.engine import Engine
 from cluster.runtime.errors import InvalidArgumentError, TandemError
 from cluster.runtime.session import ReplicaStats
 from cluster.wire.convert import FRAME_VERSION
+from cluster.wire.frame_budget import split_by_size
 from cluster.wire.status import entry_error
 from protos import replica_pb2
 
@@ -234,9 +236,9 @@ class FrameStream:
             if finished:
                 self._ended = True
             # Sent under the lock so that frames leave in the order they were made.
-            if results:
-                self._counters.sent(len(results))
-                self._send(replica_pb2.ReplicaFrame(version=FRAME_VERSION, results=results))
+            for group in split_by_size(results):
+                self._counters.sent(len(group))
+                self._send(replica_pb2.ReplicaFrame(version=FRAME_VERSION, results=group))
             if finished:
                 self._send(END)
 

@@ -4,7 +4,8 @@
 `protos/replica.proto`; docs/architecture.md, "Frame stream") over one `grpc.Channel` to one
 service (the drafter's or the verifier's). `submit(entry)` gives the entry a tag, queues it and
 returns a future of its answer. The stream's request iterator blocks until entries are pending,
-then yields ONE `RouterFrame` holding all of them: gRPC pulls the next frame only once the
+then yields ONE `RouterFrame` holding all of them (more only past `MAX_FRAME_BYTES`,
+`cluster.wire.frame_budget`): gRPC pulls the next frame only once the
 previous one is sent, so entries that arrive meanwhile leave together; batching comes from
 load, never from a timer. A receiver thread reads the replica's `ReplicaFrame`s and resolves
 each future by its tag: the response message, or the `TandemError` its `EntryError` names
@@ -31,6 +32,7 @@ import grpc
 
 from cluster.runtime.errors import ReplicaUnavailableError, TandemError
 from cluster.wire.convert import FRAME_VERSION
+from cluster.wire.frame_budget import split_by_size
 from cluster.wire.status import error_from_entry, error_from_rpc
 from protos import replica_pb2
 
@@ -150,7 +152,8 @@ class _Stream:
                 if self._ending:
                     return
                 entries, self._queue = self._queue, []
-            yield replica_pb2.RouterFrame(version=FRAME_VERSION, entries=entries)
+            for group in split_by_size(entries):
+                yield replica_pb2.RouterFrame(version=FRAME_VERSION, entries=group)
 
     def _receive(self) -> None:
         failure: Callable[[], TandemError]

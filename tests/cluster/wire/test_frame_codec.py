@@ -22,6 +22,7 @@ from cluster.runtime.errors import (
 from cluster.runtime.sampling import SamplingParams, SparseDistribution
 from cluster.runtime.session import ReplicaStats
 from cluster.wire import convert
+from cluster.wire.frame_budget import split_by_size
 from cluster.wire.status import entry_error, error_from_entry
 from protos import replica_pb2
 
@@ -244,3 +245,16 @@ def test_stats_carry_the_frame_counters_both_ways() -> None:
     )
     message = replica_pb2.ReplicaStats.FromString(convert.stats_to_wire(stats).SerializeToString())
     assert convert.stats_from_wire(message) == stats
+
+
+def test_frames_are_cut_under_the_byte_budget_in_order() -> None:
+    blocks = [
+        replica_pb2.FrameResult(tag=tag, block=replica_pb2.DraftBlock(token_ids=[1] * size))
+        for tag, size in enumerate([10, 10, 200, 10, 10, 10], start=1)
+    ]
+    sizes = [b.ByteSize() for b in blocks]
+    budget = sizes[0] + sizes[1] + 1
+    groups = split_by_size(blocks, budget)
+    assert [[r.tag for r in g] for g in groups] == [[1, 2], [3], [4, 5], [6]]  # 3 is too big
+    assert all(sum(r.ByteSize() for r in g) <= budget for g in groups if len(g) > 1)
+    assert split_by_size([], budget) == []
