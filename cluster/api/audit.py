@@ -4,10 +4,11 @@ Greedy and seed-exact requests produce output that is a function of (prompt, see
 target model) alone (`cluster.runtime.gumbel`), so a served request can be replayed through the
 target with no drafter and no batching (`VerifierPort.reference`, on a verifier the router's
 pool picks) and compared token by token (`cluster.runtime.audit.compare`). `Auditor` is what
-`TandemService.audit` (gRPC `Tandem.Audit`) and `POST /v1/audit` (`OpenAIService.audit`)
-delegate to:
+gRPC `Tandem.Audit` (`cluster.api.grpc_api.GrpcApi.audit`) and `POST /v1/audit`
+(`OpenAIService.audit`) delegate to, with the caller's tenant (each face authenticates the
+caller once, before anything else) and the request in domain terms (`ApiRequest`):
 
-1. authenticate the caller and validate the request exactly as Generate does;
+1. validate the request exactly as Generate does;
 2. refuse, before anything runs, a sampled request the rejection rule would serve
    (`NotReplayableError`, INVALID_ARGUMENT naming the field to change: its tokens depend on how
    it was drafted, so no replay can match them token by token); a seed-exact request that sent
@@ -28,22 +29,25 @@ nor `cluster.api.openai`; both import it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Generator
 from contextlib import closing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cluster.api.caller import Caller
+from cluster.api.request import ApiRequest
 from cluster.api.request_reader import RequestReader
-from cluster.api.tenants import Tenants
+from cluster.api.response import ApiChunk
+from cluster.api.sampling_rule import REJECTION
+from cluster.api.sampling_rule import SEED_EXACT as SEED_EXACT_RULE
 from cluster.routing.request import GenerationRequest, SpeculationStats
-from cluster.runtime.audit import AuditReport, cause, compare, report_json
+from cluster.runtime.audit import AuditReport, compare, report_json
 from cluster.runtime.errors import CancelledError, InvalidArgumentError
 from cluster.runtime.sampling import SamplingParams
-from protos import generate_pb2, sampling_pb2
 from verifier.config import OWN_DTYPE, check_reference_dtype
 
 if TYPE_CHECKING:
+    from cluster.api.tenants import Tenant
     from cluster.routing.router import Router
 
 GREEDY = "greedy"
@@ -126,32 +130,6 @@ def audit_served(router: Router, served: Served, dtype: str = OWN_DTYPE) -> Audi
     return compare(served.tokens, replay, rule, served.drafter)
 
 
-def audit_to_proto(audited: Audited) -> generate_pb2.AuditResponse:
-    report = audited.report
-    message = generate_pb2.AuditResponse(
-        request_id=audited.served.request_id,
-        token_ids=audited.served.tokens,
-        matched=report.matched,
-        total=report.total,
-        rule=report.rule,
-        drafter=report.drafter,
-        dtype=report.dtype,
-        cause=cause(report),
-    )
-    for name in (
-        "first_divergence",
-        "gap",
-        "served_token",
-        "reference_token",
-        "served_gap",
-        "worst_gap",
-    ):
-        value = getattr(report, name)
-        if value is not None:
-            setattr(message, name, value)
-    return message
-
-
 def audit_json(audited: Audited) -> dict[str, Any]:
     """The body `POST /v1/audit` answers: the request id, the served token ids, and the
     report's fields (`cluster.runtime.audit.report_json`: with `ok` and `cause`; an infinite gap
@@ -169,22 +147,18 @@ class ServicePort(Protocol):
     which builds the auditor and passes itself in (module docstring)."""
 
     @property
-    def tenants(self) -> Tenants:
-        """Who may call: the caller is authenticated before anything is validated."""
-        ...
-
-    @property
     def reader(self) -> RequestReader:
         """Validates a request exactly as Generate does."""
         ...
 
     def stream(
         self,
-        message: generate_pb2.GenerateRequest,
-        caller: Caller,
+        tenant: Tenant,
+        message: ApiRequest,
+        deadline: float | None = None,
         *,
         on_finished: Callable[[Served], None] | None = None,
-    ) -> Generator[generate_pb2.GenerateChunk, None, None]:
+    ) -> Generator[ApiChunk, None, None]:
         """Runs a request through the normal path; `on_finished` gets it as served."""
         ...
 
@@ -196,48 +170,39 @@ class Auditor:
         self._service = service
         self._router = router
 
-    def audit(
-        self,
-        message: generate_pb2.AuditRequest,
-        caller: Caller,
-        is_active: Callable[[], bool] | None = None,
-    ) -> generate_pb2.AuditResponse:
-        """`run`, as the gRPC API answers it."""
-        return audit_to_proto(self.run(message, caller, is_active))
-
     def run(
         self,
-        message: generate_pb2.AuditRequest,
-        caller: Caller,
+        tenant: Tenant,
+        message: ApiRequest,
+        dtype: str = OWN_DTYPE,
+        deadline: float | None = None,
         is_active: Callable[[], bool] | None = None,
         fields: Fields = GRPC_FIELDS,
     ) -> Audited:
-        """Run `message.request` to completion, then audit it (module docstring). `is_active`
-        returning False stops the request (CANCELLED); `fields` names the fields in errors."""
-        dtype = check_reference_dtype(message.dtype, "dtype")
-        self._service.tenants.authenticate(caller.authorization)
-        request = self.replayable(message.request, fields)
+        """Run `message` for `tenant` (authenticated by the caller's face) to completion,
+        then audit it in `dtype`'s weights (module docstring). `is_active` returning False
+        stops the request (CANCELLED); `fields` names the fields in errors."""
+        dtype = check_reference_dtype(dtype, "dtype")
+        request = self.replayable(message, fields)
         finished: list[Served] = []
-        with closing(self._service.stream(request, caller, on_finished=finished.append)) as chunks:
+        stream = self._service.stream(tenant, request, deadline, on_finished=finished.append)
+        with closing(stream) as chunks:
             for chunk in chunks:
-                unfinished = chunk.finish_reason == generate_pb2.FINISH_REASON_UNSPECIFIED
-                if unfinished and is_active is not None and not is_active():
+                if not chunk.finished and is_active is not None and not is_active():
                     raise CancelledError("the audit was cancelled by its caller")
         if not finished:
             raise CancelledError("the request was cancelled before it finished: nothing to audit")
         served = finished[0]
         return Audited(served, audit_served(self._router, served, dtype))
 
-    def replayable(
-        self, message: generate_pb2.GenerateRequest, fields: Fields = GRPC_FIELDS
-    ) -> generate_pb2.GenerateRequest:
+    def replayable(self, message: ApiRequest, fields: Fields = GRPC_FIELDS) -> ApiRequest:
         """`message`, validated as Generate validates it, as it must run to be replayed: a
         seed-exact request without a seed gets one. `NotReplayableError` for a sampled
         request the rejection rule would serve."""
         request, _ = self._service.reader.to_request(message)
         rule = replay_rule(request.sampling)
         if rule is None:
-            named = message.sampling.rule == sampling_pb2.SAMPLING_RULE_REJECTION
+            named = message.rule == REJECTION
             param = fields.rule if named else fields.seed
             raise NotReplayableError(
                 f"{param}: only greedy and seed-exact requests can be audited token by token; "
@@ -246,10 +211,7 @@ class Auditor:
                 f"{fields.temperature} 0",
                 param,
             )
-        if rule == GREEDY or message.HasField("seed"):
+        if rule == GREEDY or message.seed is not None:
             return message
-        pinned = generate_pb2.GenerateRequest()
-        pinned.CopyFrom(message)
-        pinned.seed = request.seed  # the one picked for it: the replay must know it
-        pinned.sampling.rule = sampling_pb2.SAMPLING_RULE_SEED_EXACT
-        return pinned
+        # The seed picked for it: the replay must know it.
+        return dataclasses.replace(message, seed=request.seed, rule=SEED_EXACT_RULE)

@@ -7,9 +7,12 @@ key, deadline) here, and frames what comes back. Every call is
 authenticated first, like the gRPC API; the body is then checked field by field
 (`cluster.api.openai_schema`: unsupported and unknown fields are errors naming the field).
 
-The request runs as a Tandem `GenerateRequest`: a completion's prompt is tokenized like a text
-prompt; chat messages are rendered by the target's chat template (`cluster.api.chat`), as the
-gRPC API's `chat` prompt is. The output is the Tandem request's, token for token: greedy
+The body goes straight to the service's domain request (`cluster.api.request.ApiRequest`), and
+its chunks (`cluster.api.response.ApiChunk`) straight to OpenAI's shapes: no protobuf on this
+path. The caller is authenticated once, first (`TandemService.authenticate`), and the service
+is handed its tenant. A completion's prompt is tokenized like a text prompt; chat messages are
+rendered by the target's chat template (`cluster.api.chat`), as the gRPC API's `chat` prompt
+is. The output is the Tandem request's, token for token: greedy
 (`temperature: 0`) matches the target model alone, a `seed` makes sampling repeatable.
 
 Defaults: `max_tokens` absent is 16 for a completion (OpenAI's default) and, for a chat, the room
@@ -32,7 +35,8 @@ nothing was drafted), `verify_passes` and `tokens_per_verify_pass` (completion t
 target pass).
 
 Streams: one chunk per piece of newly final text (the first chat chunk carries `role`), the one
-with `finish_reason` last; with `stream_options.include_usage`, every chunk has `usage: null`
+with `finish_reason` last (`cluster.api.openai_stream`; a face may merge the service's pending
+chunks first, `open_stream`); with `stream_options.include_usage`, every chunk has `usage: null`
 and a final chunk with no choices carries the usage, as OpenAI sends it; with
 `stream_options.continuous_usage_stats` too, every chunk with choices carries instead the usage
 so far, as vLLM sends it: `prompt_tokens`, `completion_tokens` (the tokens generated up to and
@@ -52,7 +56,6 @@ from contextlib import closing
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cluster.api.audit import HTTP_FIELDS, audit_json
-from cluster.api.auto_tool_calls import AutoToolDeltas
 from cluster.api.caller import ANONYMOUS_CALL, Caller
 from cluster.api.openai_schema import (
     ModelNotFoundError,
@@ -63,20 +66,21 @@ from cluster.api.openai_schema import (
     parse_request,
     parse_stream,
 )
-from cluster.api.openai_structured import (
-    Structured,
-    ToolCallDeltas,
-    parse_structured,
-    tool_message,
+from cluster.api.openai_stream import (
+    OPENAI_FINISH_REASONS,
+    ChunkBodies,
+    head,
+    usage_body,
 )
+from cluster.api.openai_structured import Structured, parse_structured, tool_message
+from cluster.api.request import ApiRequest, Chat, Prompt
 from cluster.api.request_reader import check_context
-from cluster.api.sampling_rule import rule_to_proto
+from cluster.api.response import ApiChunk
 from cluster.api.status import INTERNAL_ERROR_MESSAGE, status_of
 from cluster.api.tool_format import ToolFormat
 from cluster.api.tool_formats import choose_format
 from cluster.runtime.errors import InvalidArgumentError, TandemError
-from cluster.wire.convert import grammar_to_wire
-from protos import generate_pb2, sampling_pb2
+from cluster.runtime.sampling import SamplingParams
 from verifier.config import OWN_DTYPE, check_reference_dtype
 
 if TYPE_CHECKING:
@@ -100,12 +104,6 @@ OWNED_BY = "tandem"
 AUDIT_DTYPE_FIELD = "audit_dtype"
 """The `POST /v1/audit` body's field for `AuditRequest.dtype`."""
 _OBJECTS = {"completions": "text_completion", "chat.completions": "chat.completion"}
-_ID_PREFIXES = {"completions": "cmpl-", "chat.completions": "chatcmpl-"}
-_FINISH_REASONS = {
-    generate_pb2.FINISH_REASON_LENGTH: "length",
-    generate_pb2.FINISH_REASON_STOP: "stop",
-    generate_pb2.FINISH_REASON_CANCELLED: "stop",
-}
 
 
 class ModelSource(Protocol):
@@ -165,10 +163,11 @@ class OpenAIService:
         not consulted again); `is_active` returning False stops the request (the HTTP client
         went away), frees its sessions and raises `RequestCancelledError`."""
         created = int(time.time())
-        _, message, structured = self._prepare(route, body, caller)
-        response = self.service.generate(message, is_active, caller)
+        tenant, _, message, structured = self._prepare(route, body, caller)
+        response = self.service.generate(tenant, message, caller.deadline, is_active)
         text = response.text
-        reason = _FINISH_REASONS[response.finish_reason]
+        assert response.finish_reason is not None  # a whole stream ends with its reason
+        reason = OPENAI_FINISH_REASONS[response.finish_reason]
         choice: dict[str, Any] = (
             {"index": 0, "text": text}
             if route == "completions"
@@ -177,10 +176,11 @@ class OpenAIService:
         if structured.calling is not None:
             choice["message"], reason = tool_message(structured.calling, text, reason)
         choice |= {"logprobs": None, "finish_reason": reason}
+        assert response.usage is not None and response.stats is not None
         return {
-            **self._head(route, _OBJECTS[route], response.request_id, created),
+            **head(route, _OBJECTS[route], response.request_id, created, self.model_name),
             "choices": [choice],
-            "usage": usage_body(response.usage, response.speculation),
+            "usage": usage_body(response.usage, response.stats),
         }
 
     def audit(
@@ -205,81 +205,50 @@ class OpenAIService:
             raise OpenAIError(
                 "an audit answers once, when it is done: stream must be false", "stream"
             )
-        _, message = self.to_generate_request("completions", fields, caller)
-        request = generate_pb2.AuditRequest(request=message, dtype=dtype)
-        return audit_json(self.service.auditor.run(request, caller, is_active, HTTP_FIELDS))
+        tenant, _, message, _ = self._prepare("completions", fields, caller)
+        audited = self.service.auditor.run(
+            tenant, message, dtype, caller.deadline, is_active, HTTP_FIELDS
+        )
+        return audit_json(audited)
 
     def stream(
         self, route: Route, body: object, caller: Caller = ANONYMOUS_CALL
     ) -> Generator[dict[str, Any], None, None]:
         """Chunk bodies in order; errors before the first chunk are raised by the first
         `next()`. Closing the generator early ends the Tandem request."""
-        created = int(time.time())
-        request, message, structured = self._prepare(route, body, caller)
-        calling = structured.calling
-        auto = AutoToolDeltas(calling.tool_format) if calling and calling.tool_format else None
-        calls = ToolCallDeltas(calling) if calling is not None and auto is None else None
-        chunk_object = "text_completion" if route == "completions" else "chat.completion.chunk"
-        usage: dict[str, Any] = {"usage": None} if request.include_usage else {}
-        num_prompt_tokens, num_generated = len(message.token_ids.ids), 0
-        first = True
-        with closing(self.service.stream(message, caller)) as chunks:
+        chunks, bodies = self.open_stream(route, body, caller)
+        with closing(chunks):
             for chunk in chunks:
-                head = self._head(route, chunk_object, chunk.request_id, created)
-                num_generated += len(chunk.token_ids)
-                if request.continuous_usage:
-                    usage = {"usage": _counts(num_prompt_tokens, num_generated)}
-                finished = chunk.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
-                reason = _FINISH_REASONS[chunk.finish_reason] if finished else None
-                if route == "completions":
-                    if chunk.text or finished:
-                        choice = {"index": 0, "text": chunk.text, "logprobs": None}
-                        yield {**head, "choices": [choice | {"finish_reason": reason}], **usage}
-                elif auto is not None:
-                    deltas = auto.deltas(chunk.text, finished)
-                    if finished:
-                        deltas = deltas or [{}]
-                    for n, piece in enumerate(deltas):
-                        last = finished and n == len(deltas) - 1
-                        if first:
-                            piece = {"role": "assistant"} | piece
-                        choice = {"index": 0, "delta": piece, "logprobs": None}
-                        end = auto.finish_reason(reason) if last and reason else None
-                        yield {**head, "choices": [choice | {"finish_reason": end}], **usage}
-                        first = False
-                elif calls is not None:
-                    delta = calls.delta(chunk.text, first, reason)
-                    if delta is not None or finished:
-                        reason = calls.finish(reason) if reason is not None else None
-                        choice = {"index": 0, "delta": delta or {}, "logprobs": None}
-                        yield {**head, "choices": [choice | {"finish_reason": reason}], **usage}
-                        first = False
-                elif chunk.text or finished or first:
-                    delta = {"role": "assistant"} if first else {}
-                    if chunk.text or first:
-                        delta["content"] = chunk.text
-                    choice = {"index": 0, "delta": delta, "logprobs": None}
-                    yield {**head, "choices": [choice | {"finish_reason": reason}], **usage}
-                    first = False
-                if finished and request.include_usage:
-                    yield {
-                        **head,
-                        "choices": [],
-                        "usage": usage_body(chunk.usage, chunk.speculation),
-                    }
+                yield from bodies.bodies(chunk)
 
-    def to_generate_request(
+    def open_stream(
         self, route: Route, body: object, caller: Caller = ANONYMOUS_CALL
-    ) -> tuple[OpenAIRequest, generate_pb2.GenerateRequest]:
+    ) -> tuple[Generator[ApiChunk, None, None], ChunkBodies]:
+        """The service's stream of domain chunks for `body`, and what turns each into chunk
+        bodies, for a face that merges pending chunks before it converts them
+        (`cluster.serve.http`). Authenticates, checks and validates at once; closing the
+        stream ends the Tandem request."""
+        created = int(time.time())
+        tenant, request, message, structured = self._prepare(route, body, caller)
+        assert isinstance(message.prompt, tuple)  # `_prepare` tokenized it
+        bodies = ChunkBodies(
+            route, request, structured, len(message.prompt), self.model_name, created
+        )
+        return self.service.stream(tenant, message, caller.deadline), bodies
+
+    def to_api_request(
+        self, route: Route, body: object, caller: Caller = ANONYMOUS_CALL
+    ) -> tuple[OpenAIRequest, ApiRequest]:
         """The checked body and the Tandem request it asks for (the prompt as token ids)."""
-        request, message, _ = self._prepare(route, body, caller)
+        _, request, message, _ = self._prepare(route, body, caller)
         return request, message
 
     def _prepare(
         self, route: Route, body: object, caller: Caller
-    ) -> tuple[OpenAIRequest, generate_pb2.GenerateRequest, Structured]:
-        """`to_generate_request`'s, and the constraint or tool call the body asks for."""
-        tenant = self.service.tenants.authenticate(caller.authorization)
+    ) -> tuple[Tenant, OpenAIRequest, ApiRequest, Structured]:
+        """The caller's tenant (authenticated first, and only here), `to_api_request`'s, and
+        the constraint or tool call the body asks for."""
+        tenant = self.service.authenticate(caller)
         request = parse_request(route, body)
         structured = parse_structured(route, body_object(body), self.tool_format)
         if request.model != self.model_name:
@@ -290,35 +259,30 @@ class OpenAIService:
             )
         prompt_tokens = self._prompt_tokens(request, structured)
         max_tokens = self._max_tokens(request, len(prompt_tokens), tenant)
-        message = generate_pb2.GenerateRequest(
-            token_ids=generate_pb2.TokenIds(ids=prompt_tokens),
-            max_tokens=max_tokens,
-            sampling=sampling_pb2.SamplingParams(
-                temperature=request.temperature,
-                top_p=request.top_p,
-                top_k=request.top_k,
-                rule=rule_to_proto(request.sampling_rule),
-            ),
-            stop=request.stop,
-            min_tokens=request.min_tokens,
-            stop_token_ids=self._stop_token_ids(request),
-            ignore_eos=request.ignore_eos,
-        )
-        if not request.skip_special_tokens:
-            message.skip_special_tokens = False
-        if request.seed is not None:
-            message.seed = request.seed
-        if request.draft_tokens is not None:
-            message.speculation.draft_tokens = request.draft_tokens
-        if request.pipelined is not None:
-            message.speculation.pipelined = request.pipelined
+        stop_token_ids = self._stop_token_ids(request)
         if structured.grammar is not None:
-            message.grammar.CopyFrom(grammar_to_wire(structured.grammar))
             try:
-                self.service.reader.grammar(message.grammar)
+                self.service.reader.grammar(structured.grammar)
             except InvalidArgumentError as error:
                 raise OpenAIError(str(error), structured.source_field) from error
-        return request, message, structured
+        message = ApiRequest(
+            prompt=prompt_tokens,
+            max_tokens=max_tokens,
+            sampling=SamplingParams(
+                temperature=request.temperature, top_p=request.top_p, top_k=request.top_k
+            ),
+            rule=request.sampling_rule,
+            seed=request.seed,
+            stop=request.stop,
+            draft_tokens=request.draft_tokens,
+            pipelined=request.pipelined,
+            grammar=structured.grammar,
+            min_tokens=request.min_tokens,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=request.ignore_eos,
+            skip_special_tokens=request.skip_special_tokens,
+        )
+        return tenant, request, message, structured
 
     def _stop_token_ids(self, request: OpenAIRequest) -> tuple[int, ...]:
         try:
@@ -327,25 +291,20 @@ class OpenAIService:
             raise OpenAIError(str(error), "stop_token_ids") from error
 
     def _prompt_tokens(self, request: OpenAIRequest, structured: Structured) -> tuple[int, ...]:
-        prompt = generate_pb2.GenerateRequest()
+        prompt: Prompt
         if isinstance(request.prompt, str):
-            prompt.text = request.prompt
+            prompt = request.prompt
         elif structured.tools or request.has_tool_turns:
             try:  # tools, calls and their results go into the prompt through the chat template
-                prompt.text = self.service.reader.chat_prompt(
-                    request.conversation, structured.tools
-                )
+                prompt = self.service.reader.chat_prompt(request.conversation, structured.tools)
             except InvalidArgumentError as error:
                 raise OpenAIError(
                     str(error), "tools" if structured.tools else "messages"
                 ) from error
         elif request.prompt is not None:
-            prompt.token_ids.ids.extend(request.prompt)
+            prompt = request.prompt
         else:
-            prompt.chat.messages.extend(
-                generate_pb2.ChatMessage(role=role, content=content)
-                for role, content in request.messages
-            )
+            prompt = Chat(request.messages)
         try:
             return self.service.reader.prompt_tokens(prompt)
         except InvalidArgumentError as error:  # e.g. text that encodes to no tokens
@@ -381,43 +340,6 @@ class OpenAIService:
             except InvalidArgumentError as error:
                 raise OpenAIError(str(error), field or request.prompt_field) from error
         return max_tokens
-
-    def _head(self, route: Route, kind: str, request_id: str, created: int) -> dict[str, Any]:
-        return {
-            "id": _ID_PREFIXES[route] + request_id,
-            "object": kind,
-            "created": created,
-            "model": self.model_name,
-            "system_fingerprint": None,
-        }
-
-
-def _counts(prompt: int, completion: int) -> dict[str, int]:
-    """OpenAI's three token counts."""
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-def usage_body(
-    usage: generate_pb2.Usage, speculation: generate_pb2.SpeculationStats
-) -> dict[str, Any]:
-    """OpenAI's `usage`, plus Tandem's `speculation` counters."""
-    prompt, completion = usage.prompt_tokens, usage.completion_tokens
-    drafted, accepted = speculation.num_drafted, speculation.num_accepted
-    passes = speculation.num_verify_passes
-    return {
-        **_counts(prompt, completion),
-        "speculation": {
-            "drafted": drafted,
-            "accepted": accepted,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "verify_passes": passes,
-            "tokens_per_verify_pass": completion / passes if passes else None,
-        },
-    }
 
 
 _HTTP_ERRORS: dict[str, tuple[int, str, str | None]] = {

@@ -1,10 +1,14 @@
-"""A `GenerateRequest` read into the router's `GenerationRequest`, validated (`RequestReader`).
+"""A public request (`cluster.api.request.ApiRequest`) read into the router's
+`GenerationRequest`, validated (`RequestReader`).
 
 A text prompt is tokenized with the target's tokenizer, `add_special_tokens=False`, so the ids
 are exactly the text's; chat messages are rendered by the target's chat template first
 (`cluster.api.chat`), and their text tokenized the same way. `TandemService` reads every request
 through one reader (`TandemService.reader`), as does the OpenAI-compatible API
 (`cluster.api.openai`) for the parts it checks itself.
+
+It works on domain types only: the gRPC face reads a `GenerateRequest` into an `ApiRequest` first
+(`cluster.api.convert.request_from_proto`), the OpenAI-compatible face builds one from JSON.
 
 Validation: every bad field raises `InvalidArgumentError` (INVALID_ARGUMENT) naming the field.
 Proto3 cannot tell a plain scalar's 0 from unset, so `max_tokens` 0 is an error like any value
@@ -35,13 +39,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cluster.api.chat import Message, render_chat
-from cluster.api.sampling_rule import resolve_seed_exact
+from cluster.api.request import ApiRequest, Chat, Prompt
+from cluster.api.sampling_rule import resolve_rule
 from cluster.api.service_config import ServiceConfig
 from cluster.routing.request import GenerationRequest
 from cluster.runtime.constraint import Grammar, check_grammar, grammar_tokenizer_of
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.wire.convert import grammar_from_wire, sampling_from_wire
-from protos import generate_pb2, sampling_pb2
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -66,16 +69,15 @@ class RequestReader:
         eos = tokenizer.eos_token_id
         self._grammar_tokenizer = grammar_tokenizer_of(tokenizer, [] if eos is None else [eos])
 
-    def grammar(self, message: sampling_pb2.Grammar) -> Grammar | None:
-        """The request's grammar, checked to compile for the target's tokenizer (an
-        InvalidArgumentError naming `grammar.<kind>` before any work otherwise)."""
-        grammar = grammar_from_wire(message)
+    def grammar(self, grammar: Grammar | None) -> Grammar | None:
+        """`grammar`, checked to compile for the target's tokenizer (an InvalidArgumentError
+        naming `grammar.<kind>` before any work otherwise)."""
         if grammar is not None:
             check_grammar(grammar, self._grammar_tokenizer())
         return grammar
 
     def to_request(
-        self, message: generate_pb2.GenerateRequest, deadline: float | None = None
+        self, message: ApiRequest, deadline: float | None = None
     ) -> tuple[GenerationRequest, bool]:
         """The router's request for `message`, and whether to pipeline it; validated."""
         max_tokens = message.max_tokens
@@ -86,24 +88,23 @@ class RequestReader:
                 f"max_tokens must be <= {self.config.max_tokens_limit} on this server, "
                 f"got {max_tokens}"
             )
-        seeded = message.HasField("seed")
+        seeded = message.seed is not None
         sampling = dataclasses.replace(
-            sampling_from_wire(message.sampling),
-            seed_exact=resolve_seed_exact(message.sampling.rule, seeded, self.config.sampling_rule),
+            message.sampling,
+            seed_exact=resolve_rule(message.rule, seeded, self.config.sampling_rule),
         )
-        speculation = message.speculation
-        prompt_tokens = self.prompt_tokens(message)
+        prompt_tokens = self.prompt_tokens(message.prompt)
         if self.max_context_tokens is not None:
             check_context(len(prompt_tokens), max_tokens, self.max_context_tokens)
         request = GenerationRequest(
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             sampling=sampling,
-            seed=message.seed if seeded else secrets.randbits(64),
+            seed=message.seed if message.seed is not None else secrets.randbits(64),
             stop=tuple(message.stop),
             draft_tokens=(
-                speculation.draft_tokens
-                if speculation.HasField("draft_tokens")
+                message.draft_tokens
+                if message.draft_tokens is not None
                 else self.config.default_draft_tokens
             ),
             deadline=deadline,
@@ -111,14 +112,10 @@ class RequestReader:
             min_tokens=message.min_tokens,
             stop_token_ids=self.check_stop_token_ids(message.stop_token_ids),
             ignore_eos=message.ignore_eos,
-            skip_special_tokens=(
-                message.skip_special_tokens if message.HasField("skip_special_tokens") else True
-            ),
+            skip_special_tokens=message.skip_special_tokens,
         )
         pipelined = (
-            speculation.pipelined
-            if speculation.HasField("pipelined")
-            else self.config.default_pipelined
+            message.pipelined if message.pipelined is not None else self.config.default_pipelined
         )
         return request, pipelined
 
@@ -147,21 +144,19 @@ class RequestReader:
         function `tools`, ending with the assistant's turn open (`cluster.api.chat`)."""
         return render_chat(self._tokenizer, messages, tools)
 
-    def prompt_tokens(self, message: generate_pb2.GenerateRequest) -> tuple[int, ...]:
-        """The prompt of `message` as token ids: text and rendered chat messages are tokenized
-        with `add_special_tokens=False`, token ids are taken as given; validated."""
-        which = message.WhichOneof("prompt")
-        if which == "text":
-            if message.text == "":
+    def prompt_tokens(self, prompt: Prompt) -> tuple[int, ...]:
+        """`prompt` as token ids: text and rendered chat messages are tokenized with
+        `add_special_tokens=False`, token ids are taken as given; validated."""
+        if isinstance(prompt, str):
+            if prompt == "":
                 raise InvalidArgumentError("prompt text must not be empty")
-            return self._encode(message.text, "prompt text")
-        if which == "token_ids":
-            if not message.token_ids.ids:
+            return self._encode(prompt, "prompt text")
+        if isinstance(prompt, tuple):
+            if not prompt:
                 raise InvalidArgumentError("prompt token_ids must not be empty")
-            return tuple(message.token_ids.ids)
-        if which == "chat":
-            messages = [(m.role, m.content) for m in message.chat.messages]
-            return self._encode(self.chat_prompt(messages), "chat prompt")
+            return prompt
+        if isinstance(prompt, Chat):
+            return self._encode(self.chat_prompt(prompt.messages), "chat prompt")
         raise InvalidArgumentError("prompt is missing: set text or token_ids, or chat")
 
     def _encode(self, text: str, what: str) -> tuple[int, ...]:

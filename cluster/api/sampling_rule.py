@@ -46,14 +46,27 @@ def rule_name(seed_exact: bool) -> str:
     return SEED_EXACT if seed_exact else REJECTION
 
 
-def resolve_seed_exact(rule: int, seeded: bool, default: str = AUTO) -> bool:
-    """Whether a request follows the seed-exact rule: its own `rule` when it names one, else
-    the server's `default`, where `auto` means seed-exact exactly when the request is `seeded`."""
+def rule_from_proto(rule: int) -> str:
+    """The name of a wire value (the unspecified rule is `auto`); InvalidArgumentError for a
+    value that is no `SamplingRule`."""
+    for name, value in _BY_NAME.items():
+        if rule == value:
+            return name
+    raise InvalidArgumentError(f"sampling.rule {rule} is not a SamplingRule")
+
+
+def resolve_rule(rule: str, seeded: bool, default: str = AUTO) -> bool:
+    """Whether a request follows the seed-exact rule: its own `rule` when it names one (not
+    `auto`), else the server's `default`, where `auto` means seed-exact exactly when the
+    request is `seeded`."""
     default = check_rule_name(default, "sampling_rule")
-    if rule == sampling_pb2.SAMPLING_RULE_SEED_EXACT:
-        return True
-    if rule == sampling_pb2.SAMPLING_RULE_REJECTION:
-        return False
-    if rule != sampling_pb2.SAMPLING_RULE_UNSPECIFIED:
-        raise InvalidArgumentError(f"sampling.rule {rule} is not a SamplingRule")
+    rule = check_rule_name(rule, "sampling_rule")
+    if rule != AUTO:
+        return rule == SEED_EXACT
     return seeded if default == AUTO else default == SEED_EXACT
+
+
+def resolve_seed_exact(rule: int, seeded: bool, default: str = AUTO) -> bool:
+    """`resolve_rule` for a rule's wire value."""
+    default = check_rule_name(default, "sampling_rule")
+    return resolve_rule(rule_from_proto(rule), seeded, default)

@@ -1,18 +1,23 @@
-"""The public API as a plain class: `tandem.v1.Tandem` requests in, responses and chunks out.
+"""The public API as a plain class on domain types: `ApiRequest`s in, `ApiChunk`s out.
 
-`TandemService` reads a `GenerateRequest` into the router's `GenerationRequest`
-(`cluster.api.request_reader`: tokenization, validation and the context limit), runs it on the
-router, and turns what comes back into `GenerateResponse` / `GenerateChunk` messages. It knows
-nothing of gRPC servers or Ray: `tests.cluster.grpc_front`, the Serve ingress and the
-OpenAI-compatible API (`cluster.api.openai`) are thin adapters over it, and tests call it
+`TandemService` reads an `ApiRequest` (`cluster.api.request`) into the router's
+`GenerationRequest` (`cluster.api.request_reader`: tokenization, validation and the context
+limit), runs it on the router, and yields what comes back as `ApiChunk`s
+(`cluster.api.response`): the router's chunks with the request id, and on the last one the
+usage and speculation counters. It knows nothing of protobuf, gRPC servers, JSON or Ray: the
+gRPC face (`cluster.api.grpc_api`, converting with `cluster.api.convert`; served by the Serve
+ingress and `tests.cluster.grpc_front`) and the OpenAI-compatible API (`cluster.api.openai`,
+JSON straight to domain types and back) are thin adapters over it, and tests call it
 directly.
 
 Deadlines: a caller's deadline (`Caller.deadline`, `cluster.api.caller`) bounds the queue wait
 and every round, and reaches the replicas as time left; one already past when the request
 arrives is DEADLINE_EXCEEDED at once, before it is admitted.
 
-Tenants (`cluster.api.tenants`): every call is authenticated first (UNAUTHENTICATED), then the
-request is validated and checked against what its tenant may ask (PERMISSION_DENIED). When
+Tenants (`cluster.api.tenants`): every call is authenticated first (UNAUTHENTICATED), once, by
+the face it came through (`authenticate`), before its request is even read; the service's
+entry points take the tenant that returned. The request is then validated and checked against
+what its tenant may ask (PERMISSION_DENIED). When
 the first chunk is asked for, the tenant's concurrency and token-rate quotas and the router's
 bounded queue (`cluster.api.admission`) admit it or refuse it (RESOURCE_EXHAUSTED, with when to
 retry); it may wait in the queue until its deadline. The tenant's usage counters grow as
@@ -47,12 +52,13 @@ from cluster.api.admission import Admission
 from cluster.api.audit import Auditor, Served, audit_served, drafter_label
 from cluster.api.audit_config import AuditConfig
 from cluster.api.caller import ANONYMOUS_CALL, Caller
-from cluster.api.convert import finish_reason_to_proto, stats_to_proto
 from cluster.api.online_audit import CLOSE_TIMEOUT_S, OnlineAudit
+from cluster.api.request import ApiRequest
 from cluster.api.request_reader import RequestReader
+from cluster.api.response import ApiChunk, Usage, merge
 from cluster.api.running import RunningRequests
 from cluster.api.service_config import ServiceConfig
-from cluster.api.tenants import Tenant, Tenants
+from cluster.api.tenants import Tenant, Tenants, TenantUsage
 from cluster.metrics import TandemMetrics
 from cluster.routing.request import (
     FinishReason,
@@ -62,7 +68,6 @@ from cluster.routing.request import (
 )
 from cluster.routing.router import Router
 from cluster.runtime.errors import DeadlineExceededError, TandemError
-from protos import generate_pb2
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -131,50 +136,50 @@ class TandemService:
         not checked)."""
         return self.reader.max_context_tokens
 
+    def authenticate(self, caller: Caller = ANONYMOUS_CALL) -> Tenant:
+        """The caller's tenant (UNAUTHENTICATED for a missing or unknown key): what every face
+        does first, once per call, before it reads the request."""
+        return self.tenants.authenticate(caller.authorization)
+
     def generate(
         self,
-        message: generate_pb2.GenerateRequest,
+        tenant: Tenant,
+        message: ApiRequest,
+        deadline: float | None = None,
         is_active: Callable[[], bool] | None = None,
-        caller: Caller = ANONYMOUS_CALL,
-    ) -> generate_pb2.GenerateResponse:
-        """Run a request to completion.
+    ) -> ApiChunk:
+        """Run a request to completion: its whole stream merged into one chunk
+        (`cluster.api.response.merge`), with the finish reason, usage and counters.
 
         `is_active`, when given, is asked after every verify pass; once it returns False the
         request stops, its sessions are freed, and `RequestCancelledError` is raised.
         """
-        response = generate_pb2.GenerateResponse()
-        text: list[str] = []
-        with closing(self.stream(message, caller)) as chunks:
-            for chunk in chunks:
-                response.request_id = chunk.request_id
-                response.token_ids.extend(chunk.token_ids)
-                text.append(chunk.text)
-                if chunk.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
-                    response.finish_reason = chunk.finish_reason
-                    response.usage.CopyFrom(chunk.usage)
-                    response.speculation.CopyFrom(chunk.speculation)
-                elif is_active is not None and not is_active():
+        chunks: list[ApiChunk] = []
+        with closing(self.stream(tenant, message, deadline)) as stream:
+            for chunk in stream:
+                chunks.append(chunk)
+                if not chunk.finished and is_active is not None and not is_active():
                     raise RequestCancelledError("the request was cancelled by its caller")
-        response.text = "".join(text)
-        return response
+        return merge(chunks)
 
     def stream(
         self,
-        message: generate_pb2.GenerateRequest,
-        caller: Caller = ANONYMOUS_CALL,
+        tenant: Tenant,
+        message: ApiRequest,
+        deadline: float | None = None,
         *,
         on_finished: Callable[[Served], None] | None = None,
-    ) -> Generator[generate_pb2.GenerateChunk, None, None]:
+    ) -> Generator[ApiChunk, None, None]:
         """Chunks as tokens are committed; the last one has finish reason, usage and stats.
 
-        The caller is authenticated and the request validated here, before the first chunk is
-        asked for; limits that free up with time (the tenant's quotas, the router's queue) are
-        checked when the first chunk is. Closing the returned generator early frees the
-        request's sessions. `on_finished` is called with the request as served if it finishes
-        normally (length or stop), before its last chunk is yielded (the audit's hook).
+        `tenant` is the caller's (`authenticate`); `deadline` its `time.monotonic()` instant,
+        if any. The request is validated here, before the first chunk is asked for; limits
+        that free up with time (the tenant's quotas, the router's queue) are checked when the
+        first chunk is. Closing the returned generator early frees the request's sessions.
+        `on_finished` is called with the request as served if it finishes normally (length or
+        stop), before its last chunk is yielded (the audit's hook).
         """
-        tenant = self.tenants.authenticate(caller.authorization)
-        request, pipelined = self.reader.to_request(message, caller.deadline)
+        request, pipelined = self.reader.to_request(message, deadline)
         with self._counting_refusal(tenant):
             self.tenants.check(tenant, request.max_tokens)
             if request.deadline is not None and time.monotonic() >= request.deadline:
@@ -183,26 +188,13 @@ class TandemService:
                 )
         return self._admitted(tenant, request, pipelined, _new_request_id(), on_finished)
 
-    def audit(
-        self,
-        message: generate_pb2.AuditRequest,
-        caller: Caller = ANONYMOUS_CALL,
-        is_active: Callable[[], bool] | None = None,
-    ) -> generate_pb2.AuditResponse:
-        """Run a greedy or seed-exact request to completion, replay it through the plain
-        target and compare token by token (`cluster.api.audit`); `is_active` as for
-        `generate`."""
-        return self.auditor.audit(message, caller, is_active)
+    def cancel(self, tenant: Tenant, request_id: str) -> None:
+        """Cancel one of the tenant's running requests (NOT_FOUND for anyone else's)."""
+        self.requests.cancel(request_id, tenant.name)
 
-    def cancel(self, message: generate_pb2.CancelRequest, caller: Caller = ANONYMOUS_CALL) -> None:
-        """Cancel one of the caller's running requests (NOT_FOUND for anyone else's)."""
-        tenant = self.tenants.authenticate(caller.authorization)
-        self.requests.cancel(message.request_id, tenant.name)
-
-    def usage(self, caller: Caller = ANONYMOUS_CALL) -> generate_pb2.TenantUsage:
-        """The caller's own usage counters."""
-        tenant = self.tenants.authenticate(caller.authorization)
-        return generate_pb2.TenantUsage(tenant=tenant.name, **vars(self.tenants.usage(tenant)))
+    def usage(self, tenant: Tenant) -> TenantUsage:
+        """The tenant's own usage counters."""
+        return self.tenants.usage(tenant)
 
     def _admitted(
         self,
@@ -211,7 +203,7 @@ class TandemService:
         pipelined: bool,
         request_id: str,
         on_finished: Callable[[Served], None] | None,
-    ) -> Generator[generate_pb2.GenerateChunk, None, None]:
+    ) -> Generator[ApiChunk, None, None]:
         """The request's chunks once its tenant's limits and the router's queue let it run."""
         with self._counting_refusal(tenant):
             self.tenants.start(tenant)
@@ -241,7 +233,7 @@ class TandemService:
         request_id: str,
         cancelled: threading.Event,
         on_finished: Callable[[Served], None] | None,
-    ) -> Generator[generate_pb2.GenerateChunk, None, None]:
+    ) -> Generator[ApiChunk, None, None]:
         stats = SpeculationStats()
         chunks = self._router.stream(request, stats, pipelined=pipelined)
         num_generated = 0
@@ -262,7 +254,7 @@ class TandemService:
                             Served(request_id, request, tuple(served), drafter_label(stats)),
                             on_finished,
                         )
-                yield self._chunk_to_proto(chunk, request, request_id, stats, num_generated)
+                yield _api_chunk(chunk, request, request_id, stats, num_generated)
                 if chunk.finish_reason is not None:
                     return
         except Exception as error:
@@ -291,23 +283,19 @@ class TandemService:
             self.metrics.request_refused(tenant.name, error.status)
             raise
 
-    @staticmethod
-    def _chunk_to_proto(
-        chunk: GenerationChunk,
-        request: GenerationRequest,
-        request_id: str,
-        stats: SpeculationStats,
-        num_generated: int,
-    ) -> generate_pb2.GenerateChunk:
-        message = generate_pb2.GenerateChunk(
-            request_id=request_id, token_ids=chunk.tokens, text=chunk.text
-        )
-        if chunk.finish_reason is not None:
-            message.finish_reason = finish_reason_to_proto(chunk.finish_reason)
-            message.usage.prompt_tokens = len(request.prompt_tokens)
-            message.usage.completion_tokens = num_generated
-            message.speculation.CopyFrom(stats_to_proto(stats))
-        return message
+
+def _api_chunk(
+    chunk: GenerationChunk,
+    request: GenerationRequest,
+    request_id: str,
+    stats: SpeculationStats,
+    num_generated: int,
+) -> ApiChunk:
+    """The router's chunk as the API sends it: the last one with usage and counters."""
+    if chunk.finish_reason is None:
+        return ApiChunk(request_id, chunk.tokens, chunk.text)
+    usage = Usage(prompt_tokens=len(request.prompt_tokens), completion_tokens=num_generated)
+    return ApiChunk(request_id, chunk.tokens, chunk.text, chunk.finish_reason, usage, stats)
 
 
 def _close(chunks: Iterator[GenerationChunk]) -> None:

@@ -131,6 +131,7 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 def _run_local(args: argparse.Namespace, preset: str, reference: LoadedModel) -> int:
     from cluster.api.client_types import result_from_response
+    from cluster.api.grpc_api import GrpcApi
     from cluster.api.service import TandemService
     from cluster.api.tenants import Tenants
     from cluster.local import build_local
@@ -150,11 +151,14 @@ def _run_local(args: argparse.Namespace, preset: str, reference: LoadedModel) ->
     # The opening round waits for the drafter: the first token is drafted too, not the
     # target's alone, so every position the audit checks went through speculation.
     tandem.router.first_token_alone = False
-    service = TandemService(
-        tandem.router,
-        tandem.tokenizer,
-        tenants=Tenants.unauthenticated(),  # in-process: nothing listens, no one else calls
-        max_context_tokens=tandem.verifier.config.max_context_tokens,
+    # The messages the remote client would send, through the gRPC face's adapter.
+    service = GrpcApi(
+        TandemService(
+            tandem.router,
+            tandem.tokenizer,
+            tenants=Tenants.unauthenticated(),  # in-process: nothing listens, no one else calls
+            max_context_tokens=tandem.verifier.config.max_context_tokens,
+        )
     )
     drafter = "model+prompt_lookup" if lookup else "model"
     try:

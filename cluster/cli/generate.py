@@ -216,6 +216,7 @@ def _grammar(args: argparse.Namespace) -> Grammar | None:
 
 def _run_local(args: argparse.Namespace, request: generate_pb2.GenerateRequest) -> int:
     # Loading torch and transformers takes seconds: only here, never for --address.
+    from cluster.api.grpc_api import GrpcApi
     from cluster.api.service import TandemService
     from cluster.api.tenants import Tenants
     from cluster.local import build_local
@@ -231,11 +232,14 @@ def _run_local(args: argparse.Namespace, request: generate_pb2.GenerateRequest) 
         draft_length=DraftLengthConfig(enabled=bool(args.adaptive_draft)),
     )
     # In-process: this process owns the models and listens on nothing, so no one else can call.
-    service = TandemService(
-        tandem.router,
-        tandem.tokenizer,
-        tenants=Tenants.unauthenticated(),
-        max_context_tokens=tandem.verifier.config.max_context_tokens,
+    # The messages the remote client would send, through the gRPC face's adapter.
+    service = GrpcApi(
+        TandemService(
+            tandem.router,
+            tandem.tokenizer,
+            tenants=Tenants.unauthenticated(),
+            max_context_tokens=tandem.verifier.config.max_context_tokens,
+        )
     )
     try:
         return _output(

@@ -8,52 +8,94 @@ import each other's helpers (the ingress builds the HTTP face; nothing imports b
 - `deadline_of`: the deadline a caller states in `x-tandem-deadline-ms` (gRPC metadata or HTTP
   headers alike: pairs of name and value), as an instant of the local clock; the ingress's
   docstring says how it is honoured.
-- `iterate_in_thread`: a blocking generator (a Tandem stream) bridged to the event loop one
-  item at a time on a thread pool; closing the async iterator (a cancelled call) closes the
-  generator on the pool, after the step in flight, also when that step was cancelled while it
-  still waited for a thread.
+- `stream_in_thread`: a blocking generator (a Tandem stream) bridged to the event loop, with
+  what a lagging reader has pending merged. One thread of the pool runs the generator to its
+  end, handing each item to the event loop (`loop.call_soon_threadsafe`, no
+  thread hop per item); each time the reader asks for the next item it gets everything pending
+  merged by `merge` (`cluster.api.response.coalesce` for Tandem chunks: tokens and text
+  concatenated, a finish reason ends a merge), as vLLM's per-request output collector does. So
+  a client that reads slower than tokens are committed gets fewer, larger chunks, and each
+  chunk that crosses Serve's proxy (about 1 ms of CPU each) carries as many tokens as are
+  ready; the generator never waits for the reader. An error is raised to the reader after the
+  items before it. Closing the async iterator (a cancelled call, a client gone) closes the
+  generator on its thread, after the step in flight, also when the thread had not started
+  yet (it then closes it without a step): either way the request's sessions are freed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Generator, Iterable
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from cluster.api.client import DEADLINE_METADATA_KEY
 from cluster.runtime.errors import InvalidArgumentError
 
 T = TypeVar("T")
-_DONE = object()
+_ITEM, _END, _ERROR = "item", "end", "error"
 
 
-async def iterate_in_thread(
-    items: Generator[T, None, None], threads: ThreadPoolExecutor
+async def stream_in_thread(
+    items: Generator[T, None, None],
+    threads: ThreadPoolExecutor,
+    merge: Callable[[list[T]], list[T]],
 ) -> AsyncGenerator[T, None]:
-    """Yield from a blocking generator, each step on `threads`; closing this closes it there."""
-    step: Future[Any] | None = None
-    try:
-        while True:
-            step = threads.submit(next, items, _DONE)
-            item = await asyncio.wrap_future(step)
-            step = None
-            if item is _DONE:
-                return
-            yield item
-    finally:
-        in_flight = step
+    """Yield what the blocking generator `items` yields, run to its end on one thread of
+    `threads`, each time merging everything pending with `merge` (it gets the items in order
+    and returns them merged, in order); closing this closes `items` there, after the step in
+    flight. An error of a step is raised after the items before it."""
+    loop = asyncio.get_running_loop()
+    pending: list[tuple[str, Any]] = []  # (kind, item or error); touched on the loop only
+    arrived = asyncio.Event()
+    leaving = threading.Event()
 
-        def close() -> None:
-            # A generator cannot be closed while it runs: wait for the step in flight. A step
-            # cancelled before a thread took it is done at once (`exception()` would raise).
-            if in_flight is not None:
-                futures.wait([in_flight])
+    def deliver(kind: str, value: Any) -> None:
+        pending.append((kind, value))
+        arrived.set()
+
+    def send(kind: str, value: Any) -> bool:
+        try:
+            loop.call_soon_threadsafe(deliver, kind, value)
+            return True
+        except RuntimeError:  # the event loop has closed: nobody is reading any more
+            return False
+
+    def produce() -> None:
+        try:
+            while not leaving.is_set():
+                try:
+                    item = next(items)
+                except StopIteration:
+                    send(_END, None)
+                    return
+                if not send(_ITEM, item):
+                    return
+        except Exception as error:
+            send(_ERROR, error)
+        finally:
             items.close()
 
-        threads.submit(close)
+    threads.submit(produce)
+    try:
+        while True:
+            if not pending:
+                arrived.clear()
+                await arrived.wait()
+            taken = pending[:]
+            pending.clear()
+            arrivals = [value for kind, value in taken if kind == _ITEM]
+            for item in merge(arrivals) if arrivals else ():
+                yield item
+            kind, value = taken[-1]
+            if kind == _ERROR:
+                raise value
+            if kind == _END:
+                return
+    finally:
+        leaving.set()
 
 
 def deadline_of(

@@ -23,10 +23,15 @@ TandemService, router and tenants as the gRPC API) and frames what comes back:
   pool; if Serve cancels the request (the client went away) the thread stops the generation
   after the step in flight (`is_active`).
 - `"stream": true`: server-sent events, `data: <chunk json>\\n\\n` per chunk and
-  `data: [DONE]\\n\\n` at the end (`text/event-stream`). The blocking stream is bridged chunk by
-  chunk on the thread pool (`iterate_in_thread`). The first chunk is awaited before the
-  response starts, so an error before it (authentication, validation, a quota) is an ordinary
-  error response with its status; an error after it can only be told in the stream: one
+  `data: [DONE]\\n\\n` at the end (`text/event-stream`). The stream is opened on the thread
+  pool (authentication, checks, tokenization: `OpenAIService.open_stream`), and its domain
+  chunks are bridged to the event loop by one thread (`stream_in_thread`), which merges what a
+  lagging client has pending into one chunk (`cluster.api.response.coalesce`) before it is
+  made into event bodies (`cluster.api.openai_stream.ChunkBodies`), the events of one merged
+  chunk written at once: a client that reads slowly gets fewer, larger events with the same
+  text, and the proxy carries fewer chunks. The first chunk is awaited before the response
+  starts, so an error before it (authentication, validation, a quota) is an ordinary error
+  response with its status; an error after it can only be told in the stream: one
   `data: {"error": ...}` event, and the stream ends without `[DONE]`. Ending the response in
   any way (finished, failed, or cancelled because the client disconnected) closes the Tandem
   stream, which frees the request's sessions on both replicas: starlette leaves an unfinished
@@ -51,8 +56,10 @@ from starlette.types import Receive, Scope, Send
 from cluster.api.caller import Caller
 from cluster.api.json_body import parse_json_object
 from cluster.api.openai import OpenAIService, Route, error_response
+from cluster.api.openai_stream import ChunkBodies
+from cluster.api.response import ApiChunk, coalesce
 from cluster.api.tenants import bearer_key
-from cluster.serve.calls import deadline_of, iterate_in_thread
+from cluster.serve.calls import deadline_of, stream_in_thread
 
 logger = logging.getLogger(__name__)
 
@@ -181,25 +188,32 @@ class OpenAIHttp:
             raise
 
     async def _stream(self, route: Route, body: object, caller: Caller) -> Response:
-        chunks = iterate_in_thread(self._openai.stream(route, body, caller), self._threads)
+        opening = self._threads.submit(self._openai.open_stream, route, body, caller)
+        stream, bodies = await asyncio.wrap_future(opening)
+        chunks = stream_in_thread(stream, self._threads, coalesce)
         try:
             # An error raised here is answered as a whole response; `chunks` closed itself.
             first = await anext(chunks)
         except StopAsyncIteration:
             first = None
-        return _ClosingStream(_events(first, chunks))
+        return _ClosingStream(_events(first, chunks, bodies))
 
 
 async def _events(
-    first: dict[str, Any] | None, chunks: AsyncGenerator[dict[str, Any], None]
+    first: ApiChunk | None, chunks: AsyncGenerator[ApiChunk, None], bodies: ChunkBodies
 ) -> AsyncGenerator[bytes, None]:
-    """The response body: `first`, then the rest of `chunks`, as events; `[DONE]` unless a
-    chunk failed, which is told as one error event. Closing this closes `chunks`."""
+    """The response body: `first`, then the rest of `chunks`, as events (those of a chunk
+    sent as one write); `[DONE]` unless a chunk failed, which is told as one error event.
+    Closing this closes `chunks`."""
     try:
         if first is not None:
-            yield _event(first)
+            data = _events_of(bodies, first)
+            if data:
+                yield data
             async for chunk in chunks:
-                yield _event(chunk)
+                data = _events_of(bodies, chunk)
+                if data:  # a chunk of no new text (an incomplete character) says nothing
+                    yield data
     except Exception as error:
         _, body, _ = error_response(error)
         yield _event(body)
@@ -241,6 +255,10 @@ def _caller(request: Request) -> Caller:
 
 async def _json_object(request: Request) -> dict[str, Any]:
     return parse_json_object(await request.body())
+
+
+def _events_of(bodies: ChunkBodies, chunk: ApiChunk) -> bytes:
+    return b"".join(_event(body) for body in bodies.bodies(chunk))
 
 
 def _event(data: dict[str, Any]) -> bytes:

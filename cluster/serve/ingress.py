@@ -10,11 +10,15 @@ live node's Ray metrics agent (where `tandem status` reads them too) and serves 
 of them, names as the agents serve them (`ray_tandem_...`, `cluster.metrics.tandem_exposition`).
 
 A thin shell (the app builder applies `serve.deployment`): Serve's gRPC proxy calls the method
-named like the RPC. The router loop is synchronous and blocks on replica calls, so each request
-runs on a thread of this replica while the event loop stays free; a stream is bridged chunk by
-chunk. When Serve cancels a request (the client cancelled or its deadline passed), the thread
-finishes the step it is in and then closes the generation, which frees the sessions on both
-replicas.
+named like the RPC, and `cluster.api.grpc_api.GrpcApi` turns its messages into the service's
+domain types and back (`cluster.api.convert`): protobuf lives on this face only. The router loop
+is synchronous and blocks on replica calls, so each request runs on a thread of this replica
+while the event loop stays free. A stream runs on one thread that hands its domain chunks to
+the event loop (`cluster.serve.calls.stream_in_thread`); each time Serve asks for the next
+chunk, everything pending is merged into one (`cluster.api.response.coalesce`) and converted to
+one `GenerateChunk`, so a lagging client gets fewer chunks with the same tokens and text. When
+Serve cancels a request (the client cancelled or its deadline passed), the thread finishes the
+step it is in and then closes the generation, which frees the sessions on both replicas.
 
 Context limit: the service is given `verifier_limits.max_context_tokens`, so a request whose
 prompt plus `max_tokens` cannot fit is INVALID_ARGUMENT before it runs
@@ -57,7 +61,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from cluster.api.caller import Caller
+from cluster.api.convert import chunk_to_proto
+from cluster.api.grpc_api import GrpcApi
 from cluster.api.openai import OpenAIService, served_model_name
+from cluster.api.response import coalesce
 from cluster.api.service import TandemService
 from cluster.api.status import status_of, trailers_of
 from cluster.api.tenants import Tenants, bearer_key
@@ -71,7 +78,7 @@ from cluster.routing.router import Router
 from cluster.runtime.constraint import grammar_tokenizer_of, warm_up
 from cluster.runtime.errors import TandemError
 from cluster.runtime.models import load_tokenizer
-from cluster.serve.calls import deadline_of, iterate_in_thread
+from cluster.serve.calls import deadline_of, stream_in_thread
 from cluster.serve.http import OpenAIHttp
 from protos import generate_pb2
 
@@ -155,6 +162,7 @@ class RouterIngress:
             max_context_tokens=config.verifier_limits.max_context_tokens,
             audit=config.audit,
         )
+        self._api = GrpcApi(self._service)
         self._threads = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="request")
         tool_format = choose_format(
             config.api.tool_parser or config.models.tool_parser(),
@@ -175,7 +183,7 @@ class RouterIngress:
         active.set()
         try:
             future = self._threads.submit(
-                self._service.generate, request, active.is_set, _caller(grpc_context, timed=True)
+                self._api.generate, request, active.is_set, _caller(grpc_context, timed=True)
             )
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -188,11 +196,12 @@ class RouterIngress:
         self, request: generate_pb2.GenerateRequest, grpc_context: Any = None
     ) -> AsyncIterator[generate_pb2.GenerateChunk]:
         try:
-            chunks = self._service.stream(request, _caller(grpc_context, timed=True))
+            chunks = self._api.chunks(request, _caller(grpc_context, timed=True))
+            merged = stream_in_thread(chunks, self._threads, coalesce)
             # Closed however the call ends (`async for` left by an exception does not close).
-            async with contextlib.aclosing(iterate_in_thread(chunks, self._threads)) as steps:
+            async with contextlib.aclosing(merged) as steps:
                 async for chunk in steps:
-                    yield chunk
+                    yield chunk_to_proto(chunk)
         except asyncio.CancelledError:
             raise
         except Exception as error:
@@ -202,7 +211,7 @@ class RouterIngress:
         self, request: generate_pb2.CancelRequest, grpc_context: Any = None
     ) -> generate_pb2.CancelResponse:
         try:
-            self._service.cancel(request, _caller(grpc_context))
+            self._api.cancel(request, _caller(grpc_context))
             return generate_pb2.CancelResponse()
         except Exception as error:
             _fail(grpc_context, error)
@@ -211,7 +220,7 @@ class RouterIngress:
         self, request: generate_pb2.UsageRequest, grpc_context: Any = None
     ) -> generate_pb2.TenantUsage:
         try:
-            return self._service.usage(_caller(grpc_context))
+            return self._api.usage(_caller(grpc_context))
         except Exception as error:
             _fail(grpc_context, error)
 
@@ -222,7 +231,7 @@ class RouterIngress:
         active.set()
         try:
             future = self._threads.submit(
-                self._service.audit, request, _caller(grpc_context, timed=True), active.is_set
+                self._api.audit, request, _caller(grpc_context, timed=True), active.is_set
             )
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:

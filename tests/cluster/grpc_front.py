@@ -1,11 +1,12 @@
 """The public `tandem.v1.Tandem` API on a plain gRPC server, without Ray.
 
-`TandemServicer` is a thin adapter over `TandemService`: it hands each request to the service
-with its caller (the `authorization` metadata and the client's deadline, which the router then
-propagates to replicas as remaining time), and turns any exception into a gRPC status with
-`cluster.api.status` (a `TandemError` keeps its code and message, plus `retry-after-ms`
-trailing metadata when it has a retry time; anything else is INTERNAL "internal error",
-traceback logged, never sent).
+`TandemServicer` is a thin adapter over `TandemService`, through the gRPC face's own adapter
+(`cluster.api.grpc_api.GrpcApi`, which converts messages to domain types and back): it hands
+each request to it with its caller (the `authorization` metadata and the client's deadline,
+which the router then propagates to replicas as remaining time), and turns any exception into
+a gRPC status with `cluster.api.status` (a `TandemError` keeps its code and message, plus
+`retry-after-ms` trailing metadata when it has a retry time; anything else is INTERNAL
+"internal error", traceback logged, never sent).
 A unary call stops early when its client has gone (cancelled or past its deadline); a stream
 stops at its next chunk, and closing it frees the request's sessions on both replicas.
 
@@ -23,6 +24,7 @@ from typing import NoReturn
 import grpc
 
 from cluster.api.caller import Caller
+from cluster.api.grpc_api import GrpcApi
 from cluster.api.service import TandemService
 from cluster.api.status import status_of, trailers_of
 from cluster.api.tenants import bearer_key
@@ -58,7 +60,7 @@ class TandemServicer(generate_pb2_grpc.TandemServicer):
     """Serves one `TandemService` over gRPC."""
 
     def __init__(self, service: TandemService) -> None:
-        self._service = service
+        self._service = GrpcApi(service)
 
     def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext

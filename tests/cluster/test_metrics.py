@@ -16,6 +16,7 @@ import pytest
 
 from cluster.api.admission import Admission
 from cluster.api.caller import Caller
+from cluster.api.grpc_api import GrpcApi
 from cluster.api.service import RequestCancelledError, TandemService
 from cluster.api.tenants import (
     AuthConfig,
@@ -324,7 +325,7 @@ def test_the_service_records_what_each_request_got(
 ) -> None:
     service, sink = metered
     responses = [
-        service.generate(
+        GrpcApi(service).generate(
             generate_pb2.GenerateRequest(text=CODE_PROMPT, max_tokens=n, seed=1),
             caller=as_tenant("main"),
         )
@@ -352,7 +353,7 @@ def test_the_service_counts_refusals_and_cancellations(
 ) -> None:
     service, sink = metered
     with pytest.raises(PermissionDeniedError):
-        service.generate(
+        GrpcApi(service).generate(
             generate_pb2.GenerateRequest(text=CODE_PROMPT, max_tokens=9), caller=as_tenant("small")
         )
     assert counter(sink, REFUSED, tenant="small", status="PERMISSION_DENIED") == 1
@@ -364,7 +365,7 @@ def test_the_service_counts_refusals_and_cancellations(
         return asked < 2
 
     with pytest.raises(RequestCancelledError):
-        service.generate(
+        GrpcApi(service).generate(
             generate_pb2.GenerateRequest(text=CODE_PROMPT, max_tokens=50),
             is_active=is_active,
             caller=as_tenant("main"),
@@ -381,7 +382,7 @@ def test_the_router_times_drafts_and_verify_passes(
     service, sink = metered
     monkeypatch.setattr(local_tandem.router, "metrics", TandemMetrics(sink))
     started = time.perf_counter()  # the router's clock
-    response = service.generate(
+    response = GrpcApi(service).generate(
         generate_pb2.GenerateRequest(text=CODE_PROMPT, max_tokens=12, seed=3),
         caller=as_tenant("main"),
     )

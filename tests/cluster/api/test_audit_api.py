@@ -30,6 +30,7 @@ from cluster.api.audit import Served
 from cluster.api.audit_config import AuditConfig
 from cluster.api.caller import Caller
 from cluster.api.client import TandemClient, TandemClientError, build_request
+from cluster.api.grpc_api import GrpcApi
 from cluster.api.online_audit import OnlineAudit
 from cluster.api.openai import OpenAIService
 from cluster.api.service import TandemService
@@ -124,23 +125,23 @@ def assert_matched(response: generate_pb2.AuditResponse, rule: str, drafter: str
 def test_greedy_and_seed_exact_requests_match_the_target_alone(
     service: TandemService, prompt: str
 ) -> None:
-    assert_matched(service.audit(audit_of(request(prompt))), "greedy", "drafter")
+    assert_matched(GrpcApi(service).audit(audit_of(request(prompt))), "greedy", "drafter")
     seeded = request(prompt, sampling=sampled(), seed=SEED)
-    assert_matched(service.audit(audit_of(seeded)), "seed_exact", "drafter")
+    assert_matched(GrpcApi(service).audit(audit_of(seeded)), "seed_exact", "drafter")
 
 
 def test_audit_variants_match_too(service: TandemService) -> None:
     # Seed-exact named without a seed: the service picks one and replays with it.
     named = request(sampling=sampled(rule=sampling_pb2.SAMPLING_RULE_SEED_EXACT))
-    assert_matched(service.audit(audit_of(named)), "seed_exact", "drafter")
+    assert_matched(GrpcApi(service).audit(audit_of(named)), "seed_exact", "drafter")
     # The target alone served it: no drafter.
     alone = request(speculation=generate_pb2.SpeculationSettings(draft_tokens=0))
-    assert_matched(service.audit(audit_of(alone)), "greedy", "none")
+    assert_matched(GrpcApi(service).audit(audit_of(alone)), "greedy", "none")
     # An fp32 copy of an fp32 target is the target: the same verdict.
-    assert_matched(service.audit(audit_of(request(), "float32")), "greedy", "drafter")
+    assert_matched(GrpcApi(service).audit(audit_of(request(), "float32")), "greedy", "drafter")
     # The served tokens are Generate's own.
-    generated = service.generate(request())
-    audited = service.audit(audit_of(request()))
+    generated = GrpcApi(service).generate(request())
+    audited = GrpcApi(service).audit(audit_of(request()))
     assert list(audited.token_ids) == list(generated.token_ids)
 
 
@@ -149,7 +150,7 @@ def test_a_verifier_that_accepts_every_draft_is_caught_with_evidence(
 ) -> None:
     service = new_service(faulty_router, local_tandem.tokenizer)
     for message in (request(), request(sampling=sampled(), seed=SEED)):
-        response = service.audit(audit_of(message))
+        response = GrpcApi(service).audit(audit_of(message))
         assert response.cause == "divergence" and response.matched < response.total
         position = response.first_divergence
         assert response.HasField("first_divergence") and 0 <= position < response.total
@@ -167,14 +168,14 @@ def test_a_rejection_rule_request_is_refused_before_it_runs(
     ended = sum(v for (name, _), v in sink.counters.items() if name == REQUESTS.name)
     unseeded = request(sampling=sampled(temperature=1.0))
     with pytest.raises(InvalidArgumentError, match=r"^request\.seed: only greedy and seed-exact"):
-        service.audit(audit_of(unseeded))
+        GrpcApi(service).audit(audit_of(unseeded))
     named = request(sampling=sampled(rule=sampling_pb2.SAMPLING_RULE_REJECTION), seed=SEED)
     with pytest.raises(InvalidArgumentError, match=r"^request\.sampling\.rule: "):
-        service.audit(audit_of(named))
+        GrpcApi(service).audit(audit_of(named))
     with pytest.raises(InvalidArgumentError, match="dtype must be one of"):
-        service.audit(audit_of(request(), "bfloat16"))
+        GrpcApi(service).audit(audit_of(request(), "bfloat16"))
     with pytest.raises(InvalidArgumentError, match="max_tokens"):
-        service.audit(audit_of(request(max_tokens=0)))
+        GrpcApi(service).audit(audit_of(request(max_tokens=0)))
     assert sum(v for (name, _), v in sink.counters.items() if name == REQUESTS.name) == ended
 
 
@@ -232,7 +233,7 @@ def test_audit_over_replicas_on_grpc_within_a_deadline(
     )
     try:
         caller = Caller(deadline=time.monotonic() + 60)
-        response = service.audit(audit_of(request(sampling=sampled(), seed=SEED)), caller)
+        response = GrpcApi(service).audit(audit_of(request(sampling=sampled(), seed=SEED)), caller)
         assert_matched(response, "seed_exact", "drafter-0")
         assert service.online_audit.wait_idle(60)
         key = (("cause", "match"), ("dtype", "float32"), ("rule", "seed_exact"))
@@ -312,9 +313,9 @@ def test_fraction_1_audits_every_finished_greedy_or_seed_exact_request(
     )
     try:
         for prompt in PROMPTS[:3]:
-            service.generate(request(prompt))
-        service.generate(request(sampling=sampled(), seed=SEED))
-        service.generate(request(sampling=sampled()))  # the rejection rule: not replayable
+            GrpcApi(service).generate(request(prompt))
+        GrpcApi(service).generate(request(sampling=sampled(), seed=SEED))
+        GrpcApi(service).generate(request(sampling=sampled()))  # the rejection rule: not replayable
         assert service.online_audit.wait_idle(60)
         labels = (("cause", "match"), ("dtype", "float32"))
         assert counted(sink, AUDIT_CHECKED) == {
@@ -339,7 +340,7 @@ def test_the_online_audit_counts_and_logs_mismatches(
     )
     try:
         with caplog.at_level(logging.WARNING, logger="cluster.api.online_audit"):
-            response = service.generate(request())
+            response = GrpcApi(service).generate(request())
             assert service.online_audit.wait_idle(60)
     finally:
         service.close()
@@ -358,7 +359,7 @@ def test_fraction_0_audits_nothing(local_tandem: LocalTandem) -> None:
     service = new_service(local_tandem.router, local_tandem.tokenizer, metrics=TandemMetrics(sink))
     assert not service.online_audit.enabled
     assert not any(t.name == "online-audit" for t in threading.enumerate())
-    service.generate(request())
+    GrpcApi(service).generate(request())
     assert counted(sink, AUDIT_CHECKED) == {} and counted(sink, AUDIT_DROPPED) == {}
     service.close()
 

@@ -469,12 +469,12 @@ def test_a_conversation_with_tool_turns_is_rendered_by_the_template(
     for tools in ([], TOOLS):  # the tools sent again, as agents do, or not
         body = {"model": MODEL, "messages": history, "max_tokens": 4, "temperature": 0}
         body |= {"tools": tools} if tools else {}
-        _, message = openai_service.to_generate_request("chat.completions", body)
+        _, message = openai_service.to_api_request("chat.completions", body)
         rendered = tiny.build_tokenizer().apply_chat_template(
             [*history[:1], {**history[1], "tool_calls": [{**history[1]["tool_calls"][0],
              "function": {"name": "get_time", "arguments": {"zone": "cet"}}}]}, history[2]],
             tools=tools or None, add_generation_prompt=True, tokenize=False,
         )  # fmt: skip
         assert isinstance(rendered, str)
-        assert tuple(message.token_ids.ids) == tuple(rendered.encode())
+        assert message.prompt == tuple(rendered.encode())
         assert "<tool_response>\nnoon\n</tool_response>" in rendered

@@ -15,12 +15,14 @@ from typing import Any
 import pytest
 
 from cluster.api.client import TandemClientError, build_request
+from cluster.api.convert import request_from_proto
 from cluster.api.openai import OpenAIError, OpenAIService, Route, error_response
+from cluster.api.response import ApiChunk
 from cluster.api.service import TandemService
 from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import Tenants
 from cluster.local import LocalTandem
-from cluster.routing.request import GenerationRequest
+from cluster.routing.request import FinishReason, GenerationRequest
 from cluster.routing.router import Router
 from cluster.routing.text import TextAssembler
 from cluster.runtime import tiny
@@ -65,12 +67,10 @@ def body(route: Route, **fields: Any) -> dict[str, Any]:
     return base | fields
 
 
-def run(
-    openai: OpenAIService, route: Route, **fields: Any
-) -> tuple[generate_pb2.GenerateResponse, dict[str, Any]]:
+def run(openai: OpenAIService, route: Route, **fields: Any) -> tuple[ApiChunk, dict[str, Any]]:
     """The Tandem response (token ids) and the OpenAI response (text, usage) of one body."""
-    _, message = openai.to_generate_request(route, body(route, **fields))
-    tandem = openai.service.generate(message)
+    _, message = openai.to_api_request(route, body(route, **fields))
+    tandem = openai.service.generate(openai.service.authenticate(), message)
     return tandem, openai.complete(route, body(route, **fields))
 
 
@@ -80,18 +80,16 @@ def decode(tandem: LocalTandem, tokens: Any, skip_special_tokens: bool = True) -
 
 def test_ignore_eos_generates_past_end_of_sequence(openai: OpenAIService) -> None:
     ended, ended_reply = run(openai, "completions", **ENDS_EARLY)
-    assert list(ended.token_ids).index(EOS) == EOS_AT == len(ended.token_ids) - 1
+    assert list(ended.tokens).index(EOS) == EOS_AT == len(ended.tokens) - 1
     assert ended_reply["choices"][0]["finish_reason"] == "stop"
     assert ended_reply["usage"]["completion_tokens"] == EOS_AT + 1
 
     ignoring, reply = run(openai, "completions", **ENDS_EARLY, ignore_eos=True)
-    assert (
-        len(ignoring.token_ids) == MAX_TOKENS and reply["choices"][0]["finish_reason"] == "length"
-    )
+    assert len(ignoring.tokens) == MAX_TOKENS and reply["choices"][0]["finish_reason"] == "length"
     assert reply["usage"]["completion_tokens"] == MAX_TOKENS
     # The same draws up to and through the end-of-sequence token, then more of them.
-    assert ignoring.token_ids[: EOS_AT + 1] == ended.token_ids
-    assert ignoring.token_ids[EOS_AT] == EOS
+    assert ignoring.tokens[: EOS_AT + 1] == ended.tokens
+    assert ignoring.tokens[EOS_AT] == EOS
 
 
 def test_skip_special_tokens_false_keeps_them_in_the_text(
@@ -100,12 +98,12 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(
     kept, reply = run(
         openai, "completions", **ENDS_EARLY, ignore_eos=True, skip_special_tokens=False
     )
-    assert kept.token_ids[EOS_AT] == EOS
-    assert kept.text == decode(local_tandem, kept.token_ids, skip_special_tokens=False)
+    assert kept.tokens[EOS_AT] == EOS
+    assert kept.text == decode(local_tandem, kept.tokens, skip_special_tokens=False)
     assert EOS_TEXT in kept.text and reply["choices"][0]["text"] == kept.text
     skipped, reply = run(openai, "completions", **ENDS_EARLY, ignore_eos=True)
-    assert skipped.token_ids == kept.token_ids
-    assert skipped.text == decode(local_tandem, skipped.token_ids) and EOS_TEXT not in skipped.text
+    assert skipped.tokens == kept.tokens
+    assert skipped.text == decode(local_tandem, skipped.tokens) and EOS_TEXT not in skipped.text
     assert reply["choices"][0]["text"] == skipped.text
 
 
@@ -114,8 +112,8 @@ def test_the_token_that_ends_the_output_is_not_in_its_text(
 ) -> None:
     """As in vLLM: the end token is the output's last token, its text is never decoded."""
     ended, reply = run(openai, "completions", **ENDS_EARLY, skip_special_tokens=False)
-    assert ended.token_ids[-1] == EOS and reply["choices"][0]["finish_reason"] == "stop"
-    assert ended.text == decode(local_tandem, ended.token_ids[:-1], skip_special_tokens=False)
+    assert ended.tokens[-1] == EOS and reply["choices"][0]["finish_reason"] == "stop"
+    assert ended.text == decode(local_tandem, ended.tokens[:-1], skip_special_tokens=False)
     assert EOS_TEXT not in ended.text
 
 
@@ -124,13 +122,13 @@ def test_a_stop_token_id_ends_the_output_with_stop(
     openai: OpenAIService, local_tandem: LocalTandem, route: Route
 ) -> None:
     reference, _ = run(openai, route)
-    tokens = list(reference.token_ids)
+    tokens = list(reference.tokens)
     assert len(tokens) == MAX_TOKENS
     # The first token not seen before it, past the first few: the output must end right there.
     at = next(i for i in range(3, MAX_TOKENS) if tokens[i] not in tokens[:i])
     stopped, reply = run(openai, route, stop_token_ids=[tokens[at]])
-    assert list(stopped.token_ids) == tokens[: at + 1]
-    assert stopped.finish_reason == generate_pb2.FINISH_REASON_STOP
+    assert list(stopped.tokens) == tokens[: at + 1]
+    assert stopped.finish_reason == FinishReason.STOP
     (choice,) = reply["choices"]
     assert choice["finish_reason"] == "stop" and reply["usage"]["completion_tokens"] == at + 1
     text = choice["text"] if route == "completions" else choice["message"]["content"]
@@ -139,11 +137,11 @@ def test_a_stop_token_id_ends_the_output_with_stop(
 
 def test_min_tokens_holds_end_tokens_back(openai: OpenAIService) -> None:
     reference, _ = run(openai, "completions")
-    tokens = list(reference.token_ids)
+    tokens = list(reference.tokens)
     at = next(i for i in range(3, MAX_TOKENS) if tokens[i] not in tokens[:i])
     min_tokens = at + 4
     held, reply = run(openai, "completions", stop_token_ids=[tokens[at]], min_tokens=min_tokens)
-    output = list(held.token_ids)
+    output = list(held.tokens)
     # At least min_tokens tokens; the stop token ends it only at or past min_tokens.
     assert len(output) > min_tokens or reply["choices"][0]["finish_reason"] == "length"
     assert tokens[at] not in output[min_tokens:-1]
@@ -155,16 +153,16 @@ def test_the_extras_reach_the_router_request(openai: OpenAIService) -> None:
     fields = {"ignore_eos": True, "min_tokens": 5, "stop_token_ids": [7, 9],
               "skip_special_tokens": False}  # fmt: skip
     for route in ROUTES:
-        _, message = openai.to_generate_request(route, body(route, **fields))
+        _, message = openai.to_api_request(route, body(route, **fields))
         assert (message.ignore_eos, message.min_tokens, list(message.stop_token_ids)) == (
             True, 5, [7, 9],
         )  # fmt: skip
-        assert message.HasField("skip_special_tokens") and not message.skip_special_tokens
+        assert not message.skip_special_tokens
         request, _ = openai.service.reader.to_request(message)
         assert (request.ignore_eos, request.min_tokens, request.stop_token_ids) == (True, 5, (7, 9))
         assert request.skip_special_tokens is False
-    _, message = openai.to_generate_request("completions", body("completions"))
-    assert not message.HasField("skip_special_tokens")  # unset: true, the server's default
+    _, message = openai.to_api_request("completions", body("completions"))
+    assert message.skip_special_tokens  # unset: true, the server's default
     request, _ = openai.service.reader.to_request(message)
     assert (request.ignore_eos, request.min_tokens, request.stop_token_ids) == (False, 0, ())
     assert request.skip_special_tokens is True
@@ -173,10 +171,10 @@ def test_the_extras_reach_the_router_request(openai: OpenAIService) -> None:
 def test_grpc_stop_token_ids_outside_the_vocabulary_are_refused(service: TandemService) -> None:
     message = generate_pb2.GenerateRequest(text="x", max_tokens=4, stop_token_ids=[tiny.VOCAB_SIZE])
     with pytest.raises(InvalidArgumentError, match=r"stop_token_ids must be token ids in 0\.\.256"):
-        service.reader.to_request(message)
+        service.reader.to_request(request_from_proto(message))
     message = generate_pb2.GenerateRequest(text="x", max_tokens=4, min_tokens=5)
     with pytest.raises(InvalidArgumentError, match=r"min_tokens must be in 0\.\.max_tokens"):
-        service.reader.to_request(message)
+        service.reader.to_request(request_from_proto(message))
 
 
 @pytest.mark.parametrize("route", ROUTES)

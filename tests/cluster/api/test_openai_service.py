@@ -11,6 +11,8 @@ import pytest
 
 from cluster.api.caller import Caller
 from cluster.api.chat import NoChatTemplateError
+from cluster.api.convert import prompt_from_proto
+from cluster.api.grpc_api import GrpcApi
 from cluster.api.openai import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ModelNotFoundError,
@@ -122,7 +124,7 @@ def test_served_model_name_is_the_preset_or_the_target() -> None:
 def test_greedy_completion_equals_generate(
     openai: OpenAIService, service: TandemService, local_tandem: LocalTandem
 ) -> None:
-    expected = service.generate(tandem_request("completions"))
+    expected = GrpcApi(service).generate(tandem_request("completions"))
     result = openai.complete("completions", body("completions"))
     assert result["id"].startswith("cmpl-") and len(result["id"]) == len("cmpl-") + 32
     assert result["object"] == "text_completion"
@@ -145,11 +147,11 @@ def test_greedy_completion_equals_generate(
 def test_chat_equals_generate_with_chat_and_with_its_text(
     openai: OpenAIService, service: TandemService
 ) -> None:
-    from_chat = service.generate(tandem_request("chat.completions"))
+    from_chat = GrpcApi(service).generate(tandem_request("chat.completions"))
     as_text = generate_pb2.GenerateRequest(
         text=service.reader.chat_prompt(CHAT_PROMPT), max_tokens=12
     )
-    assert service.generate(as_text).text == from_chat.text
+    assert GrpcApi(service).generate(as_text).text == from_chat.text
     result = openai.complete("chat.completions", body("chat.completions"))
     assert result["id"].startswith("chatcmpl-") and result["object"] == "chat.completion"
     assert result["choices"] == [
@@ -223,7 +225,7 @@ def test_stream_concatenates_to_the_unary_response(
 def test_usage_speculation_matches_the_tandem_counters(
     openai: OpenAIService, service: TandemService
 ) -> None:
-    expected = service.generate(tandem_request("completions", max_tokens=30))
+    expected = GrpcApi(service).generate(tandem_request("completions", max_tokens=30))
     usage = openai.complete("completions", body("completions", max_tokens=30))["usage"]
     stats = expected.speculation
     assert usage["completion_tokens"] == len(expected.token_ids) == 30
@@ -251,34 +253,34 @@ def test_a_seed_repeats_sampling(openai: OpenAIService) -> None:
     first = openai.complete("completions", sampled)["choices"][0]["text"]
     assert openai.complete("completions", sampled)["choices"][0]["text"] == first
     # Negative seeds (int64) map to distinct uint64 seeds.
-    _, message = openai.to_generate_request("completions", body("completions", seed=-1))
+    _, message = openai.to_api_request("completions", body("completions", seed=-1))
     assert message.seed == 2**64 - 1
 
 
 def test_settings_reach_the_tandem_request(openai: OpenAIService) -> None:
     fields = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "stop": "\n", "draft_tokens": 2,
               "pipelined": True}  # fmt: skip
-    _, message = openai.to_generate_request("completions", body("completions", **fields))
+    _, message = openai.to_api_request("completions", body("completions", **fields))
     assert (message.sampling.temperature, message.sampling.top_k) == (0.5, 7)
     assert message.sampling.top_p == pytest.approx(0.9)
     assert list(message.stop) == ["\n"]
-    assert (message.speculation.draft_tokens, message.speculation.pipelined) == (2, True)
+    assert (message.draft_tokens, message.pipelined) == (2, True)
     # Left out: OpenAI's temperature 1, the server's speculation defaults, a random seed.
-    _, message = openai.to_generate_request("completions", body("completions", temperature=DROP))
+    _, message = openai.to_api_request("completions", body("completions", temperature=DROP))
     assert message.sampling.temperature == 1.0
-    assert not message.HasField("seed") and not message.HasField("speculation")
-    _, message = openai.to_generate_request("completions", body("completions", top_k=-1))
+    assert (message.seed, message.draft_tokens, message.pipelined) == (None, None, None)
+    _, message = openai.to_api_request("completions", body("completions", top_k=-1))
     assert message.sampling.top_k == 0  # vLLM's "no limit"
 
 
 def test_default_max_tokens(openai: OpenAIService, service: TandemService) -> None:
-    _, completion = openai.to_generate_request("completions", body("completions", max_tokens=DROP))
+    _, completion = openai.to_api_request("completions", body("completions", max_tokens=DROP))
     assert completion.max_tokens == DEFAULT_COMPLETION_MAX_TOKENS
-    _, chat = openai.to_generate_request(
-        "chat.completions", body("chat.completions", max_tokens=DROP)
-    )
+    _, chat = openai.to_api_request("chat.completions", body("chat.completions", max_tokens=DROP))
     # The room the context leaves after the prompt (below the server's limit here).
-    num_prompt = len(service.reader.prompt_tokens(tandem_request("chat.completions")))
+    num_prompt = len(
+        service.reader.prompt_tokens(prompt_from_proto(tandem_request("chat.completions")))
+    )
     assert chat.max_tokens == CONTEXT - num_prompt < LIMIT
 
 
@@ -290,7 +292,7 @@ def test_default_max_tokens_respects_the_tenant_limit(local_tandem: LocalTandem)
     openai = OpenAIService(service, MODEL)
     caller = Caller(authorization=f"Bearer {key}")
     for route in ROUTES:
-        _, message = openai.to_generate_request(route, body(route, max_tokens=DROP), caller)
+        _, message = openai.to_api_request(route, body(route, max_tokens=DROP), caller)
         assert message.max_tokens == 5
     # Authentication comes first: a caller without a key learns nothing about the body.
     with pytest.raises(UnauthenticatedError):
@@ -540,7 +542,7 @@ def test_a_cancelled_request_finishes_with_stop(
     )
     first = next(chunks)
     request_id = first["id"].removeprefix("chatcmpl-")
-    service.cancel(generate_pb2.CancelRequest(request_id=request_id))
+    GrpcApi(service).cancel(generate_pb2.CancelRequest(request_id=request_id))
     *rest, usage = list(chunks)
     assert rest[-1]["choices"][0]["finish_reason"] == "stop"
     assert usage["usage"]["completion_tokens"] < 60  # it stopped early, not at max_tokens

@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from cluster.api.client_types import TandemClientError, build_request
+from cluster.api.convert import request_from_proto
 from cluster.api.openai import OpenAIError, OpenAIService, Route, error_response
 from cluster.api.sampling_rule import (
     AUTO,
@@ -166,13 +167,15 @@ def message(rule: int, seeded: bool, temperature: float = 0.8) -> generate_pb2.G
 def test_to_request_sets_the_resolved_rule(
     services: dict[str, TandemService], rule: int, seeded: bool, default: str, expected: bool
 ) -> None:
-    converted, _ = services[default].reader.to_request(message(rule, seeded))
+    converted, _ = services[default].reader.to_request(request_from_proto(message(rule, seeded)))
     assert converted.sampling.seed_exact is expected
     assert converted.sampling.draws_seed_exact is expected
     if seeded:
         assert converted.seed == 42
     # A greedy request resolves the same way, and draws nothing either way.
-    greedy, _ = services[default].reader.to_request(message(rule, seeded, temperature=0.0))
+    greedy, _ = services[default].reader.to_request(
+        request_from_proto(message(rule, seeded, temperature=0.0))
+    )
     assert greedy.sampling.seed_exact is expected and not greedy.sampling.draws_seed_exact
 
 
@@ -181,7 +184,7 @@ def test_to_request_refuses_a_rule_that_is_no_sampling_rule(
 ) -> None:
     for seeded in (False, True):
         with pytest.raises(InvalidArgumentError, match="is not a SamplingRule") as raised:
-            services[AUTO].reader.to_request(message(OUT_OF_RANGE, seeded))
+            services[AUTO].reader.to_request(request_from_proto(message(OUT_OF_RANGE, seeded)))
         assert raised.value.status == "INVALID_ARGUMENT"
 
 
@@ -247,8 +250,8 @@ def body(route: Route, **fields: Any) -> dict[str, Any]:
 def test_openai_sampling_rule_values_reach_the_request(
     openai: OpenAIService, route: Route, value: object, expected: int
 ) -> None:
-    _, request = openai.to_generate_request(route, body(route, sampling_rule=value))
-    assert request.sampling.rule == expected
+    _, request = openai.to_api_request(route, body(route, sampling_rule=value))
+    assert rule_to_proto(request.rule) == expected
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -279,7 +282,7 @@ def test_a_seeded_openai_request_is_the_reference_under_auto_and_not_under_rejec
     rejection_differs = 0
     for seed in range(4):
         fields = {"seed": seed, "top_p": 0.9, "max_tokens": 24, "draft_tokens": 4}
-        _, auto = openai.to_generate_request("completions", body("completions", **fields))
+        _, auto = openai.to_api_request("completions", body("completions", **fields))
         converted, _ = service.reader.to_request(auto)  # the settings as the router gets them
         assert converted.sampling.seed_exact
         expected = reference_generate(
@@ -290,15 +293,15 @@ def test_a_seeded_openai_request_is_the_reference_under_auto_and_not_under_rejec
             seed,
             sorted(local_tandem.target.eos_token_ids),
         )
-        assert tuple(service.generate(auto).token_ids) == expected
+        assert service.generate(service.authenticate(), auto).tokens == expected
         text = openai.complete("completions", body("completions", **fields))
         assert text["choices"][0]["text"] == local_tandem.tokenizer.decode(
             list(expected), skip_special_tokens=True
         )
-        _, rejection = openai.to_generate_request(
+        _, rejection = openai.to_api_request(
             "completions", body("completions", sampling_rule="rejection", **fields)
         )
-        rejection_differs += tuple(service.generate(rejection).token_ids) != expected
+        rejection_differs += service.generate(service.authenticate(), rejection).tokens != expected
     assert rejection_differs > 0
 
 

@@ -14,9 +14,11 @@ import pytest
 from cluster.api.convert import (
     finish_reason_from_proto,
     finish_reason_to_proto,
+    request_from_proto,
     stats_from_proto,
     stats_to_proto,
 )
+from cluster.api.grpc_api import GrpcApi
 from cluster.api.service import RequestCancelledError, TandemService
 from cluster.api.service_config import ServiceConfig
 from cluster.api.status import INTERNAL_ERROR_MESSAGE, status_of
@@ -81,7 +83,7 @@ def test_stats_round_trip() -> None:
 
 
 def test_defaults_fill_unset_fields(service: TandemService, local_tandem: LocalTandem) -> None:
-    converted, pipelined = service.reader.to_request(request())
+    converted, pipelined = service.reader.to_request(request_from_proto(request()))
     expected_ids = local_tandem.tokenizer.encode(CODE_PROMPT, add_special_tokens=False)
     assert converted == GenerationRequest(
         prompt_tokens=tuple(expected_ids),
@@ -93,18 +95,20 @@ def test_defaults_fill_unset_fields(service: TandemService, local_tandem: LocalT
     )
     assert pipelined is False
     # An unset seed is a fresh random one per request (generate.proto), not a fixed default.
-    seeds = {service.reader.to_request(request())[0].seed for _ in range(8)}
+    seeds = {service.reader.to_request(request_from_proto(request()))[0].seed for _ in range(8)}
     assert len(seeds) > 1
 
 
 def test_set_fields_are_taken_as_sent(service: TandemService) -> None:
     converted, pipelined = service.reader.to_request(
-        request(
-            [5, 6, 7],
-            sampling=sampling_pb2.SamplingParams(temperature=0.5, top_p=0.75, top_k=20),
-            seed=2**64 - 1,
-            stop=["\n\n", "def"],
-            speculation=generate_pb2.SpeculationSettings(draft_tokens=0, pipelined=True),
+        request_from_proto(
+            request(
+                [5, 6, 7],
+                sampling=sampling_pb2.SamplingParams(temperature=0.5, top_p=0.75, top_k=20),
+                seed=2**64 - 1,
+                stop=["\n\n", "def"],
+                speculation=generate_pb2.SpeculationSettings(draft_tokens=0, pipelined=True),
+            )
         )
     )
     assert converted.prompt_tokens == (5, 6, 7)
@@ -147,12 +151,12 @@ def test_bad_fields_are_invalid_arguments(
 ) -> None:
     message_fields = request(**fields)
     with pytest.raises(InvalidArgumentError) as error:
-        service.reader.to_request(message_fields)
+        service.reader.to_request(request_from_proto(message_fields))
     assert message in str(error.value)
     assert status_of(error.value) == (grpc.StatusCode.INVALID_ARGUMENT, str(error.value))
     # stream() validates at once, before the first chunk is asked for.
     with pytest.raises(InvalidArgumentError):
-        service.stream(message_fields)
+        GrpcApi(service).stream(message_fields)
 
 
 def test_out_of_vocabulary_token_is_refused(
@@ -160,7 +164,7 @@ def test_out_of_vocabulary_token_is_refused(
 ) -> None:
     bad = request([1, 300])
     with pytest.raises(InvalidArgumentError, match=r"\[1\] = 300 is outside the vocabulary"):
-        service.generate(bad)
+        GrpcApi(service).generate(bad)
     assert_sessions_closed(local_tandem)
 
 
@@ -181,10 +185,10 @@ def test_unary_equals_router_and_stream_concatenates_to_it(
         seed=7,
         speculation=generate_pb2.SpeculationSettings(draft_tokens=4, pipelined=pipelined),
     )
-    converted, _ = service.reader.to_request(message)
+    converted, _ = service.reader.to_request(request_from_proto(message))
     expected = local_tandem.router.generate(converted, pipelined=pipelined)
 
-    response = service.generate(message)
+    response = GrpcApi(service).generate(message)
     assert tuple(response.token_ids) == expected.tokens
     assert response.text == expected.text
     assert finish_reason_from_proto(response.finish_reason) is expected.finish_reason
@@ -193,7 +197,7 @@ def test_unary_equals_router_and_stream_concatenates_to_it(
     assert response.usage.completion_tokens == len(expected.tokens)
     assert len(response.request_id) == 32
 
-    chunks = list(service.stream(message))
+    chunks = list(GrpcApi(service).stream(message))
     *body, last = chunks
     assert [t for c in chunks for t in c.token_ids] == list(response.token_ids)
     assert "".join(c.text for c in chunks) == response.text
@@ -213,7 +217,7 @@ def test_unary_equals_router_and_stream_concatenates_to_it(
 def test_closing_a_stream_early_frees_the_sessions(
     service: TandemService, local_tandem: LocalTandem
 ) -> None:
-    chunks = service.stream(request(max_tokens=LIMIT))
+    chunks = GrpcApi(service).stream(request(max_tokens=LIMIT))
     next(chunks)
     assert local_tandem.verifier.stats().num_sessions == 1
     # The drafter opens its session in the background while the first token comes.
@@ -236,7 +240,7 @@ def test_generate_stops_once_the_caller_is_gone(
         return asked < 3
 
     with pytest.raises(RequestCancelledError) as error:
-        service.generate(request(max_tokens=LIMIT), is_active=is_active)
+        GrpcApi(service).generate(request(max_tokens=LIMIT), is_active=is_active)
     assert asked == 3  # asked after each verify pass; stopped at the first False
     assert status_of(error.value)[0] == grpc.StatusCode.CANCELLED
     assert_sessions_closed(local_tandem)

@@ -12,6 +12,8 @@ import pytest
 from cluster.api.chat import NoChatTemplateError
 from cluster.api.client import TandemClient
 from cluster.api.client_types import TandemClientError, build_request
+from cluster.api.convert import prompt_from_proto
+from cluster.api.grpc_api import GrpcApi
 from cluster.api.service import TandemService
 from cluster.api.status import status_of
 from cluster.api.tenants import Tenants
@@ -68,12 +70,12 @@ def test_chat_equals_its_rendered_text(service: TandemService, local_tandem: Loc
     chat = chat_request()
     as_text = generate_pb2.GenerateRequest(text=RENDERED, max_tokens=12)
     expected_ids = tuple(local_tandem.tokenizer.encode(RENDERED, add_special_tokens=False))
-    assert service.reader.prompt_tokens(chat) == expected_ids
+    assert service.reader.prompt_tokens(prompt_from_proto(chat)) == expected_ids
     # Sampled with the same seed: any difference in the prompt would show in the tokens.
     for message in (chat, as_text):
         message.sampling.CopyFrom(sampling_pb2.SamplingParams(temperature=0.8))
         message.seed = 11
-    from_chat, from_text = service.generate(chat), service.generate(as_text)
+    from_chat, from_text = GrpcApi(service).generate(chat), GrpcApi(service).generate(as_text)
     assert list(from_chat.token_ids) == list(from_text.token_ids)
     assert from_chat.usage.prompt_tokens == len(expected_ids)
     assert from_chat.usage.completion_tokens == len(from_chat.token_ids) > 0
@@ -94,7 +96,7 @@ def test_bad_messages_are_invalid_arguments(
     service: TandemService, messages: tuple[tuple[str, str], ...], error: str
 ) -> None:
     with pytest.raises(InvalidArgumentError) as raised:
-        service.stream(chat_request(messages))
+        GrpcApi(service).stream(chat_request(messages))
     assert error in str(raised.value)
     assert status_of(raised.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
 
@@ -104,13 +106,13 @@ def test_a_model_without_a_template_refuses_chat(local_tandem: LocalTandem) -> N
     tokenizer.chat_template = None
     service = TandemService(local_tandem.router, tokenizer, tenants=Tenants.unauthenticated())
     with pytest.raises(NoChatTemplateError) as raised:
-        service.stream(chat_request())
+        GrpcApi(service).stream(chat_request())
     assert status_of(raised.value) == (
         grpc.StatusCode.FAILED_PRECONDITION,
         "the model has no chat template",
     )
     # Text prompts still work on it.
-    assert service.generate(generate_pb2.GenerateRequest(text="x", max_tokens=2)).token_ids
+    assert GrpcApi(service).generate(generate_pb2.GenerateRequest(text="x", max_tokens=2)).token_ids
 
 
 def test_a_template_that_refuses_the_conversation_is_an_invalid_argument(
@@ -140,7 +142,7 @@ def test_build_request_takes_messages() -> None:
 
 
 def test_the_client_sends_chat(service: TandemService, address: str) -> None:
-    expected = service.generate(chat_request())
+    expected = GrpcApi(service).generate(chat_request())
     messages = [{"role": role, "content": content} for role, content in CONVERSATION]
     with TandemClient(address, timeout_s=60) as client:
         result = client.generate(messages=messages, max_tokens=12)
@@ -160,7 +162,7 @@ def test_generate_chat_sends_one_user_message(
     flags = ["--local", "--preset", "tiny"] if where == "--local" else ["--address", address]
     assert main(["generate", *flags, "--max-tokens", "12", "--chat", "--json", prompt]) == 0
     result = json.loads(capsys.readouterr().out)
-    expected = service.generate(chat_request((("user", prompt),)))
+    expected = GrpcApi(service).generate(chat_request((("user", prompt),)))
     assert result["tokens"] == list(expected.token_ids)
     assert result["num_prompt_tokens"] == len(
         service.reader.chat_prompt([("user", prompt)]).encode()

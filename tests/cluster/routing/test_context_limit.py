@@ -13,6 +13,8 @@ import grpc
 import pytest
 
 from cluster.api.client import TandemClient
+from cluster.api.convert import request_from_proto
+from cluster.api.grpc_api import GrpcApi
 from cluster.api.request_reader import check_context
 from cluster.api.service import TandemService
 from cluster.api.status import status_of
@@ -97,9 +99,9 @@ def test_a_request_past_the_limit_is_refused_before_any_session_opens(
     service = _service(_router(local_tandem, verifier, drafter, True), local_tandem, limit)
     prompt = tuple(range(5, 305))  # 300 tokens
     for call in (
-        lambda: service.generate(_message(prompt, 4000)),
-        lambda: next(service.stream(_message(prompt, 4000))),
-        lambda: next(service.stream(_message(prompt, limit - len(prompt) + 1))),
+        lambda: GrpcApi(service).generate(_message(prompt, 4000)),
+        lambda: next(GrpcApi(service).stream(_message(prompt, 4000))),
+        lambda: next(GrpcApi(service).stream(_message(prompt, limit - len(prompt) + 1))),
     ):
         with pytest.raises(InvalidArgumentError) as error:
             call()
@@ -107,7 +109,7 @@ def test_a_request_past_the_limit_is_refused_before_any_session_opens(
         assert code == grpc.StatusCode.INVALID_ARGUMENT
         assert "context limit of 4096 tokens" in message and "at most 3796" in message
     assert verifier.opened == drafter.opened == 0
-    usage = service.usage()
+    usage = GrpcApi(service).usage()
     assert (usage.requests, usage.prompt_tokens, usage.generated_tokens) == (0, 0, 0)
 
 
@@ -115,7 +117,7 @@ def test_without_a_limit_the_service_does_not_check(local_tandem: LocalTandem) -
     service = TandemService(
         local_tandem.router, local_tandem.tokenizer, tenants=Tenants.unauthenticated()
     )
-    request, _ = service.reader.to_request(_message(tuple(range(5, 305)), 4000))
+    request, _ = service.reader.to_request(request_from_proto(_message(tuple(range(5, 305)), 4000)))
     assert request.max_tokens == 4000
     with pytest.raises(InvalidArgumentError, match="max_context_tokens must be >= 1"):
         _service(local_tandem.router, local_tandem, 0)
@@ -129,7 +131,7 @@ def test_a_request_filling_the_default_context_exactly_completes_like_the_target
     max_tokens = limit - len(prompt)
     service = _service(local_tandem.router, local_tandem, limit)
     message = _message(prompt, max_tokens, speculation={"draft_tokens": 4, "pipelined": True})
-    response = service.generate(message)
+    response = GrpcApi(service).generate(message)
     assert len(prompt) + max_tokens == limit
     assert tuple(response.token_ids) == _target_alone(local_tandem, prompt, max_tokens)
     assert len(response.token_ids) == max_tokens or response.finish_reason == (
@@ -155,9 +157,9 @@ def test_a_request_that_exactly_fits_never_meets_the_limit(
     try:
         service = _service(router, local_tandem, LIMIT)
         speculation = {"draft_tokens": draft_tokens, "pipelined": pipelined}
-        response = service.generate(_message(prompt, max_tokens, speculation=speculation))
+        response = GrpcApi(service).generate(_message(prompt, max_tokens, speculation=speculation))
         with pytest.raises(InvalidArgumentError, match=f"at most {max_tokens}"):
-            service.generate(_message(prompt, max_tokens + 1, speculation=speculation))
+            GrpcApi(service).generate(_message(prompt, max_tokens + 1, speculation=speculation))
     finally:
         router.close()
     assert tuple(response.token_ids) == _target_alone(local_tandem, prompt, max_tokens)

@@ -33,6 +33,7 @@ import pytest
 import torch
 from scipy import stats
 
+from cluster.api.convert import request_from_proto
 from cluster.api.service import TandemService
 from cluster.api.tenants import Tenants
 from cluster.local import LocalTandem, build_local, text_decoder
@@ -500,14 +501,14 @@ def test_a_bad_grammar_is_refused(
         text="x", max_tokens=8, grammar=sampling_pb2.Grammar(**{kind: source})
     )
     with pytest.raises(InvalidArgumentError, match=rf"grammar\.{kind}"):
-        service.reader.to_request(message)
+        service.reader.to_request(request_from_proto(message))
 
 
 def test_a_good_grammar_is_taken(service: TandemService) -> None:
     message = generate_pb2.GenerateRequest(
         text="x", max_tokens=8, grammar=sampling_pb2.Grammar(regex="[ab]+")
     )
-    request, _ = service.reader.to_request(message)
+    request, _ = service.reader.to_request(request_from_proto(message))
     assert request.grammar == Grammar("regex", "[ab]+")
 
 

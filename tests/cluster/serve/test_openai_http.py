@@ -29,6 +29,7 @@ from starlette.responses import Response
 from cluster.api.caller import Caller
 from cluster.api.chat import render_chat
 from cluster.api.client import TandemClient
+from cluster.api.response import ApiChunk
 from cluster.api.tenants import QuotaExceededError, UnauthenticatedError
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.tiny import build_tokenizer
@@ -59,7 +60,8 @@ GOOD_KEY = "good"
 
 class ScriptedOpenAI:
     """What `OpenAIHttp` uses of `OpenAIService`, scripted by the body: `fail_at` (a chunk
-    index whose step raises), `quota` (refused before the first chunk), `chunks` (how many)."""
+    index whose step raises), `quota` (refused before the first chunk), `chunks` (how many),
+    `paced` (each chunk takes a millisecond)."""
 
     def __init__(self) -> None:
         self.closed = threading.Event()
@@ -89,18 +91,36 @@ class ScriptedOpenAI:
                 threading.Event().wait(0.01)
         return {"object": route, "echo": body}
 
-    def stream(self, route: str, body: object, caller: Caller) -> Iterator[dict[str, Any]]:
+    def open_stream(
+        self, route: str, body: object, caller: Caller
+    ) -> tuple[Iterator[ApiChunk], IndexBodies]:
+        self._authenticate(caller)
+        assert isinstance(body, dict)
+        return self._chunks(body), IndexBodies(route)
+
+    def _chunks(self, body: dict[str, Any]) -> Iterator[ApiChunk]:
         try:
-            self._authenticate(caller)
-            assert isinstance(body, dict)
             if body.get("quota"):
                 raise QuotaExceededError("tenant t already has 1 requests running", 1.2)
             for i in range(int(body.get("chunks", 3))):
                 if i == body.get("fail_at"):
                     raise InvalidArgumentError("the stream broke")
-                yield {"object": route, "index": i}
+                if body.get("paced"):  # a generation that takes its time (10 s for 10,000)
+                    threading.Event().wait(0.001)
+                yield ApiChunk("r", (i,), "")
         finally:
             self.closed.set()
+
+
+class IndexBodies:
+    """One body per token of a chunk, whose `index` is the token: so the events are the same
+    however the adapter merges pending chunks."""
+
+    def __init__(self, route: str) -> None:
+        self._route = route
+
+    def bodies(self, chunk: ApiChunk) -> list[dict[str, Any]]:
+        return [{"object": self._route, "index": token} for token in chunk.tokens]
 
 
 def scope_of(method: str, path: str, headers: dict[str, str], spec: str = "2.4") -> dict[str, Any]:
@@ -284,7 +304,8 @@ def test_a_response_cancelled_while_sending_closes_the_stream(
 
     async def scenario() -> int:
         # Checked before the loop ends: asyncio.run closes every async generator left open.
-        done = Exchange("POST", "/v1/completions", {"stream": True, "chunks": 10_000})
+        body = {"stream": True, "chunks": 10_000, "paced": True}
+        done = Exchange("POST", "/v1/completions", body)
         done.scope["asgi"]["spec_version"] = spec
         blocked = asyncio.Event()
 

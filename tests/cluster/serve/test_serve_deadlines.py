@@ -17,6 +17,7 @@ import pytest
 from cluster.api.caller import Caller
 from cluster.api.client import DEADLINE_METADATA_KEY as CLIENT_KEY
 from cluster.api.client import TandemClient, TandemClientError, _timed
+from cluster.api.grpc_api import GrpcApi
 from cluster.api.service import TandemService
 from cluster.api.status import status_of
 from cluster.api.tenants import Tenants
@@ -87,9 +88,9 @@ def test_a_deadline_already_passed_runs_nothing(local_tandem: LocalTandem) -> No
     message = generate_pb2.GenerateRequest(text=CODE_PROMPT, max_tokens=8)
     past = _caller(Context([(DEADLINE_METADATA_KEY, "0")]), timed=True)
     with pytest.raises(DeadlineExceededError, match="had passed when it arrived") as error:
-        service.stream(message, past)
+        GrpcApi(service).stream(message, past)
     assert status_of(error.value)[0] == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert service.usage().requests == 0  # never admitted
+    assert GrpcApi(service).usage().requests == 0  # never admitted
     assert local_tandem.verifier.stats().num_sessions == 0
 
 
