@@ -40,6 +40,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,20 +114,26 @@ def served() -> Iterator[Served]:
     target, draft = load_model(pair.target), load_model(pair.draft)
     verifier = Verifier(target, config.verifier_limits)
     drafter = Drafter(draft, config.drafter_limits)
-    verify, draft_block = verifier.verify, drafter.draft
+    # The replicas' servers reach the components through their submit_* calls (the Frames
+    # stream and the unary RPCs alike): the delay and the count go there.
+    verify, draft_block = verifier.submit_verify, drafter.submit_draft
     verified_once: set[str] = set()
     model_drafted = [0]
 
-    def slow_verify(session_id: str, *args: Any, **kwargs: Any) -> Verdict:
+    def slow_verify(session_id: str, *args: Any, **kwargs: Any) -> Future[Verdict]:
         if session_id in verified_once:
             time.sleep(VERIFY_DELAY_S)
         verified_once.add(session_id)
         return verify(session_id, *args, **kwargs)
 
-    def counted_draft(*args: Any, **kwargs: Any) -> DraftBlock:
-        block = draft_block(*args, **kwargs)
-        model_drafted[0] += len(block.tokens)
-        return block
+    def counted_draft(*args: Any, **kwargs: Any) -> Future[DraftBlock]:
+        def count(done: Future[DraftBlock]) -> None:
+            if done.exception() is None:
+                model_drafted[0] += len(done.result().tokens)
+
+        future = draft_block(*args, **kwargs)
+        future.add_done_callback(count)
+        return future
 
     verifier_server, verifier_port = serve_verifier(verifier, secret=config.cluster_secret)
     drafter_server, drafter_port = serve_drafter(drafter, secret=config.cluster_secret)
@@ -135,8 +142,8 @@ def served() -> Iterator[Served]:
         ReplicaInfo("drafter-0", "drafter", f"127.0.0.1:{drafter_port}", 0, 0).to_dict(),
     ]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(verifier, "verify", slow_verify)
-        patch.setattr(drafter, "draft", counted_draft)
+        patch.setattr(verifier, "submit_verify", slow_verify)
+        patch.setattr(drafter, "submit_draft", counted_draft)
         # The registry actor's listing, without Ray: both replicas, always live.
         patch.setattr(cluster.serve.ingress, "get_registry", lambda app_name: None)
         patch.setattr(cluster.serve.ingress, "from_registry_actor", lambda actor: lambda: entries)
