@@ -119,6 +119,32 @@ class ModelsConfig:
         return "" if self.target else PRESETS[self.preset].tool_parser
 
 
+@dataclass(frozen=True)
+class FrontConfig:
+    """The router replicas' own servers for the public APIs (`cluster.serve.front`): no Serve
+    proxy between the client and the router. Every router replica on a node binds these ports
+    (SO_REUSEPORT); None: that server is not started (the Serve proxy's entry always is)."""
+
+    grpc_port: int | None = None
+    """`tandem.v1.Tandem` and gRPC health."""
+    http_port: int | None = None
+    """The OpenAI-compatible API, probes included."""
+    host: str = "0.0.0.0"
+    """The address both bind (every interface: a Kubernetes Service reaches the pod's)."""
+
+    def __post_init__(self) -> None:
+        for name in ("grpc_port", "http_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 < port < 65536:
+                raise InvalidArgumentError(f"front.{name} must be in 1..65535, got {port}")
+        if not self.host:
+            raise InvalidArgumentError("front.host must name an address")
+
+    @property
+    def enabled(self) -> bool:
+        return self.grpc_port is not None or self.http_port is not None
+
+
 CLUSTER_SECRET_ENV = "TANDEM_CLUSTER_SECRET"
 """Environment variable that holds the cluster's shared secret (see TandemConfig)."""
 MIN_SECRET_CHARS = 16
@@ -132,6 +158,9 @@ class TandemConfig:
     app_name: str = DEFAULT_APP_NAME
     grpc_port: int = DEFAULT_GRPC_PORT
     """Port of Serve's gRPC proxy: the public API."""
+    front: FrontConfig = field(default_factory=FrontConfig)
+    """The router replicas' own servers for the public APIs, beside Serve's proxies (off
+    unless a port is set; `tandem serve` sets both)."""
     models: ModelsConfig = field(default_factory=ModelsConfig)
     api: ServiceConfig = field(default_factory=ServiceConfig)
     """Defaults and limits of the public API (draft length, pipelining, max_tokens)."""

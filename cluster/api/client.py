@@ -143,15 +143,20 @@ class _Client(Generic[ResultT, StreamT]):
         metadata: Sequence[tuple[str, str]] = (),
         application: str | None = None,
         api_key: str | None = None,
+        own_connection: bool = False,
     ) -> None:
+        """`own_connection`: a TCP connection of this client's own, never shared with another
+        client's channel to the same address (gRPC shares one by default): servers that split
+        a port's connections between them (the routers' own servers) then each get some."""
         self._timeout_s = timeout_s
         self._metadata = _call_metadata(metadata, application, api_key)
-        self._channel = self._open_channel(address)
+        options = [("grpc.use_local_subchannel_pool", 1)] if own_connection else []
+        self._channel = self._open_channel(address, options)
         self._stub = generate_pb2_grpc.TandemStub(self._channel)
 
     @staticmethod
-    def _open_channel(address: str) -> Any:
-        """An insecure channel to `address`, blocking or asyncio."""
+    def _open_channel(address: str, options: list[tuple[str, Any]]) -> Any:
+        """An insecure channel to `address` with gRPC channel `options`, blocking or asyncio."""
         raise NotImplementedError
 
     def generate(
@@ -208,8 +213,8 @@ class TandemClient(_Client[GenerateResult, Generator[StreamChunk, None, None]]):
     """A blocking client; use as a context manager or call `close()`."""
 
     @staticmethod
-    def _open_channel(address: str) -> Any:
-        return grpc.insecure_channel(address)
+    def _open_channel(address: str, options: list[tuple[str, Any]]) -> Any:
+        return grpc.insecure_channel(address, options=options)
 
     def _generate(
         self, request: Callable[[], generate_pb2.GenerateRequest], timeout_s: float | None
@@ -287,8 +292,8 @@ class AsyncTandemClient(
     """An asyncio client; use as an async context manager or await `close()`."""
 
     @staticmethod
-    def _open_channel(address: str) -> Any:
-        return grpc.aio.insecure_channel(address)
+    def _open_channel(address: str, options: list[tuple[str, Any]]) -> Any:
+        return grpc.aio.insecure_channel(address, options=options)
 
     async def _generate(
         self, request: Callable[[], generate_pb2.GenerateRequest], timeout_s: float | None

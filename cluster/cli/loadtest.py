@@ -78,6 +78,13 @@ def add_to(commands: Any) -> None:
     p.add_argument("--address", default="127.0.0.1:9000", metavar="HOST:PORT")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8], help="one or more levels")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load per level")
+    p.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="TCP connections the load spreads its streams over (the routers' own servers "
+        "split a port's connections between the router replicas of a node)",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--draft-tokens", type=int, help="default: the service's")
     p.add_argument(
@@ -125,6 +132,8 @@ def _check(args: argparse.Namespace) -> None:
 
     if not all(1 <= c <= MAX_CONCURRENCY for c in args.concurrency):
         raise InvalidArgumentError(f"--concurrency must be in 1..{MAX_CONCURRENCY}")
+    if args.connections < 1:
+        raise InvalidArgumentError("--connections must be >= 1")
     if not 0 < args.duration <= MAX_DURATION_S:
         raise InvalidArgumentError(f"--duration must be in (0, {MAX_DURATION_S:.0f}] seconds")
     if args.max_tokens < 1:
@@ -198,7 +207,7 @@ def _run(
     scope = _cpu_scope(args.address)
     with (
         TandemClient(args.address, timeout_s=600, api_key=local_cluster.api_key()) as client,
-        _async_client(args.address) as (loop, load_client),
+        _async_client(args.address, args.connections) as (loop, load_client),
     ):
         reference = None
         if args.temperature == 0:
@@ -289,26 +298,36 @@ def _cpu_scope(address: str) -> Scope:
     from cluster.tools.bench.process_cpu import cluster_scope, user_scope
 
     state = local_cluster.load_state()
-    if state is not None and address.rpartition(":")[2] == str(state.grpc_port):
+    ports = () if state is None else (str(state.grpc_port), str(state.direct_port))
+    if state is not None and address.rpartition(":")[2] in ports:
         return cluster_scope(state.temp_dir)
     return user_scope()
 
 
 @contextmanager
-def _async_client(address: str) -> Iterator[tuple[asyncio.Runner, AsyncTandemClient]]:
-    """An event loop and an asyncio client on it, for the load (`run_load`): every stream of a
+def _async_client(
+    address: str, connections: int = 1
+) -> Iterator[tuple[asyncio.Runner, list[AsyncTandemClient]]]:
+    """An event loop and `connections` asyncio clients on it, each over a TCP connection of its
+    own, for the load (`run_load`, which spreads the streams over them): every stream of a
     level on one thread, which costs the client far less CPU than a thread per stream."""
     from cluster.api.client import AsyncTandemClient
 
-    async def open_client() -> AsyncTandemClient:
-        return AsyncTandemClient(address, timeout_s=600, api_key=local_cluster.api_key())
+    async def open_clients() -> list[AsyncTandemClient]:
+        return [
+            AsyncTandemClient(
+                address, timeout_s=600, api_key=local_cluster.api_key(), own_connection=True
+            )
+            for _ in range(connections)
+        ]
 
     with asyncio.Runner() as loop:
-        client = loop.run(open_client())
+        clients = loop.run(open_clients())
         try:
-            yield loop, client
+            yield loop, clients
         finally:
-            loop.run(client.close())
+            for client in clients:
+                loop.run(client.close())
 
 
 def _say(started: float, message: str) -> None:

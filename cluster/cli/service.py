@@ -1,17 +1,19 @@
 """`tandem serve`, `tandem status` and `tandem shutdown`: the service on a local Ray cluster.
 
-`serve` joins the cluster recorded under TANDEM_HOME, or starts one on loopback, deploys the
-three deployments and prints the addresses of both public APIs: `tandem.v1.Tandem` on gRPC
-(`--port`, default 9000) and the OpenAI-compatible HTTP API (`--http-port`, default 8000, Serve's
-HTTP proxy; the application is served at the route prefix `/`, so its base URL is
-`http://127.0.0.1:<port>/v1`). A cluster already running keeps the HTTP port it was started
-with (Serve's proxy is started once per cluster). A config with no tenants is served to one
-tenant, `local`, whose key the home keeps and the command line sends; `--detach` leaves it
-running, otherwise Ctrl-C stops it. `status` shows deployments, replicas with their Ray node,
-address, sessions, load, engine (batch, KV blocks used of total; all its figures in `--json`)
-and the resources Ray granted them (their group's: how they were placed), and a summary of
-the metrics every node's metrics agent serves (`cluster.metrics`): acceptance, tokens per verify
-pass, pipeline hit rate, tokens generated, the queue, usage per tenant. `shutdown` removes the
+`serve` joins the cluster recorded under TANDEM_HOME, or starts one on loopback, deploys the three
+deployments and prints the addresses of both public APIs: `tandem.v1.Tandem` on gRPC (`--port`,
+default 9000) and the OpenAI-compatible HTTP API (`--http-port`, default 8000, Serve's HTTP proxy;
+the application is served at the route prefix `/`, so its base URL is
+`http://127.0.0.1:<port>/v1`), and the same two served by the router replicas themselves, with no
+Serve proxy in between (`cluster.serve.front`): `--direct-port` (default `--port` + 1) and
+`--direct-http-port` (default the HTTP port + 1), 0 for none. A cluster already running keeps the
+HTTP port it was started with (Serve's proxy is started once per cluster). A config with no tenants
+is served to one tenant, `local`, whose key the home keeps and the command line sends; `--detach`
+leaves it running, otherwise Ctrl-C stops it. `status` shows deployments, replicas with their Ray
+node, address, sessions, load, engine (batch, KV blocks used of total; all its figures in `--json`)
+and the resources Ray granted them (their group's: how they were placed), and a summary of the
+metrics every node's metrics agent serves (`cluster.metrics`): acceptance, tokens per verify pass,
+pipeline hit rate, tokens generated, the queue, usage per tenant. `shutdown` removes the
 application and stops the cluster if Tandem started it. Ray is imported only after the cluster
 environment is set (see `cluster.serve.local_cluster`).
 """
@@ -54,6 +56,18 @@ def add_to(commands: Any) -> None:
         type=int,
         default=DEFAULT_HTTP_PORT,
         help=f"port of the OpenAI-compatible HTTP API (default {DEFAULT_HTTP_PORT})",
+    )
+    serve.add_argument(
+        "--direct-port",
+        type=int,
+        help="gRPC port of the router replicas' own server, no Serve proxy in between "
+        "(default: --port + 1; 0: none)",
+    )
+    serve.add_argument(
+        "--direct-http-port",
+        type=int,
+        help="port of the router replicas' own OpenAI-compatible server "
+        "(default: the HTTP port + 1; 0: none)",
     )
     serve.add_argument(
         "--prompt-lookup",
@@ -173,10 +187,15 @@ def serve_command(args: argparse.Namespace) -> int:
     started = time.monotonic()
     state = _live_state()
     if state is None:
+        config = _with_front(config, args, args.http_port)
         _check_port_free(config.grpc_port)
         _check_port_free(args.http_port, "--http-port")
-        # Ray's own servers get free ports too; not the two this service is about to bind.
-        local_cluster.reserve_ports(config.grpc_port, args.http_port)
+        for port, flag in _front_ports(config):
+            _check_port_free(port, flag)
+        # Ray's own servers get free ports too; not the ones this service is about to bind.
+        local_cluster.reserve_ports(
+            config.grpc_port, args.http_port, *(port for port, _ in _front_ports(config))
+        )
         _say(f"starting a local Ray cluster in {local_cluster.home()} ...")
         state = local_cluster.start_cluster(args.num_cpus)
     local_cluster.connect(state)
@@ -192,6 +211,7 @@ def serve_command(args: argparse.Namespace) -> int:
             f"the running cluster keeps its HTTP port {http_port} "
             f"(--http-port {args.http_port} applies to a new cluster)"
         )
+    config = _with_front(config, args, http_port)
     serve.start(
         grpc_options=gRPCOptions(
             port=config.grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)
@@ -209,13 +229,24 @@ def serve_command(args: argparse.Namespace) -> int:
     # Route prefix `/`: OpenAI clients expect their base URL to end in /v1.
     serve.run(build_app(config), name=config.app_name, route_prefix="/")
     state = dataclasses.replace(
-        state, grpc_port=config.grpc_port, http_port=http_port, app_name=config.app_name
+        state,
+        grpc_port=config.grpc_port,
+        http_port=http_port,
+        app_name=config.app_name,
+        direct_port=config.front.grpc_port,
+        direct_http_port=config.front.http_port,
     )
     local_cluster.save_state(state)
     address = f"{local_cluster.LOOPBACK}:{config.grpc_port}"
     _say(f"ready in {time.monotonic() - started:.1f} s")
     print(f"gRPC API on {address} (tandem.v1.Tandem)", flush=True)
     print(f"OpenAI-compatible API on {http_address(http_port)}", flush=True)
+    if config.front.grpc_port is not None:
+        direct = f"{local_cluster.LOOPBACK}:{config.front.grpc_port}"
+        print(f"direct gRPC API on {direct} (the routers' own server)", flush=True)
+    if config.front.http_port is not None:
+        direct_http = http_address(config.front.http_port)
+        print(f"direct OpenAI-compatible API on {direct_http} (the routers' own)", flush=True)
     if args.detach:
         return 0
     _say("press Ctrl-C to stop")
@@ -225,6 +256,30 @@ def serve_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         _say("stopping ...")
         return _shutdown(state)
+
+
+def _with_front(config: TandemConfig, args: argparse.Namespace, http_port: int) -> TandemConfig:
+    """`config` with its routers' own servers on loopback: at the flags' ports, else the
+    config's, else one above the proxy's (`--port` + 1, the HTTP port + 1); port 0: none."""
+    from cluster.config import FrontConfig
+
+    def port(flag: int | None, configured: int | None, proxy_port: int) -> int | None:
+        chosen = flag if flag is not None else configured or proxy_port + 1
+        return chosen or None
+
+    front = FrontConfig(
+        grpc_port=port(args.direct_port, config.front.grpc_port, config.grpc_port),
+        http_port=port(args.direct_http_port, config.front.http_port, http_port),
+        host=local_cluster.LOOPBACK,
+    )
+    return dataclasses.replace(config, front=front)
+
+
+def _front_ports(config: TandemConfig) -> list[tuple[int, str]]:
+    """The routers' own ports, each with the flag that sets it."""
+    front = config.front
+    ports = [(front.grpc_port, "--direct-port"), (front.http_port, "--direct-http-port")]
+    return [(port, flag) for port, flag in ports if port is not None]
 
 
 def http_address(port: int | None) -> str:
@@ -358,6 +413,12 @@ def _status(state: local_cluster.ClusterState) -> dict[str, Any]:
         "app": app_name,
         "address": f"{local_cluster.LOOPBACK}:{state.grpc_port}",
         "http_address": http_address(state.http_port),
+        "direct_address": (
+            f"{local_cluster.LOOPBACK}:{state.direct_port}" if state.direct_port else None
+        ),
+        "direct_http_address": (
+            http_address(state.direct_http_port) if state.direct_http_port else None
+        ),
         "status": _name(application.status),
         "deployments": {
             name: {

@@ -220,6 +220,7 @@ def start_server(
     secret: str | None = None,
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    reuse_port: bool = False,
 ) -> tuple[grpc.Server, int]:
     """Start an insecure gRPC server with the servicers `add_servicer` registers on it.
 
@@ -227,7 +228,9 @@ def start_server(
     one more is answered RESOURCE_EXHAUSTED (a stream counts until it ends). Returns the
     running server and the port it bound; raises RuntimeError if the address cannot be bound
     (a port in use is not shared: SO_REUSEPORT is off, so two replicas can never silently split
-    one port's traffic). Stop it with `server.stop(grace_s)`. With `secret`, only calls that
+    one port's traffic), unless `reuse_port`: then every server of this machine that binds the
+    same port with it shares the port's connections (the router replicas' public front,
+    `cluster.serve.front`). Stop it with `server.stop(grace_s)`. With `secret`, only calls that
     carry it are served (`SecretCheck`).
     """
     if max_concurrent_rpcs < 1:
@@ -239,7 +242,7 @@ def start_server(
             ParseCheck(),
             *interceptors,
         ],
-        options=[*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)],
+        options=[*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", int(reuse_port))],
         maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
     add_servicer(server)

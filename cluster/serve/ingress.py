@@ -20,6 +20,9 @@ one `GenerateChunk`, so a lagging client gets fewer chunks with the same tokens 
 Serve cancels a request (the client cancelled or its deadline passed), the thread finishes the
 step it is in and then closes the generation, which frees the sessions on both replicas.
 
+The router's own servers (`config.front`, `cluster.serve.front.RouterFront`): the same two
+APIs on ports of this replica, over the same service, with no Serve proxy in between.
+
 Context limit: the service is given `verifier_limits.max_context_tokens`, so a request whose
 prompt plus `max_tokens` cannot fit is INVALID_ARGUMENT before it runs
 (`cluster.api.request_reader`).
@@ -79,6 +82,7 @@ from cluster.runtime.constraint import grammar_tokenizer_of, warm_up
 from cluster.runtime.errors import TandemError
 from cluster.runtime.models import load_tokenizer
 from cluster.serve.calls import deadline_of, stream_in_thread
+from cluster.serve.front import RouterFront
 from cluster.serve.http import OpenAIHttp
 from protos import generate_pb2
 
@@ -171,6 +175,11 @@ class RouterIngress:
         openai = OpenAIService(self._service, served_model_name(config.models), tool_format)
         self._probes = IngressProbes(self._pool)
         self._http = OpenAIHttp(openai, self._threads, self._probes)
+        self._front = (
+            RouterFront(config.front, self._service, self._http, self._probes.healthy)
+            if config.front.enabled
+            else None
+        )
 
     async def __call__(self, request: Request) -> Response:
         """Serve's HTTP proxy: the OpenAI-compatible API (`cluster.serve.http`)."""
@@ -266,6 +275,9 @@ class RouterIngress:
             await asyncio.sleep(HEALTH_WATCH_PERIOD_S)
 
     def __del__(self) -> None:
+        front = getattr(self, "_front", None)
+        if front is not None:
+            front.close()  # first: no new calls while the rest shuts down
         service = getattr(self, "_service", None)
         if service is not None:
             # The online audit's worker: an audit in flight fails once the pool's channels close.

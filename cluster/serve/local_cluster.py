@@ -60,6 +60,10 @@ class ClusterState:
     grpc_port: int | None = None
     http_port: int | None = None
     app_name: str | None = None
+    direct_port: int | None = None
+    """The router replicas' own gRPC server (`cluster.serve.front`); None: none."""
+    direct_http_port: int | None = None
+    """The router replicas' own OpenAI-compatible server; None: none."""
     metrics_port: int | None = None
     """Where the head node's metrics agent serves Prometheus (`/metrics`); None: unknown (a
     cluster Tandem did not start, or one started before Tandem recorded it)."""
@@ -389,7 +393,8 @@ def stop_cluster(state: ClusterState) -> int:
 
 def cluster_ports(state: ClusterState) -> list[int]:
     """The ports a cluster of `state` listened on: its GCS, the public APIs, the metrics."""
-    ports = [state.grpc_port, state.http_port, state.metrics_port]
+    ports = [state.grpc_port, state.http_port, state.direct_port, state.direct_http_port]
+    ports.append(state.metrics_port)
     _, _, gcs_port = state.address.rpartition(":")
     if gcs_port.isdigit():
         ports.append(int(gcs_port))

@@ -46,13 +46,14 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
     ]
     config.write_text(yaml.safe_dump({"auth": {"tenants": tenants}}))
     port, http_port = free_port(), free_port()
+    direct_port, direct_http_port = free_port(), free_port()
     started = time.monotonic()
     serve = subprocess.run(
         # Fixed rounds (no adaptive plan, no lookup): the tests count blocks and pipeline hits.
         [TANDEM, "serve", "--preset", "tiny", "--drafters", "2", "--verifiers", "2",
          "--no-adaptive-draft", "--no-prompt-lookup", "--port", str(port), "--detach",
-         "--http-port", str(http_port),
-         "--config", str(config)],
+         "--http-port", str(http_port), "--direct-port", str(direct_port),
+         "--direct-http-port", str(direct_http_port), "--config", str(config)],
         env=env, capture_output=True, text=True, timeout=SERVE_TIMEOUT_S, check=False,
     )  # fmt: skip
     cold_start_s = time.monotonic() - started
@@ -62,6 +63,11 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
         http_url = f"http://127.0.0.1:{http_port}/v1"  # the OpenAI-compatible API's base URL
         assert f"gRPC API on {address}" in serve.stdout
         assert f"OpenAI-compatible API on {http_url}" in serve.stdout
+        # The same two APIs on the router replicas' own servers (cluster.serve.front).
+        direct_address = f"127.0.0.1:{direct_port}"
+        direct_http_url = f"http://127.0.0.1:{direct_http_port}/v1"
+        assert f"direct gRPC API on {direct_address}" in serve.stdout
+        assert f"direct OpenAI-compatible API on {direct_http_url}" in serve.stdout
         status = subprocess.run(
             [TANDEM, "status", "--json"], env=env, capture_output=True, text=True,
             timeout=120, check=True,
@@ -69,6 +75,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
         yield {
             "address": address,
             "http_url": http_url,
+            "direct_address": direct_address,
+            "direct_http_url": direct_http_url,
             "env": env,
             "home": home,
             "status": json.loads(status.stdout),

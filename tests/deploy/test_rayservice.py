@@ -35,6 +35,7 @@ from cluster.serve.app import GRPC_SERVICER_FUNCTIONS, app_builder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RAYSERVICE = REPO_ROOT / "deploy" / "kuberay" / "rayservice.yaml"
+DIRECT = REPO_ROOT / "deploy" / "kuberay" / "direct.yaml"
 SERVE_LOCAL = REPO_ROOT / "deploy" / "serve-local.yaml"
 NODES = REPO_ROOT / "deploy" / "placement" / "nodes.yaml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
@@ -276,6 +277,23 @@ def test_the_grpc_and_http_apis_are_a_service_on_ports_9000_and_8000() -> None:
     assert serve_config(load_rayservice())["http_options"]["host"] == "0.0.0.0"
     for pod in pod_specs(load_rayservice()):
         assert {GRPC_PORT, HTTP_PORT} <= {p["containerPort"] for p in pod["containers"][0]["ports"]}
+
+
+def test_the_routers_own_servers_are_a_service_over_the_router_pods() -> None:
+    rayservice = load_rayservice()
+    front = TandemConfig.from_dict(the_app(serve_config(rayservice))["args"]).front
+    assert front.grpc_port is not None and front.http_port is not None
+    assert front.host == "0.0.0.0"  # the pod's interfaces, where the Service reaches it
+    router = groups(rayservice)["router"]
+    named = {
+        p["name"]: p["containerPort"] for p in router["template"]["spec"]["containers"][0]["ports"]
+    }
+    assert named["grpc-direct"] == front.grpc_port and named["http-direct"] == front.http_port
+    (service,) = [d for d in yaml.safe_load_all(DIRECT.read_text()) if d]
+    assert service["kind"] == "Service"
+    assert service["spec"]["selector"]["ray.io/group"] == router["groupName"]
+    ports = {p["targetPort"]: p["port"] for p in service["spec"]["ports"]}
+    assert ports == {"grpc-direct": front.grpc_port, "http-direct": front.http_port}
 
 
 def test_ray_token_auth_gcs_fault_tolerance_and_the_ray_version() -> None:

@@ -100,27 +100,29 @@ async def run_load(
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Any]:
     """Drive `concurrency` streams for `duration_s` on this event loop; `settings` go to every
-    `client.stream`; `midway`, if given, runs once half way through (in real time, on a thread
-    of its own: it may block); `reference` counts corrupted outputs; `clock` (seconds) times
-    everything else."""
+    `client.stream` (`client`: one client, or a list whose clients take the streams in turn);
+    `midway`, if given, runs once half way through (in real time, on a thread of its own: it may
+    block); `reference` counts corrupted outputs; `clock` (seconds) times everything else."""
     log = LoadLog()
     deadline = clock() + duration_s
     counter = itertools.count()
 
-    async def worker() -> None:
+    clients = client if isinstance(client, list) else [client]
+
+    async def worker(own: Any) -> None:
         for _ in range(MAX_REQUESTS_PER_WORKER):
             if clock() >= deadline:
                 return
             prompt = prompts[next(counter) % len(prompts)]
             expected = reference.get(prompt) if reference is not None else None
-            await _one_request(client, prompt, settings, log, expected, clock)
+            await _one_request(own, prompt, settings, log, expected, clock)
 
     started = clock()
     timer = threading.Timer(duration_s / 2, midway) if midway is not None else None
     if timer is not None:
         timer.start()
     try:
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(clients[i % len(clients)]) for i in range(concurrency)))
     except BaseException:
         if timer is not None:
             timer.cancel()  # interrupted: midway need not run

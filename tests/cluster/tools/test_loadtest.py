@@ -53,6 +53,13 @@ def test_counts_tokens_latencies_and_errors() -> None:
     assert result["requests"] <= 2 * (0.3 / (2 * CHUNK_GAP_S) + 1)
 
 
+def test_streams_spread_over_a_list_of_clients() -> None:
+    clients = [ScriptedClient() for _ in range(3)]
+    result = asyncio.run(run_load(clients, ["ok"], concurrency=6, duration_s=0.2, settings={}))
+    assert result["requests"] == sum(len(c.calls) for c in clients)
+    assert all(len(c.calls) > 0 for c in clients)  # two streams each
+
+
 class VirtualClock:
     """Seconds that pass only when the scripted stream below says so."""
 

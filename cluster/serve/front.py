@@ -1,0 +1,191 @@
+"""The router replica's own servers: the public APIs with no Serve proxy between the client and
+the router.
+
+Through Serve's proxies every streamed chunk crosses two processes: the router replica pickles
+it into Ray's object store and the proxy, in another process, reads it back and writes it to
+the client; measured at 64 streams on `sim-h100-8b`, that is about a third of Tandem's CPU per
+generated token (docs/benchmarks.md). `RouterFront` serves the same two APIs from the router
+replica itself, as the drafter and verifier replicas already serve theirs:
+
+- gRPC (`config.grpc_port`): `tandem.v1.Tandem` (`cluster.api.grpc_servicer.TandemServicer`,
+  on the replica's `TandemService`), the standard health service and reflection, on a plain
+  gRPC server whose pool runs each call on one thread: a stream runs its router loop on that
+  thread and writes each chunk to the client as it is committed. The client's gRPC deadline
+  reaches the router directly (`time_remaining`); `x-tandem-deadline-ms` is not needed here.
+- HTTP (`config.http_port`): the OpenAI-compatible API (`cluster.serve.http.OpenAIHttp`, the
+  very object Serve's HTTP proxy calls) on a uvicorn server running its own event loop on a
+  thread of this replica.
+
+Both bind with SO_REUSEPORT, so every router replica on a node binds the same two ports and the
+kernel spreads new connections over them: on Kubernetes a Service over the router pods' ports
+reaches every router replica. Serve still places, scales and health-checks the replicas (the
+front lives and dies with its replica: `close` stops both servers), and the Serve proxy's entry
+keeps working beside it. A port already held by anything that did not set SO_REUSEPORT fails
+the replica's start with the address in the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
+
+from cluster.api.grpc_servicer import TandemServicer
+from cluster.api.service import TandemService
+from cluster.config import FrontConfig
+from cluster.replica.rpc import start_server
+from cluster.serve.http import OpenAIHttp
+from protos import generate_pb2_grpc
+
+HEALTH_WATCH_PERIOD_S = 1.0
+STOP_GRACE_S = 5.0
+"""How long `close` lets calls in flight finish before they are cancelled."""
+HTTP_START_TIMEOUT_S = 30.0
+STREAMS_PER_FRONT = 256
+"""Calls the gRPC server runs at once (a stream holds one of its threads until it ends)."""
+
+
+class HealthServicer(health_pb2_grpc.HealthServicer):
+    """gRPC health: SERVING while `healthy()` (at least one verifier replica is live)."""
+
+    def __init__(self, healthy: Callable[[], bool]) -> None:
+        self._healthy = healthy
+
+    def _status(self) -> int:
+        return (
+            health_pb2.HealthCheckResponse.SERVING
+            if self._healthy()
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+
+    def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        return health_pb2.HealthCheckResponse(status=self._status())
+
+    def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext
+    ) -> Iterator[health_pb2.HealthCheckResponse]:
+        last = None
+        while context.is_active():
+            status = self._status()
+            if status != last:
+                last = status
+                yield health_pb2.HealthCheckResponse(status=status)
+            time.sleep(HEALTH_WATCH_PERIOD_S)
+
+
+class RouterFront:
+    """The gRPC and HTTP servers of one router replica (see the module doc); `close` stops
+    them."""
+
+    def __init__(
+        self,
+        config: FrontConfig,
+        service: TandemService,
+        http: OpenAIHttp,
+        healthy: Callable[[], bool],
+    ) -> None:
+        self.grpc_port: int | None = None
+        self.http_port: int | None = None
+        self._grpc: grpc.Server | None = None
+        self._http: _HttpThread | None = None
+        try:
+            if config.grpc_port is not None:
+                self._grpc, self.grpc_port = _start_grpc(config, service, healthy)
+            if config.http_port is not None:
+                self._http = _HttpThread(http, config.host, config.http_port)
+                self.http_port = self._http.port
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop both servers: new calls are refused, calls in flight get `STOP_GRACE_S`."""
+        if self._grpc is not None:
+            self._grpc.stop(STOP_GRACE_S).wait()
+            self._grpc = None
+        if self._http is not None:
+            self._http.stop()
+            self._http = None
+
+
+def _start_grpc(
+    config: FrontConfig, service: TandemService, healthy: Callable[[], bool]
+) -> tuple[grpc.Server, int]:
+    def add(server: grpc.Server) -> None:
+        generate_pb2_grpc.add_TandemServicer_to_server(TandemServicer(service), server)
+        health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(healthy), server)
+        names = ("tandem.v1.Tandem", "grpc.health.v1.Health", reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+
+    assert config.grpc_port is not None
+    return start_server(
+        add,
+        config.host,
+        config.grpc_port,
+        max_workers=STREAMS_PER_FRONT,
+        max_concurrent_rpcs=STREAMS_PER_FRONT,
+        reuse_port=True,
+    )
+
+
+class _HttpThread:
+    """`OpenAIHttp` on a uvicorn server with its own event loop, on a thread of its own."""
+
+    def __init__(self, http: OpenAIHttp, host: str, port: int) -> None:
+        self._socket = _reusable_socket(host, port)
+        self.port: int = self._socket.getsockname()[1]
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":  # websockets: not served
+                return
+            response = await http(Request(scope, receive))
+            await response(scope, receive, send)
+
+        self._server = uvicorn.Server(
+            uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False)
+        )
+        self._thread = threading.Thread(
+            target=self._run, name=f"http-front-{self.port}", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + HTTP_START_TIMEOUT_S
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the HTTP front on {host}:{port} did not start")
+            time.sleep(0.01)
+
+    def _run(self) -> None:
+        asyncio.run(self._server.serve(sockets=[self._socket]))
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(STOP_GRACE_S + 5.0)
+        self._socket.close()
+
+
+def _reusable_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on `host:port` with SO_REUSEPORT (see the module doc)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as error:
+        sock.close()
+        raise RuntimeError(f"cannot bind the HTTP front to {host}:{port}: {error}") from error
+    sock.set_inheritable(True)
+    return sock
