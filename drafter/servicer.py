@@ -22,7 +22,7 @@ from cluster.replica.frames import EntryHandler
 from cluster.replica.servicer import SessionServicer
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import InvalidArgumentError, TandemError
-from cluster.wire import convert
+from cluster.wire import convert, requests
 from drafter.drafter import Drafter
 from protos import replica_pb2, replica_pb2_grpc
 
@@ -55,7 +55,7 @@ class DrafterServicer(SessionServicer[Drafter], replica_pb2_grpc.DrafterServicer
     ) -> replica_pb2.DraftBlock:
         def call() -> replica_pb2.DraftBlock:
             self._maybe_fail()
-            read = convert.draft_request_from_wire(request)
+            read = requests.draft_request_from_wire(request)
             block = self.component.draft(
                 read.session_id,
                 read.base_length,
@@ -77,7 +77,7 @@ class DrafterServicer(SessionServicer[Drafter], replica_pb2_grpc.DrafterServicer
 
     def _submit_draft(self, request: replica_pb2.DraftRequest) -> Future[DraftBlock]:
         self._maybe_fail()
-        read = convert.draft_request_from_wire(request)
+        read = requests.draft_request_from_wire(request)
         return self.component.submit_draft(
             read.session_id,
             read.base_length,

@@ -18,7 +18,7 @@ import grpc
 from cluster.replica.frames import EntryHandler
 from cluster.replica.servicer import SessionServicer
 from cluster.runtime.draft_block import Verdict
-from cluster.wire import convert
+from cluster.wire import convert, requests
 from protos import replica_pb2, replica_pb2_grpc
 from verifier.verifier import Verifier
 
@@ -36,7 +36,7 @@ class VerifierServicer(SessionServicer[Verifier], replica_pb2_grpc.VerifierServi
         self, request: replica_pb2.VerifyRequest, context: grpc.ServicerContext
     ) -> replica_pb2.Verdict:
         def call() -> replica_pb2.Verdict:
-            read = convert.verify_request_from_wire(request)
+            read = requests.verify_request_from_wire(request)
             verdict = self.component.verify(
                 read.session_id, read.block, defer_bonus=read.defer_bonus
             )
@@ -48,7 +48,7 @@ class VerifierServicer(SessionServicer[Verifier], replica_pb2_grpc.VerifierServi
         return {**super()._entry_handlers(), "verify": EntryHandler(self._submit_verify, _verified)}
 
     def _submit_verify(self, request: replica_pb2.VerifyRequest) -> Future[Verdict]:
-        read = convert.verify_request_from_wire(request)
+        read = requests.verify_request_from_wire(request)
         return self.component.submit_verify(
             read.session_id, read.block, defer_bonus=read.defer_bonus
         )

@@ -298,8 +298,7 @@ def _cpu_scope(address: str) -> Scope:
     from cluster.tools.bench.process_cpu import cluster_scope, user_scope
 
     state = local_cluster.load_state()
-    ports = () if state is None else (str(state.grpc_port), str(state.direct_port))
-    if state is not None and address.rpartition(":")[2] in ports:
+    if state is not None and state.serves_grpc_on(address.rpartition(":")[2]):
         return cluster_scope(state.temp_dir)
     return user_scope()
 

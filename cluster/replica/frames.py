@@ -37,8 +37,8 @@ from cluster.runtime.call_scope import call_scope
 from cluster.runtime.engine import Engine
 from cluster.runtime.errors import InvalidArgumentError, TandemError
 from cluster.runtime.session import ReplicaStats
-from cluster.wire.convert import FRAME_VERSION
 from cluster.wire.frame_budget import split_by_size
+from cluster.wire.requests import FRAME_VERSION
 from cluster.wire.status import entry_error
 from protos import replica_pb2
 

@@ -28,7 +28,7 @@ from cluster.replica.frames import END, EntryHandler, FrameCounters, FrameStream
 from cluster.replica.rpc import CallGuard
 from cluster.runtime.component import SessionComponent
 from cluster.runtime.errors import TandemError
-from cluster.wire import convert
+from cluster.wire import convert, requests
 from cluster.wire.status import status_code
 from protos import replica_pb2
 
@@ -62,7 +62,7 @@ class SessionServicer(Generic[K]):
         self, request: replica_pb2.OpenSessionRequest, context: grpc.ServicerContext
     ) -> replica_pb2.OpenSessionResponse:
         def call() -> replica_pb2.OpenSessionResponse:
-            read = convert.open_request_from_wire(request)
+            read = requests.open_request_from_wire(request)
             length = self.component.open_session(
                 read.session_id,
                 read.prompt_tokens,
@@ -81,7 +81,7 @@ class SessionServicer(Generic[K]):
         self, request: replica_pb2.CloseSessionRequest, context: grpc.ServicerContext
     ) -> replica_pb2.CloseSessionResponse:
         def call() -> replica_pb2.CloseSessionResponse:
-            existed = self.component.close_session(convert.close_request_from_wire(request))
+            existed = self.component.close_session(requests.close_request_from_wire(request))
             return replica_pb2.CloseSessionResponse(existed=existed)
 
         return self._guard.run(context, "CloseSession", call)
@@ -143,7 +143,7 @@ class SessionServicer(Generic[K]):
             "open": EntryHandler(self._submit_open, _opened),
             "close": EntryHandler(
                 lambda request: self.component.submit_close(
-                    convert.close_request_from_wire(request)
+                    requests.close_request_from_wire(request)
                 ),
                 lambda existed: replica_pb2.FrameResult(
                     closed=replica_pb2.CloseSessionResponse(existed=existed)
@@ -152,7 +152,7 @@ class SessionServicer(Generic[K]):
         }
 
     def _submit_open(self, request: replica_pb2.OpenSessionRequest) -> Any:
-        read = convert.open_request_from_wire(request)
+        read = requests.open_request_from_wire(request)
         return self.component.submit_open(
             read.session_id,
             read.prompt_tokens,

@@ -31,8 +31,8 @@ from typing import Any
 import grpc
 
 from cluster.runtime.errors import ReplicaUnavailableError, TandemError
-from cluster.wire.convert import FRAME_VERSION
 from cluster.wire.frame_budget import split_by_size
+from cluster.wire.requests import FRAME_VERSION
 from cluster.wire.status import error_from_entry, error_from_rpc
 from protos import replica_pb2
 

@@ -50,7 +50,7 @@ from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.errors import DeadlineExceededError, ReplicaUnavailableError
 from cluster.runtime.sampling import SamplingParams
 from cluster.runtime.session import ReplicaStats
-from cluster.wire import convert
+from cluster.wire import convert, requests
 from cluster.wire.metadata import MESSAGE_SIZE_OPTIONS, SECRET_METADATA_KEY
 from cluster.wire.status import error_from_rpc
 from protos import replica_pb2, replica_pb2_grpc
@@ -208,7 +208,7 @@ class _ReplicaClient:
         timeout_s: float | None = None,
     ) -> int:
         """Open a session; returns its committed length."""
-        request = convert.open_request_to_wire(
+        request = requests.open_request_to_wire(
             session_id,
             prompt_tokens,
             sampling,
@@ -225,7 +225,7 @@ class _ReplicaClient:
 
     def close_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
         """Free the session; True if it existed."""
-        request = convert.close_request_to_wire(session_id)
+        request = requests.close_request_to_wire(session_id)
         # Not bounded: a session is freed even after its request's deadline.
         response: replica_pb2.CloseSessionResponse = self._send(
             "close", request, self._stub.CloseSession, timeout_s, bounded=False
@@ -276,7 +276,7 @@ class GrpcDrafter(_ReplicaClient):
         timeout_s: float | None = None,
     ) -> DraftBlock:
         """See `DrafterPort.draft`. The block's q stays as received (`convert.WireRows`)."""
-        request = convert.draft_request_to_wire(
+        request = requests.draft_request_to_wire(
             session_id, base_length, appended_tokens, num_tokens, truncate_to
         )
         block = self._send("draft", request, self._stub.Draft, timeout_s)
@@ -299,7 +299,7 @@ class GrpcVerifier(_ReplicaClient):
         timeout_s: float | None = None,
     ) -> Verdict:
         """See `VerifierPort.verify`. A drafter's q rows are sent on as received."""
-        request = convert.verify_request_to_wire(session_id, block, defer_bonus)
+        request = requests.verify_request_to_wire(session_id, block, defer_bonus)
         return convert.verdict_from_wire(
             self._send("verify", request, self._stub.Verify, timeout_s)
         )

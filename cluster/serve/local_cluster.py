@@ -68,6 +68,10 @@ class ClusterState:
     """Where the head node's metrics agent serves Prometheus (`/metrics`); None: unknown (a
     cluster Tandem did not start, or one started before Tandem recorded it)."""
 
+    def serves_grpc_on(self, port: str | int) -> bool:
+        """`port` is this service's gRPC API: Serve's proxy or the routers' own server."""
+        return str(port) in {str(p) for p in (self.grpc_port, self.direct_port) if p}
+
 
 def home() -> Path:
     return Path(os.environ.get(HOME_ENV, DEFAULT_HOME))

@@ -72,11 +72,12 @@ def machine_threads() -> int:
 
 
 def reported_model(address: str) -> str | None:
-    """The model the service at `address` reports (`GET /v1/models`), when `tandem serve`
-    started it here (that records its HTTP port); None if it cannot be asked."""
+    """The model the service at `address` (its proxy's or its routers' own gRPC port) reports
+    (`GET /v1/models`), when `tandem serve` started it here (that records its HTTP port); None
+    if it cannot be asked."""
     state = local_cluster.load_state()
     host, _, port = address.rpartition(":")
-    if state is None or state.http_port is None or port != str(state.grpc_port):
+    if state is None or state.http_port is None or not state.serves_grpc_on(port):
         return None
     if host not in (local_cluster.LOOPBACK, "localhost"):
         return None

@@ -23,7 +23,7 @@ from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
-from cluster.wire import convert
+from cluster.wire import requests
 from cluster.wire.metadata import MAX_MESSAGE_BYTES, SECRET_METADATA_KEY
 from protos import replica_pb2
 from tests.replicas import serve_verifier
@@ -97,22 +97,23 @@ class RawStream:
         self._channel.close()
 
 
-def frame(*entries: replica_pb2.FrameEntry, version: int = convert.FRAME_VERSION) -> Any:
+def frame(*entries: replica_pb2.FrameEntry, version: int = requests.FRAME_VERSION) -> Any:
     return replica_pb2.RouterFrame(version=version, entries=entries)
 
 
 def open_entry(tag: int, session_id: str) -> replica_pb2.FrameEntry:
-    request = convert.open_request_to_wire(session_id, [1, 2, 3], GREEDY, 0)
+    request = requests.open_request_to_wire(session_id, [1, 2, 3], GREEDY, 0)
     return replica_pb2.FrameEntry(tag=tag, open=request)
 
 
 def verify_entry(tag: int, session_id: str, base_length: int) -> replica_pb2.FrameEntry:
     block = DraftBlock(base_length=base_length, tokens=())
-    return replica_pb2.FrameEntry(tag=tag, verify=convert.verify_request_to_wire(session_id, block))
+    verify = requests.verify_request_to_wire(session_id, block)
+    return replica_pb2.FrameEntry(tag=tag, verify=verify)
 
 
 def close_entry(tag: int, session_id: str) -> replica_pb2.FrameEntry:
-    return replica_pb2.FrameEntry(tag=tag, close=convert.close_request_to_wire(session_id))
+    return replica_pb2.FrameEntry(tag=tag, close=requests.close_request_to_wire(session_id))
 
 
 def assert_serves(served: Served, session_id: str) -> None:
@@ -139,7 +140,7 @@ def test_entries_fail_alone_and_the_stream_goes_on(served: Served) -> None:
         assert first[2].error.status == "NOT_FOUND"
         assert first[2].error.message.startswith("no open session 'nobody'")
         # A verifier serves no draft entries; an entry with no call is refused too.
-        draft = convert.draft_request_to_wire("a", 3, [], 1)
+        draft = requests.draft_request_to_wire("a", 3, [], 1)
         stream.send(
             frame(
                 replica_pb2.FrameEntry(tag=4, draft=draft),

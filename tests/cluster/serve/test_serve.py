@@ -357,9 +357,12 @@ def wait_until_replaced(service: dict[str, object], side: str, killed: str) -> N
 def test_loadtest_kill_reports_nothing_lost_or_corrupted(
     service: dict[str, object], tmp_path: Path, side: str
 ) -> None:
+    """A replica killed half way through 16 streams on frames (many sessions' entries on each
+    stream, the killed one's streams failing every entry at once): every request fails over
+    and finishes exact."""
     out = tmp_path / "kill.json"
     result = subprocess.run(
-        [TANDEM, "loadtest", "--address", str(service["address"]), "--concurrency", "4",
+        [TANDEM, "loadtest", "--address", str(service["address"]), "--concurrency", "16",
          "--duration", "8", "--max-tokens", "48", "--draft-tokens", "3", "--kill", side,
          "--json", str(out)],
         capture_output=True, text=True, timeout=300, check=False, env=service["env"],  # type: ignore[arg-type]

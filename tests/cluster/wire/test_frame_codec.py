@@ -21,7 +21,7 @@ from cluster.runtime.errors import (
 )
 from cluster.runtime.sampling import SamplingParams, SparseDistribution
 from cluster.runtime.session import ReplicaStats
-from cluster.wire import convert
+from cluster.wire import convert, requests
 from cluster.wire.frame_budget import split_by_size
 from cluster.wire.status import entry_error, error_from_entry
 from protos import replica_pb2
@@ -96,15 +96,15 @@ def test_an_open_entry_reads_back_as_its_values(
     resumed: bool,
 ) -> None:
     sampling = SamplingParams(temperature=0.5, top_k=3)
-    request = convert.open_request_to_wire(
+    request = requests.open_request_to_wire(
         session_id, prompt, sampling, seed, max_new_tokens=max_new_tokens, resumed=resumed
     )
     frame = replica_pb2.RouterFrame(
-        version=convert.FRAME_VERSION, entries=[replica_pb2.FrameEntry(tag=tag, open=request)]
+        version=requests.FRAME_VERSION, entries=[replica_pb2.FrameEntry(tag=tag, open=request)]
     )
     (entry,) = replica_pb2.RouterFrame.FromString(over_the_wire(frame)).entries
     assert entry.tag == tag and entry.WhichOneof("call") == "open"
-    read = convert.open_request_from_wire(entry.open)
+    read = requests.open_request_from_wire(entry.open)
     assert (read.session_id, read.prompt_tokens, read.seed) == (session_id, prompt, seed)
     assert (read.max_new_tokens, read.resumed, read.sampling) == (max_new_tokens, resumed, sampling)
     assert read.time_limit_s is None and read.constraint is None
@@ -127,11 +127,11 @@ def test_a_draft_entry_reads_back_as_its_values(
     num_tokens: int,
     truncate_to: int | None,
 ) -> None:
-    request = convert.draft_request_to_wire(session_id, base, appended, num_tokens, truncate_to)
+    request = requests.draft_request_to_wire(session_id, base, appended, num_tokens, truncate_to)
     frame = replica_pb2.RouterFrame(entries=[replica_pb2.FrameEntry(tag=tag, draft=request)])
     (entry,) = replica_pb2.RouterFrame.FromString(over_the_wire(frame)).entries
     assert entry.tag == tag
-    assert convert.draft_request_from_wire(entry.draft) == convert.DraftCall(
+    assert requests.draft_request_from_wire(entry.draft) == requests.DraftCall(
         session_id, base, appended, num_tokens, truncate_to
     )
 
@@ -141,10 +141,10 @@ def test_a_draft_entry_reads_back_as_its_values(
 def test_a_verify_entry_reads_back_with_q_bit_for_bit(
     tag: int, session_id: str, block: DraftBlock, defer_bonus: bool
 ) -> None:
-    request = convert.verify_request_to_wire(session_id, block, defer_bonus)
+    request = requests.verify_request_to_wire(session_id, block, defer_bonus)
     frame = replica_pb2.RouterFrame(entries=[replica_pb2.FrameEntry(tag=tag, verify=request)])
     (entry,) = replica_pb2.RouterFrame.FromString(over_the_wire(frame)).entries
-    read = convert.verify_request_from_wire(entry.verify)
+    read = requests.verify_request_from_wire(entry.verify)
     assert (entry.tag, read.session_id, read.defer_bonus) == (tag, session_id, defer_bonus)
     assert (read.block.base_length, read.block.tokens, read.block.load) == (
         block.base_length,
@@ -166,12 +166,12 @@ def test_a_drafted_block_passes_through_the_router_as_the_same_bytes(
     on_router = convert.block_from_wire(result.block, lazy_rows=True)
     if block.draft_probs is not None:
         assert isinstance(on_router.draft_probs, convert.WireRows)
-    request = convert.verify_request_to_wire(session_id, on_router)
+    request = requests.verify_request_to_wire(session_id, on_router)
     assert [(r.token_ids, r.probs) for r in request.block.draft_probs] == [
         (r.token_ids, r.probs) for r in sent.draft_probs
     ]
     # Read where it is used (the verifier), q is still what the drafter sampled from.
-    verifier_side = convert.verify_request_from_wire(
+    verifier_side = requests.verify_request_from_wire(
         replica_pb2.VerifyRequest.FromString(request.SerializeToString())
     )
     assert same_rows(verifier_side.block.draft_probs, block.draft_probs)
