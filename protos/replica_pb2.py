@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import sampling_pb2 as protos_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/replica.proto\x12\ttandem.v1\x1a\x15protos/sampling.proto\"F\n\x0bRouterFrame\x12\x0f\n\x07version\x18\x01 \x01(\r\x12&\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x15.tandem.v1.FrameEntry\"\xd7\x01\n\nFrameEntry\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12-\n\x04open\x18\x02 \x01(\x0b\x32\x1d.tandem.v1.OpenSessionRequestH\x00\x12(\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x17.tandem.v1.DraftRequestH\x00\x12*\n\x06verify\x18\x04 \x01(\x0b\x32\x18.tandem.v1.VerifyRequestH\x00\x12/\n\x05\x63lose\x18\x05 \x01(\x0b\x32\x1e.tandem.v1.CloseSessionRequestH\x00\x42\x06\n\x04\x63\x61ll\"H\n\x0cReplicaFrame\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\'\n\x07results\x18\x02 \x03(\x0b\x32\x16.tandem.v1.FrameResult\"\x80\x02\n\x0b\x46rameResult\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x30\n\x06opened\x18\x02 \x01(\x0b\x32\x1e.tandem.v1.OpenSessionResponseH\x00\x12&\n\x05\x62lock\x18\x03 \x01(\x0b\x32\x15.tandem.v1.DraftBlockH\x00\x12%\n\x07verdict\x18\x04 \x01(\x0b\x32\x12.tandem.v1.VerdictH\x00\x12\x31\n\x06\x63losed\x18\x05 \x01(\x0b\x32\x1f.tandem.v1.CloseSessionResponseH\x00\x12&\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x15.tandem.v1.EntryErrorH\x00\x42\x08\n\x06result\"]\n\nEntryError\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x1b\n\x0eretry_after_ms\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_retry_after_ms\"\xea\x02\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x1a\n\rtime_limit_ms\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07resumed\x18\x07 \x01(\x08\x12#\n\x07grammar\x18\x08 \x01(\x0b\x32\x12.tandem.v1.Grammar\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x15\n\rend_token_ids\x18\n \x03(\x05\x12\x1a\n\rprompt_length\x18\x0b \x01(\rH\x02\x88\x01\x01\x42\x10\n\x0e_time_limit_msB\x11\n\x0f_max_new_tokensB\x10\n\x0e_prompt_length\"/\n\x13OpenSessionResponse\x12\x18\n\x10\x63ommitted_length\x18\x01 \x01(\x04\"\x91\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61se_length\x18\x02 \x01(\x04\x12\x1a\n\x12\x61ppended_token_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x18\n\x0btruncate_to\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_truncate_to\"B\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\x12\r\n\x05probs\x18\x04 \x01(\x0cJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\x8b\x01\n\nDraftBlock\x12\x13\n\x0b\x62\x61se_length\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x32\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x1d.tandem.v1.SparseDistribution\x12!\n\x04load\x18\x04 \x01(\x0b\x32\x13.tandem.v1.StepLoad\"h\n\x08StepLoad\x12\x17\n\x0f\x62\x61tch_sequences\x18\x01 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x02 \x01(\r\x12\x13\n\x0b\x63ost_base_s\x18\x03 \x01(\x01\x12\x18\n\x10\x63ost_per_token_s\x18\x04 \x01(\x01\"^\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12$\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x15.tandem.v1.DraftBlock\x12\x13\n\x0b\x64\x65\x66\x65r_bonus\x18\x03 \x01(\x08\"\x9c\x01\n\x07Verdict\x12\x13\n\x0b\x62\x61se_length\x18\x01 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x18\n\x10\x63ommitted_length\x18\x04 \x01(\x04\x12\x16\n\x0e\x62onus_deferred\x18\x05 \x01(\x08\x12!\n\x04load\x18\x06 \x01(\x0b\x32\x13.tandem.v1.StepLoad\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd5\x01\n\x0cReplicaStats\x12\x14\n\x0cnum_sessions\x18\x01 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x04\x12\x0e\n\x06\x62usy_s\x18\x03 \x01(\x01\x12&\n\x06\x65ngine\x18\x04 \x01(\x0b\x32\x16.tandem.v1.EngineStats\x12\x13\n\x0b\x66rames_sent\x18\x05 \x01(\x04\x12\x14\n\x0cresults_sent\x18\x06 \x01(\x04\x12\x17\n\x0f\x66rames_received\x18\x07 \x01(\x04\x12\x18\n\x10\x65ntries_received\x18\x08 \x01(\x04\"\xbe\x03\n\x0b\x45ngineStats\x12\x0e\n\x06runner\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x1b\n\x13max_batch_sequences\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\x04\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x17\n\x0f\x62\x61tch_sequences\x18\x07 \x01(\x01\x12\x13\n\x0bstep_tokens\x18\x08 \x01(\x01\x12\x14\n\x0cqueue_wait_s\x18\t \x01(\x01\x12\x0e\n\x06queued\x18\n \x01(\r\x12\x13\n\x0b\x63ost_base_s\x18\x0b \x01(\x01\x12\x18\n\x10\x63ost_per_token_s\x18\x0c \x01(\x01\x12\x0e\n\x06\x62usy_s\x18\r \x01(\x01\x12\x11\n\tforward_s\x18\x0e \x01(\x01\x12\x10\n\x08\x64\x65vice_s\x18\x0f \x01(\x01\x12\x11\n\tbatched_s\x18\x10 \x01(\x01\x12\x10\n\x08gather_s\x18\x11 \x01(\x01\x12\x0f\n\x07gathers\x18\x12 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x13 \x01(\x04\x12\x19\n\x11recomputed_tokens\x18\x14 \x01(\x04\x12\x10\n\x08refusals\x18\x15 \x01(\x04\"\x90\x01\n\x10ReferenceRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x18\n\x10served_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\t\"X\n\x11ReferenceResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04gaps\x18\x02 \x01(\x0c\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x13\n\x0bserved_gaps\x18\x04 \x01(\x0c\x32\xdb\x02\n\x07\x44rafter\x12L\n\x0bOpenSession\x12\x1d.tandem.v1.OpenSessionRequest\x1a\x1e.tandem.v1.OpenSessionResponse\x12\x37\n\x05\x44raft\x12\x17.tandem.v1.DraftRequest\x1a\x15.tandem.v1.DraftBlock\x12O\n\x0c\x43loseSession\x12\x1e.tandem.v1.CloseSessionRequest\x1a\x1f.tandem.v1.CloseSessionResponse\x12\x39\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x17.tandem.v1.ReplicaStats\x12=\n\x06\x46rames\x12\x16.tandem.v1.RouterFrame\x1a\x17.tandem.v1.ReplicaFrame(\x01\x30\x01\x32\xa3\x03\n\x08Verifier\x12L\n\x0bOpenSession\x12\x1d.tandem.v1.OpenSessionRequest\x1a\x1e.tandem.v1.OpenSessionResponse\x12\x36\n\x06Verify\x12\x18.tandem.v1.VerifyRequest\x1a\x12.tandem.v1.Verdict\x12O\n\x0c\x43loseSession\x12\x1e.tandem.v1.CloseSessionRequest\x1a\x1f.tandem.v1.CloseSessionResponse\x12\x39\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x17.tandem.v1.ReplicaStats\x12\x46\n\tReference\x12\x1b.tandem.v1.ReferenceRequest\x1a\x1c.tandem.v1.ReferenceResponse\x12=\n\x06\x46rames\x12\x16.tandem.v1.RouterFrame\x1a\x17.tandem.v1.ReplicaFrame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/replica.proto\x12\ttandem.v1\x1a\x15protos/sampling.proto\"F\n\x0bRouterFrame\x12\x0f\n\x07version\x18\x01 \x01(\r\x12&\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x15.tandem.v1.FrameEntry\"\x81\x02\n\nFrameEntry\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12-\n\x04open\x18\x02 \x01(\x0b\x32\x1d.tandem.v1.OpenSessionRequestH\x00\x12(\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x17.tandem.v1.DraftRequestH\x00\x12*\n\x06verify\x18\x04 \x01(\x0b\x32\x18.tandem.v1.VerifyRequestH\x00\x12/\n\x05\x63lose\x18\x05 \x01(\x0b\x32\x1e.tandem.v1.CloseSessionRequestH\x00\x12(\n\x06\x63\x61ncel\x18\x06 \x01(\x0b\x32\x16.tandem.v1.CancelEntryH\x00\x42\x06\n\x04\x63\x61ll\"\x1a\n\x0b\x43\x61ncelEntry\x12\x0b\n\x03tag\x18\x01 \x01(\x04\"H\n\x0cReplicaFrame\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\'\n\x07results\x18\x02 \x03(\x0b\x32\x16.tandem.v1.FrameResult\"\x80\x02\n\x0b\x46rameResult\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x30\n\x06opened\x18\x02 \x01(\x0b\x32\x1e.tandem.v1.OpenSessionResponseH\x00\x12&\n\x05\x62lock\x18\x03 \x01(\x0b\x32\x15.tandem.v1.DraftBlockH\x00\x12%\n\x07verdict\x18\x04 \x01(\x0b\x32\x12.tandem.v1.VerdictH\x00\x12\x31\n\x06\x63losed\x18\x05 \x01(\x0b\x32\x1f.tandem.v1.CloseSessionResponseH\x00\x12&\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x15.tandem.v1.EntryErrorH\x00\x42\x08\n\x06result\"]\n\nEntryError\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x1b\n\x0eretry_after_ms\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_retry_after_ms\"\xea\x02\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x1a\n\rtime_limit_ms\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07resumed\x18\x07 \x01(\x08\x12#\n\x07grammar\x18\x08 \x01(\x0b\x32\x12.tandem.v1.Grammar\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x15\n\rend_token_ids\x18\n \x03(\x05\x12\x1a\n\rprompt_length\x18\x0b \x01(\rH\x02\x88\x01\x01\x42\x10\n\x0e_time_limit_msB\x11\n\x0f_max_new_tokensB\x10\n\x0e_prompt_length\"/\n\x13OpenSessionResponse\x12\x18\n\x10\x63ommitted_length\x18\x01 \x01(\x04\"\x91\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61se_length\x18\x02 \x01(\x04\x12\x1a\n\x12\x61ppended_token_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x18\n\x0btruncate_to\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_truncate_to\"B\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\x12\r\n\x05probs\x18\x04 \x01(\x0cJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\x8b\x01\n\nDraftBlock\x12\x13\n\x0b\x62\x61se_length\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x32\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x1d.tandem.v1.SparseDistribution\x12!\n\x04load\x18\x04 \x01(\x0b\x32\x13.tandem.v1.StepLoad\"h\n\x08StepLoad\x12\x17\n\x0f\x62\x61tch_sequences\x18\x01 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x02 \x01(\r\x12\x13\n\x0b\x63ost_base_s\x18\x03 \x01(\x01\x12\x18\n\x10\x63ost_per_token_s\x18\x04 \x01(\x01\"^\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12$\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x15.tandem.v1.DraftBlock\x12\x13\n\x0b\x64\x65\x66\x65r_bonus\x18\x03 \x01(\x08\"\x9c\x01\n\x07Verdict\x12\x13\n\x0b\x62\x61se_length\x18\x01 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x18\n\x10\x63ommitted_length\x18\x04 \x01(\x04\x12\x16\n\x0e\x62onus_deferred\x18\x05 \x01(\x08\x12!\n\x04load\x18\x06 \x01(\x0b\x32\x13.tandem.v1.StepLoad\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd5\x01\n\x0cReplicaStats\x12\x14\n\x0cnum_sessions\x18\x01 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x04\x12\x0e\n\x06\x62usy_s\x18\x03 \x01(\x01\x12&\n\x06\x65ngine\x18\x04 \x01(\x0b\x32\x16.tandem.v1.EngineStats\x12\x13\n\x0b\x66rames_sent\x18\x05 \x01(\x04\x12\x14\n\x0cresults_sent\x18\x06 \x01(\x04\x12\x17\n\x0f\x66rames_received\x18\x07 \x01(\x04\x12\x18\n\x10\x65ntries_received\x18\x08 \x01(\x04\"\xbe\x03\n\x0b\x45ngineStats\x12\x0e\n\x06runner\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x1b\n\x13max_batch_sequences\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\x04\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x17\n\x0f\x62\x61tch_sequences\x18\x07 \x01(\x01\x12\x13\n\x0bstep_tokens\x18\x08 \x01(\x01\x12\x14\n\x0cqueue_wait_s\x18\t \x01(\x01\x12\x0e\n\x06queued\x18\n \x01(\r\x12\x13\n\x0b\x63ost_base_s\x18\x0b \x01(\x01\x12\x18\n\x10\x63ost_per_token_s\x18\x0c \x01(\x01\x12\x0e\n\x06\x62usy_s\x18\r \x01(\x01\x12\x11\n\tforward_s\x18\x0e \x01(\x01\x12\x10\n\x08\x64\x65vice_s\x18\x0f \x01(\x01\x12\x11\n\tbatched_s\x18\x10 \x01(\x01\x12\x10\n\x08gather_s\x18\x11 \x01(\x01\x12\x0f\n\x07gathers\x18\x12 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x13 \x01(\x04\x12\x19\n\x11recomputed_tokens\x18\x14 \x01(\x04\x12\x10\n\x08refusals\x18\x15 \x01(\x04\"\x90\x01\n\x10ReferenceRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x18\n\x10served_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\t\"X\n\x11ReferenceResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04gaps\x18\x02 \x01(\x0c\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x13\n\x0bserved_gaps\x18\x04 \x01(\x0c\x32\xdb\x02\n\x07\x44rafter\x12L\n\x0bOpenSession\x12\x1d.tandem.v1.OpenSessionRequest\x1a\x1e.tandem.v1.OpenSessionResponse\x12\x37\n\x05\x44raft\x12\x17.tandem.v1.DraftRequest\x1a\x15.tandem.v1.DraftBlock\x12O\n\x0c\x43loseSession\x12\x1e.tandem.v1.CloseSessionRequest\x1a\x1f.tandem.v1.CloseSessionResponse\x12\x39\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x17.tandem.v1.ReplicaStats\x12=\n\x06\x46rames\x12\x16.tandem.v1.RouterFrame\x1a\x17.tandem.v1.ReplicaFrame(\x01\x30\x01\x32\xa3\x03\n\x08Verifier\x12L\n\x0bOpenSession\x12\x1d.tandem.v1.OpenSessionRequest\x1a\x1e.tandem.v1.OpenSessionResponse\x12\x36\n\x06Verify\x12\x18.tandem.v1.VerifyRequest\x1a\x12.tandem.v1.Verdict\x12O\n\x0c\x43loseSession\x12\x1e.tandem.v1.CloseSessionRequest\x1a\x1f.tandem.v1.CloseSessionResponse\x12\x39\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x17.tandem.v1.ReplicaStats\x12\x46\n\tReference\x12\x1b.tandem.v1.ReferenceRequest\x1a\x1c.tandem.v1.ReferenceResponse\x12=\n\x06\x46rames\x12\x16.tandem.v1.RouterFrame\x1a\x17.tandem.v1.ReplicaFrame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,45 +35,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTERFRAME']._serialized_start=58
   _globals['_ROUTERFRAME']._serialized_end=128
   _globals['_FRAMEENTRY']._serialized_start=131
-  _globals['_FRAMEENTRY']._serialized_end=346
-  _globals['_REPLICAFRAME']._serialized_start=348
-  _globals['_REPLICAFRAME']._serialized_end=420
-  _globals['_FRAMERESULT']._serialized_start=423
-  _globals['_FRAMERESULT']._serialized_end=679
-  _globals['_ENTRYERROR']._serialized_start=681
-  _globals['_ENTRYERROR']._serialized_end=774
-  _globals['_OPENSESSIONREQUEST']._serialized_start=777
-  _globals['_OPENSESSIONREQUEST']._serialized_end=1139
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=1141
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=1188
-  _globals['_DRAFTREQUEST']._serialized_start=1191
-  _globals['_DRAFTREQUEST']._serialized_end=1336
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=1338
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=1404
-  _globals['_DRAFTBLOCK']._serialized_start=1407
-  _globals['_DRAFTBLOCK']._serialized_end=1546
-  _globals['_STEPLOAD']._serialized_start=1548
-  _globals['_STEPLOAD']._serialized_end=1652
-  _globals['_VERIFYREQUEST']._serialized_start=1654
-  _globals['_VERIFYREQUEST']._serialized_end=1748
-  _globals['_VERDICT']._serialized_start=1751
-  _globals['_VERDICT']._serialized_end=1907
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1909
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1950
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1952
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1991
-  _globals['_STATSREQUEST']._serialized_start=1993
-  _globals['_STATSREQUEST']._serialized_end=2007
-  _globals['_REPLICASTATS']._serialized_start=2010
-  _globals['_REPLICASTATS']._serialized_end=2223
-  _globals['_ENGINESTATS']._serialized_start=2226
-  _globals['_ENGINESTATS']._serialized_end=2672
-  _globals['_REFERENCEREQUEST']._serialized_start=2675
-  _globals['_REFERENCEREQUEST']._serialized_end=2819
-  _globals['_REFERENCERESPONSE']._serialized_start=2821
-  _globals['_REFERENCERESPONSE']._serialized_end=2909
-  _globals['_DRAFTER']._serialized_start=2912
-  _globals['_DRAFTER']._serialized_end=3259
-  _globals['_VERIFIER']._serialized_start=3262
-  _globals['_VERIFIER']._serialized_end=3681
+  _globals['_FRAMEENTRY']._serialized_end=388
+  _globals['_CANCELENTRY']._serialized_start=390
+  _globals['_CANCELENTRY']._serialized_end=416
+  _globals['_REPLICAFRAME']._serialized_start=418
+  _globals['_REPLICAFRAME']._serialized_end=490
+  _globals['_FRAMERESULT']._serialized_start=493
+  _globals['_FRAMERESULT']._serialized_end=749
+  _globals['_ENTRYERROR']._serialized_start=751
+  _globals['_ENTRYERROR']._serialized_end=844
+  _globals['_OPENSESSIONREQUEST']._serialized_start=847
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1209
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=1211
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=1258
+  _globals['_DRAFTREQUEST']._serialized_start=1261
+  _globals['_DRAFTREQUEST']._serialized_end=1406
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=1408
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=1474
+  _globals['_DRAFTBLOCK']._serialized_start=1477
+  _globals['_DRAFTBLOCK']._serialized_end=1616
+  _globals['_STEPLOAD']._serialized_start=1618
+  _globals['_STEPLOAD']._serialized_end=1722
+  _globals['_VERIFYREQUEST']._serialized_start=1724
+  _globals['_VERIFYREQUEST']._serialized_end=1818
+  _globals['_VERDICT']._serialized_start=1821
+  _globals['_VERDICT']._serialized_end=1977
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1979
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=2020
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2022
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2061
+  _globals['_STATSREQUEST']._serialized_start=2063
+  _globals['_STATSREQUEST']._serialized_end=2077
+  _globals['_REPLICASTATS']._serialized_start=2080
+  _globals['_REPLICASTATS']._serialized_end=2293
+  _globals['_ENGINESTATS']._serialized_start=2296
+  _globals['_ENGINESTATS']._serialized_end=2742
+  _globals['_REFERENCEREQUEST']._serialized_start=2745
+  _globals['_REFERENCEREQUEST']._serialized_end=2889
+  _globals['_REFERENCERESPONSE']._serialized_start=2891
+  _globals['_REFERENCERESPONSE']._serialized_end=2979
+  _globals['_DRAFTER']._serialized_start=2982
+  _globals['_DRAFTER']._serialized_end=3329
+  _globals['_VERIFIER']._serialized_start=3332
+  _globals['_VERIFIER']._serialized_end=3751
 # @@protoc_insertion_point(module_scope)

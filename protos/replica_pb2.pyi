@@ -16,18 +16,26 @@ class RouterFrame(_message.Message):
     def __init__(self, version: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[FrameEntry, _Mapping]]] = ...) -> None: ...
 
 class FrameEntry(_message.Message):
-    __slots__ = ("tag", "open", "draft", "verify", "close")
+    __slots__ = ("tag", "open", "draft", "verify", "close", "cancel")
     TAG_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
     tag: int
     open: OpenSessionRequest
     draft: DraftRequest
     verify: VerifyRequest
     close: CloseSessionRequest
-    def __init__(self, tag: _Optional[int] = ..., open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., close: _Optional[_Union[CloseSessionRequest, _Mapping]] = ...) -> None: ...
+    cancel: CancelEntry
+    def __init__(self, tag: _Optional[int] = ..., open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., close: _Optional[_Union[CloseSessionRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelEntry, _Mapping]] = ...) -> None: ...
+
+class CancelEntry(_message.Message):
+    __slots__ = ("tag",)
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    def __init__(self, tag: _Optional[int] = ...) -> None: ...
 
 class ReplicaFrame(_message.Message):
     __slots__ = ("version", "results")

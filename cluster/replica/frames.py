@@ -12,6 +12,11 @@ several, each under `MAX_FRAME_BYTES`: `cluster.wire.frame_budget`).
 Results that complete off the engine thread (an entry refused when read, before any step) go
 out when the frame that brought them has been read, together.
 
+Cancelling: an entry `cancel` (the tag of an earlier entry) gives that entry up. Each entry is
+submitted in a `call_scope` of its own, set by its cancel or by the stream's end, so the engine
+drops its work before its next step; its result, if it still has one, is a CANCELLED error the
+router no longer waits for. A cancel is never answered.
+
 Errors are per entry: an entry's failure becomes its `FrameResult.error` (the `TandemError`'s
 status name and message, its retry hint; anything unexpected INTERNAL with a fixed message,
 logged, as `CallGuard` does) and the stream and the other sessions carry on. A frame of another
@@ -122,6 +127,9 @@ class FrameStream:
         self.gone = threading.Event()
         """Set when the stream ends: the engine drops the work it left (`call_scope`)."""
         self._lock = threading.Lock()
+        self._given_up: dict[int, threading.Event] = {}
+        """Per unanswered entry, by tag: set when the router cancels it or the stream ends, so
+        that the engine drops its work (`call_scope`)."""
         self._outbox: list[replica_pb2.FrameResult] = []
         """Results waiting for the end of the engine's step."""
         self._reading: list[replica_pb2.FrameResult] | None = None
@@ -142,12 +150,15 @@ class FrameStream:
                 f"version {FRAME_VERSION})"
             )
         self._counters.received(len(frame.entries))
+        cancels = [entry.cancel.tag for entry in frame.entries if entry.HasField("cancel")]
         with self._lock:
-            self._pending += len(frame.entries)
+            self._pending += len(frame.entries) - len(cancels)
             self._reader, self._reading = threading.current_thread(), []
         try:
-            with call_scope(self.gone):
-                for entry in frame.entries:
+            for entry in frame.entries:
+                if entry.HasField("cancel"):
+                    self._cancel(entry.cancel.tag)
+                else:
                     self._submit(entry)
         finally:
             with self._lock:
@@ -167,6 +178,17 @@ class FrameStream:
         with self._lock:
             self._ended = True
             self._outbox.clear()
+            given_up, self._given_up = self._given_up, {}
+        for event in given_up.values():
+            event.set()
+
+    def _cancel(self, tag: int) -> None:
+        """The router gave up entry `tag`: the engine drops its work before its next step (a
+        task already computing finishes that step). Unknown or answered tags are ignored."""
+        with self._lock:
+            event = self._given_up.get(tag)
+        if event is not None:
+            event.set()
 
     def flush(self) -> None:
         """Send the results gathered so far as one frame (the engine's step listener)."""
@@ -185,8 +207,14 @@ class FrameStream:
             )
             self._done(entry.tag, None, _failed(InvalidArgumentError(refusal)))
             return
+        given_up = threading.Event()
+        with self._lock:
+            if self.gone.is_set():
+                given_up.set()
+            self._given_up[entry.tag] = given_up
         try:
-            future = handler.submit(getattr(entry, kind))
+            with call_scope(given_up):
+                future = handler.submit(getattr(entry, kind))
         except Exception as error:  # the entry alone fails; the stream goes on
             future = _failed(error)
         future.add_done_callback(partial(self._done, entry.tag, handler))
@@ -195,6 +223,7 @@ class FrameStream:
         """A future completed: put its result where the next send picks it up."""
         result = self._result(tag, handler, future)
         with self._lock:
+            self._given_up.pop(tag, None)
             if self._ended:
                 return
             self._pending -= 1

@@ -9,7 +9,9 @@ then yields ONE `RouterFrame` holding all of them (more only past `MAX_FRAME_BYT
 previous one is sent, so entries that arrive meanwhile leave together; batching comes from
 load, never from a timer. A receiver thread reads the replica's `ReplicaFrame`s and resolves
 each future by its tag: the response message, or the `TandemError` its `EntryError` names
-(`cluster.wire.status.error_from_entry`).
+(`cluster.wire.status.error_from_entry`). A caller that stops waiting (`forget`: its timeout
+or its request's deadline passed) has a `cancel` entry sent for its entry, so that the replica
+drops the work instead of running it for nobody.
 
 If the stream fails or ends (the replica died or stopped: UNAVAILABLE; a wrong secret:
 UNAUTHENTICATED...), every pending future fails with the matching error
@@ -78,11 +80,14 @@ class FrameChannel:
             return self._stream.submit(entry)
 
     def forget(self, future: Future[Any]) -> None:
-        """Stop waiting for `future` (its caller gave up): an answer to it is dropped."""
+        """Stop waiting for `future` (its caller gave up): an answer to it is dropped, and the
+        replica is told to drop the entry's work if it has not run it yet (a `cancel` entry
+        in the next frame)."""
         with self._lock:
             stream = self._stream
+            cancel_tag = next(self._tags)
         if stream is not None:
-            stream.forget(future)
+            stream.forget(future, cancel_tag)
 
     def close(self) -> None:
         """End the stream (pending futures fail) and join its receiver; submits then fail."""
@@ -129,11 +134,15 @@ class _Stream:
             self._condition.notify()
         return future
 
-    def forget(self, future: Future[Any]) -> None:
+    def forget(self, future: Future[Any], cancel_tag: int) -> None:
         with self._condition:
             for tag, waiting in list(self._pending.items()):
                 if waiting is future:
                     del self._pending[tag]
+                    if not self.ended:  # never answered: `cancel_tag` only keeps tags unique
+                        cancel = replica_pb2.CancelEntry(tag=tag)
+                        self._queue.append(replica_pb2.FrameEntry(tag=cancel_tag, cancel=cancel))
+                        self._condition.notify()
 
     def close(self) -> None:
         with self._condition:

@@ -310,3 +310,63 @@ def test_a_replica_stopped_mid_run_fails_every_pending_call_promptly(
         assert str(error).startswith(f"verifier at 127.0.0.1:{port}: ")
         # Promptly: the stream's end, not the 30 s per-call timeout.
         assert at - stopped_at[0] < 5.0
+
+
+class HeldEngine:
+    """The verifier's engine held between steps (a call on its thread waits) until `release`."""
+
+    def __init__(self, served: Served) -> None:
+        self._release = threading.Event()
+        self._done = served.verifier.engine.submit_call(lambda: self._release.wait(WAIT_S))
+
+    def release(self) -> None:
+        self._release.set()
+        self._done.result(WAIT_S)
+
+
+def test_a_cancelled_entry_is_dropped_before_it_runs_and_never_answered_itself(
+    served: Served,
+) -> None:
+    engine = served.verifier.engine
+    stream = RawStream(served.address)
+    try:
+        stream.send(frame(open_entry(1, "cancelled")))
+        assert stream.results(1)[1].opened.committed_length == 3
+        abandoned = engine.abandoned
+        held = HeldEngine(served)
+        cancel = replica_pb2.FrameEntry(tag=3, cancel=replica_pb2.CancelEntry(tag=2))
+        stream.send(frame(verify_entry(2, "cancelled", 3), cancel))
+        time.sleep(0.1)  # the frame is read while the engine is held
+        held.release()
+        result = stream.results(1)[2]
+        assert result.error.status == "CANCELLED"
+        assert engine.abandoned == abandoned + 1
+        # The verify never ran: the session is still at 3, and goes on from there.
+        stream.send(frame(verify_entry(4, "cancelled", 3)))
+        got = stream.results(1)
+        assert set(got) == {4}  # the cancel (tag 3) was never answered
+        assert got[4].verdict.committed_length == 4
+        stream.send(frame(close_entry(5, "cancelled")))
+        assert stream.results(1)[5].closed.existed
+    finally:
+        stream.close()
+
+
+def test_a_call_the_router_stops_waiting_for_is_cancelled_on_the_replica(served: Served) -> None:
+    engine = served.verifier.engine
+    client = GrpcVerifier(served.address, timeout_s=WAIT_S, secret=SECRET)
+    try:
+        assert client.open_session("given-up", [1, 2, 3], GREEDY, 0) == 3
+        abandoned = engine.abandoned
+        held = HeldEngine(served)
+        with pytest.raises(ReplicaUnavailableError, match="no answer within"):
+            client.verify("given-up", DraftBlock(3, ()), timeout_s=0.2)
+        held.release()
+        deadline = time.monotonic() + WAIT_S
+        while engine.abandoned == abandoned:  # the cancel arrives with the router's next frame
+            assert time.monotonic() < deadline, "the replica ran the call nobody waited for"
+            time.sleep(0.01)
+        assert client.verify("given-up", DraftBlock(3, ())).committed_length == 4
+        client.close_session("given-up")
+    finally:
+        client.close()
