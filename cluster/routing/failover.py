@@ -128,7 +128,7 @@ class Failover:
             )
             self._drafter_degraded(cause)
             self.close_drafter(gen)
-            gen.drafter_port, gen.drafter_opening = None, None
+            gen.drafter_port, gen.drafter_opening, gen.open_drafter = None, None, None
             gen.drafter = DrafterView(base_length=gen.committed)
             return
         failed_id = gen.verifier_id if side == "verifier" else gen.drafter_id
@@ -161,7 +161,7 @@ class Failover:
                 raise error
             gen.verifier, gen.verifier_id = spare.port, spare.replica_id
             return
-        gen.drafter_opening = None
+        gen.drafter_opening, gen.open_drafter = None, None
         gen.drafter = DrafterView(base_length=gen.committed)
         if spare is None:
             gen.drafter_port = None  # on with the target alone (and prompt lookup)
@@ -182,7 +182,7 @@ class Failover:
     @classmethod
     def close_drafter(cls, gen: Generation) -> None:
         """Close the drafter's session, once it has opened (if opening failed, nothing is)."""
-        if gen.drafter_port is None:
+        if gen.drafter_port is None or gen.open_drafter is not None:  # never opened
             return
         if gen.drafter_opening is not None and gen.drafter_opening.exception() is not None:
             return

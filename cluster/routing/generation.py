@@ -115,6 +115,10 @@ class Generation:
         self.drafter = DrafterView(base_length=len(self.history))
         self.drafter_opening: Future[int] | None = None
         """The drafter's session being opened in the background; None once known open."""
+        self.open_drafter: Callable[[], Future[int]] | None = None
+        """Opens the drafter's session when first needed (`ready_drafter`); None: it is open
+        or opening already. Set while the gate holds the target alone at the request's start:
+        until then, the session does not exist and nothing closes it."""
         self.opening_round = False
         """The coming round is the first and does not wait for the drafter."""
 
@@ -128,8 +132,11 @@ class Generation:
             )
 
     def ready_drafter(self) -> DrafterPort:
-        """The drafter, once its session is open (waits for it; raises what opening raised)."""
+        """The drafter, once its session is open (opens it first if that was deferred; waits
+        for it; raises what opening raised)."""
         assert self.drafter_port is not None
+        if self.open_drafter is not None:
+            self.drafter_opening, self.open_drafter = self.open_drafter(), None
         if self.drafter_opening is not None:
             self.drafter_opening.result()
             self.drafter_opening = None

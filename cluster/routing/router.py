@@ -24,7 +24,8 @@ acceptance and the measured draft and verify times, priced with the batch each r
 wasted, and to 0, the target alone, when speculation does not pay (at high load too).
 
 The first token comes from the target alone: the drafter reads the prompt in the background
-while the verifier does, and the opening round verifies what prompt lookup proposes (often
+while the verifier does (while the speculation gate holds the target alone, only once a round
+may speculate), and the opening round verifies what prompt lookup proposes (often
 nothing) without waiting for it. Time to first token is then the target's own, not a prefill
 on each side plus a whole speculative round.
 
@@ -279,15 +280,25 @@ class Router:
         gen.opening_round = self.first_token_alone
         gen.check_deadline()
         if port is not None:
-            gen.drafter_opening = self._pool.submit(
-                port.open_session,
-                gen.session_id,
-                prompt,
-                request.sampling,
-                request.seed,
-                max_new_tokens=gen.remaining,
-                constraint=gen.constraint,
-            )
+            # The drafter reads the prompt in the background; while the gate holds the target
+            # alone, only once a round may speculate (on the prompt: the committed tokens then
+            # reach it as the view's catch-up, as after any round without it).
+            def open_drafter() -> Future[int]:
+                return self._pool.submit(
+                    port.open_session,
+                    gen.session_id,
+                    prompt,
+                    request.sampling,
+                    request.seed,
+                    max_new_tokens=max_new_tokens,
+                    constraint=gen.constraint,
+                )
+
+            max_new_tokens = gen.remaining
+            if self.gate.holds_target():
+                gen.open_drafter = open_drafter
+            else:
+                gen.drafter_opening = open_drafter()
         try:
             self._failover.open_verifier(gen)
         except BaseException:

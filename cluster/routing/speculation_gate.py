@@ -13,7 +13,9 @@ the target alone (`target`), counting the tokens it commits in each; then it kee
 that committed more per second for `exploit_epochs` epochs, and measures again (the load, the
 text and the acceptance change). An epoch whose concurrency differs much from its rival's is
 not compared: the exploration starts over. With one request the gate stays open: the
-per-request plan sees all there is.
+per-request plan sees all there is. While the gate holds the target alone, a request that starts
+defers opening its drafter's session to its first round that may speculate
+(`Router._session`): a short request that never speculates never pays the draft's prefill.
 """
 
 from __future__ import annotations
@@ -82,6 +84,15 @@ class SpeculationGate:
         with self._lock:
             self._advance()
             return self._running < 2 or self._epoch.mode == SPECULATE
+
+    def holds_target(self) -> bool:
+        """Whether rounds planned now run the target alone for a while: a request starting
+        now need not open its drafter's session until a round may speculate."""
+        if not self.config.enabled:
+            return False
+        with self._lock:
+            self._advance()
+            return self._running >= 2 and self._epoch.mode == TARGET
 
     def _account(self) -> None:
         now = self._clock()

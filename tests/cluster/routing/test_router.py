@@ -413,3 +413,64 @@ def test_only_requests_that_may_speculate_count_in_the_speculation_gate(
         assert router.gate.tokens == 6  # type: ignore[attr-defined]
     finally:
         router.gate = gate
+
+
+class _CountingDrafter:
+    """The in-process drafter, counting the sessions opened and closed on it."""
+
+    def __init__(self, drafter: DrafterPort) -> None:
+        self._drafter = drafter
+        self.opened = 0
+        self.closed = 0
+
+    def open_session(self, *args: Any, **kwargs: Any) -> int:
+        self.opened += 1
+        return self._drafter.open_session(*args, **kwargs)
+
+    def draft(self, *args: Any, **kwargs: Any) -> DraftBlock:
+        return self._drafter.draft(*args, **kwargs)
+
+    def close_session(self, session_id: str) -> bool:
+        self.closed += 1
+        return self._drafter.close_session(session_id)
+
+    def stats(self) -> Any:
+        return self._drafter.stats()
+
+
+class _HoldingGate(SpeculationGate):
+    """A gate that holds the target alone for the first `held` rounds, then lets them speculate."""
+
+    def __init__(self, held: int) -> None:
+        super().__init__(GateConfig(), clock=lambda: 0.0)
+        self.rounds = 0
+        self.held = held
+
+    def holds_target(self) -> bool:
+        return self.held > 0
+
+    def speculate(self) -> bool:
+        self.rounds += 1
+        return self.rounds > self.held
+
+
+@pytest.mark.parametrize("held", [100, 3], ids=["held-throughout", "then-speculating"])
+def test_a_request_started_while_the_gate_holds_the_target_opens_its_drafter_only_to_draft(
+    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]], held: int
+) -> None:
+    prompt, expected = next(iter(target_only.items()))
+    drafter = _CountingDrafter(local_tandem.drafter)
+    router = _router_over(local_tandem, drafter)  # type: ignore[arg-type]
+    router.gate = _HoldingGate(held)
+    try:
+        request = GenerationRequest(encode(local_tandem, prompt), 16, draft_tokens=3)
+        result = router.generate(request)
+    finally:
+        router.close()
+    assert result.tokens == expected[:16]  # lossless either way
+    if held > 16:  # never drafted: no session was opened, so none was closed
+        assert drafter.opened == drafter.closed == 0 and result.stats.num_drafted == 0
+    else:  # opened on the prompt at its first speculating round, caught up, closed
+        assert drafter.opened == drafter.closed == 1 and result.stats.num_drafted > 0
+    assert local_tandem.drafter.stats().num_sessions == 0
+    assert local_tandem.verifier.stats().num_sessions == 0

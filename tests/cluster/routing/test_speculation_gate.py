@@ -67,3 +67,19 @@ def test_a_disabled_gate_never_closes() -> None:
     for _ in range(4):
         gate.request_started()
     assert all(run_epoch(gate, clock, {SPECULATE: 1, TARGET: 99}) == SPECULATE for _ in range(6))
+
+
+def test_it_holds_the_target_only_in_a_target_epoch_of_two_or_more_requests() -> None:
+    clock = Clock()
+    gate = SpeculationGate(GateConfig(epoch_s=4.0, exploit_epochs=3), clock)
+    gate.request_started()
+    assert not gate.holds_target()  # one request: the per-request plan decides
+    gate.request_started()
+    held = []
+    for _ in range(5):
+        mode = run_epoch(gate, clock, {SPECULATE: 20, TARGET: 30})
+        held.append(gate.holds_target())
+    # Epochs: speculate, target, then target kept; asked at each epoch's end (the next mode).
+    assert held == [True, True, True, True, False]
+    assert mode == TARGET
+    assert not SpeculationGate(GateConfig(enabled=False), clock).holds_target()
