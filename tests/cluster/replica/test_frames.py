@@ -329,14 +329,19 @@ def test_a_cancelled_entry_is_dropped_before_it_runs_and_never_answered_itself(
 ) -> None:
     engine = served.verifier.engine
     stream = RawStream(served.address)
+    stats = GrpcVerifier(served.address, timeout_s=WAIT_S, secret=SECRET)
     try:
         stream.send(frame(open_entry(1, "cancelled")))
         assert stream.results(1)[1].opened.committed_length == 3
         abandoned = engine.abandoned
         held = HeldEngine(served)
         cancel = replica_pb2.FrameEntry(tag=3, cancel=replica_pb2.CancelEntry(tag=2))
+        received = stats.stats().entries_received
         stream.send(frame(verify_entry(2, "cancelled", 3), cancel))
-        time.sleep(0.1)  # the frame is read while the engine is held
+        deadline = time.monotonic() + WAIT_S
+        while stats.stats().entries_received < received + 2:  # read while held
+            assert time.monotonic() < deadline, "the frame was not read"
+            time.sleep(0.01)
         held.release()
         result = stream.results(1)[2]
         assert result.error.status == "CANCELLED"
@@ -350,6 +355,7 @@ def test_a_cancelled_entry_is_dropped_before_it_runs_and_never_answered_itself(
         assert stream.results(1)[5].closed.existed
     finally:
         stream.close()
+        stats.close()
 
 
 def test_a_call_the_router_stops_waiting_for_is_cancelled_on_the_replica(served: Served) -> None:
@@ -358,9 +364,16 @@ def test_a_call_the_router_stops_waiting_for_is_cancelled_on_the_replica(served:
     try:
         assert client.open_session("given-up", [1, 2, 3], GREEDY, 0) == 3
         abandoned = engine.abandoned
+        received = client.stats().entries_received
         held = HeldEngine(served)
         with pytest.raises(ReplicaUnavailableError, match="no answer within"):
             client.verify("given-up", DraftBlock(3, ()), timeout_s=0.2)
+        # The router's next frame carries the cancel: once the replica has read it (the verify
+        # and the cancel: two entries), the engine may go on.
+        deadline = time.monotonic() + WAIT_S
+        while client.stats().entries_received < received + 2:
+            assert time.monotonic() < deadline, "the router sent no cancel"
+            time.sleep(0.01)
         held.release()
         deadline = time.monotonic() + WAIT_S
         while engine.abandoned == abandoned:  # the cancel arrives with the router's next frame
