@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from cluster.runtime.call_scope import caller_gone
+from cluster.runtime.call_scope import Gone, caller_gone
 from cluster.runtime.errors import CancelledError, InvalidArgumentError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
@@ -42,7 +42,7 @@ def wait_until_idle(
     *,
     poll_s: float = POLL_S,
     quiet_s: float = QUIET_S,
-    gone: threading.Event | None = None,
+    gone: Gone | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> float:

@@ -13,9 +13,9 @@ Results that complete off the engine thread (an entry refused when read, before 
 out when the frame that brought them has been read, together.
 
 Cancelling: an entry `cancel` (the tag of an earlier entry) gives that entry up. Each entry is
-submitted in a `call_scope` of its own, set by its cancel or by the stream's end, so the engine
-drops its work before its next step; its result, if it still has one, is a CANCELLED error the
-router no longer waits for. A cancel is never answered.
+submitted in a `call_scope` of its own (`_EntryGone`), set by its cancel or by the stream's
+end, so the engine drops its work before its next step; its result, if it still has one, is a
+CANCELLED error the router no longer waits for. A cancel is never answered.
 
 Errors are per entry: an entry's failure becomes its `FrameResult.error` (the `TandemError`'s
 status name and message, its retry hint; anything unexpected INTERNAL with a fixed message,
@@ -127,9 +127,8 @@ class FrameStream:
         self.gone = threading.Event()
         """Set when the stream ends: the engine drops the work it left (`call_scope`)."""
         self._lock = threading.Lock()
-        self._given_up: dict[int, threading.Event] = {}
-        """Per unanswered entry, by tag: set when the router cancels it or the stream ends, so
-        that the engine drops its work (`call_scope`)."""
+        self._given_up: dict[int, _EntryGone] = {}
+        """Per unanswered entry, by tag: its scope, which the router's cancel sets."""
         self._outbox: list[replica_pb2.FrameResult] = []
         """Results waiting for the end of the engine's step."""
         self._reading: list[replica_pb2.FrameResult] | None = None
@@ -178,17 +177,15 @@ class FrameStream:
         with self._lock:
             self._ended = True
             self._outbox.clear()
-            given_up, self._given_up = self._given_up, {}
-        for event in given_up.values():
-            event.set()
+            self._given_up.clear()  # each entry's scope reads `gone` too
 
     def _cancel(self, tag: int) -> None:
         """The router gave up entry `tag`: the engine drops its work before its next step (a
         task already computing finishes that step). Unknown or answered tags are ignored."""
         with self._lock:
-            event = self._given_up.get(tag)
-        if event is not None:
-            event.set()
+            scope = self._given_up.get(tag)
+        if scope is not None:
+            scope.cancelled = True
 
     def flush(self) -> None:
         """Send the results gathered so far as one frame (the engine's step listener)."""
@@ -207,10 +204,8 @@ class FrameStream:
             )
             self._done(entry.tag, None, _failed(InvalidArgumentError(refusal)))
             return
-        given_up = threading.Event()
+        given_up = _EntryGone(self.gone)
         with self._lock:
-            if self.gone.is_set():
-                given_up.set()
             self._given_up[entry.tag] = given_up
         try:
             with call_scope(given_up):
@@ -270,6 +265,20 @@ class FrameStream:
                 self._send(replica_pb2.ReplicaFrame(version=FRAME_VERSION, results=group))
             if finished:
                 self._send(END)
+
+
+class _EntryGone:
+    """One entry's `call_scope`: set once the router cancels the entry or its stream ends (a
+    flag and the stream's event: nothing to allocate beyond this per entry)."""
+
+    __slots__ = ("_stream", "cancelled")
+
+    def __init__(self, stream: threading.Event) -> None:
+        self._stream = stream
+        self.cancelled = False
+
+    def is_set(self) -> bool:
+        return self.cancelled or self._stream.is_set()
 
 
 def _failed(error: BaseException) -> Future[Any]:

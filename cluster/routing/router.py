@@ -283,6 +283,8 @@ class Router:
             # The drafter reads the prompt in the background; while the gate holds the target
             # alone, only once a round may speculate (on the prompt: the committed tokens then
             # reach it as the view's catch-up, as after any round without it).
+            max_new_tokens = gen.remaining  # as at the start, however late it opens
+
             def open_drafter() -> Future[int]:
                 return self._pool.submit(
                     port.open_session,
@@ -294,7 +296,6 @@ class Router:
                     constraint=gen.constraint,
                 )
 
-            max_new_tokens = gen.remaining
             if self.gate.holds_target():
                 gen.open_drafter = open_drafter
             else:

@@ -13,12 +13,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 _local = threading.local()
 
 
+class Gone(Protocol):
+    """What the engine asks of a scope: whether its caller has gone (a `threading.Event`, or
+    anything as cheap to ask)."""
+
+    def is_set(self) -> bool: ...
+
+
 @contextmanager
-def call_scope(gone: threading.Event) -> Iterator[None]:
+def call_scope(gone: Gone) -> Iterator[None]:
     """Within it, work this thread submits is abandoned once `gone` is set."""
     outer = getattr(_local, "gone", None)
     _local.gone = gone
@@ -28,6 +36,6 @@ def call_scope(gone: threading.Event) -> Iterator[None]:
         _local.gone = outer
 
 
-def caller_gone() -> threading.Event | None:
+def caller_gone() -> Gone | None:
     """The event of the innermost `call_scope` on this thread (None outside any)."""
     return getattr(_local, "gone", None)

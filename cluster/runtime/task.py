@@ -19,7 +19,6 @@ Forward has run. The engine thread alone reads and writes it; the scheduler
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from cluster.runtime.call_scope import Gone
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.runner import SequenceWork
 
@@ -104,6 +104,6 @@ class Running:
     closes: bool = False
     """It ends its key's session: nothing of the key comes back after it
     (`Scheduler.finished`)."""
-    gone: threading.Event | None = None
+    gone: Gone | None = None
     """Set when its caller has gone (`cluster.runtime.call_scope`): the task is dropped before
     it runs another step."""

@@ -397,8 +397,10 @@ def stop_cluster(state: ClusterState) -> int:
 
 def cluster_ports(state: ClusterState) -> list[int]:
     """The ports a cluster of `state` listened on: its GCS, the public APIs, the metrics."""
-    ports = [state.grpc_port, state.http_port, state.direct_port, state.direct_http_port]
-    ports.append(state.metrics_port)
+    ports = [
+        state.grpc_port, state.http_port, state.direct_port, state.direct_http_port,
+        state.metrics_port,
+    ]  # fmt: skip
     _, _, gcs_port = state.address.rpartition(":")
     if gcs_port.isdigit():
         ports.append(int(gcs_port))
