@@ -26,6 +26,7 @@ from cluster.api.convert import (
 )
 from cluster.api.response import ApiChunk
 from cluster.api.service import TandemService
+from cluster.routing.waits import Wait
 from protos import generate_pb2
 from verifier.config import check_reference_dtype
 
@@ -55,6 +56,14 @@ class GrpcApi:
         itself (the Serve ingress); authenticated and validated at once."""
         tenant = self.service.authenticate(caller)
         return self.service.stream(tenant, request_from_proto(message), caller.deadline)
+
+    def chunk_steps(
+        self, message: generate_pb2.GenerateRequest, caller: Caller = ANONYMOUS_CALL
+    ) -> Generator[ApiChunk | Wait, None, None]:
+        """`chunks` as steps (`TandemService.stream_steps`), for a face that runs them on an
+        event loop."""
+        tenant = self.service.authenticate(caller)
+        return self.service.stream_steps(tenant, request_from_proto(message), caller.deadline)
 
     def stream(
         self, message: generate_pb2.GenerateRequest, caller: Caller = ANONYMOUS_CALL
