@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -50,10 +51,32 @@ class Wait:
 
     async def wait_async(self) -> None:
         """Wait on the running event loop (the future's thread wakes the loop, not a thread of
-        the request's own); a timeout leaves the future running for the step to deal with."""
+        the request's own); a timeout leaves the future running for the step to deal with.
+        Lighter than `asyncio.wrap_future` with `asyncio.wait`: one loop future, one callback
+        and, with a timeout, one timer."""
         if self.future.done():
             return
-        await asyncio.wait((asyncio.wrap_future(self.future),), timeout=self.timeout_s)
+        loop = asyncio.get_running_loop()
+        woken: asyncio.Future[None] = loop.create_future()
+
+        def answered(_: Future[Any]) -> None:  # on the thread that completed the future
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+                loop.call_soon_threadsafe(_wake, woken)
+
+        self.future.add_done_callback(answered)
+        if self.timeout_s is None:
+            await woken
+            return
+        timer = loop.call_later(self.timeout_s, _wake, woken)
+        try:
+            await woken
+        finally:
+            timer.cancel()
+
+
+def _wake(woken: asyncio.Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)
 
 
 def run(steps: Steps[T]) -> T:
@@ -82,10 +105,23 @@ def blocking(stream: Iterator[T | Wait]) -> Generator[T, None, None]:
             close()
 
 
-async def drive(stream: Iterator[T | Wait]) -> AsyncIterator[T]:
+async def drive(stream: Iterator[T | Wait], start_on: Executor | None = None) -> AsyncIterator[T]:
     """The output of a stream of steps on the running event loop: each step runs on the loop's
-    thread and each wait is awaited there. Closing (or cancelling) this closes `stream`."""
+    thread and each wait is awaited there. `start_on`: the first step (a request's set-up up to
+    its first wait: validation, tokenization, its sessions' opening) runs there instead, so
+    that starting requests never holds up the others' steps on the loop. Closing (or
+    cancelling) this closes `stream`."""
+    starting: Future[Any] | None = None
     try:
+        if start_on is not None:
+            starting = start_on.submit(next, stream, _NO_MORE)
+            first = await asyncio.wrap_future(starting)
+            if first is _NO_MORE:
+                return
+            if isinstance(first, Wait):
+                await first.wait_async()
+            else:
+                yield first
         for item in stream:
             if isinstance(item, Wait):
                 await item.wait_async()
@@ -94,7 +130,15 @@ async def drive(stream: Iterator[T | Wait]) -> AsyncIterator[T]:
     finally:
         close = getattr(stream, "close", None)
         if close is not None:
-            close()
+            if starting is not None and not starting.done():
+                # Its first step still runs on `start_on`: close it once that step is over.
+                starting.add_done_callback(lambda _: close())
+            else:
+                close()
+
+
+_NO_MORE = object()
+"""What `next` returns for a stream that ended in its first step."""
 
 
 def finishing(steps: Steps[T]) -> Steps[T]:

@@ -91,12 +91,15 @@ async def stream_in_thread(
 
 
 async def stream_on_loop(
-    steps: Iterator[T | Wait], merge: Callable[[list[T]], list[T]]
+    steps: Iterator[T | Wait],
+    merge: Callable[[list[T]], list[T]],
+    start_on: ThreadPoolExecutor | None = None,
 ) -> AsyncGenerator[T, None]:
     """`stream_in_thread` for a stream of steps (`cluster.routing.waits`) whose waits need no
     thread: a task of the running loop runs them to their end, awaiting each wait, and the
-    reader gets what is pending merged, as there. Closing this cancels the task, which closes
-    the steps (the request's sessions are freed)."""
+    reader gets what is pending merged, as there; the first step runs on `start_on`, if given
+    (`drive`). Closing this cancels the task, which closes the steps (the request's sessions
+    are freed)."""
     pending: list[tuple[str, Any]] = []
     arrived = asyncio.Event()
 
@@ -106,7 +109,7 @@ async def stream_on_loop(
 
     async def produce() -> None:
         try:
-            async for item in drive(steps):
+            async for item in drive(steps, start_on):
                 deliver(_ITEM, item)
             deliver(_END, None)
         except Exception as error:
@@ -127,9 +130,10 @@ def stream_merged(
     waits_without_threads: bool,
 ) -> AsyncGenerator[T, None]:
     """A Tandem stream's steps, merged for a lagging reader: on the loop when their waits need
-    no thread (`stream_on_loop`), else blocking on a thread of `threads` (`stream_in_thread`)."""
+    no thread (`stream_on_loop`, the request's set-up on `threads`), else blocking on a thread
+    of `threads` (`stream_in_thread`)."""
     if waits_without_threads:
-        return stream_on_loop(steps, merge)
+        return stream_on_loop(steps, merge, threads)
     return stream_in_thread(blocking(steps), threads, merge)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, NoReturn
@@ -37,6 +37,7 @@ from cluster.api.grpc_servicer import caller_of
 from cluster.api.response import ApiChunk, coalesce, merge
 from cluster.api.service import TandemService
 from cluster.api.status import status_of, trailers_of
+from cluster.routing.waits import Wait
 from cluster.serve.calls import stream_merged
 from cluster.wire.metadata import MESSAGE_SIZE_OPTIONS
 from protos import generate_pb2, generate_pb2_grpc
@@ -69,9 +70,14 @@ class AsyncTandemServicer(generate_pb2_grpc.TandemServicer):
     def _chunks(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[ApiChunk, None]:
-        steps = self._api.chunk_steps(request, caller_of(context))
+        caller = caller_of(context)
+
+        def steps() -> Iterator[ApiChunk | Wait]:
+            # Made in the first step, so that validating and tokenizing run off the loop.
+            yield from self._api.chunk_steps(request, caller)
+
         waits = self._service.waits_without_threads
-        return stream_merged(steps, self._threads, coalesce, waits)
+        return stream_merged(steps(), self._threads, coalesce, waits)
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext

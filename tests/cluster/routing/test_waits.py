@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import Future, TimeoutError
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
 from typing import Any
 
 import pytest
@@ -120,4 +120,48 @@ def test_cleanup_closed_at_a_wait_finishes_blocking() -> None:
     assert next(steps) == "chunk"
     assert isinstance(next(steps), Wait)  # the cleanup waits...
     steps.close()  # ...and its consumer leaves: it finishes on this thread
+    assert closed == [True]
+
+
+def test_drive_can_start_each_stream_on_an_executor() -> None:
+    threads_seen: list[str] = []
+
+    def stream() -> Any:
+        threads_seen.append(threading.current_thread().name)  # the set-up, up to the first wait
+        yield from adder(1, 1)
+        threads_seen.append(threading.current_thread().name)
+        yield "chunk"
+
+    async def main() -> list[str]:
+        with ThreadPoolExecutor(1, thread_name_prefix="opening") as pool:
+            return [item async for item in drive(stream(), start_on=pool)]
+
+    assert asyncio.run(main()) == ["chunk"]
+    assert threads_seen[0].startswith("opening")
+    assert threads_seen[1] == threading.main_thread().name  # the rest ran on the loop
+
+
+def test_a_stream_cancelled_while_it_starts_is_closed_once_its_first_step_ends() -> None:
+    release = threading.Event()
+    closed: list[bool] = []
+
+    def stream() -> Any:
+        try:
+            release.wait(5)
+            yield "chunk"
+        finally:
+            closed.append(True)
+
+    async def main() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            steps = drive(stream(), start_on=pool)
+            first = asyncio.ensure_future(anext(steps))
+            await asyncio.sleep(0.01)  # its first step is running on the pool
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            assert closed == []  # it cannot be closed while it runs
+            release.set()
+
+    asyncio.run(main())
     assert closed == [True]
