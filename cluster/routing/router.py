@@ -71,6 +71,7 @@ from cluster.routing.draft_length import DraftLength, Plan
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.failover import DRAFTER_FAILED, Failover
 from cluster.routing.generation import Decode, Draft, DrafterView, Generation
+from cluster.routing.outcome import after_verdict, count_round
 from cluster.routing.output import decode_for, emit
 from cluster.routing.ports import (
     DrafterPort,
@@ -95,9 +96,10 @@ from cluster.routing.waits import (
     blocking,
     done_steps,
     finishing,
+    quietly,
     run,
 )
-from cluster.runtime.draft_block import DraftBlock, Verdict
+from cluster.runtime.draft_block import DraftBlock
 from drafter.config import NgramConfig
 
 if TYPE_CHECKING:
@@ -403,8 +405,8 @@ class Router:
                 if gen.request.draft_tokens > 0:
                     self.gate.committed(len(verdict.tokens))
                 assert gen.committed == verdict.committed_length, "verifier and router disagree"
-                self._count(gen.stats, block, verdict, next_draft)
-                draft = self._after_verdict(gen, block, verdict, next_draft)
+                count_round(gen.stats, block, verdict, next_draft)
+                draft = after_verdict(gen, block, verdict, next_draft)
                 if lost is not None:
                     self._failover.replace(gen, "drafter", lost)
 
@@ -415,11 +417,11 @@ class Router:
         except GeneratorExit:
             # Let a draft in flight finish before the sessions are closed under it.
             if ahead is not None:
-                run(_quietly(ahead.finish()))
+                run(quietly(ahead.finish()))
             raise
         except BaseException:
             if ahead is not None:
-                yield from finishing(_quietly(ahead.finish()))
+                yield from finishing(quietly(ahead.finish()))
             raise
 
     def _draft_now(self, gen: Generation, num_tokens: int, by_drafter: bool = True) -> Steps[Draft]:
@@ -482,46 +484,3 @@ class Router:
         )
         self.metrics.drafted(elapsed)
         return Draft(next_block, by_drafter=True)
-
-    @staticmethod
-    def _after_verdict(
-        gen: Generation, block: DraftBlock, verdict: Verdict, next_draft: Draft | None
-    ) -> Draft | None:
-        """Update the drafter's view; return the draft to verify next, if one is ready."""
-        hit = next_draft is not None and verdict.bonus_deferred
-        if next_draft is None or not next_draft.by_drafter:
-            gen.drafter.behind.extend(verdict.tokens)
-            return next_draft if hit else None
-        next_base = next_draft.block.base_length
-        if hit:
-            gen.drafter = DrafterView(base_length=next_base)
-            return next_draft
-        # The drafter assumed all of `block`: keep what was accepted, then the correction.
-        gen.drafter = DrafterView(
-            base_length=next_base,
-            truncate_to=block.base_length + verdict.num_accepted,
-            behind=list(verdict.tokens[verdict.num_accepted :]),
-        )
-        return None
-
-    @staticmethod
-    def _count(
-        stats: SpeculationStats, block: DraftBlock, verdict: Verdict, next_draft: Draft | None
-    ) -> None:
-        stats.num_verify_passes += 1
-        stats.num_drafted += len(block.tokens)
-        stats.num_accepted += verdict.num_accepted
-        stats.record_block(len(block.tokens), verdict.num_accepted)
-        if next_draft is not None:
-            if verdict.bonus_deferred:
-                stats.pipeline_hits += 1
-            else:
-                stats.pipeline_misses += 1
-
-
-def _quietly(steps: Steps[object]) -> Steps[None]:
-    """`steps` run for their effect alone: what they raise is the request's no more."""
-    try:
-        yield from steps
-    except Exception:
-        return

@@ -159,6 +159,14 @@ def finishing(steps: Steps[T]) -> Steps[T]:
         raise
 
 
+def quietly(steps: Steps[object]) -> Steps[None]:
+    """`steps` run for their effect alone: what they raise is dropped."""
+    try:
+        yield from steps
+    except Exception:
+        return
+
+
 def done_steps(value: T) -> Steps[T]:
     """Steps that wait for nothing and return `value`."""
     return value
