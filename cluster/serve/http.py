@@ -59,7 +59,7 @@ from cluster.api.openai import OpenAIService, Route, error_response
 from cluster.api.openai_stream import ChunkBodies
 from cluster.api.response import ApiChunk, coalesce
 from cluster.api.tenants import bearer_key
-from cluster.serve.calls import deadline_of, stream_merged
+from cluster.serve.calls import deadline_of, stream_in_thread
 
 logger = logging.getLogger(__name__)
 
@@ -189,9 +189,8 @@ class OpenAIHttp:
 
     async def _stream(self, route: Route, body: object, caller: Caller) -> Response:
         opening = self._threads.submit(self._openai.open_stream, route, body, caller)
-        steps, bodies = await asyncio.wrap_future(opening)
-        waits = self._openai.waits_without_threads
-        chunks = stream_merged(steps, self._threads, coalesce, waits)
+        stream, bodies = await asyncio.wrap_future(opening)
+        chunks = stream_in_thread(stream, self._threads, coalesce)
         try:
             # An error raised here is answered as a whole response; `chunks` closed itself.
             first = await anext(chunks)
