@@ -16,9 +16,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from cluster.api.tenants import QuotaExceededError
+from cluster.routing.waits import Steps, Wait, run
 from cluster.runtime.errors import DeadlineExceededError, InvalidArgumentError
 
 QUEUE_FULL_RETRY_S = 1.0
@@ -32,7 +34,8 @@ class _Waiter:
     tenant: str
     weight: float
     order: int
-    granted: bool = field(default=False)
+    granted: Future[None] = field(default_factory=Future)
+    """Done once the request may run (a driver of steps waits on it without a thread)."""
 
 
 class Admission:
@@ -68,6 +71,16 @@ class Admission:
     ) -> None:
         """Wait for a place to run; raises QuotaExceededError (RESOURCE_EXHAUSTED) if the
         queue is full, DeadlineExceededError once `deadline` (the clock's time) passes."""
+        run(self.entering(tenant, weight, deadline))
+
+    def entering(
+        self,
+        tenant: str,
+        weight: float = 1.0,
+        deadline: float | None = None,
+    ) -> Steps[None]:
+        """`enter` as steps (`cluster.routing.waits`): a queued request waits without a
+        thread of its own."""
         with self._cond:
             if not self._waiting and self.running < self.max_running:
                 self._running[tenant] += 1
@@ -82,7 +95,10 @@ class Admission:
             waiter = _Waiter(tenant, weight, next(self._order))
             self._waiting.append(waiter)
             self._changed()
-            while not waiter.granted:
+        while True:
+            with self._cond:
+                if waiter.granted.done():
+                    return
                 left = None if deadline is None else deadline - self._clock()
                 if left is not None and left <= 0:
                     self._waiting.remove(waiter)
@@ -91,7 +107,16 @@ class Admission:
                     raise DeadlineExceededError(
                         "the request's deadline passed while it waited in the router's queue"
                     )
-                self._cond.wait(WAIT_POLL_S if left is None else min(WAIT_POLL_S, left))
+            try:
+                yield Wait(waiter.granted, WAIT_POLL_S if left is None else min(WAIT_POLL_S, left))
+            except GeneratorExit:  # the caller left while queued: its place goes to the next
+                if waiter.granted.done():
+                    self.leave(tenant)
+                else:
+                    with self._cond:
+                        self._waiting.remove(waiter)
+                        self._changed()
+                raise
 
     def leave(self, tenant: str) -> None:
         """A request admitted by `enter` has ended."""
@@ -121,6 +146,5 @@ class Admission:
         while self._waiting and self.running < self.max_running:
             chosen = min(self._waiting, key=lambda w: (self._running[w.tenant] / w.weight, w.order))
             self._waiting.remove(chosen)
-            chosen.granted = True
             self._running[chosen.tenant] += 1
-            self._cond.notify_all()
+            chosen.granted.set_result(None)

@@ -26,6 +26,7 @@ from cluster.api.convert import (
 )
 from cluster.api.response import ApiChunk
 from cluster.api.service import TandemService
+from cluster.routing.waits import Wait, blocking
 from protos import generate_pb2
 from verifier.config import check_reference_dtype
 
@@ -48,19 +49,19 @@ class GrpcApi:
         whole = self.service.generate(tenant, request, caller.deadline, is_active)
         return response_to_proto(whole)
 
-    def chunks(
+    def chunk_steps(
         self, message: generate_pb2.GenerateRequest, caller: Caller = ANONYMOUS_CALL
-    ) -> Generator[ApiChunk, None, None]:
-        """The request's stream in domain chunks, for a face that merges or converts them
-        itself (the Serve ingress); authenticated and validated at once."""
+    ) -> Generator[ApiChunk | Wait, None, None]:
+        """The request's stream in domain chunks, as steps (`TandemService.stream_steps`), for
+        a face that merges or converts them itself; authenticated and validated at once."""
         tenant = self.service.authenticate(caller)
-        return self.service.stream(tenant, request_from_proto(message), caller.deadline)
+        return self.service.stream_steps(tenant, request_from_proto(message), caller.deadline)
 
     def stream(
         self, message: generate_pb2.GenerateRequest, caller: Caller = ANONYMOUS_CALL
     ) -> Generator[generate_pb2.GenerateChunk, None, None]:
-        """`chunks` as `GenerateChunk` messages, one per chunk."""
-        return _converted(self.chunks(message, caller))
+        """`chunk_steps` as `GenerateChunk` messages, one per chunk, blocking at each wait."""
+        return _converted(blocking(self.chunk_steps(message, caller)))
 
     def audit(
         self,

@@ -79,6 +79,7 @@ from cluster.api.response import ApiChunk
 from cluster.api.status import INTERNAL_ERROR_MESSAGE, status_of
 from cluster.api.tool_format import ToolFormat
 from cluster.api.tool_formats import choose_format
+from cluster.routing.waits import Wait, blocking
 from cluster.runtime.errors import InvalidArgumentError, TandemError
 from cluster.runtime.sampling import SamplingParams
 from verifier.config import OWN_DTYPE, check_reference_dtype
@@ -216,25 +217,31 @@ class OpenAIService:
     ) -> Generator[dict[str, Any], None, None]:
         """Chunk bodies in order; errors before the first chunk are raised by the first
         `next()`. Closing the generator early ends the Tandem request."""
-        chunks, bodies = self.open_stream(route, body, caller)
-        with closing(chunks):
+        steps, bodies = self.open_stream(route, body, caller)
+        with closing(blocking(steps)) as chunks:
             for chunk in chunks:
                 yield from bodies.bodies(chunk)
 
+    @property
+    def waits_without_threads(self) -> bool:
+        """Whether `open_stream`'s steps never block (`TandemService.waits_without_threads`)."""
+        return self.service.waits_without_threads
+
     def open_stream(
         self, route: Route, body: object, caller: Caller = ANONYMOUS_CALL
-    ) -> tuple[Generator[ApiChunk, None, None], ChunkBodies]:
-        """The service's stream of domain chunks for `body`, and what turns each into chunk
-        bodies, for a face that merges pending chunks before it converts them
-        (`cluster.serve.http`). Authenticates, checks and validates at once; closing the
-        stream ends the Tandem request."""
+    ) -> tuple[Generator[ApiChunk | Wait, None, None], ChunkBodies]:
+        """The service's stream of domain chunks for `body` as steps
+        (`TandemService.stream_steps`), and what turns each chunk into chunk bodies, for a face
+        that merges pending chunks before it converts them (`cluster.serve.http`).
+        Authenticates, checks and validates at once; closing the stream ends the Tandem
+        request."""
         created = int(time.time())
         tenant, request, message, structured = self._prepare(route, body, caller)
         assert isinstance(message.prompt, tuple)  # `_prepare` tokenized it
         bodies = ChunkBodies(
             route, request, structured, len(message.prompt), self.model_name, created
         )
-        return self.service.stream(tenant, message, caller.deadline), bodies
+        return self.service.stream_steps(tenant, message, caller.deadline), bodies
 
     def to_api_request(
         self, route: Route, body: object, caller: Caller = ANONYMOUS_CALL

@@ -67,6 +67,7 @@ from cluster.routing.request import (
     SpeculationStats,
 )
 from cluster.routing.router import Router
+from cluster.routing.waits import Wait, blocking
 from cluster.runtime.errors import DeadlineExceededError, TandemError
 
 if TYPE_CHECKING:
@@ -179,6 +180,24 @@ class TandemService:
         `on_finished` is called with the request as served if it finishes normally (length or
         stop), before its last chunk is yielded (the audit's hook).
         """
+        return blocking(self.stream_steps(tenant, message, deadline, on_finished=on_finished))
+
+    @property
+    def waits_without_threads(self) -> bool:
+        """Whether `stream_steps` never block (`Router.waits_without_threads`)."""
+        return self._router.waits_without_threads
+
+    def stream_steps(
+        self,
+        tenant: Tenant,
+        message: ApiRequest,
+        deadline: float | None = None,
+        *,
+        on_finished: Callable[[Served], None] | None = None,
+    ) -> Generator[ApiChunk | Wait, None, None]:
+        """`stream` as steps (`cluster.routing.waits`): the chunks, with a `Wait` wherever the
+        request waits (in the router's queue, for a replica), for a driver that runs many
+        requests without a thread each (the router replica's own gRPC server)."""
         request, pipelined = self.reader.to_request(message, deadline)
         with self._counting_refusal(tenant):
             self.tenants.check(tenant, request.max_tokens)
@@ -203,13 +222,15 @@ class TandemService:
         pipelined: bool,
         request_id: str,
         on_finished: Callable[[Served], None] | None,
-    ) -> Generator[ApiChunk, None, None]:
+    ) -> Generator[ApiChunk | Wait, None, None]:
         """The request's chunks once its tenant's limits and the router's queue let it run."""
         with self._counting_refusal(tenant):
             self.tenants.start(tenant)
         try:
             try:
-                self.admission.enter(tenant.name, tenant.config.weight, request.deadline)
+                yield from self.admission.entering(
+                    tenant.name, tenant.config.weight, request.deadline
+                )
             except TandemError as error:
                 self.tenants.refused(tenant)
                 self.metrics.request_refused(tenant.name, error.status)
@@ -233,14 +254,17 @@ class TandemService:
         request_id: str,
         cancelled: threading.Event,
         on_finished: Callable[[Served], None] | None,
-    ) -> Generator[ApiChunk, None, None]:
+    ) -> Generator[ApiChunk | Wait, None, None]:
         stats = SpeculationStats()
-        chunks = self._router.stream(request, stats, pipelined=pipelined)
+        chunks = self._router.steps(request, stats, pipelined=pipelined)
         num_generated = 0
         served: list[int] | None = [] if on_finished or self.online_audit.enabled else None
         outcome = FinishReason.CANCELLED.value  # unless it finishes or fails: the caller left
         try:
             for chunk in chunks:
+                if isinstance(chunk, Wait):
+                    yield chunk
+                    continue
                 num_generated += len(chunk.tokens)
                 self.tenants.charge(tenant, generated=len(chunk.tokens))
                 if cancelled.is_set() and chunk.finish_reason is None:
@@ -298,7 +322,7 @@ def _api_chunk(
     return ApiChunk(request_id, chunk.tokens, chunk.text, chunk.finish_reason, usage, stats)
 
 
-def _close(chunks: Iterator[GenerationChunk]) -> None:
+def _close(chunks: Iterator[GenerationChunk | Wait]) -> None:
     # `Router.stream` is typed as an Iterator but is a generator, and closing it is what frees
     # the sessions; an iterator that is not a generator holds nothing to free.
     if isinstance(chunks, Generator):

@@ -49,6 +49,9 @@ def from_registry_actor(registry: Any) -> FetchReplicas:
 class RegistryPool:
     """Chooses replicas for requests from the registry actor's live entries."""
 
+    waits_without_threads = True
+    """Its clients answer on Frames streams: their steps wait without a thread."""
+
     def __init__(
         self,
         fetch: FetchReplicas,

@@ -26,7 +26,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from cluster.routing.generation import DrafterView, Generation
-from cluster.routing.ports import DrafterPort, ReplicaPool, VerifierPort
+from cluster.routing.ports import (
+    DrafterPort,
+    ReplicaPool,
+    VerifierPort,
+    begin_call,
+    close_steps,
+    open_steps,
+    verify_steps,
+)
+from cluster.routing.waits import Steps, run
 from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.errors import (
     ReplicaUnavailableError,
@@ -77,16 +86,17 @@ class Failover:
         """Wait for the background closes to finish, and stop their threads."""
         self._closer.shutdown(wait=True)
 
-    def open_verifier(self, gen: Generation, resumed: bool = False) -> None:
+    def open_verifier(self, gen: Generation, resumed: bool = False) -> Steps[None]:
         """Open the request's session on its verifier, over the whole history (the prompt at
         first; after a failover, every committed token too), planned to grow by what is left
         of `max_tokens`; fail over while that fails or the verifier has no room for it.
         `resumed`: the request already ran on another verifier (a failover), so no plan may
-        refuse it: it would fail midway."""
+        refuse it: it would fail midway. Steps (`cluster.routing.waits`)."""
         while True:
             request = gen.request
             try:
-                gen.verifier.open_session(
+                yield from open_steps(
+                    gen.verifier,
                     gen.session_id,
                     gen.history,
                     request.sampling,
@@ -99,15 +109,19 @@ class Failover:
             except VERIFIER_MOVES as error:
                 self.replace(gen, "verifier", error)
 
-    def verify(self, gen: Generation, block: DraftBlock, defer_bonus: bool) -> Verdict:
+    def verify(self, gen: Generation, block: DraftBlock, defer_bonus: bool) -> Steps[Verdict]:
         """Verify `block`; if the verifier fails, or its KV pool is full, verify it again on a
-        spare (with none, the error ends the request)."""
+        spare (with none, the error ends the request). Steps."""
         while True:
             try:
-                return gen.verifier.verify(gen.session_id, block, defer_bonus=defer_bonus)
+                return (
+                    yield from verify_steps(
+                        gen.verifier, gen.session_id, block, defer_bonus=defer_bonus
+                    )
+                )
             except VERIFIER_MOVES as error:
                 self.replace(gen, "verifier", error)
-                self.open_verifier(gen, resumed=True)
+                yield from self.open_verifier(gen, resumed=True)
 
     def replace(self, gen: Generation, side: str, error: Exception) -> None:
         """Pin a spare of `side` in place of the replica that raised `error`; re-raise it when
@@ -127,7 +141,7 @@ class Failover:
                 error,
             )
             self._drafter_degraded(cause)
-            self.close_drafter(gen)
+            run(self.close_drafter(gen))
             gen.drafter_port, gen.drafter_opening, gen.open_drafter = None, None, None
             gen.drafter = DrafterView(base_length=gen.committed)
             return
@@ -169,8 +183,10 @@ class Failover:
         gen.drafter_port, gen.drafter_id = spare.port, spare.replica_id
         gen.stats.drafters.append(spare.replica_id)
         request = gen.request
-        gen.drafter_opening = self._drafts.submit(
-            spare.port.open_session,
+        gen.drafter_opening = begin_call(
+            self._drafts,
+            spare.port,
+            "open_session",
             gen.session_id,
             list(gen.history),
             request.sampling,
@@ -180,19 +196,29 @@ class Failover:
         )
 
     @classmethod
-    def close_drafter(cls, gen: Generation) -> None:
-        """Close the drafter's session, once it has opened (if opening failed, nothing is)."""
+    def close_drafter(cls, gen: Generation) -> Steps[None]:
+        """Close the drafter's session, once it has opened (if opening failed, nothing is).
+        Steps."""
         if gen.drafter_port is None or gen.open_drafter is not None:  # never opened
             return
-        if gen.drafter_opening is not None and gen.drafter_opening.exception() is not None:
-            return
-        cls.close_quietly("drafter", gen.drafter_port, gen.session_id)
+        opening, gen.drafter_opening = gen.drafter_opening, None
+        if opening is not None:
+            try:
+                yield from opening.finish()
+            except Exception:  # it never opened: nothing to close
+                return
+        yield from cls.closed_quietly("drafter", gen.drafter_port, gen.session_id)
 
     @staticmethod
-    def close_quietly(side: str, port: DrafterPort | VerifierPort, session_id: str) -> None:
+    def closed_quietly(side: str, port: DrafterPort | VerifierPort, session_id: str) -> Steps[None]:
         """Close a session, best effort: a replica that cannot be reached, is too busy to take
-        the call or fails it drops the session itself after its time limit or TTL."""
+        the call or fails it drops the session itself after its time limit or TTL. Steps."""
         try:
-            port.close_session(session_id)
+            yield from close_steps(port, session_id)
         except Exception as error:
             logger.warning("could not close session %s on the %s: %s", session_id, side, error)
+
+    @classmethod
+    def close_quietly(cls, side: str, port: DrafterPort | VerifierPort, session_id: str) -> None:
+        """`closed_quietly`, blocking (the background closer's)."""
+        run(cls.closed_quietly(side, port, session_id))

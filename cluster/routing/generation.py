@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from llguidance import LLTokenizer
@@ -25,6 +24,7 @@ from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.ports import DrafterPort, Pinned
 from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.routing.text import TextAssembler
+from cluster.routing.waits import Started, Steps
 from cluster.runtime.constraint import Constraint, TokenMatcher, tokenizer_size
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import DeadlineExceededError, InvalidArgumentError
@@ -113,9 +113,9 @@ class Generation:
         self.lookup = PromptLookup(ngram) if ngram is not None else None
         """Prompt lookup's index over `history`."""
         self.drafter = DrafterView(base_length=len(self.history))
-        self.drafter_opening: Future[int] | None = None
+        self.drafter_opening: Started | None = None
         """The drafter's session being opened in the background; None once known open."""
-        self.open_drafter: Callable[[], Future[int]] | None = None
+        self.open_drafter: Callable[[], Started] | None = None
         """Opens the drafter's session when first needed (`ready_drafter`); None: it is open
         or opening already. Set while the gate holds the target alone at the request's start:
         until then, the session does not exist and nothing closes it."""
@@ -131,14 +131,14 @@ class Generation:
                 f"{self.request.max_tokens} tokens"
             )
 
-    def ready_drafter(self) -> DrafterPort:
-        """The drafter, once its session is open (opens it first if that was deferred; waits
-        for it; raises what opening raised)."""
+    def ready_drafter(self) -> Steps[DrafterPort]:
+        """Steps returning the drafter once its session is open (opening it first if that was
+        deferred; waiting for it; raising what opening raised)."""
         assert self.drafter_port is not None
         if self.open_drafter is not None:
             self.drafter_opening, self.open_drafter = self.open_drafter(), None
         if self.drafter_opening is not None:
-            self.drafter_opening.result()
+            yield from self.drafter_opening.finish()
             self.drafter_opening = None
         return self.drafter_port
 

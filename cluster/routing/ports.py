@@ -8,14 +8,20 @@ Deadlines: a pool hands each request ports bound to its deadline where it can (t
 clients' `bounded` views stop a call when the request's time runs out, and tell the replica
 how long the session may live); in-process ports are not interrupted, and the router itself
 checks the deadline before every round.
+
+Waiting: a port that can wait without a thread (the gRPC clients over frames) also has
+`<call>_steps` methods (`cluster.routing.waits`); `open_steps`, `draft_steps`, `verify_steps`
+and `close_steps` below give the steps of any port, calling a port without them directly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from cluster.routing.waits import Started, Steps, answer, call_steps
 from cluster.runtime.constraint import Constraint
 from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.sampling import SamplingParams
@@ -102,6 +108,54 @@ class VerifierPort(Protocol):
         ...
 
 
+def open_steps(port: DrafterPort | VerifierPort, *args: Any, **kwargs: Any) -> Steps[int]:
+    """`port.open_session(...)` as steps."""
+    own = getattr(port, "open_session_steps", None)
+    if own is not None:
+        return own(*args, **kwargs)
+    return call_steps(lambda: port.open_session(*args, **kwargs))
+
+
+def draft_steps(port: DrafterPort, *args: Any, **kwargs: Any) -> Steps[DraftBlock]:
+    """`port.draft(...)` as steps."""
+    own = getattr(port, "draft_steps", None)
+    if own is not None:
+        return own(*args, **kwargs)
+    return call_steps(lambda: port.draft(*args, **kwargs))
+
+
+def verify_steps(port: VerifierPort, *args: Any, **kwargs: Any) -> Steps[Verdict]:
+    """`port.verify(...)` as steps."""
+    own = getattr(port, "verify_steps", None)
+    if own is not None:
+        return own(*args, **kwargs)
+    return call_steps(lambda: port.verify(*args, **kwargs))
+
+
+def close_steps(port: DrafterPort | VerifierPort, session_id: str) -> Steps[bool]:
+    """`port.close_session(session_id)` as steps."""
+    own = getattr(port, "close_session_steps", None)
+    if own is not None:
+        return own(session_id)
+    return call_steps(lambda: port.close_session(session_id))
+
+
+def has_steps(port: DrafterPort | VerifierPort | None) -> bool:
+    """Whether `port` waits without a thread (its calls' steps yield their waits; a port
+    without, or a gRPC client making unary calls, blocks until it is answered)."""
+    return bool(getattr(port, "waits_without_thread", False))
+
+
+def begin_call(
+    pool: Executor, port: DrafterPort | VerifierPort, call: str, *args: Any, **kwargs: Any
+) -> Started:
+    """`port.<call>(...)` begun now, to finish later (`Started.finish`): sent at once by a
+    port with steps; on a thread of `pool` for a port whose calls block (in process)."""
+    if has_steps(port):
+        return Started(getattr(port, f"{call}_steps")(*args, **kwargs))
+    return Started(answer(pool.submit(getattr(port, call), *args, **kwargs)))
+
+
 def _nothing() -> None:
     return None
 
@@ -152,6 +206,11 @@ class FixedReplicas:
     def pin(self, speculate: bool, deadline: float | None = None) -> Pinned:
         # In-process calls cannot be cut short: the router checks `deadline` between rounds.
         return Pinned(self.verifier, self.drafter if speculate else None)
+
+    @property
+    def waits_without_threads(self) -> bool:
+        """Whether every port waits without a thread (`has_steps`)."""
+        return has_steps(self.verifier) and (self.drafter is None or has_steps(self.drafter))
 
     def spare(
         self, side: str, avoid: frozenset[str], deadline: float | None = None

@@ -37,13 +37,13 @@ import copy
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from types import TracebackType
 from typing import Any, Self
 
 import grpc
 
 from cluster.routing.frame_channel import FrameChannel
+from cluster.routing.waits import Steps, Wait, run
 from cluster.runtime.audit import Replay
 from cluster.runtime.constraint import Constraint
 from cluster.runtime.draft_block import DraftBlock, Verdict
@@ -106,6 +106,11 @@ class _ReplicaClient:
         self._owns_frames = True
         self._deadline: float | None = None
         """The request's `time.monotonic()` deadline, on a view made by `bounded`."""
+
+    @property
+    def waits_without_thread(self) -> bool:
+        """Whether its calls' steps wait without a thread (on frames; unary calls block)."""
+        return self._frames is not None
 
     def bounded(self, deadline: float | None) -> Self:
         """This client as seen by one request that must end by `deadline` (a
@@ -171,31 +176,37 @@ class _ReplicaClient:
         method: Callable[..., Any],
         timeout_s: float | None,
         bounded: bool = True,
-    ) -> Any:
+    ) -> Steps[Any]:
         """`request` as a frame entry whose `call` field is `call` (or, without frames, by
-        `method` on the stub); the answer's message. The same waits and errors as `_call`:
-        at most min(timeout, the time left), then `DeadlineExceededError` once the request's
-        time is up, else `ReplicaUnavailableError` (the replica was too slow)."""
+        `method` on the stub, blocking); steps returning the answer's message. The same waits
+        and errors as `_call`: at most min(timeout, the time left), then
+        `DeadlineExceededError` once the request's time is up, else `ReplicaUnavailableError`
+        (the replica was too slow)."""
         if self._frames is None:
             return self._call(method, request, timeout_s, bounded)
         own_timeout_s = self.timeout_s if timeout_s is None else timeout_s
         left = self._time_left() if bounded else None
         wait_s = min((t for t in (own_timeout_s, left) if t is not None), default=None)
         future: Future[Any] = self._frames.submit(replica_pb2.FrameEntry(**{call: request}))
-        try:
-            return future.result(timeout=wait_s)
-        except FutureTimeout:
-            self._frames.forget(future)
-            out_of_time = self._deadline is not None and time.monotonic() >= self._deadline
-            if left is not None and out_of_time:
-                raise DeadlineExceededError(
-                    f"the request's deadline passed while waiting for the {self._replica}"
-                ) from None
-            raise ReplicaUnavailableError(
-                f"{self._replica}: DEADLINE_EXCEEDED: no answer within {wait_s:g} s"
-            ) from None
+        if not future.done():
+            yield Wait(future, wait_s)
+        if future.done():
+            return future.result()
+        self._frames.forget(future)
+        out_of_time = self._deadline is not None and time.monotonic() >= self._deadline
+        if left is not None and out_of_time:
+            raise DeadlineExceededError(
+                f"the request's deadline passed while waiting for the {self._replica}"
+            )
+        raise ReplicaUnavailableError(
+            f"{self._replica}: DEADLINE_EXCEEDED: no answer within {wait_s:g} s"
+        )
 
-    def open_session(
+    def open_session(self, *args: Any, **kwargs: Any) -> int:
+        """Open a session; returns its committed length (`open_session_steps`, blocking)."""
+        return run(self.open_session_steps(*args, **kwargs))
+
+    def open_session_steps(
         self,
         session_id: str,
         prompt_tokens: Sequence[int],
@@ -206,8 +217,8 @@ class _ReplicaClient:
         resumed: bool = False,
         constraint: Constraint | None = None,
         timeout_s: float | None = None,
-    ) -> int:
-        """Open a session; returns its committed length."""
+    ) -> Steps[int]:
+        """Open a session; steps returning its committed length (`cluster.routing.waits`)."""
         request = requests.open_request_to_wire(
             session_id,
             prompt_tokens,
@@ -218,16 +229,22 @@ class _ReplicaClient:
             constraint=constraint,
             time_left_s=self._time_left(),
         )
-        response: replica_pb2.OpenSessionResponse = self._send(
+        response: replica_pb2.OpenSessionResponse = yield from self._send(
             "open", request, self._stub.OpenSession, timeout_s
         )
         return response.committed_length
 
     def close_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
-        """Free the session; True if it existed."""
+        """Free the session; True if it existed (`close_session_steps`, blocking)."""
+        return run(self.close_session_steps(session_id, timeout_s=timeout_s))
+
+    def close_session_steps(
+        self, session_id: str, *, timeout_s: float | None = None
+    ) -> Steps[bool]:
+        """Free the session; steps returning True if it existed."""
         request = requests.close_request_to_wire(session_id)
         # Not bounded: a session is freed even after its request's deadline.
-        response: replica_pb2.CloseSessionResponse = self._send(
+        response: replica_pb2.CloseSessionResponse = yield from self._send(
             "close", request, self._stub.CloseSession, timeout_s, bounded=False
         )
         return response.existed
@@ -265,7 +282,11 @@ class GrpcDrafter(_ReplicaClient):
     _service = "tandem.v1.Drafter"
     _stub_class = replica_pb2_grpc.DrafterStub
 
-    def draft(
+    def draft(self, *args: Any, **kwargs: Any) -> DraftBlock:
+        """See `DrafterPort.draft` (`draft_steps`, blocking)."""
+        return run(self.draft_steps(*args, **kwargs))
+
+    def draft_steps(
         self,
         session_id: str,
         base_length: int,
@@ -274,12 +295,13 @@ class GrpcDrafter(_ReplicaClient):
         truncate_to: int | None = None,
         *,
         timeout_s: float | None = None,
-    ) -> DraftBlock:
-        """See `DrafterPort.draft`. The block's q stays as received (`convert.WireRows`)."""
+    ) -> Steps[DraftBlock]:
+        """See `DrafterPort.draft`; steps. The block's q stays as received
+        (`convert.WireRows`)."""
         request = requests.draft_request_to_wire(
             session_id, base_length, appended_tokens, num_tokens, truncate_to
         )
-        block = self._send("draft", request, self._stub.Draft, timeout_s)
+        block = yield from self._send("draft", request, self._stub.Draft, timeout_s)
         return convert.block_from_wire(block, lazy_rows=True)
 
 
@@ -290,19 +312,22 @@ class GrpcVerifier(_ReplicaClient):
     _service = "tandem.v1.Verifier"
     _stub_class = replica_pb2_grpc.VerifierStub
 
-    def verify(
+    def verify(self, *args: Any, **kwargs: Any) -> Verdict:
+        """See `VerifierPort.verify` (`verify_steps`, blocking)."""
+        return run(self.verify_steps(*args, **kwargs))
+
+    def verify_steps(
         self,
         session_id: str,
         block: DraftBlock,
         defer_bonus: bool = False,
         *,
         timeout_s: float | None = None,
-    ) -> Verdict:
-        """See `VerifierPort.verify`. A drafter's q rows are sent on as received."""
+    ) -> Steps[Verdict]:
+        """See `VerifierPort.verify`; steps. A drafter's q rows are sent on as received."""
         request = requests.verify_request_to_wire(session_id, block, defer_bonus)
-        return convert.verdict_from_wire(
-            self._send("verify", request, self._stub.Verify, timeout_s)
-        )
+        verdict = yield from self._send("verify", request, self._stub.Verify, timeout_s)
+        return convert.verdict_from_wire(verdict)
 
     def reference(
         self,

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from llguidance import LLTokenizer
@@ -71,8 +71,16 @@ from cluster.routing.draft_length import DraftLength, Plan
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.failover import DRAFTER_FAILED, Failover
 from cluster.routing.generation import Decode, Draft, DrafterView, Generation
+from cluster.routing.outcome import after_verdict, count_round
 from cluster.routing.output import decode_for, emit
-from cluster.routing.ports import DrafterPort, FixedReplicas, ReplicaPool, VerifierPort
+from cluster.routing.ports import (
+    DrafterPort,
+    FixedReplicas,
+    ReplicaPool,
+    VerifierPort,
+    begin_call,
+    draft_steps,
+)
 from cluster.routing.request import (
     FinishReason,
     GenerationChunk,
@@ -81,7 +89,17 @@ from cluster.routing.request import (
     SpeculationStats,
 )
 from cluster.routing.speculation_gate import GateConfig, SpeculationGate
-from cluster.runtime.draft_block import DraftBlock, Verdict
+from cluster.routing.waits import (
+    Started,
+    Steps,
+    Wait,
+    blocking,
+    done_steps,
+    finishing,
+    quietly,
+    run,
+)
+from cluster.runtime.draft_block import DraftBlock
 from drafter.config import NgramConfig
 
 if TYPE_CHECKING:
@@ -193,7 +211,7 @@ class Router:
         text: list[str] = []
         stats = SpeculationStats()
         finish_reason = FinishReason.LENGTH
-        for chunk in self._run(request, stats, pipelined):
+        for chunk in self.stream(request, stats, pipelined):
             tokens.extend(chunk.tokens)
             text.append(chunk.text)
             if chunk.finish_reason is not None:
@@ -216,9 +234,26 @@ class Router:
 
         `stats`, when given, is updated in place as the generation runs. `pipelined` overrides
         the router's default for this request. Closing the iterator early (a cancelled client)
-        frees the request's sessions on both replicas.
+        frees the request's sessions. Blocks the consumer's thread while replicas work
+        (`steps` does not).
         """
+        return blocking(self.steps(request, stats, pipelined))
+
+    def steps(
+        self,
+        request: GenerationRequest,
+        stats: SpeculationStats | None = None,
+        pipelined: bool | None = None,
+    ) -> Generator[GenerationChunk | Wait, None, None]:
+        """`stream` as steps (`cluster.routing.waits`): the chunks, with a `Wait` wherever the
+        request waits for a replica, so that one driver runs any number of requests."""
         return self._run(request, stats if stats is not None else SpeculationStats(), pipelined)
+
+    @property
+    def waits_without_threads(self) -> bool:
+        """Whether `steps` never block (every replica answers on frames), so that one event
+        loop may drive any number of requests; else each must run on a thread of its own."""
+        return bool(getattr(self._replicas, "waits_without_threads", False))
 
     def reference(
         self,
@@ -239,7 +274,7 @@ class Router:
 
     def _run(
         self, request: GenerationRequest, stats: SpeculationStats, pipelined: bool | None
-    ) -> Generator[GenerationChunk, None, None]:
+    ) -> Generator[GenerationChunk | Wait, None, None]:
         speculate = request.draft_tokens > 0
         pinned = self._replicas.pin(speculate, deadline=request.deadline)
         releases = [pinned.release]
@@ -273,7 +308,7 @@ class Router:
             for release in releases:
                 release()
 
-    def _session(self, gen: Generation) -> Iterator[GenerationChunk]:
+    def _session(self, gen: Generation) -> Iterator[GenerationChunk | Wait]:
         request = gen.request
         prompt = request.prompt_tokens
         port = gen.drafter_port
@@ -285,9 +320,11 @@ class Router:
             # reach it as the view's catch-up, as after any round without it).
             max_new_tokens = gen.remaining  # as at the start, however late it opens
 
-            def open_drafter() -> Future[int]:
-                return self._pool.submit(
-                    port.open_session,
+            def open_drafter() -> Started:
+                return begin_call(
+                    self._pool,
+                    port,
+                    "open_session",
                     gen.session_id,
                     prompt,
                     request.sampling,
@@ -301,21 +338,32 @@ class Router:
             else:
                 gen.drafter_opening = open_drafter()
         try:
-            self._failover.open_verifier(gen)
-        except BaseException:
-            self._failover.close_drafter(gen)
+            yield from self._failover.open_verifier(gen)
+        except GeneratorExit:
+            run(self._failover.close_drafter(gen))
             raise
+        except BaseException:
+            yield from finishing(self._failover.close_drafter(gen))
+            raise
+        closing = self._close_sessions(gen)
         try:
             yield from self._loop(gen)
-        finally:
-            try:
-                self._failover.close_quietly("verifier", gen.verifier, gen.session_id)
-            finally:
-                self._failover.close_drafter(gen)
+        except GeneratorExit:  # the consumer left: no more waits may be yielded
+            run(closing)
+            raise
+        except BaseException:
+            yield from finishing(closing)
+            raise
+        yield from finishing(closing)
 
-    def _loop(self, gen: Generation) -> Iterator[GenerationChunk]:
+    def _close_sessions(self, gen: Generation) -> Steps[None]:
+        """Close the request's sessions on both sides, best effort."""
+        yield from self._failover.closed_quietly("verifier", gen.verifier, gen.session_id)
+        yield from self._failover.close_drafter(gen)
+
+    def _loop(self, gen: Generation) -> Iterator[GenerationChunk | Wait]:
         draft: Draft | None = None  # a block drafted ahead that is still valid
-        ahead: Future[Draft] | None = None
+        ahead: Started | None = None
         try:
             while True:
                 gen.check_deadline()
@@ -326,17 +374,21 @@ class Router:
                 opening = gen.opening_round
                 gen.opening_round = False
                 if draft is None:
-                    draft = self._draft_now(gen, min(plan.k, remaining - 1), by_drafter=not opening)
+                    draft = yield from self._draft_now(
+                        gen, min(plan.k, remaining - 1), by_drafter=not opening
+                    )
                 block = draft.block
                 # If all of `block` is accepted (bonus deferred), `remaining - k` tokens are
                 # left and the next block must leave room for one more of the target's own.
                 next_k = min(plan.k, remaining - len(block.tokens) - 1)
                 if plan.pipelined and not opening and len(block.tokens) > 0 and next_k > 0:
-                    ahead = self._draft_ahead(gen, block, next_k)
+                    ahead = yield from self._draft_ahead(gen, block, next_k)
                 # A looked-up block ahead is ready at once: the verify pass then runs alone.
                 overlapped = ahead is not None and not ahead.done()
                 started = time.perf_counter()
-                verdict = self._failover.verify(gen, block, defer_bonus=ahead is not None)
+                verdict = yield from self._failover.verify(
+                    gen, block, defer_bonus=ahead is not None
+                )
                 if not opening:  # the opening pass runs beside the drafter's prefill
                     verify_s = time.perf_counter() - started
                     gen.lengths.observe_verify(verify_s, overlapped, verdict.load)
@@ -345,7 +397,7 @@ class Router:
                 gen.lengths.observe(len(block.tokens), verdict.num_accepted)
                 lost: Exception | None = None
                 try:
-                    next_draft = ahead.result() if ahead is not None else None
+                    next_draft = (yield from ahead.finish()) if ahead is not None else None
                 except DRAFTER_FAILED as error:  # the drafter failed while drafting ahead
                     next_draft, lost = None, error
                 ahead = None
@@ -353,8 +405,8 @@ class Router:
                 if gen.request.draft_tokens > 0:
                     self.gate.committed(len(verdict.tokens))
                 assert gen.committed == verdict.committed_length, "verifier and router disagree"
-                self._count(gen.stats, block, verdict, next_draft)
-                draft = self._after_verdict(gen, block, verdict, next_draft)
+                count_round(gen.stats, block, verdict, next_draft)
+                draft = after_verdict(gen, block, verdict, next_draft)
                 if lost is not None:
                     self._failover.replace(gen, "drafter", lost)
 
@@ -362,12 +414,17 @@ class Router:
                 yield chunk
                 if chunk.finish_reason is not None:
                     return
-        finally:
+        except GeneratorExit:
+            # Let a draft in flight finish before the sessions are closed under it.
             if ahead is not None:
-                # Let a draft in flight finish before the sessions are closed under it.
-                ahead.exception()
+                run(quietly(ahead.finish()))
+            raise
+        except BaseException:
+            if ahead is not None:
+                yield from finishing(quietly(ahead.finish()))
+            raise
 
-    def _draft_now(self, gen: Generation, num_tokens: int, by_drafter: bool = True) -> Draft:
+    def _draft_now(self, gen: Generation, num_tokens: int, by_drafter: bool = True) -> Steps[Draft]:
         """A block to verify now: looked up, else drafted (if `by_drafter`), else empty."""
         if num_tokens <= 0:
             return Draft(DraftBlock(base_length=gen.committed, tokens=()), by_drafter=False)
@@ -377,14 +434,14 @@ class Router:
             return Draft(looked_up or empty, by_drafter=False)
         view = gen.drafter
         try:
-            port = gen.ready_drafter()
+            port = yield from gen.ready_drafter()
             started = time.perf_counter()
-            block = port.draft(
-                gen.session_id, view.base_length, view.behind, num_tokens, view.truncate_to
+            block = yield from draft_steps(
+                port, gen.session_id, view.base_length, view.behind, num_tokens, view.truncate_to
             )
         except DRAFTER_FAILED as error:
             self._failover.replace(gen, "drafter", error)
-            return self._draft_now(gen, num_tokens, by_drafter)
+            return (yield from self._draft_now(gen, num_tokens, by_drafter))
         draft_s = time.perf_counter() - started
         gen.lengths.observe_draft(len(block.tokens), draft_s, load=block.load)
         self.metrics.drafted(draft_s)
@@ -393,18 +450,17 @@ class Router:
 
     def _draft_ahead(
         self, gen: Generation, block: DraftBlock, num_tokens: int
-    ) -> Future[Draft] | None:
+    ) -> Steps[Started | None]:
         """Propose the block after `block` as if all of it were accepted: looked up at once,
-        or drafted in the background; None if neither can."""
+        or drafted in the background (sent now, finished after the verdict); None if neither
+        can."""
         looked_up = gen.look_up(num_tokens, ahead=block.tokens)
         if looked_up is not None:
-            done: Future[Draft] = Future()
-            done.set_result(Draft(looked_up, by_drafter=False))
-            return done
+            return Started(done_steps(Draft(looked_up, by_drafter=False)))
         if gen.drafter_port is None:
             return None
         try:
-            port = gen.ready_drafter()
+            port = yield from gen.ready_drafter()
         except DRAFTER_FAILED as error:
             self._failover.replace(gen, "drafter", error)
             return None
@@ -412,52 +468,19 @@ class Router:
         # suffix when `block` came from it: its view then lacks nothing).
         view = gen.drafter
         appended = view.behind + list(block.tokens)
+        args = (gen.session_id, view.base_length, appended, num_tokens, view.truncate_to)
+        sent_at = time.perf_counter()
+        # Over frames it leaves with the next frame and nothing waits for it until the verdict;
+        # a port whose calls block drafts on a thread of the router's pool, beside the verify.
+        drafting = begin_call(self._pool, port, "draft", *args)
+        return Started(self._drafted_ahead(gen, drafting, sent_at))
 
-        def draft() -> Draft:
-            started = time.perf_counter()
-            next_block = port.draft(
-                gen.session_id, view.base_length, appended, num_tokens, view.truncate_to
-            )
-            elapsed = time.perf_counter() - started
-            gen.lengths.observe_draft(
-                len(next_block.tokens), elapsed, overlapped=True, load=next_block.load
-            )
-            self.metrics.drafted(elapsed)
-            return Draft(next_block, by_drafter=True)
-
-        return self._pool.submit(draft)
-
-    @staticmethod
-    def _after_verdict(
-        gen: Generation, block: DraftBlock, verdict: Verdict, next_draft: Draft | None
-    ) -> Draft | None:
-        """Update the drafter's view; return the draft to verify next, if one is ready."""
-        hit = next_draft is not None and verdict.bonus_deferred
-        if next_draft is None or not next_draft.by_drafter:
-            gen.drafter.behind.extend(verdict.tokens)
-            return next_draft if hit else None
-        next_base = next_draft.block.base_length
-        if hit:
-            gen.drafter = DrafterView(base_length=next_base)
-            return next_draft
-        # The drafter assumed all of `block`: keep what was accepted, then the correction.
-        gen.drafter = DrafterView(
-            base_length=next_base,
-            truncate_to=block.base_length + verdict.num_accepted,
-            behind=list(verdict.tokens[verdict.num_accepted :]),
+    def _drafted_ahead(self, gen: Generation, drafting: Started, sent_at: float) -> Steps[Draft]:
+        next_block: DraftBlock = yield from drafting.finish()
+        # Timed to its answer, not to when the loop reads it (after the verdict).
+        elapsed = (drafting.finished_at or time.perf_counter()) - sent_at
+        gen.lengths.observe_draft(
+            len(next_block.tokens), elapsed, overlapped=True, load=next_block.load
         )
-        return None
-
-    @staticmethod
-    def _count(
-        stats: SpeculationStats, block: DraftBlock, verdict: Verdict, next_draft: Draft | None
-    ) -> None:
-        stats.num_verify_passes += 1
-        stats.num_drafted += len(block.tokens)
-        stats.num_accepted += verdict.num_accepted
-        stats.record_block(len(block.tokens), verdict.num_accepted)
-        if next_draft is not None:
-            if verdict.bonus_deferred:
-                stats.pipeline_hits += 1
-            else:
-                stats.pipeline_misses += 1
+        self.metrics.drafted(elapsed)
+        return Draft(next_block, by_drafter=True)

@@ -20,6 +20,9 @@ import each other's helpers (the ingress builds the HTTP face; nothing imports b
   items before it. Closing the async iterator (a cancelled call, a client gone) closes the
   generator on its thread, after the step in flight, also when the thread had not started
   yet (it then closes it without a step): either way the request's sessions are freed.
+- `stream_on_loop`: the same for a Tandem stream as steps (`cluster.routing.waits`) over
+  replicas that answer on frames: a task of the event loop runs them, awaiting each wait, so
+  no thread is held per request (`TandemService.waits_without_threads` says which applies).
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Generator, Iterable
+from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from cluster.api.client import DEADLINE_METADATA_KEY
+from cluster.routing.waits import Wait, blocking, drive
 from cluster.runtime.errors import InvalidArgumentError
 
 T = TypeVar("T")
@@ -80,22 +84,78 @@ async def stream_in_thread(
 
     threads.submit(produce)
     try:
-        while True:
-            if not pending:
-                arrived.clear()
-                await arrived.wait()
-            taken = pending[:]
-            pending.clear()
-            arrivals = [value for kind, value in taken if kind == _ITEM]
-            for item in merge(arrivals) if arrivals else ():
-                yield item
-            kind, value = taken[-1]
-            if kind == _ERROR:
-                raise value
-            if kind == _END:
-                return
+        async for item in _merged(pending, arrived, merge):
+            yield item
     finally:
         leaving.set()
+
+
+async def stream_on_loop(
+    steps: Iterator[T | Wait],
+    merge: Callable[[list[T]], list[T]],
+    start_on: ThreadPoolExecutor | None = None,
+) -> AsyncGenerator[T, None]:
+    """`stream_in_thread` for a stream of steps (`cluster.routing.waits`) whose waits need no
+    thread: a task of the running loop runs them to their end, awaiting each wait, and the
+    reader gets what is pending merged, as there; the first step runs on `start_on`, if given
+    (`drive`). Closing this cancels the task, which closes the steps (the request's sessions
+    are freed)."""
+    pending: list[tuple[str, Any]] = []
+    arrived = asyncio.Event()
+
+    def deliver(kind: str, value: Any) -> None:
+        pending.append((kind, value))
+        arrived.set()
+
+    async def produce() -> None:
+        try:
+            async for item in drive(steps, start_on):
+                deliver(_ITEM, item)
+            deliver(_END, None)
+        except Exception as error:
+            deliver(_ERROR, error)
+
+    task = asyncio.get_running_loop().create_task(produce())
+    try:
+        async for item in _merged(pending, arrived, merge):
+            yield item
+    finally:
+        task.cancel()
+
+
+def stream_merged(
+    steps: Iterator[T | Wait],
+    threads: ThreadPoolExecutor,
+    merge: Callable[[list[T]], list[T]],
+    waits_without_threads: bool,
+) -> AsyncGenerator[T, None]:
+    """A Tandem stream's steps, merged for a lagging reader: on the loop when their waits need
+    no thread (`stream_on_loop`, the request's set-up on `threads`), else blocking on a thread
+    of `threads` (`stream_in_thread`)."""
+    if waits_without_threads:
+        return stream_on_loop(steps, merge, threads)
+    return stream_in_thread(blocking(steps), threads, merge)
+
+
+async def _merged(
+    pending: list[tuple[str, Any]], arrived: asyncio.Event, merge: Callable[[list[T]], list[T]]
+) -> AsyncGenerator[T, None]:
+    """What a producer `deliver`s to `pending`, merged as it is read; its error raised after
+    the items before it."""
+    while True:
+        if not pending:
+            arrived.clear()
+            await arrived.wait()
+        taken = pending[:]
+        pending.clear()
+        arrivals = [value for kind, value in taken if kind == _ITEM]
+        for item in merge(arrivals) if arrivals else ():
+            yield item
+        kind, value = taken[-1]
+        if kind == _ERROR:
+            raise value
+        if kind == _END:
+            return
 
 
 def deadline_of(

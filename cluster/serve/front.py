@@ -7,11 +7,12 @@ the client; measured at 64 streams on `sim-h100-8b`, that is about a third of Ta
 generated token (docs/benchmarks.md). `RouterFront` serves the same two APIs from the router
 replica itself, as the drafter and verifier replicas already serve theirs:
 
-- gRPC (`config.grpc_port`): `tandem.v1.Tandem` (`cluster.api.grpc_servicer.TandemServicer`,
-  on the replica's `TandemService`), the standard health service and reflection, on a plain
-  gRPC server whose pool runs each call on one thread: a stream runs its router loop on that
-  thread and writes each chunk to the client as it is committed. The client's gRPC deadline
-  reaches the router directly (`time_remaining`); `x-tandem-deadline-ms` is not needed here.
+- gRPC (`config.grpc_port`): `tandem.v1.Tandem` on the replica's `TandemService`, the
+  standard health service and reflection, on a `grpc.aio` server with an event loop of its
+  own (`cluster.serve.front_grpc.GrpcFront`): every stream's router loop runs on that loop as
+  steps, awaiting each replica's answer instead of holding a thread, and writes each chunk to
+  the client as it is committed. The client's gRPC deadline reaches the router directly
+  (`time_remaining`); `x-tandem-deadline-ms` is not needed here.
 - HTTP (`config.http_port`): the OpenAI-compatible API (`cluster.serve.http.OpenAIHttp`, the
   very object Serve's HTTP proxy calls) on a uvicorn server running its own event loop on a
   thread of this replica.
@@ -30,58 +31,25 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import grpc
 import uvicorn
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from cluster.api.grpc_servicer import TandemServicer
 from cluster.api.service import TandemService
 from cluster.config import FrontConfig
-from cluster.replica.rpc import start_server
+from cluster.serve.front_grpc import GrpcFront
 from cluster.serve.http import OpenAIHttp
-from protos import generate_pb2_grpc
 
 HEALTH_WATCH_PERIOD_S = 1.0
 STOP_GRACE_S = 5.0
 """How long `close` lets calls in flight finish before they are cancelled."""
 HTTP_START_TIMEOUT_S = 30.0
-STREAMS_PER_FRONT = 256
-"""Calls the gRPC server runs at once (a stream holds one of its threads until it ends)."""
-
-
-class HealthServicer(health_pb2_grpc.HealthServicer):
-    """gRPC health: SERVING while `healthy()` (at least one verifier replica is live)."""
-
-    def __init__(self, healthy: Callable[[], bool]) -> None:
-        self._healthy = healthy
-
-    def _status(self) -> int:
-        return (
-            health_pb2.HealthCheckResponse.SERVING
-            if self._healthy()
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-
-    def Check(
-        self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext
-    ) -> health_pb2.HealthCheckResponse:
-        return health_pb2.HealthCheckResponse(status=self._status())
-
-    def Watch(
-        self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext
-    ) -> Iterator[health_pb2.HealthCheckResponse]:
-        last = None
-        while context.is_active():
-            status = self._status()
-            if status != last:
-                last = status
-                yield health_pb2.HealthCheckResponse(status=status)
-            time.sleep(HEALTH_WATCH_PERIOD_S)
+STREAMS_PER_FRONT = 4096
+"""Calls the gRPC server holds at once (they share one event loop and thread); one more is
+answered RESOURCE_EXHAUSTED. The router's own queue (`max_running`, `max_queued`) is the
+tighter limit in practice."""
 
 
 class RouterFront:
@@ -97,11 +65,14 @@ class RouterFront:
     ) -> None:
         self.grpc_port: int | None = None
         self.http_port: int | None = None
-        self._grpc: grpc.Server | None = None
+        self._grpc: GrpcFront | None = None
         self._http: _HttpThread | None = None
         try:
             if config.grpc_port is not None:
-                self._grpc, self.grpc_port = _start_grpc(config, service, healthy)
+                self._grpc = GrpcFront(
+                    service, healthy, config.host, config.grpc_port, STREAMS_PER_FRONT
+                )
+                self.grpc_port = self._grpc.port
             if config.http_port is not None:
                 self._http = _HttpThread(http, config.host, config.http_port)
                 self.http_port = self._http.port
@@ -112,31 +83,11 @@ class RouterFront:
     def close(self) -> None:
         """Stop both servers: new calls are refused, calls in flight get `STOP_GRACE_S`."""
         if self._grpc is not None:
-            self._grpc.stop(STOP_GRACE_S).wait()
+            self._grpc.stop(STOP_GRACE_S)
             self._grpc = None
         if self._http is not None:
             self._http.stop()
             self._http = None
-
-
-def _start_grpc(
-    config: FrontConfig, service: TandemService, healthy: Callable[[], bool]
-) -> tuple[grpc.Server, int]:
-    def add(server: grpc.Server) -> None:
-        generate_pb2_grpc.add_TandemServicer_to_server(TandemServicer(service), server)
-        health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(healthy), server)
-        names = ("tandem.v1.Tandem", "grpc.health.v1.Health", reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, server)
-
-    assert config.grpc_port is not None
-    return start_server(
-        add,
-        config.host,
-        config.grpc_port,
-        max_workers=STREAMS_PER_FRONT,
-        max_concurrent_rpcs=STREAMS_PER_FRONT,
-        reuse_port=True,
-    )
 
 
 class _HttpThread:

@@ -59,7 +59,7 @@ from cluster.api.openai import OpenAIService, Route, error_response
 from cluster.api.openai_stream import ChunkBodies
 from cluster.api.response import ApiChunk, coalesce
 from cluster.api.tenants import bearer_key
-from cluster.serve.calls import deadline_of, stream_in_thread
+from cluster.serve.calls import deadline_of, stream_merged
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +189,9 @@ class OpenAIHttp:
 
     async def _stream(self, route: Route, body: object, caller: Caller) -> Response:
         opening = self._threads.submit(self._openai.open_stream, route, body, caller)
-        stream, bodies = await asyncio.wrap_future(opening)
-        chunks = stream_in_thread(stream, self._threads, coalesce)
+        steps, bodies = await asyncio.wrap_future(opening)
+        waits = self._openai.waits_without_threads
+        chunks = stream_merged(steps, self._threads, coalesce, waits)
         try:
             # An error raised here is answered as a whole response; `chunks` closed itself.
             first = await anext(chunks)

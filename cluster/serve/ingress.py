@@ -81,7 +81,7 @@ from cluster.routing.router import Router
 from cluster.runtime.constraint import grammar_tokenizer_of, warm_up
 from cluster.runtime.errors import TandemError
 from cluster.runtime.models import load_tokenizer
-from cluster.serve.calls import deadline_of, stream_in_thread
+from cluster.serve.calls import deadline_of, stream_merged
 from cluster.serve.front import RouterFront
 from cluster.serve.http import OpenAIHttp
 from protos import generate_pb2
@@ -205,11 +205,12 @@ class RouterIngress:
         self, request: generate_pb2.GenerateRequest, grpc_context: Any = None
     ) -> AsyncIterator[generate_pb2.GenerateChunk]:
         try:
-            chunks = self._api.chunks(request, _caller(grpc_context, timed=True))
-            merged = stream_in_thread(chunks, self._threads, coalesce)
+            steps = self._api.chunk_steps(request, _caller(grpc_context, timed=True))
+            waits = self._api.service.waits_without_threads
+            merged = stream_merged(steps, self._threads, coalesce, waits)
             # Closed however the call ends (`async for` left by an exception does not close).
-            async with contextlib.aclosing(merged) as steps:
-                async for chunk in steps:
+            async with contextlib.aclosing(merged) as chunks:
+                async for chunk in chunks:
                     yield chunk_to_proto(chunk)
         except asyncio.CancelledError:
             raise

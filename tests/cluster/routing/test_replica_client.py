@@ -6,7 +6,9 @@ them through `GrpcDrafter` / `GrpcVerifier`; the reference is the in-process rou
 
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +22,7 @@ from cluster.routing.ports import DrafterPort, VerifierPort
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
+from cluster.routing.waits import drive
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import (
     InvalidArgumentError,
@@ -252,3 +255,39 @@ def test_greedy_over_frames_at_many_streams_equals_the_target_alone(
     after = remote.verifier.stats()
     assert after.entries_received - before.entries_received >= 3 * len(requests)  # over frames
     assert remote.verifier.stats().num_sessions == 0
+
+
+def test_streams_driven_on_one_event_loop_hold_no_thread_each(
+    remote: Remote, local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
+) -> None:
+    # The routers' own gRPC server runs every stream this way (`cluster.serve.front_grpc`):
+    # 32 pipelined requests as steps on one loop; each wait for a frame's answer is awaited
+    # there, so no thread is started or held per request, and the output is the target's.
+    requests = [
+        (prompt, GenerationRequest(encode(local_tandem, prompt), REFERENCE_TOKENS, draft_tokens=k))
+        for k in (1, 2, 3, 4, 5, 6)
+        for prompt in PROMPTS
+    ][:32]
+    remote.router.generate(requests[0][1])  # both Frames streams open: their threads exist
+    threads_before = threading.active_count()
+    most_threads = threads_before
+
+    async def main() -> list[list[int]]:
+        nonlocal most_threads
+
+        async def collect(request: GenerationRequest) -> list[int]:
+            tokens: list[int] = []
+            async for chunk in drive(remote.router.steps(request)):
+                nonlocal most_threads
+                most_threads = max(most_threads, threading.active_count())
+                tokens.extend(chunk.tokens)
+            return tokens
+
+        return await asyncio.gather(*(collect(request) for _, request in requests))
+
+    outputs = asyncio.run(main())
+    for (prompt, _), tokens in zip(requests, outputs, strict=True):
+        assert tuple(tokens) == target_only[prompt], prompt
+    assert most_threads <= threads_before + 1, (threads_before, most_threads)
+    assert remote.verifier.stats().num_sessions == 0
+    assert remote.drafter.stats().num_sessions == 0

@@ -16,13 +16,14 @@ import asyncio
 import inspect
 import threading
 from collections.abc import Generator, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
 from cluster.api.response import ApiChunk, Usage, coalesce
 from cluster.routing.request import FinishReason, SpeculationStats
-from cluster.serve.calls import stream_in_thread
+from cluster.routing.waits import Wait
+from cluster.serve.calls import stream_in_thread, stream_on_loop
 from tests.polling import wait_until
 
 
@@ -181,3 +182,55 @@ def test_a_slow_reader_gets_fewer_merged_chunks_with_the_same_content(
     assert [chunk.finish_reason for chunk in received][-1] == FinishReason.STOP
     assert all(chunk.finish_reason is None for chunk in received[:-1])
     assert (received[-1].usage, received[-1].stats) == (last.usage, stats)
+
+
+# --- steps on the loop ------------------------------------------------------------------------
+
+
+def stepped(answers: list[Future[int]], closed: list[bool]) -> Generator[int | Wait, None, None]:
+    """Steps yielding each answer once it is in (their waits need no thread)."""
+    try:
+        for future in answers:
+            if not future.done():
+                yield Wait(future)
+            yield future.result()
+    finally:
+        closed.append(True)
+
+
+def test_steps_on_the_loop_are_merged_for_a_lagging_reader_and_closed() -> None:
+    answers: list[Future[int]] = [Future() for _ in range(4)]
+    closed: list[bool] = []
+
+    async def read() -> list[tuple[int, ...]]:
+        chunks = stream_on_loop(stepped(answers, closed), as_tuple)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, answers[0].set_result, 1)
+        first = await anext(chunks)
+        for value, future in enumerate(answers[1:], 2):  # all in before the reader asks again
+            future.set_result(value)
+        await asyncio.sleep(0.05)
+        rest = [item async for item in chunks]
+        return [first, *rest]
+
+    assert asyncio.run(read()) == [(1,), (2, 3, 4)]
+    assert closed == [True]
+
+
+def test_a_reader_that_leaves_closes_the_steps_on_the_loop() -> None:
+    answers: list[Future[int]] = [Future() for _ in range(2)]
+    answers[0].set_result(1)
+    closed: list[bool] = []
+
+    async def leave_while_it_waits() -> None:
+        chunks = stream_on_loop(stepped(answers, closed), unmerged)
+        assert await anext(chunks) == 1
+        second = asyncio.ensure_future(anext(chunks))
+        await asyncio.sleep(0.01)  # the steps wait for an answer that never comes
+        await cancel(second)
+        await chunks.aclose()
+        await asyncio.sleep(0)  # the producing task sees its cancellation
+
+    asyncio.run(leave_while_it_waits())
+    assert closed == [True]
+    assert not answers[1].done()  # nothing waited on a thread for it

@@ -63,6 +63,8 @@ class ScriptedOpenAI:
     index whose step raises), `quota` (refused before the first chunk), `chunks` (how many),
     `paced` (each chunk takes a millisecond)."""
 
+    waits_without_threads = False  # its streams block: they run on the adapter's threads
+
     def __init__(self) -> None:
         self.closed = threading.Event()
         self.is_active: Callable[[], bool] | None = None

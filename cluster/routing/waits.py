@@ -1,0 +1,228 @@
+"""Waiting on replicas without a thread: a request's loop as steps that yield their waits.
+
+A request's router loop spends nearly all its time waiting for a replica's answer (a frame
+entry's future). Written as a plain function it must hold a thread while it waits, so 1,000
+streams would cost 1,000 threads and a thread wake for every answer. Written as **steps** (a
+generator that yields a `Wait` wherever it would block, and goes on once it is resumed), one
+driver can run any number of requests:
+
+- `run(steps)` and `blocking(stream)` resume each wait on the calling thread, blocking until
+  it is over: the synchronous APIs (`Router.stream`, `TandemService.stream`), tests and the
+  in-process transport, unchanged in what they do;
+- `drive(stream)` awaits each wait on an asyncio event loop: the router replica's own gRPC
+  server runs every stream this way on one loop (`cluster.serve.front`).
+
+A wait ends when its future is done or its `timeout_s` has passed, whichever is first: the step
+that yielded it reads the future next and decides (a timeout is its own to raise). Steps never
+receive a value from the driver, so a generator of steps is run with `next` alone, and
+`yield from` composes them. A stream of steps yields its output (chunks) between its waits.
+
+`Started` begins steps at once and finishes them later (a draft sent ahead while a block is
+verified). `done_steps` and `answer` make steps of values and futures that need no thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+Steps = Generator["Wait", None, T]
+"""Work that yields a `Wait` wherever it would block and returns its result."""
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """A step's pause until `future` is done or `timeout_s` has passed (None: no limit)."""
+
+    future: Future[Any]
+    timeout_s: float | None = None
+
+    def block(self) -> None:
+        """Wait here, on this thread."""
+        if not self.future.done():
+            concurrent.futures.wait((self.future,), timeout=self.timeout_s)
+
+    async def wait_async(self) -> None:
+        """Wait on the running event loop (the future's thread wakes the loop, not a thread of
+        the request's own); a timeout leaves the future running for the step to deal with.
+        Lighter than `asyncio.wrap_future` with `asyncio.wait`: one loop future, one callback
+        and, with a timeout, one timer."""
+        if self.future.done():
+            return
+        loop = asyncio.get_running_loop()
+        woken: asyncio.Future[None] = loop.create_future()
+
+        def answered(_: Future[Any]) -> None:  # on the thread that completed the future
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+                loop.call_soon_threadsafe(_wake, woken)
+
+        self.future.add_done_callback(answered)
+        if self.timeout_s is None:
+            await woken
+            return
+        timer = loop.call_later(self.timeout_s, _wake, woken)
+        try:
+            await woken
+        finally:
+            timer.cancel()
+
+
+def _wake(woken: asyncio.Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)
+
+
+def run(steps: Steps[T]) -> T:
+    """Run `steps` to their result on this thread, blocking at each wait."""
+    try:
+        wait = next(steps)
+        while True:
+            wait.block()
+            wait = next(steps)
+    except StopIteration as stop:
+        return stop.value
+
+
+def blocking(stream: Iterator[T | Wait]) -> Generator[T, None, None]:
+    """The output of a stream of steps, blocking at each wait on the consumer's thread.
+    Closing this closes `stream` (what frees a request's sessions)."""
+    try:
+        for item in stream:
+            if isinstance(item, Wait):
+                item.block()
+            else:
+                yield item
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()
+
+
+async def drive(stream: Iterator[T | Wait], start_on: Executor | None = None) -> AsyncIterator[T]:
+    """The output of a stream of steps on the running event loop: each step runs on the loop's
+    thread and each wait is awaited there. `start_on`: the first step (a request's set-up up to
+    its first wait: validation, tokenization, its sessions' opening) runs there instead, so
+    that starting requests never holds up the others' steps on the loop. Closing (or
+    cancelling) this closes `stream`."""
+    starting: Future[Any] | None = None
+    try:
+        if start_on is not None:
+            starting = start_on.submit(next, stream, _NO_MORE)
+            first = await asyncio.wrap_future(starting)
+            if first is _NO_MORE:
+                return
+            if isinstance(first, Wait):
+                await first.wait_async()
+            else:
+                yield first
+        for item in stream:
+            if isinstance(item, Wait):
+                await item.wait_async()
+            else:
+                yield item
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            if starting is not None and not starting.done():
+                # Its first step still runs on `start_on`: close it once that step is over.
+                starting.add_done_callback(lambda _: close())
+            else:
+                close()
+
+
+_NO_MORE = object()
+"""What `next` returns for a stream that ended in its first step."""
+
+
+def finishing(steps: Steps[T]) -> Steps[T]:
+    """`steps` that must run whatever happens (closing a request's sessions): if their
+    consumer closes them at a wait (it left), they finish on the closing thread, blocking."""
+    wait: Wait | None = None
+    try:
+        while True:
+            try:
+                wait = next(steps)
+            except StopIteration as stop:
+                return stop.value
+            yield wait
+    except GeneratorExit:
+        if wait is not None:
+            wait.block()
+        run(steps)
+        raise
+
+
+def quietly(steps: Steps[object]) -> Steps[None]:
+    """`steps` run for their effect alone: what they raise is dropped."""
+    try:
+        yield from steps
+    except Exception:
+        return
+
+
+def done_steps(value: T) -> Steps[T]:
+    """Steps that wait for nothing and return `value`."""
+    return value
+    yield  # pragma: no cover - makes this a generator
+
+
+def answer(future: Future[T], timeout_s: float | None = None) -> Steps[T]:
+    """Steps that wait for `future` and return its result (or raise its error); a future not
+    done within `timeout_s` raises `concurrent.futures.TimeoutError`."""
+    if not future.done():
+        yield Wait(future, timeout_s)
+    return future.result(timeout=0)
+
+
+def call_steps(call: Callable[[], T]) -> Steps[T]:
+    """Steps that make a blocking `call` when run (a port with no steps of its own)."""
+    return call()
+    yield  # pragma: no cover - makes this a generator
+
+
+class Started:
+    """Steps begun now, up to their first wait (the request behind it is sent at once), and
+    finished later by `yield from started.finish()`."""
+
+    def __init__(self, steps: Steps[T]) -> None:
+        self._steps = steps
+        self._first: Wait | None = None
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._finished_at: float | None = None
+        try:
+            self._first = next(steps)
+        except StopIteration as stop:
+            self._result, self._finished_at = stop.value, time.perf_counter()
+        except Exception as error:  # raised again by `finish`, on the request's own path
+            self._error, self._finished_at = error, time.perf_counter()
+        else:
+            self._first.future.add_done_callback(self._answered)
+
+    def _answered(self, _: Future[Any]) -> None:
+        self._finished_at = time.perf_counter()
+
+    def done(self) -> bool:
+        """Whether the answer it first waits for is in (or it needed none)."""
+        return self._first is None or self._first.future.done()
+
+    @property
+    def finished_at(self) -> float | None:
+        """When that answer came (`time.perf_counter()`), if it has."""
+        return self._finished_at
+
+    def finish(self) -> Steps[Any]:
+        """The rest of the steps: their result, or what they raised."""
+        if self._error is not None:
+            raise self._error
+        if self._first is None:
+            return self._result
+        yield self._first
+        return (yield from self._steps)
