@@ -100,6 +100,7 @@ from cluster.routing.waits import (
     run,
 )
 from cluster.runtime.draft_block import DraftBlock
+from cluster.runtime.errors import DeadlineExceededError
 from drafter.config import NgramConfig
 
 if TYPE_CHECKING:
@@ -338,9 +339,14 @@ class Router:
             else:
                 gen.drafter_opening = open_drafter()
         try:
-            yield from self._failover.open_verifier(gen)
-        except GeneratorExit:
-            run(self._failover.close_drafter(gen))
+            # The open must end before the request does: a session the verifier opens after
+            # its consumer left would stay until its TTL.
+            yield from finishing(self._failover.open_verifier(gen))
+        except GeneratorExit:  # the consumer left while the verifier opened: it has now
+            run(self._close_sessions(gen))
+            raise
+        except DeadlineExceededError:  # out of time while opening, maybe after it opened
+            yield from finishing(self._close_sessions(gen))
             raise
         except BaseException:
             yield from finishing(self._failover.close_drafter(gen))

@@ -110,13 +110,15 @@ async def drive(stream: Iterator[T | Wait], start_on: Executor | None = None) ->
     thread and each wait is awaited there. `start_on`: the first step (a request's set-up up to
     its first wait: validation, tokenization, its sessions' opening) runs there instead, so
     that starting requests never holds up the others' steps on the loop. Closing (or
-    cancelling) this closes `stream`."""
+    cancelling) this closes `stream`, on `start_on` if given (`_close`)."""
     starting: Future[Any] | None = None
+    ended = False
     try:
         if start_on is not None:
             starting = start_on.submit(next, stream, _NO_MORE)
             first = await asyncio.wrap_future(starting)
             if first is _NO_MORE:
+                ended = True
                 return
             if isinstance(first, Wait):
                 await first.wait_async()
@@ -127,14 +129,27 @@ async def drive(stream: Iterator[T | Wait], start_on: Executor | None = None) ->
                 await item.wait_async()
             else:
                 yield item
+        ended = True
     finally:
         close = getattr(stream, "close", None)
-        if close is not None:
-            if starting is not None and not starting.done():
-                # Its first step still runs on `start_on`: close it once that step is over.
-                starting.add_done_callback(lambda _: close())
-            else:
-                close()
+        if close is not None and not ended:
+            _close(close, starting, start_on)
+
+
+def _close(close: Callable[[], None], starting: Future[Any] | None, on: Executor | None) -> None:
+    """Close a stream `drive` left: after its first step if that still runs (`starting`); on
+    `on` if given, since closing may block (the request's sessions close, and an open in flight
+    ends first), and not on the loop the other requests' steps run on."""
+    if starting is not None and not starting.done():
+        starting.add_done_callback(lambda _: close())
+        return
+    if on is not None:
+        try:
+            on.submit(close)
+            return
+        except RuntimeError:  # the executor has shut down: close here
+            pass
+    close()
 
 
 _NO_MORE = object()
@@ -142,8 +157,9 @@ _NO_MORE = object()
 
 
 def finishing(steps: Steps[T]) -> Steps[T]:
-    """`steps` that must run whatever happens (closing a request's sessions): if their
-    consumer closes them at a wait (it left), they finish on the closing thread, blocking."""
+    """`steps` that must run whatever happens (closing a request's sessions, or opening one
+    that must then be closed): if their consumer closes them at a wait (it left), they finish
+    on the closing thread, blocking, and what they raise then is dropped."""
     wait: Wait | None = None
     try:
         while True:
@@ -153,9 +169,10 @@ def finishing(steps: Steps[T]) -> Steps[T]:
                 return stop.value
             yield wait
     except GeneratorExit:
-        if wait is not None:
-            wait.block()
-        run(steps)
+        with contextlib.suppress(Exception):  # nobody is left to be told
+            if wait is not None:
+                wait.block()
+            run(steps)
         raise
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from cluster.routing.ports import DrafterPort
 from cluster.routing.request import FinishReason, GenerationRequest
 from cluster.routing.router import Router
 from cluster.routing.speculation_gate import GateConfig, SpeculationGate
+from cluster.routing.waits import Steps, Wait, answer
 from cluster.runtime import tiny
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import InvalidArgumentError, StaleBaseError, TandemError
@@ -230,6 +232,56 @@ class _SlowToOpen:
 
     def close_session(self, session_id: str) -> bool:
         return self._drafter.close_session(session_id)
+
+
+class _OpensOnSteps:
+    """The in-process verifier, its sessions opened as steps that wait until `released` (an
+    open in flight on a replica that answers on frames)."""
+
+    def __init__(self, verifier: Any) -> None:
+        self._verifier = verifier
+        self.released = threading.Event()
+        self._pool = ThreadPoolExecutor(1)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._verifier, name)
+
+    def open_session_steps(self, *args: Any, **kwargs: Any) -> Steps[int]:
+        def open_once_released() -> int:
+            self.released.wait(10)
+            return self._verifier.open_session(*args, **kwargs)
+
+        return (yield from answer(self._pool.submit(open_once_released)))
+
+    def settle(self) -> None:
+        """Wait for every open begun to end."""
+        self._pool.shutdown(wait=True)
+
+
+def test_a_consumer_that_leaves_while_the_verifier_opens_leaves_no_session(
+    local_tandem: LocalTandem,
+) -> None:
+    """Driven as steps, a request's consumer may leave at any wait, the verifier's open among
+    them: the open ends, then both sessions close (none is left to its TTL)."""
+    verifier = _OpensOnSteps(local_tandem.verifier)
+    router = Router(
+        verifier,
+        local_tandem.drafter,
+        local_tandem.router._decode,
+        local_tandem.router._eos_token_ids,
+    )
+    try:
+        request = GenerationRequest(encode(local_tandem, CODE_PROMPT), 50, draft_tokens=4)
+        steps = router.steps(request)
+        first = next(steps)
+        assert isinstance(first, Wait) and not first.future.done()  # the open, in flight
+        threading.Timer(0.05, verifier.released.set).start()
+        steps.close()  # the consumer leaves before the verifier has opened
+    finally:
+        router.close()
+        verifier.settle()
+    assert local_tandem.verifier.stats().num_sessions == 0
+    assert local_tandem.drafter.stats().num_sessions == 0
 
 
 def _router_over(local_tandem: LocalTandem, drafter: DrafterPort) -> Router:
