@@ -17,7 +17,8 @@ module is the pure part, no model object and no waiting:
   deterministic in any process, and a proper causal LM (the same context gives the same row).
   The draft's rows are the target's, except that at a seeded share 1 - alpha of positions
   its favourite token is another one: its greedy agreement with the target is alpha.
-- `ideal_rates`: the analytic tokens/s a perfect system would reach with those costs.
+- `ideal_rates`: the analytic tokens/s a perfect system would reach with those costs, for
+  serial, pipelined and outcome-keyed pre-drafted rounds (`cluster.runtime.predraft`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cluster.runtime import predraft
 from cluster.runtime.sim_source import END_OF_TEXT_ID, FAVOURED, FIRST_WORD_ID, DeviceProfile
 
 # Re-exported: `cluster.runtime.models` reads a simulated source through this module.
@@ -42,6 +44,8 @@ END_OF_TEXT_LOGIT = -40.0
 DRAFT_SALT = 0x5DEECE66D
 _MASK_62 = (1 << 62) - 1
 _UNIFORM_STEPS = 1 << 24
+MAX_FAN_OUT = 8
+"""The widest pre-drafting fan-out the ideal considers."""
 
 
 def tail_table(vocab_size: int, seed: int) -> Tensor:
@@ -128,6 +132,11 @@ class IdealRates:
     tokens_per_verify: float
     verify_s: float
     draft_block_s: float
+    predrafted: float = 0.0
+    """Outcome-keyed pre-drafting at its best fan-out (`predraft_fan_out`)."""
+    predraft_fan_out: int = 0
+    predraft_hit: float = 0.0
+    """The share of rounds whose outcome was pre-drafted, at that fan-out."""
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -146,6 +155,7 @@ def ideal_rates(
     k: int,
     streams: int = 1,
     context_tokens: int = 256,
+    max_fan_out: int = MAX_FAN_OUT,
 ) -> IdealRates:
     """Aggregate tokens/s for `streams` streams of mean context `context_tokens`, each drafting
     `k` tokens a round at acceptance `alpha`.
@@ -155,6 +165,7 @@ def ideal_rates(
     alpha^k) the next block was drafted during the verify pass, so the round takes the longer
     of the two and commits k tokens (the bonus is deferred into the next block); on a miss the
     round takes both in turn and commits the accepted tokens and the correction.
+    Pre-drafted rounds (`_predrafted`): the best fan-out up to `max_fan_out`.
     """
     attended = streams * context_tokens
     decode_s = target.step_s(streams, attended)
@@ -166,6 +177,11 @@ def ideal_rates(
     miss_tokens = per_verify - hit * (k + 1)  # the expected tokens of miss rounds
     pipelined_s = hit * max(verify_s, draft_block_s) + (1 - hit) * (draft_block_s + verify_s)
     pipelined = streams * (hit * k + miss_tokens) / pipelined_s if k else serial
+    predrafted, fan_out, hit_share = 0.0, 0, 0.0
+    for f in range(1, max_fan_out + 1) if k else ():
+        rate, share = _predrafted(target, draft, alpha, k, streams, context_tokens, f)
+        if rate > predrafted:
+            predrafted, fan_out, hit_share = rate, f, share
     return IdealRates(
         target_only=streams / decode_s,
         serial=serial,
@@ -173,4 +189,43 @@ def ideal_rates(
         tokens_per_verify=per_verify,
         verify_s=verify_s,
         draft_block_s=draft_block_s,
+        predrafted=predrafted,
+        predraft_fan_out=fan_out,
+        predraft_hit=hit_share,
     )
+
+
+def sim_predraft_hit(alpha: float, k: int, fan_out: int) -> float:
+    """The share of verify passes whose outcome is among the `fan_out` pre-drafted for, with
+    the simulated draft's odds (greedy): where it disagrees with the target (a share
+    1 - alpha of positions) the target's favourite is its second choice, so a correction is
+    always its best remaining guess, and the bonus token is its first choice with probability
+    alpha and its second otherwise."""
+    block = list(range(k))  # any k distinct ids: the draft's own first choices
+    second = [k + a for a in range(k + 1)]
+    odds = [[(block[a], alpha), (second[a], 1.0 - alpha)] for a in range(k)]
+    odds.append([(k + 2 * k + 1, alpha), (second[k], 1.0 - alpha)])
+    return predraft.hit_rate(predraft.likely_outcomes(block, odds, alpha, fan_out))
+
+
+def _predrafted(
+    target: DeviceProfile,
+    draft: DeviceProfile,
+    alpha: float,
+    k: int,
+    streams: int,
+    context_tokens: int,
+    fan_out: int,
+) -> tuple[float, float]:
+    """Tokens/s and hit share of outcome-keyed pre-drafting at `fan_out`: during each verify
+    pass the drafter drafts `fan_out` k-token blocks for every stream as one batch (k passes
+    of `streams x fan_out` rows, each reading its own context). A hit round takes the longer
+    of the two and commits every token of the verdict, the bonus included; a miss then drafts
+    its next block as a serial round does."""
+    attended = streams * context_tokens
+    verify_s = target.step_s(streams * (k + 1), attended)
+    draft_block_s = k * draft.step_s(streams, attended)
+    predraft_s = k * draft.step_s(streams * fan_out, attended * fan_out)
+    hit = sim_predraft_hit(alpha, k, fan_out)
+    round_s = max(verify_s, predraft_s) + (1.0 - hit) * draft_block_s
+    return streams * expected_tokens(alpha, k) / round_s, hit

@@ -201,6 +201,9 @@ def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
             "target_only_tokens_per_s": ideal.target_only,
             "serial_tokens_per_s": ideal.serial,
             "pipelined_tokens_per_s": ideal.pipelined,
+            "predrafted_tokens_per_s": ideal.predrafted,
+            "predraft_fan_out": ideal.predraft_fan_out,
+            "predraft_hit_rate": ideal.predraft_hit,
             "tokens_per_verify": ideal.tokens_per_verify,
             "verify_ms": 1000 * ideal.verify_s,
             "draft_block_ms": 1000 * ideal.draft_block_s,
@@ -310,6 +313,9 @@ def format_sim_table(result: dict[str, Any]) -> str:
         f"{speedup['pipelining']:.2f}x; ideal: verify {ideal['verify_ms']:.2f} ms, draft block "
         f"{ideal['draft_block_ms']:.2f} ms, {ideal['tokens_per_verify']:.2f} tokens/verify at "
         f"alpha {ideal['alpha']:.2f}",
+        f"ideal with outcome-keyed pre-drafting (not run yet): "
+        f"{ideal['predrafted_tokens_per_s']:.1f} tokens/s at fan-out {ideal['predraft_fan_out']}"
+        f", {100 * ideal['predraft_hit_rate']:.0f}% of rounds pre-drafted",
     ]
     rows = [((name,), run["cpu_ms_per_token"]) for name, run in result["runs"].items()
             if "cpu_ms_per_token" in run]  # fmt: skip

@@ -22,6 +22,9 @@ def test_a_simulated_bench_reports_achieved_against_ideal_and_the_stages(tmp_pat
     assert set(result["runs"]) == {"tandem_target", "tandem_serial", "tandem_pipelined"}
     ideal = result["ideal"]
     assert ideal["target_only_tokens_per_s"] < ideal["serial_tokens_per_s"]
+    # What outcome-keyed pre-drafting would reach, beside the rounds Tandem runs today.
+    assert ideal["predrafted_tokens_per_s"] > ideal["pipelined_tokens_per_s"]
+    assert 1 <= ideal["predraft_fan_out"] <= 8 and 0 < ideal["predraft_hit_rate"] <= 1
     for name, run in result["runs"].items():
         assert run["num_tokens"] == 32
         assert 0 < result["achieved_over_ideal"][name] < 1.5
@@ -35,3 +38,4 @@ def test_a_simulated_bench_reports_achieved_against_ideal_and_the_stages(tmp_pat
     assert result["runs"]["tandem_serial"]["acceptance_rate"] > 0.3
     table = format_sim_table(result)
     assert "achieved/ideal" in table and "tandem_pipelined" in table
+    assert "outcome-keyed pre-drafting" in table
