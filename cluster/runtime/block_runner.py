@@ -59,6 +59,7 @@ class ModelRunner(Protocol):
     def forward(self, batch: Sequence[SequenceWork]) -> torch.Tensor: ...
     def truncate(self, seq_id: str, length: int) -> None: ...
     def release(self, seq_id: str) -> None: ...
+    def fork(self, parent: str, child: str, length: int) -> None: ...
 
 
 def _supports_logits_to_keep(model: PreTrainedModel) -> bool:
@@ -142,6 +143,23 @@ class BlockAccountedRunner:
                 f"tokens, {self._blocks.num_free_blocks} of {self.num_blocks} are free"
             )
         return new_ids
+
+    def fork(self, parent: str, child: str, length: int) -> None:
+        """Start `child` as a copy of `parent`'s first `length` positions (its K/V copied into
+        blocks of its own), so that steps can extend the two apart: the branches of a draft.
+        Raises `PoolExhaustedError` (nothing changed) if its blocks do not fit."""
+        with torch.inference_mode():
+            copies = self._blocks.fork(parent, child, length)
+        if copies is None:
+            raise PoolExhaustedError(
+                f"KV memory full: a fork of {length} positions needs "
+                f"{self._blocks.blocks_needed(child, length)} blocks of {self.block_size} "
+                f"tokens, {self._blocks.num_free_blocks} of {self.num_blocks} are free"
+            )
+        self._forked(parent, child, length)
+
+    def _forked(self, parent: str, child: str, length: int) -> None:
+        """What the subclass holds per sequence, copied for a fork (the blocks are)."""
 
     def _empty_logits(self) -> torch.Tensor:
         return torch.empty(0, self._vocab_size, dtype=torch.float32, device=self.device)

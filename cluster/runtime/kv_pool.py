@@ -139,6 +139,30 @@ class BlockAllocator:
         del table[keep:]
         self._lengths[seq_id] = length
 
+    def fork(self, parent: str, child: str, length: int) -> list[tuple[int, int]] | None:
+        """Start `child` as a copy of `parent`'s first `length` positions, in blocks of its
+        own; the (parent block, child block) pairs whose contents are copied. None (and no
+        change) if the free blocks do not hold them."""
+        if child in self._tables:
+            raise InvalidArgumentError(f"cannot fork into {child!r}: that sequence exists")
+        if not 0 <= length <= self.length(parent):
+            raise InvalidArgumentError(
+                f"cannot fork {length} positions of {parent!r}, which holds {self.length(parent)}"
+            )
+        need = blocks_for(length, self.block_size)
+        if need > len(self._free):
+            return None
+        copies = list(
+            zip(
+                self._tables.get(parent, [])[:need],
+                [self._free.pop() for _ in range(need)],
+                strict=True,
+            )
+        )
+        self._tables[child] = [block for _, block in copies]
+        self._lengths[child] = length
+        return copies
+
     def release(self, seq_id: str) -> None:
         """Return every block of `seq_id` and forget it; an unknown id is a no-op."""
         self._free.extend(reversed(self._tables.pop(seq_id, [])))
@@ -189,13 +213,31 @@ class KVBlockPool(BlockAllocator):
     def reserve_many(self, new_lengths: Mapping[str, int]) -> bool:
         if not super().reserve_many(new_lengths):
             return False
-        highest = max((max(self._tables[s], default=-1) for s in new_lengths), default=-1)
+        self._zero_through(max((max(self._tables[s], default=-1) for s in new_lengths), default=-1))
+        return True
+
+    def fork(self, parent: str, child: str, length: int) -> list[tuple[int, int]] | None:
+        """`BlockAllocator.fork`, copying the K/V of each of the parent's blocks (whole
+        blocks: positions past `length` in the last are masked until overwritten)."""
+        copies = super().fork(parent, child, length)
+        if not copies:
+            return copies
+        self._zero_through(max(block for _, block in copies))  # never zeroed after the copy
+        size = self.block_size
+        offsets = torch.arange(size)
+        source = torch.cat([block * size + offsets for block, _ in copies]).to(self.key.device)
+        target = torch.cat([block * size + offsets for _, block in copies]).to(self.key.device)
+        self.key[:, target] = self.key[:, source]
+        self.value[:, target] = self.value[:, source]
+        return copies
+
+    def _zero_through(self, highest: int) -> None:
+        """Zero every block up to `highest` not zeroed yet."""
         if highest >= self._zeroed_blocks:
             start, stop = self._zeroed_blocks * self.block_size, (highest + 1) * self.block_size
             self.key[:, start:stop].zero_()
             self.value[:, start:stop].zero_()
             self._zeroed_blocks = highest + 1
-        return True
 
     @classmethod
     def for_model(

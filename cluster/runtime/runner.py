@@ -197,6 +197,20 @@ class SerialModelRunner(BlockAccountedRunner):
             if held > length:
                 layer.crop(length - held)
 
+    def _forked(self, parent: str, child: str, length: int) -> None:
+        cache = DynamicCache(config=self.model.config)
+        held = self._caches.get(parent)
+        layers: list[Any] = list(held.layers) if held is not None and length else []
+        for index, layer in enumerate(layers):
+            if getattr(layer, "keys", None) is None:
+                if layer.get_seq_length() == 0:
+                    break
+                self._blocks.release(child)
+                raise InvalidArgumentError(f"cannot fork a {type(layer).__name__} cache")
+            keys, values = layer.keys[..., :length, :], layer.values[..., :length, :]
+            cache.update(keys.clone(), values.clone(), index)
+        self._caches[child] = cache
+
     def truncate(self, seq_id: str, length: int) -> None:
         """Keep positions `< length` (the cache is cropped); whole blocks past it are freed."""
         self._blocks.truncate(seq_id, length)

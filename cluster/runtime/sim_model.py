@@ -211,6 +211,9 @@ class SimModelRunner(BlockAccountedRunner):
             self._sleep(left_s)
         return logits
 
+    def _forked(self, parent: str, child: str, length: int) -> None:
+        self._tokens[child] = self._tokens.get(parent, [])[:length]
+
     def truncate(self, seq_id: str, length: int) -> None:
         self._blocks.truncate(seq_id, length)
         held = self._tokens.get(seq_id)

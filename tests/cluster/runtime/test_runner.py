@@ -90,6 +90,11 @@ class Checked:
         del self.history[seq_id][length:]
         assert self.runner.length(seq_id) == length
 
+    def fork(self, parent: str, child: str, length: int) -> None:
+        self.runner.fork(parent, child, length)
+        self.history[child] = self.history[parent][:length]
+        assert self.runner.length(child) == length
+
 
 def work(
     seq_id: str, tokens: Sequence[int], logits_at: Sequence[int] | None = None
@@ -387,3 +392,34 @@ def test_sliding_window_layers_match_a_full_forward() -> None:
     tokens = [(i * 5 + 1) % 64 for i in range(20)]
     checked.step([work("a", tokens[:9]), work("b", tokens[3:5])])
     checked.step([work("a", tokens[9:14]), work("b", tokens[5:6])])
+
+
+@pytest.mark.parametrize("at", [0, 5, 8, 13])
+def test_a_forked_sequence_goes_on_apart_from_its_parent(
+    make_runner: MakeRunner, reference: Qwen2ForCausalLM, at: int
+) -> None:
+    """A fork (the branches of a draft) holds a copy of its parent's first positions: both
+    then extend apart, in one step or alone, and the child outlives its parent's blocks
+    being reused by another sequence."""
+    checked = Checked(make_runner(num_blocks=64, block_size=4), reference)
+    checked.step([work("p", stream(1, 13))])
+    checked.fork("p", "c", at)
+    checked.step([work("p", stream(2, 5)), work("c", stream(3, 6))])
+    checked.step([work("c", stream(4, 3), [2])])
+    checked.runner.release("p")
+    checked.step([work("q", stream(5, 24), [23])])  # takes the parent's blocks
+    checked.step([work("c", stream(6, 2))])
+
+
+def test_a_fork_that_does_not_fit_or_is_malformed_changes_nothing(make_runner: MakeRunner) -> None:
+    runner = make_runner(num_blocks=6, block_size=4)
+    runner.forward([work("p", stream(1, 13), [])])  # 4 blocks of 6
+    with pytest.raises(PoolExhaustedError):
+        runner.fork("p", "c", 12)  # 3 more blocks, 2 free
+    assert runner.sequences() == ("p",) and runner.num_free_blocks == 2
+    for child, length in (("p", 4), ("c", 14), ("c", -1)):
+        with pytest.raises(InvalidArgumentError):
+            runner.fork("p", child, length)
+    assert runner.sequences() == ("p",) and runner.num_free_blocks == 2
+    runner.fork("p", "c", 8)
+    assert runner.num_free_blocks == 0 and runner.length("c") == 8

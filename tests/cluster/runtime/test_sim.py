@@ -97,6 +97,13 @@ def test_the_runner_returns_the_full_forward_rows_and_rolls_back() -> None:
     assert runner.length("a") == 7
     runner.release("a")
     assert runner.length("a") == 0
+    # A fork starts from the parent's first positions and goes on apart from it.
+    runner.forward([SequenceWork("p", tuple(a), ())])
+    runner.fork("p", "c", 3)
+    rows = runner.forward([SequenceWork("c", (77, 78), (0, 1)), SequenceWork("p", (5,), (0,))])
+    forked = loaded.model(torch.tensor([[*a[:3], 77, 78]])).logits[0]
+    parent = loaded.model(torch.tensor([[*a, 5]])).logits[0]
+    assert torch.equal(rows, torch.stack([forked[3], forked[4], parent[7]]))
 
 
 def test_the_modelled_time_is_honoured() -> None:
