@@ -35,7 +35,7 @@ from cluster.routing.ports import (
     open_steps,
     verify_steps,
 )
-from cluster.routing.waits import Steps, run
+from cluster.routing.waits import Steps, finishing, run
 from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.errors import (
     ReplicaUnavailableError,
@@ -121,7 +121,9 @@ class Failover:
                 )
             except VERIFIER_MOVES as error:
                 self.replace(gen, "verifier", error)
-                yield from self.open_verifier(gen, resumed=True)
+                # A consumer that leaves meanwhile must find the spare's session open, or
+                # the close would miss it (`finishing`).
+                yield from finishing(self.open_verifier(gen, resumed=True))
 
     def replace(self, gen: Generation, side: str, error: Exception) -> None:
         """Pin a spare of `side` in place of the replica that raised `error`; re-raise it when

@@ -3,6 +3,7 @@ a drafter with no spare, to the target alone) and greedy output stays exactly th
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from cluster.local import LocalTandem
 from cluster.routing.ports import Pinned, Spare
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
+from cluster.routing.waits import Wait
 from cluster.runtime.errors import (
     DeadlineExceededError,
     ReplicaUnavailableError,
@@ -21,6 +23,7 @@ from cluster.runtime.errors import (
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from drafter.drafter import Drafter
+from tests.cluster.routing.stepping import OpensOnSteps
 from tests.conftest import encode
 from verifier.config import VerifierConfig
 from verifier.verifier import Verifier
@@ -402,3 +405,29 @@ def test_a_replica_failed_over_from_has_its_session_closed(
     # than leaving its KV blocks held until the idle TTL.
     assert first.component.stats().num_sessions == 0
     first.component.close()
+
+
+def test_a_consumer_that_leaves_while_a_spare_verifier_opens_leaves_no_session(
+    local_tandem: LocalTandem, tiny_target: LoadedModel
+) -> None:
+    """The first verifier is lost after the first round; the request's steps are left while
+    its spare opens the session over the history: that open ends, then it is closed."""
+    lost = Dying(Verifier(tiny_target), calls=2)  # the open and one verify pass
+    spare = OpensOnSteps(Verifier(tiny_target))
+    router = _router(local_tandem, Pool([lost, spare], [local_tandem.drafter]), pipelined=False)
+    try:
+        request = GenerationRequest(encode(local_tandem, "def add(a, b):"), MAX_TOKENS)
+        steps = router.steps(request)
+        for item in steps:
+            if isinstance(item, Wait):
+                if item.future in spare.opening:
+                    break  # the spare's open is in flight
+                item.block()
+        assert lost.refused >= 1 and len(spare.opening) == 1  # it was lost; its spare opens
+        threading.Timer(0.05, spare.released.set).start()
+        steps.close()
+    finally:
+        router.close()
+        spare.settle()
+    assert spare.stats().num_sessions == 0
+    assert local_tandem.drafter.stats().num_sessions == 0

@@ -16,12 +16,13 @@ from cluster.routing.ports import DrafterPort
 from cluster.routing.request import FinishReason, GenerationRequest
 from cluster.routing.router import Router
 from cluster.routing.speculation_gate import GateConfig, SpeculationGate
-from cluster.routing.waits import Steps, Wait, answer
+from cluster.routing.waits import Wait
 from cluster.runtime import tiny
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import InvalidArgumentError, StaleBaseError, TandemError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
+from tests.cluster.routing.stepping import OpensOnSteps
 from tests.conftest import CODE_PROMPT, MAX_TOKENS, PROMPTS, encode
 
 
@@ -156,7 +157,6 @@ def test_concurrent_requests_in_process_are_exact(
     local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
 ) -> None:
     """One router, drafter and verifier shared by 8 threads: components serialise their calls."""
-    from concurrent.futures import ThreadPoolExecutor
 
     def run(prompt: str) -> tuple[int, ...]:
         request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=3)
@@ -234,36 +234,12 @@ class _SlowToOpen:
         return self._drafter.close_session(session_id)
 
 
-class _OpensOnSteps:
-    """The in-process verifier, its sessions opened as steps that wait until `released` (an
-    open in flight on a replica that answers on frames)."""
-
-    def __init__(self, verifier: Any) -> None:
-        self._verifier = verifier
-        self.released = threading.Event()
-        self._pool = ThreadPoolExecutor(1)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._verifier, name)
-
-    def open_session_steps(self, *args: Any, **kwargs: Any) -> Steps[int]:
-        def open_once_released() -> int:
-            self.released.wait(10)
-            return self._verifier.open_session(*args, **kwargs)
-
-        return (yield from answer(self._pool.submit(open_once_released)))
-
-    def settle(self) -> None:
-        """Wait for every open begun to end."""
-        self._pool.shutdown(wait=True)
-
-
 def test_a_consumer_that_leaves_while_the_verifier_opens_leaves_no_session(
     local_tandem: LocalTandem,
 ) -> None:
     """Driven as steps, a request's consumer may leave at any wait, the verifier's open among
     them: the open ends, then both sessions close (none is left to its TTL)."""
-    verifier = _OpensOnSteps(local_tandem.verifier)
+    verifier = OpensOnSteps(local_tandem.verifier)
     router = Router(
         verifier,
         local_tandem.drafter,
