@@ -38,7 +38,8 @@ from cluster.runtime.engine import Batched, Task
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.gumbel import gumbel_tokens
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.runner import ModelRunner
+from cluster.runtime.predraft import Branch, PreDraft
+from cluster.runtime.runner import ModelRunner, PoolExhaustedError
 from cluster.runtime.sampling import (
     SamplingParams,
     SparseDistribution,
@@ -54,6 +55,7 @@ from cluster.runtime.session import (
     check_token_ids,
 )
 from cluster.runtime.task import each_alone_if_refused
+from drafter.branches import branch_task, fork_id
 from drafter.config import DrafterConfig
 
 
@@ -196,6 +198,94 @@ class Drafter(SessionComponent[DrafterConfig]):
             load=load,
         )
 
+    def predraft(
+        self,
+        session_id: str,
+        base_length: int,
+        appended_tokens: Sequence[int],
+        block: Sequence[int],
+        branches: Sequence[Branch],
+        num_tokens: int,
+        truncate_to: int | None = None,
+    ) -> list[PreDraft]:
+        """Bring the session to its committed tokens (as `draft` does: `truncate_to`, then
+        `appended_tokens`), then draft `num_tokens` tokens after each of `branches`, the likely
+        outcomes of verifying `block` (`drafter.branches`), all at once. Branches that do not
+        fit in the KV pool, and every branch of a sampled or constrained session, are left
+        out; the session itself does not change past its committed tokens."""
+        return self.submit_predraft(
+            session_id, base_length, appended_tokens, block, branches, num_tokens, truncate_to
+        ).result()
+
+    def submit_predraft(
+        self,
+        session_id: str,
+        base_length: int,
+        appended_tokens: Sequence[int],
+        block: Sequence[int],
+        branches: Sequence[Branch],
+        num_tokens: int,
+        truncate_to: int | None = None,
+    ) -> Future[list[PreDraft]]:
+        """`predraft` without waiting: a future of the branches drafted."""
+        task = self._forks(
+            session_id, base_length, tuple(appended_tokens), tuple(block), tuple(branches),
+            num_tokens, truncate_to,
+        )  # fmt: skip
+        forking = submitted(lambda: self._engine.submit(task, key=session_id))
+        return gathered(forking)
+
+    def _forks(
+        self,
+        session_id: str,
+        base_length: int,
+        appended_tokens: tuple[int, ...],
+        block: tuple[int, ...],
+        branches: tuple[Branch, ...],
+        num_tokens: int,
+        truncate_to: int | None,
+    ) -> Task[list[Future[PreDraft]]]:
+        """The session's part, on the engine thread: commit, then fork a branch task for each
+        branch (they run as tasks of their own, each on its fork)."""
+        session = self._sessions.get_at(session_id, base_length)
+        if not 1 <= num_tokens <= self.config.max_draft_tokens:
+            raise InvalidArgumentError(
+                f"num_tokens must be in 1..{self.config.max_draft_tokens}, got {num_tokens}"
+            )
+        keep = base_length if truncate_to is None else truncate_to
+        if not 1 <= keep <= base_length:
+            raise InvalidArgumentError(
+                f"truncate_to must be in 1..{base_length} (the base length), got {truncate_to}"
+            )
+        check_token_ids(appended_tokens, self.vocab_size, "appended_tokens")
+        check_token_ids(block, self.vocab_size, "block")
+        for branch in branches:
+            if not 0 <= branch.accepted <= len(block) or branch.rank < 0:
+                raise InvalidArgumentError(
+                    f"a branch needs 0 <= accepted <= {len(block)} and rank >= 0, got {branch}"
+                )
+        self._sessions.check_context(keep + len(appended_tokens) + len(block) + 1 + num_tokens)
+        session.kv.commit_at(keep, appended_tokens)
+        sampling = session.sampling
+        if not sampling.is_greedy or session.constrained:
+            return []
+        committed = list(session.kv.committed_tokens)
+        # After the commit the session's KV holds at most its committed tokens.
+        held = min(self._runner.length(session.kv.seq_id), len(committed))
+        futures = []
+        for branch in branches:
+            child = fork_id(session.kv.seq_id)
+            try:
+                self._runner.fork(session.kv.seq_id, child, held)
+            except PoolExhaustedError:
+                continue  # no room for this branch: it is a guess, not a promise
+            skip = block[branch.accepted] if branch.accepted < len(block) else None
+            prefix = committed + list(block[: branch.accepted])
+            task = branch_task(self._runner, child, prefix, branch, skip, num_tokens)
+            futures.append(self._engine.submit(task, key=child, closes=True))
+        return futures
+        yield  # pragma: no cover - makes this a task
+
     def _matcher(
         self, constraint: Constraint | None, prompt_tokens: Sequence[int]
     ) -> TokenMatcher | None:
@@ -264,3 +354,31 @@ def _sampled_tokens(batch: list[_DraftRow]) -> list[tuple[int, SparseDistributio
     )
     tokens = sample_rows(probs, [row.generator for row in batch])
     return [(token, to_sparse(q)) for token, q in zip(tokens, probs, strict=True)]
+
+
+def gathered(forking: Future[list[Future[PreDraft]]]) -> Future[list[PreDraft]]:
+    """One future of every branch's result, in order, once the session's part has forked
+    them; a branch that failed is left out (a guess lost), the session's own error is raised."""
+    out: Future[list[PreDraft]] = Future()
+
+    def forked(done: Future[list[Future[PreDraft]]]) -> None:
+        error = done.exception()
+        if error is not None:
+            out.set_exception(error)
+            return
+        branches = done.result()
+        if not branches:
+            out.set_result([])
+            return
+        left = [len(branches)]
+
+        def drafted(_: Future[PreDraft]) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                out.set_result([b.result() for b in branches if b.exception() is None])
+
+        for branch in branches:
+            branch.add_done_callback(drafted)
+
+    forking.add_done_callback(forked)
+    return out

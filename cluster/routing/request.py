@@ -103,6 +103,10 @@ class SpeculationStats:
     num_verify_passes: int = 0
     pipeline_hits: int = 0
     pipeline_misses: int = 0
+    predraft_hits: int = 0
+    """Pre-drafted rounds whose verdict was one of the outcomes drafted for: the next block
+    was ready at once (no bonus deferred, unlike a pipeline hit)."""
+    predraft_misses: int = 0
     drafted_by_position: list[int] = field(default_factory=list)
     """Per draft position i: verify passes whose block had a token at position i."""
     accepted_by_position: list[int] = field(default_factory=list)

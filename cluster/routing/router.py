@@ -62,7 +62,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from llguidance import LLTokenizer
 
@@ -81,6 +81,7 @@ from cluster.routing.ports import (
     begin_call,
     draft_steps,
 )
+from cluster.routing.predrafting import choose_branches, predrafted
 from cluster.routing.request import (
     FinishReason,
     GenerationChunk,
@@ -116,6 +117,9 @@ class RouterOptions(TypedDict, total=False):
 
     pipelined: bool
     """Draft the next block while the verifier checks this one (a request may override it)."""
+    predraft_fan_out: int
+    """Pipelined rounds of greedy requests on a drafter that pre-drafts: draft the next block
+    for this many likely outcomes of the verify pass instead of one (0: plain pipelining)."""
     ngram: NgramConfig | None
     """Prompt lookup, tried before the drafter."""
     draft_length: DraftLengthConfig | None
@@ -166,6 +170,7 @@ class Router:
         eos_token_ids: frozenset[int],
         *,
         pipelined: bool = True,
+        predraft_fan_out: int = 0,
         ngram: NgramConfig | None = None,
         draft_length: DraftLengthConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -182,6 +187,7 @@ class Router:
         self._decode_special = decode_special
         self._eos_token_ids = eos_token_ids
         self.pipelined = pipelined
+        self.predraft_fan_out = predraft_fan_out
         self.ngram = ngram if ngram is not None and ngram.enabled else None
         """Prompt lookup settings; None: every block comes from the drafter."""
         self.draft_length = draft_length or DraftLengthConfig()
@@ -387,13 +393,17 @@ class Router:
                 # If all of `block` is accepted (bonus deferred), `remaining - k` tokens are
                 # left and the next block must leave room for one more of the target's own.
                 next_k = min(plan.k, remaining - len(block.tokens) - 1)
+                predrafting = False
                 if plan.pipelined and not opening and len(block.tokens) > 0 and next_k > 0:
-                    ahead = yield from self._draft_ahead(gen, block, next_k)
+                    ahead = yield from self._predraft(gen, block, next_k)
+                    predrafting = ahead is not None
+                    if ahead is None:
+                        ahead = yield from self._draft_ahead(gen, block, next_k)
                 # A looked-up block ahead is ready at once: the verify pass then runs alone.
                 overlapped = ahead is not None and not ahead.done()
                 started = time.perf_counter()
                 verdict = yield from self._failover.verify(
-                    gen, block, defer_bonus=ahead is not None
+                    gen, block, defer_bonus=ahead is not None and not predrafting
                 )
                 if not opening:  # the opening pass runs beside the drafter's prefill
                     verify_s = time.perf_counter() - started
@@ -411,8 +421,11 @@ class Router:
                 if gen.request.draft_tokens > 0:
                     self.gate.committed(len(verdict.tokens))
                 assert gen.committed == verdict.committed_length, "verifier and router disagree"
-                count_round(gen.stats, block, verdict, next_draft)
-                draft = after_verdict(gen, block, verdict, next_draft)
+                if predrafting:  # the branch the verdict hit, if any, is verified next
+                    draft = predrafted(gen, block, verdict, next_draft)
+                else:
+                    count_round(gen.stats, block, verdict, next_draft)
+                    draft = after_verdict(gen, block, verdict, next_draft)
                 if lost is not None:
                     self._failover.replace(gen, "drafter", lost)
 
@@ -453,6 +466,38 @@ class Router:
         self.metrics.drafted(draft_s)
         gen.drafter = DrafterView(base_length=block.base_length)
         return Draft(block, by_drafter=True)
+
+    def _predraft(
+        self, gen: Generation, block: DraftBlock, num_tokens: int
+    ) -> Steps[Started | None]:
+        """Ask the drafter for the next block after each likely outcome of verifying `block`
+        (`cluster.routing.predrafting`), sent now and finished after the verdict; None where
+        the router, the request or the drafter does not pre-draft."""
+        port, sampling = gen.drafter_port, gen.request.sampling
+        if (
+            self.predraft_fan_out <= 0 or port is None or not hasattr(port, "predraft")
+            or not sampling.is_greedy or gen.constraint is not None
+        ):  # fmt: skip
+            return None
+        try:
+            port = yield from gen.ready_drafter()
+        except DRAFTER_FAILED as error:
+            self._failover.replace(gen, "drafter", error)
+            return None
+        view = gen.drafter
+        branches = choose_branches(gen.lengths.acceptance, len(block.tokens), self.predraft_fan_out)
+        args = (gen.session_id, view.base_length, view.behind, block.tokens, branches, num_tokens)
+        sent_at = time.perf_counter()
+        drafting = begin_call(self._pool, port, "predraft", *args, truncate_to=view.truncate_to)
+        keep = view.base_length if view.truncate_to is None else view.truncate_to
+        gen.drafter = DrafterView(base_length=keep + len(view.behind))  # committed, no more
+        return Started(self._predrafted(gen, drafting, sent_at))
+
+    def _predrafted(self, gen: Generation, drafting: Started, sent_at: float) -> Steps[Any]:
+        branches = yield from drafting.finish()
+        elapsed = (drafting.finished_at or time.perf_counter()) - sent_at
+        self.metrics.drafted(elapsed)
+        return branches
 
     def _draft_ahead(
         self, gen: Generation, block: DraftBlock, num_tokens: int

@@ -22,6 +22,9 @@ The odds, with per-position acceptance `alpha` (the same model as the adaptive p
 `likely_outcomes` ranks every (a, token) by the product and keeps the F most likely: this is the
 allocation the capped geometric series of speculative speculative decoding approximates, taken
 exactly. The sum of their probabilities is the expected hit rate (`hit_rate`).
+
+`Branch` (an accept length and a rank of the draft's choice, what the router asks the drafter
+for) and `PreDraft` (a branch drafted) are the two sides' shared vocabulary.
 """
 
 from __future__ import annotations
@@ -36,6 +39,25 @@ class Outcome:
 
     accepted: int
     token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Branch:
+    """Which outcome to draft for: `accepted` tokens of the block, then the draft's choice of
+    `rank` (0: its favourite) at that position."""
+
+    accepted: int
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class PreDraft:
+    """A branch drafted: the outcome it is keyed by (`accepted`, then `token`) and the block
+    drafted after that token."""
+
+    accepted: int
+    token: int
+    tokens: tuple[int, ...]
 
 
 def accept_odds(alpha: float, k: int) -> tuple[float, ...]:

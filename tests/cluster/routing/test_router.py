@@ -502,3 +502,76 @@ def test_a_request_started_while_the_gate_holds_the_target_opens_its_drafter_onl
         assert drafter.opened == drafter.closed == 1 and result.stats.num_drafted > 0
     assert local_tandem.drafter.stats().num_sessions == 0
     assert local_tandem.verifier.stats().num_sessions == 0
+
+
+@pytest.mark.parametrize("fan_out", [1, 8])
+@pytest.mark.parametrize("draft_tokens", [1, 3, 8])
+def test_greedy_with_outcome_keyed_predrafting_is_lossless(
+    local_tandem: LocalTandem,
+    target_only: dict[str, tuple[int, ...]],
+    draft_tokens: int,
+    fan_out: int,
+) -> None:
+    """Pipelined rounds that pre-draft the likely outcomes of each verify pass: the output is
+    the target's alone, and both hits (a branch verified next at once) and misses happen."""
+    router = Router(
+        local_tandem.verifier, local_tandem.drafter, local_tandem.router._decode,
+        local_tandem.router._eos_token_ids, predraft_fan_out=fan_out,
+    )  # fmt: skip
+    hits = misses = 0
+    try:
+        for prompt, expected in target_only.items():
+            request = GenerationRequest(
+                encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=draft_tokens
+            )
+            result = router.generate(request, pipelined=True)
+            assert result.tokens == expected, prompt
+            stats = result.stats
+            hits, misses = hits + stats.predraft_hits, misses + stats.predraft_misses
+            # A pre-drafted round commits its whole verdict, the bonus included.
+            assert stats.num_accepted + stats.num_verify_passes == len(result.tokens)
+            assert stats.pipeline_hits == stats.pipeline_misses == 0
+    finally:
+        router.close()
+    assert hits > 0 and misses > 0
+    assert local_tandem.verifier.stats().num_sessions == 0
+    assert local_tandem.drafter.stats().num_sessions == 0
+    # Every branch's fork was released with it.
+    assert local_tandem.drafter._runner.sequences() == ()
+
+
+class _CountingDrafter:
+    """The in-process drafter, its `draft` calls counted."""
+
+    def __init__(self, drafter: Any) -> None:
+        self._drafter = drafter
+        self.drafts = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._drafter, name)
+
+    def draft(self, *args: Any, **kwargs: Any) -> Any:
+        self.drafts += 1
+        return self._drafter.draft(*args, **kwargs)
+
+
+def test_a_predraft_hit_is_verified_without_asking_the_drafter_again(
+    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
+) -> None:
+    drafter = _CountingDrafter(local_tandem.drafter)
+    router = Router(
+        local_tandem.verifier, drafter, local_tandem.router._decode,
+        local_tandem.router._eos_token_ids, predraft_fan_out=4,
+    )  # fmt: skip
+    try:
+        prompt, expected = next(iter(target_only.items()))
+        request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=4)
+        result = router.generate(request, pipelined=True)
+    finally:
+        router.close()
+    assert result.tokens == expected
+    stats = result.stats
+    assert stats.predraft_hits > 0
+    # Every verify pass's block came from a draft call, a hit, or neither (the opening pass,
+    # which verifies nothing drafted): hits cost no draft call.
+    assert drafter.drafts + stats.predraft_hits <= stats.num_verify_passes - 1
