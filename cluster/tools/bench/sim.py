@@ -3,7 +3,9 @@
 A simulated pair (`cluster.runtime.sim`) runs the real router, engines, KV blocks, sampling and
 acceptance with every forward pass replaced by a modelled wait, so what the run takes beyond the
 modelled device time is Tandem's own. Three runs, interleaved per prompt and repeated (medians):
-`tandem_target` (draft length 0), `tandem_serial` and `tandem_pipelined`. Each is reported
+`tandem_target` (draft length 0), `tandem_serial` and `tandem_pipelined`, and in `--mode local`
+a fourth, `tandem_predrafted` (outcome-keyed pre-drafting at the ideal's best fan-out, with its
+hit rate; the service does not pre-draft yet). Each is reported
 against the ideal for the same costs (`sim.ideal_rates`: the measured acceptance, the block
 length, the modelled pass times at the run's mean context, and the draft's agreement alpha).
 
@@ -66,7 +68,7 @@ def _split(
     return parts
 
 
-Generate = Callable[[tuple[int, ...], int, bool], Any]
+Generate = Callable[[tuple[int, ...], int, bool, int], Any]
 Engines = Callable[[], tuple[EngineStats, EngineStats]]
 
 
@@ -79,7 +81,8 @@ def _in_process(pair: Any, settings: dict[str, Any], max_tokens: int) -> Iterato
 
     local = build_local(pair, **_router_settings(settings))
 
-    def generate(prompt: tuple[int, ...], k: int, pipelined: bool) -> Any:
+    def generate(prompt: tuple[int, ...], k: int, pipelined: bool, fan_out: int = 0) -> Any:
+        local.router.predraft_fan_out = fan_out
         request = GenerationRequest(prompt, max_tokens, draft_tokens=k)
         result = local.router.generate(request, pipelined=pipelined)
         return result.tokens, result.stats
@@ -127,7 +130,8 @@ def _through_service(
             GrpcDrafter(replicas["drafter"], secret=secret) as drafter,
         ):
 
-            def generate(prompt: tuple[int, ...], k: int, pipelined: bool) -> Any:
+            def generate(prompt: tuple[int, ...], k: int, pipelined: bool, fan_out: int = 0) -> Any:
+                assert fan_out == 0, "the service does not pre-draft yet"
                 result = client.generate(
                     list(prompt), max_tokens=args.max_tokens, draft_tokens=k, pipelined=pipelined
                 )
@@ -153,40 +157,44 @@ def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     target_source = sim_source.SimSource.parse(pair.target.source)
     draft_source = sim_source.SimSource.parse(pair.draft.source)
     progress(f"simulated pair {pair.target.source} + {pair.draft.source}; settings {settings}")
-    configs = {"tandem_target": (0, False), "tandem_serial": (args.draft_tokens, False),
-               "tandem_pipelined": (args.draft_tokens, True)}  # fmt: skip
-    names = list(configs)
+    configs = {"tandem_target": (0, False, 0), "tandem_serial": (args.draft_tokens, False, 0),
+               "tandem_pipelined": (args.draft_tokens, True, 0)}  # fmt: skip
     with (
         _in_process(pair, settings, args.max_tokens)
         if args.mode == "local"
         else _through_service(args, settings, progress)
     ) as (encode, generate, engines, cpu):
         ids = [tuple(encode(p.text, add_special_tokens=False)) for p in prompts]
+        context = statistics.mean(len(p) for p in ids) + args.max_tokens / 2
+        alpha = draft_source.alpha  # per position; a run's accepted/drafted counts a block's tail
+        ideal = sim.ideal_rates(
+            target_source.profile, draft_source.profile, alpha, args.draft_tokens,
+            context_tokens=round(context),
+        )  # fmt: skip
+        if args.mode == "local" and ideal.predraft_fan_out:  # the service does not pre-draft
+            configs["tandem_predrafted"] = (args.draft_tokens, True, ideal.predraft_fan_out)
+        names = list(configs)
         records: dict[str, list[list[dict[str, Any]]]] = {n: [[] for _ in ids] for n in configs}
         for repeat in range(args.repeats):
             for index, prompt in enumerate(ids):
                 shift = (repeat + index) % len(names)
                 for name in names[shift:] + names[:shift]:
-                    k, pipelined = configs[name]
-                    record = _one(generate, engines, prompt, k, pipelined, cpu, name)
+                    k, pipelined, fan_out = configs[name]
+                    record = _one(generate, engines, prompt, k, pipelined, cpu, name, fan_out)
                     records[name][index].append(record)
             progress(f"repeat {repeat + 1}/{args.repeats} done")
-    context = statistics.mean(len(p) for p in ids) + args.max_tokens / 2
     runs = {name: _summarize(records[name]) for name in names}
     if cpu is not None:
         for name, fields in cpu.fields().items():
             runs[name].update(fields)
     serial = runs["tandem_serial"]
-    alpha = draft_source.alpha  # per position; a run's accepted/drafted counts a block's tail too
-    ideal = sim.ideal_rates(
-        target_source.profile, draft_source.profile, alpha, args.draft_tokens,
-        context_tokens=round(context),
-    )  # fmt: skip
     achieved = {
         "tandem_target": runs["tandem_target"]["tokens_per_s"] / ideal.target_only,
         "tandem_serial": serial["tokens_per_s"] / ideal.serial,
         "tandem_pipelined": runs["tandem_pipelined"]["tokens_per_s"] / ideal.pipelined,
     }
+    if "tandem_predrafted" in runs:
+        achieved["tandem_predrafted"] = runs["tandem_predrafted"]["tokens_per_s"] / ideal.predrafted
     return {
         "config": {
             "preset": args.preset, "mode": args.mode, "max_tokens": args.max_tokens,
@@ -214,6 +222,11 @@ def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
             "vs_tandem_target": runs["tandem_pipelined"]["tokens_per_s"]
             / runs["tandem_target"]["tokens_per_s"],
             "pipelining": runs["tandem_pipelined"]["tokens_per_s"] / serial["tokens_per_s"],
+            **(
+                {"predrafting": runs["tandem_predrafted"]["tokens_per_s"] / serial["tokens_per_s"]}
+                if "tandem_predrafted" in runs
+                else {}
+            ),
         },
     }  # fmt: skip
 
@@ -226,13 +239,14 @@ def _one(
     pipelined: bool,
     cpu: CpuCalls | None = None,
     name: str = "",
+    fan_out: int = 0,
 ) -> dict[str, Any]:
     """One request, timed, with its engines' counters read before and after; with `cpu`, the
     CPU of the service's processes while it ran (run `name`), read outside the timed region."""
     before = engines()
     counted = cpu.open(name) if cpu is not None else None
     started = time.perf_counter()
-    tokens, stats = generate(prompt, k, pipelined)
+    tokens, stats = generate(prompt, k, pipelined, fan_out)
     wall_s = time.perf_counter() - started
     if counted is not None:
         counted(len(tokens), wall_s)
@@ -247,6 +261,8 @@ def _one(
         "accepted": stats.num_accepted,
         "hits": stats.pipeline_hits,
         "misses": stats.pipeline_misses,
+        "predraft_hits": stats.predraft_hits,
+        "predraft_misses": stats.predraft_misses,
         "stages": stages,
     }
 
@@ -266,6 +282,8 @@ def _summarize(per_prompt: list[list[dict[str, Any]]]) -> dict[str, Any]:
     passes = total("passes")
     stages = {stage: 1000 * sum(r["stages"][stage] for r in flat) / passes for stage in STAGES}
     hits, misses = total("hits"), total("misses")
+    predraft_hits, predraft_misses = total("predraft_hits"), total("predraft_misses")
+    predrafted = predraft_hits + predraft_misses
     return {
         "tokens_per_s": tokens / seconds,
         "ms_per_token": 1000 * seconds / tokens,
@@ -273,6 +291,7 @@ def _summarize(per_prompt: list[list[dict[str, Any]]]) -> dict[str, Any]:
         "acceptance_rate": total("accepted") / total("drafted") if total("drafted") else None,
         "mean_tokens_per_verify": sum(r["tokens"] for r in flat) / passes,
         "pipeline_hit_rate": hits / (hits + misses) if hits + misses else None,
+        "predraft_hit_rate": predraft_hits / predrafted if predrafted else None,
         "round_ms": 1000 * sum(r["wall_s"] for r in flat) / passes,
         "own_ms_per_round_p50": _percentile(own, 0.5) if own else None,
         "own_ms_per_round_p99": _percentile(own, 0.99) if own else None,
@@ -287,6 +306,7 @@ def format_sim_table(result: dict[str, Any]) -> str:
         "tandem_target": ideal["target_only_tokens_per_s"],
         "tandem_serial": ideal["serial_tokens_per_s"],
         "tandem_pipelined": ideal["pipelined_tokens_per_s"],
+        "tandem_predrafted": ideal["predrafted_tokens_per_s"],
     }
     header = ["run", "tokens/s", "ideal", "achieved/ideal", "acceptance", "tokens/verify",
               "round ms", "own ms/round p50", "p99", *(f"{s} ms" for s in STAGES)]  # fmt: skip
@@ -317,6 +337,12 @@ def format_sim_table(result: dict[str, Any]) -> str:
         f"{ideal['predrafted_tokens_per_s']:.1f} tokens/s at fan-out {ideal['predraft_fan_out']}"
         f", {100 * ideal['predraft_hit_rate']:.0f}% of rounds pre-drafted",
     ]
+    predrafted = result["runs"].get("tandem_predrafted")
+    if predrafted is not None and predrafted["predraft_hit_rate"] is not None:
+        lines.append(
+            f"pre-drafted vs serial {speedup['predrafting']:.2f}x; "
+            f"{100 * predrafted['predraft_hit_rate']:.0f}% of its rounds hit a branch"
+        )
     rows = [((name,), run["cpu_ms_per_token"]) for name, run in result["runs"].items()
             if "cpu_ms_per_token" in run]  # fmt: skip
     lines += cpu_section(("run",), rows, result.get("cpu_scope"))

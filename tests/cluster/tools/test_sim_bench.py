@@ -19,7 +19,12 @@ def test_a_simulated_bench_reports_achieved_against_ideal_and_the_stages(tmp_pat
     )  # fmt: skip
     assert is_sim_preset("sim-h100-8b") and not is_sim_preset("tiny")
     result = run_sim_bench(args, lambda message: None)
-    assert set(result["runs"]) == {"tandem_target", "tandem_serial", "tandem_pipelined"}
+    assert set(result["runs"]) == {
+        "tandem_target", "tandem_serial", "tandem_pipelined", "tandem_predrafted"
+    }  # fmt: skip
+    # Pre-drafting ran at the ideal's best fan-out, and some rounds hit.
+    assert 0 < result["runs"]["tandem_predrafted"]["predraft_hit_rate"] <= 1
+    assert result["runs"]["tandem_serial"]["predraft_hit_rate"] is None
     ideal = result["ideal"]
     assert ideal["target_only_tokens_per_s"] < ideal["serial_tokens_per_s"]
     # What outcome-keyed pre-drafting would reach, beside the rounds Tandem runs today.
@@ -38,4 +43,4 @@ def test_a_simulated_bench_reports_achieved_against_ideal_and_the_stages(tmp_pat
     assert result["runs"]["tandem_serial"]["acceptance_rate"] > 0.3
     table = format_sim_table(result)
     assert "achieved/ideal" in table and "tandem_pipelined" in table
-    assert "outcome-keyed pre-drafting" in table
+    assert "outcome-keyed pre-drafting" in table and "of its rounds hit a branch" in table
