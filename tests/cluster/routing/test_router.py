@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -575,3 +576,28 @@ def test_a_predraft_hit_is_verified_without_asking_the_drafter_again(
     # Every verify pass's block came from a draft call, a hit, or neither (the opening pass,
     # which verifies nothing drafted): hits cost no draft call.
     assert drafter.drafts + stats.predraft_hits <= stats.num_verify_passes - 1
+
+
+def test_closing_a_predrafting_stream_leaves_no_session_or_branch(
+    local_tandem: LocalTandem,
+) -> None:
+    router = Router(
+        local_tandem.verifier, local_tandem.drafter, local_tandem.router._decode,
+        local_tandem.router._eos_token_ids, predraft_fan_out=6,
+    )  # fmt: skip
+    try:
+        request = GenerationRequest(encode(local_tandem, CODE_PROMPT), 60, draft_tokens=4)
+        stream = router.stream(request, pipelined=True)
+        for _ in range(3):  # past the opening round, into pre-drafted ones
+            next(stream)
+        stream.close()
+    finally:
+        router.close()
+    assert local_tandem.verifier.stats().num_sessions == 0
+    assert local_tandem.drafter.stats().num_sessions == 0
+    # A branch still drafting when its session closed releases its fork as it ends.
+    local_tandem.drafter.engine.call(lambda: None)  # after every task queued before it
+    deadline = time.monotonic() + 10
+    while local_tandem.drafter._runner.sequences() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert local_tandem.drafter._runner.sequences() == ()
