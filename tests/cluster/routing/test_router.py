@@ -541,7 +541,7 @@ def test_greedy_with_outcome_keyed_predrafting_is_lossless(
     assert local_tandem.drafter._runner.sequences() == ()
 
 
-class _CountingDrafter:
+class _DraftCallCounter:
     """The in-process drafter, its `draft` calls counted."""
 
     def __init__(self, drafter: Any) -> None:
@@ -559,7 +559,7 @@ class _CountingDrafter:
 def test_a_predraft_hit_is_verified_without_asking_the_drafter_again(
     local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
 ) -> None:
-    drafter = _CountingDrafter(local_tandem.drafter)
+    drafter = _DraftCallCounter(local_tandem.drafter)
     router = Router(
         local_tandem.verifier, drafter, local_tandem.router._decode,
         local_tandem.router._eos_token_ids, predraft_fan_out=4,
