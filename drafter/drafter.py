@@ -127,16 +127,7 @@ class Drafter(SessionComponent[DrafterConfig]):
         truncate_to: int | None,
     ) -> Task[DraftBlock]:
         session = self._sessions.get_at(session_id, base_length)
-        if not 1 <= num_tokens <= self.config.max_draft_tokens:
-            raise InvalidArgumentError(
-                f"num_tokens must be in 1..{self.config.max_draft_tokens}, got {num_tokens}"
-            )
-        keep = base_length if truncate_to is None else truncate_to
-        if not 1 <= keep <= base_length:
-            raise InvalidArgumentError(
-                f"truncate_to must be in 1..{base_length} (the base length), got {truncate_to}"
-            )
-        check_token_ids(appended_tokens, self.vocab_size, "appended_tokens")
+        keep = self._checked_catch_up(base_length, appended_tokens, num_tokens, truncate_to)
         self._sessions.check_context(keep + len(appended_tokens) + num_tokens)
         # The last block's drafts stay cached as far as the router's tokens agree with them.
         session.kv.commit_at(keep, appended_tokens)
@@ -248,16 +239,7 @@ class Drafter(SessionComponent[DrafterConfig]):
         """The session's part, on the engine thread: commit, then fork a branch task for each
         branch (they run as tasks of their own, each on its fork)."""
         session = self._sessions.get_at(session_id, base_length)
-        if not 1 <= num_tokens <= self.config.max_draft_tokens:
-            raise InvalidArgumentError(
-                f"num_tokens must be in 1..{self.config.max_draft_tokens}, got {num_tokens}"
-            )
-        keep = base_length if truncate_to is None else truncate_to
-        if not 1 <= keep <= base_length:
-            raise InvalidArgumentError(
-                f"truncate_to must be in 1..{base_length} (the base length), got {truncate_to}"
-            )
-        check_token_ids(appended_tokens, self.vocab_size, "appended_tokens")
+        keep = self._checked_catch_up(base_length, appended_tokens, num_tokens, truncate_to)
         check_token_ids(block, self.vocab_size, "block")
         for branch in branches:
             if not 0 <= branch.accepted <= len(block) or branch.rank < 0:
@@ -285,6 +267,27 @@ class Drafter(SessionComponent[DrafterConfig]):
             futures.append(self._engine.submit(task, key=child, closes=True))
         return futures
         yield  # pragma: no cover - makes this a task
+
+    def _checked_catch_up(
+        self,
+        base_length: int,
+        appended_tokens: Sequence[int],
+        num_tokens: int,
+        truncate_to: int | None,
+    ) -> int:
+        """Check a draft call's catch-up (`truncate_to`, then `appended_tokens`) and its length;
+        the length the session keeps before appending."""
+        if not 1 <= num_tokens <= self.config.max_draft_tokens:
+            raise InvalidArgumentError(
+                f"num_tokens must be in 1..{self.config.max_draft_tokens}, got {num_tokens}"
+            )
+        keep = base_length if truncate_to is None else truncate_to
+        if not 1 <= keep <= base_length:
+            raise InvalidArgumentError(
+                f"truncate_to must be in 1..{base_length} (the base length), got {truncate_to}"
+            )
+        check_token_ids(appended_tokens, self.vocab_size, "appended_tokens")
+        return keep
 
     def _matcher(
         self, constraint: Constraint | None, prompt_tokens: Sequence[int]

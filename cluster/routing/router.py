@@ -479,10 +479,8 @@ class Router:
             or not sampling.is_greedy or gen.constraint is not None
         ):  # fmt: skip
             return None
-        try:
-            port = yield from gen.ready_drafter()
-        except DRAFTER_FAILED as error:
-            self._failover.replace(gen, "drafter", error)
+        port = yield from self._ready_drafter_ahead(gen)
+        if port is None:
             return None
         view = gen.drafter
         branches = choose_branches(gen.lengths.acceptance, len(block.tokens), self.predraft_fan_out)
@@ -492,6 +490,15 @@ class Router:
         keep = view.base_length if view.truncate_to is None else view.truncate_to
         gen.drafter = DrafterView(base_length=keep + len(view.behind))  # committed, no more
         return Started(self._predrafted(gen, drafting, sent_at))
+
+    def _ready_drafter_ahead(self, gen: Generation) -> Steps[DrafterPort | None]:
+        """The request's drafter, once its session is open, for drafting ahead; None (the
+        round goes on without) if it failed, after failing over."""
+        try:
+            return (yield from gen.ready_drafter())
+        except DRAFTER_FAILED as error:
+            self._failover.replace(gen, "drafter", error)
+            return None
 
     def _predrafted(self, gen: Generation, drafting: Started, sent_at: float) -> Steps[Any]:
         branches = yield from drafting.finish()
@@ -510,10 +517,8 @@ class Router:
             return Started(done_steps(Draft(looked_up, by_drafter=False)))
         if gen.drafter_port is None:
             return None
-        try:
-            port = yield from gen.ready_drafter()
-        except DRAFTER_FAILED as error:
-            self._failover.replace(gen, "drafter", error)
+        port = yield from self._ready_drafter_ahead(gen)
+        if port is None:
             return None
         # The drafter catches up on what its view lacks, then on `block` itself (a no-op
         # suffix when `block` came from it: its view then lacks nothing).
