@@ -53,8 +53,10 @@ def build_local(
     verifier_config: VerifierConfig | None = None,
     prompt_lookup: NgramConfig | None = None,
     draft_length: DraftLengthConfig | None = None,
+    predraft_fan_out: int = 0,
 ) -> LocalTandem:
-    """Load both models of `pair` and connect them in this process."""
+    """Load both models of `pair` and connect them in this process. `predraft_fan_out`: the
+    router's default for requests that do not set theirs (0: no pre-drafting)."""
     target = load_model(pair.target)
     draft = load_model(pair.draft)
     if draft.vocab_size > target.vocab_size:
@@ -71,6 +73,7 @@ def build_local(
         target.eos_token_ids,
         ngram=prompt_lookup,
         draft_length=draft_length,
+        predraft_fan_out=predraft_fan_out,
         decode_special=text_decoder(target.tokenizer, skip_special_tokens=False),
         grammar_tokenizer=grammar_tokenizer_of(target.tokenizer, target.eos_token_ids),
     )

@@ -1,14 +1,16 @@
 """The drafter's gRPC servicer: `tandem.v1.Drafter` over a plain `Drafter`.
 
 A thin adapter: the session RPCs and the Frames stream come from `SessionServicer`
-(cluster/replica/servicer.py); the one of its own, Draft, converts the request with
-`cluster.wire.convert`, calls the drafter under the servicer's `CallGuard` (errors become gRPC
-statuses; calls run concurrently, batched by the drafter's engine), and converts the block
-back; a Frames stream's draft entries take the same way through `submit_draft`.
+(cluster/replica/servicer.py); its own, Draft and Predraft (outcome-keyed pre-drafting),
+convert the request with `cluster.wire.requests`, call the drafter under the servicer's
+`CallGuard` (errors become gRPC statuses; calls run concurrently, batched by the drafter's
+engine), and convert the block or branches back; a Frames stream's draft and predraft entries
+take the same way through `submit_draft` and `submit_predraft`.
 
 Chaos for soak tests: given an `error_fraction` above 0 (`DrafterConfig.error_fraction`), that
-share of Draft calls and draft entries, drawn from the servicer's own `random.Random`, is
-answered INTERNAL (`InjectedError`) before the drafter sees it, as a faulty drafter would.
+share of Draft and Predraft calls and their entries, drawn from the servicer's own
+`random.Random`, is answered INTERNAL (`InjectedError`) before the drafter sees it, as a faulty
+drafter would.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ from cluster.replica.frames import EntryHandler
 from cluster.replica.servicer import SessionServicer
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import InvalidArgumentError, TandemError
+from cluster.runtime.predraft import PreDraft
 from cluster.wire import convert, requests
 from drafter.drafter import Drafter
 from protos import replica_pb2, replica_pb2_grpc
 
 
 class InjectedError(TandemError):
-    """A Draft call failed on purpose (`error_fraction`): INTERNAL, as a drafter's own fault."""
+    """A Draft or Predraft call failed on purpose (`error_fraction`): INTERNAL, as a drafter's
+    own fault."""
 
     status = "INTERNAL"
 
@@ -67,13 +71,25 @@ class DrafterServicer(SessionServicer[Drafter], replica_pb2_grpc.DrafterServicer
 
         return self._guard.run(context, "Draft", call)
 
-    def _maybe_fail(self) -> None:
+    def Predraft(
+        self, request: replica_pb2.PredraftRequest, context: grpc.ServicerContext
+    ) -> replica_pb2.PredraftResponse:
+        def call() -> replica_pb2.PredraftResponse:
+            return convert.predrafts_to_wire(self._submit_predraft(request).result())
+
+        return self._guard.run(context, "Predraft", call)
+
+    def _maybe_fail(self, call: str = "Draft") -> None:
         """Fail this draft on purpose, `error_fraction` of the time."""
         if self._error_fraction and self._chaos.random() < self._error_fraction:
-            raise InjectedError("Draft failed on purpose (drafter_limits.error_fraction)")
+            raise InjectedError(f"{call} failed on purpose (drafter_limits.error_fraction)")
 
     def _entry_handlers(self) -> dict[str, EntryHandler]:
-        return {**super()._entry_handlers(), "draft": EntryHandler(self._submit_draft, _drafted)}
+        return {
+            **super()._entry_handlers(),
+            "draft": EntryHandler(self._submit_draft, _drafted),
+            "predraft": EntryHandler(self._submit_predraft, _predrafted),
+        }
 
     def _submit_draft(self, request: replica_pb2.DraftRequest) -> Future[DraftBlock]:
         self._maybe_fail()
@@ -86,6 +102,23 @@ class DrafterServicer(SessionServicer[Drafter], replica_pb2_grpc.DrafterServicer
             truncate_to=read.truncate_to,
         )
 
+    def _submit_predraft(self, request: replica_pb2.PredraftRequest) -> Future[list[PreDraft]]:
+        self._maybe_fail("Predraft")
+        read = requests.predraft_request_from_wire(request)
+        return self.component.submit_predraft(
+            read.session_id,
+            read.base_length,
+            read.appended_tokens,
+            read.block,
+            read.branches,
+            read.num_tokens,
+            truncate_to=read.truncate_to,
+        )
+
 
 def _drafted(block: DraftBlock) -> replica_pb2.FrameResult:
     return replica_pb2.FrameResult(block=convert.block_to_wire(block))
+
+
+def _predrafted(branches: list[PreDraft]) -> replica_pb2.FrameResult:
+    return replica_pb2.FrameResult(predrafted=convert.predrafts_to_wire(branches))

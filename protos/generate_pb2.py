@@ -25,45 +25,45 @@ _sym_db = _symbol_database.Default()
 from protos import sampling_pb2 as protos_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/generate.proto\x12\ttandem.v1\x1a\x15protos/sampling.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"g\n\x13SpeculationSettings\x12\x19\n\x0c\x64raft_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\tpipelined\x18\x02 \x01(\x08H\x01\x88\x01\x01\x42\x0f\n\r_draft_tokensB\x0c\n\n_pipelined\"\xbd\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x08 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x33\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1e.tandem.v1.SpeculationSettings\x12#\n\x07grammar\x18\t \x01(\x0b\x32\x12.tandem.v1.Grammar\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12 \n\x13skip_special_tokens\x18\r \x01(\x08H\x02\x88\x01\x01\x42\x08\n\x06promptB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xc3\x01\n\x10SpeculationStats\x12\x13\n\x0bnum_drafted\x18\x01 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x19\n\x11num_verify_passes\x18\x03 \x01(\r\x12\x15\n\rpipeline_hits\x18\x04 \x01(\r\x12\x17\n\x0fpipeline_misses\x18\x05 \x01(\r\x12\x1b\n\x13\x64rafted_by_position\x18\x06 \x03(\r\x12\x1c\n\x14\x61\x63\x63\x65pted_by_position\x18\x07 \x03(\r\"\xca\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x30\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1b.tandem.v1.SpeculationStats\"\xc7\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x30\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1b.tandem.v1.SpeculationStats\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x10\n\x0e\x43\x61ncelResponse\"\x0e\n\x0cUsageRequest\"\xb3\x01\n\x0bTenantUsage\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x04\x12\x16\n\x0e\x64rafted_tokens\x18\x05 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\x04\x12\x0f\n\x07refused\x18\x07 \x01(\x04\x12\x0f\n\x07running\x18\x08 \x01(\r\"J\n\x0c\x41uditRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.tandem.v1.GenerateRequest\x12\r\n\x05\x64type\x18\x02 \x01(\t\"\x8d\x03\n\rAuditResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07matched\x18\x03 \x01(\r\x12\r\n\x05total\x18\x04 \x01(\r\x12\x1d\n\x10\x66irst_divergence\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x03gap\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x19\n\x0cserved_token\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x1c\n\x0freference_token\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04rule\x18\t \x01(\t\x12\x0f\n\x07\x64rafter\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\r\n\x05\x63\x61use\x18\x0c \x01(\t\x12\x17\n\nserved_gap\x18\r \x01(\x02H\x04\x88\x01\x01\x12\x16\n\tworst_gap\x18\x0e \x01(\x02H\x05\x88\x01\x01\x42\x13\n\x11_first_divergenceB\x06\n\x04_gapB\x0f\n\r_served_tokenB\x12\n\x10_reference_tokenB\r\n\x0b_served_gapB\x0c\n\n_worst_gap*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xcf\x02\n\x06Tandem\x12\x43\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse\x12H\n\x0eGenerateStream\x12\x1a.tandem.v1.GenerateRequest\x1a\x18.tandem.v1.GenerateChunk0\x01\x12=\n\x06\x43\x61ncel\x12\x18.tandem.v1.CancelRequest\x1a\x19.tandem.v1.CancelResponse\x12;\n\x08GetUsage\x12\x17.tandem.v1.UsageRequest\x1a\x16.tandem.v1.TenantUsage\x12:\n\x05\x41udit\x12\x17.tandem.v1.AuditRequest\x1a\x18.tandem.v1.AuditResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/generate.proto\x12\ttandem.v1\x1a\x15protos/sampling.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x9b\x01\n\x13SpeculationSettings\x12\x19\n\x0c\x64raft_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\tpipelined\x18\x02 \x01(\x08H\x01\x88\x01\x01\x12\x1d\n\x10predraft_fan_out\x18\x03 \x01(\x05H\x02\x88\x01\x01\x42\x0f\n\r_draft_tokensB\x0c\n\n_pipelinedB\x13\n\x11_predraft_fan_out\"\xbd\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x08 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x33\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1e.tandem.v1.SpeculationSettings\x12#\n\x07grammar\x18\t \x01(\x0b\x32\x12.tandem.v1.Grammar\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12 \n\x13skip_special_tokens\x18\r \x01(\x08H\x02\x88\x01\x01\x42\x08\n\x06promptB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xf3\x01\n\x10SpeculationStats\x12\x13\n\x0bnum_drafted\x18\x01 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x19\n\x11num_verify_passes\x18\x03 \x01(\r\x12\x15\n\rpipeline_hits\x18\x04 \x01(\r\x12\x17\n\x0fpipeline_misses\x18\x05 \x01(\r\x12\x1b\n\x13\x64rafted_by_position\x18\x06 \x03(\r\x12\x1c\n\x14\x61\x63\x63\x65pted_by_position\x18\x07 \x03(\r\x12\x15\n\rpredraft_hits\x18\x08 \x01(\r\x12\x17\n\x0fpredraft_misses\x18\t \x01(\r\"\xca\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x30\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1b.tandem.v1.SpeculationStats\"\xc7\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x30\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1b.tandem.v1.SpeculationStats\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x10\n\x0e\x43\x61ncelResponse\"\x0e\n\x0cUsageRequest\"\xb3\x01\n\x0bTenantUsage\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x04\x12\x16\n\x0e\x64rafted_tokens\x18\x05 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\x04\x12\x0f\n\x07refused\x18\x07 \x01(\x04\x12\x0f\n\x07running\x18\x08 \x01(\r\"J\n\x0c\x41uditRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.tandem.v1.GenerateRequest\x12\r\n\x05\x64type\x18\x02 \x01(\t\"\x8d\x03\n\rAuditResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07matched\x18\x03 \x01(\r\x12\r\n\x05total\x18\x04 \x01(\r\x12\x1d\n\x10\x66irst_divergence\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x03gap\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x19\n\x0cserved_token\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x1c\n\x0freference_token\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04rule\x18\t \x01(\t\x12\x0f\n\x07\x64rafter\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\r\n\x05\x63\x61use\x18\x0c \x01(\t\x12\x17\n\nserved_gap\x18\r \x01(\x02H\x04\x88\x01\x01\x12\x16\n\tworst_gap\x18\x0e \x01(\x02H\x05\x88\x01\x01\x42\x13\n\x11_first_divergenceB\x06\n\x04_gapB\x0f\n\r_served_tokenB\x12\n\x10_reference_tokenB\r\n\x0b_served_gapB\x0c\n\n_worst_gap*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xcf\x02\n\x06Tandem\x12\x43\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse\x12H\n\x0eGenerateStream\x12\x1a.tandem.v1.GenerateRequest\x1a\x18.tandem.v1.GenerateChunk0\x01\x12=\n\x06\x43\x61ncel\x12\x18.tandem.v1.CancelRequest\x1a\x19.tandem.v1.CancelResponse\x12;\n\x08GetUsage\x12\x17.tandem.v1.UsageRequest\x1a\x16.tandem.v1.TenantUsage\x12:\n\x05\x41udit\x12\x17.tandem.v1.AuditRequest\x1a\x18.tandem.v1.AuditResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2134
-  _globals['_FINISHREASON']._serialized_end=2258
+  _globals['_FINISHREASON']._serialized_start=2235
+  _globals['_FINISHREASON']._serialized_end=2359
   _globals['_TOKENIDS']._serialized_start=59
   _globals['_TOKENIDS']._serialized_end=82
   _globals['_CHATMESSAGES']._serialized_start=84
   _globals['_CHATMESSAGES']._serialized_end=140
   _globals['_CHATMESSAGE']._serialized_start=142
   _globals['_CHATMESSAGE']._serialized_end=186
-  _globals['_SPECULATIONSETTINGS']._serialized_start=188
-  _globals['_SPECULATIONSETTINGS']._serialized_end=291
-  _globals['_GENERATEREQUEST']._serialized_start=294
-  _globals['_GENERATEREQUEST']._serialized_end=739
-  _globals['_USAGE']._serialized_start=741
-  _globals['_USAGE']._serialized_end=798
-  _globals['_SPECULATIONSTATS']._serialized_start=801
-  _globals['_SPECULATIONSTATS']._serialized_end=996
-  _globals['_GENERATERESPONSE']._serialized_start=999
-  _globals['_GENERATERESPONSE']._serialized_end=1201
-  _globals['_GENERATECHUNK']._serialized_start=1204
-  _globals['_GENERATECHUNK']._serialized_end=1403
-  _globals['_CANCELREQUEST']._serialized_start=1405
-  _globals['_CANCELREQUEST']._serialized_end=1440
-  _globals['_CANCELRESPONSE']._serialized_start=1442
-  _globals['_CANCELRESPONSE']._serialized_end=1458
-  _globals['_USAGEREQUEST']._serialized_start=1460
-  _globals['_USAGEREQUEST']._serialized_end=1474
-  _globals['_TENANTUSAGE']._serialized_start=1477
-  _globals['_TENANTUSAGE']._serialized_end=1656
-  _globals['_AUDITREQUEST']._serialized_start=1658
-  _globals['_AUDITREQUEST']._serialized_end=1732
-  _globals['_AUDITRESPONSE']._serialized_start=1735
-  _globals['_AUDITRESPONSE']._serialized_end=2132
-  _globals['_TANDEM']._serialized_start=2261
-  _globals['_TANDEM']._serialized_end=2596
+  _globals['_SPECULATIONSETTINGS']._serialized_start=189
+  _globals['_SPECULATIONSETTINGS']._serialized_end=344
+  _globals['_GENERATEREQUEST']._serialized_start=347
+  _globals['_GENERATEREQUEST']._serialized_end=792
+  _globals['_USAGE']._serialized_start=794
+  _globals['_USAGE']._serialized_end=851
+  _globals['_SPECULATIONSTATS']._serialized_start=854
+  _globals['_SPECULATIONSTATS']._serialized_end=1097
+  _globals['_GENERATERESPONSE']._serialized_start=1100
+  _globals['_GENERATERESPONSE']._serialized_end=1302
+  _globals['_GENERATECHUNK']._serialized_start=1305
+  _globals['_GENERATECHUNK']._serialized_end=1504
+  _globals['_CANCELREQUEST']._serialized_start=1506
+  _globals['_CANCELREQUEST']._serialized_end=1541
+  _globals['_CANCELRESPONSE']._serialized_start=1543
+  _globals['_CANCELRESPONSE']._serialized_end=1559
+  _globals['_USAGEREQUEST']._serialized_start=1561
+  _globals['_USAGEREQUEST']._serialized_end=1575
+  _globals['_TENANTUSAGE']._serialized_start=1578
+  _globals['_TENANTUSAGE']._serialized_end=1757
+  _globals['_AUDITREQUEST']._serialized_start=1759
+  _globals['_AUDITREQUEST']._serialized_end=1833
+  _globals['_AUDITRESPONSE']._serialized_start=1836
+  _globals['_AUDITRESPONSE']._serialized_end=2233
+  _globals['_TANDEM']._serialized_start=2362
+  _globals['_TANDEM']._serialized_end=2697
 # @@protoc_insertion_point(module_scope)

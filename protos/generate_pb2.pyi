@@ -40,12 +40,14 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SpeculationSettings(_message.Message):
-    __slots__ = ("draft_tokens", "pipelined")
+    __slots__ = ("draft_tokens", "pipelined", "predraft_fan_out")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PIPELINED_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_FAN_OUT_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: int
     pipelined: bool
-    def __init__(self, draft_tokens: _Optional[int] = ..., pipelined: _Optional[bool] = ...) -> None: ...
+    predraft_fan_out: int
+    def __init__(self, draft_tokens: _Optional[int] = ..., pipelined: _Optional[bool] = ..., predraft_fan_out: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "token_ids", "chat", "max_tokens", "sampling", "seed", "stop", "speculation", "grammar", "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens")
@@ -86,7 +88,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("num_drafted", "num_accepted", "num_verify_passes", "pipeline_hits", "pipeline_misses", "drafted_by_position", "accepted_by_position")
+    __slots__ = ("num_drafted", "num_accepted", "num_verify_passes", "pipeline_hits", "pipeline_misses", "drafted_by_position", "accepted_by_position", "predraft_hits", "predraft_misses")
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFY_PASSES_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +96,8 @@ class SpeculationStats(_message.Message):
     PIPELINE_MISSES_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_MISSES_FIELD_NUMBER: _ClassVar[int]
     num_drafted: int
     num_accepted: int
     num_verify_passes: int
@@ -101,7 +105,9 @@ class SpeculationStats(_message.Message):
     pipeline_misses: int
     drafted_by_position: _containers.RepeatedScalarFieldContainer[int]
     accepted_by_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., num_verify_passes: _Optional[int] = ..., pipeline_hits: _Optional[int] = ..., pipeline_misses: _Optional[int] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    predraft_hits: int
+    predraft_misses: int
+    def __init__(self, num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., num_verify_passes: _Optional[int] = ..., pipeline_hits: _Optional[int] = ..., pipeline_misses: _Optional[int] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., predraft_hits: _Optional[int] = ..., predraft_misses: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "speculation")

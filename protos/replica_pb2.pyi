@@ -16,20 +16,22 @@ class RouterFrame(_message.Message):
     def __init__(self, version: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[FrameEntry, _Mapping]]] = ...) -> None: ...
 
 class FrameEntry(_message.Message):
-    __slots__ = ("tag", "open", "draft", "verify", "close", "cancel")
+    __slots__ = ("tag", "open", "draft", "verify", "close", "cancel", "predraft")
     TAG_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_FIELD_NUMBER: _ClassVar[int]
     tag: int
     open: OpenSessionRequest
     draft: DraftRequest
     verify: VerifyRequest
     close: CloseSessionRequest
     cancel: CancelEntry
-    def __init__(self, tag: _Optional[int] = ..., open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., close: _Optional[_Union[CloseSessionRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelEntry, _Mapping]] = ...) -> None: ...
+    predraft: PredraftRequest
+    def __init__(self, tag: _Optional[int] = ..., open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., close: _Optional[_Union[CloseSessionRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelEntry, _Mapping]] = ..., predraft: _Optional[_Union[PredraftRequest, _Mapping]] = ...) -> None: ...
 
 class CancelEntry(_message.Message):
     __slots__ = ("tag",)
@@ -46,20 +48,22 @@ class ReplicaFrame(_message.Message):
     def __init__(self, version: _Optional[int] = ..., results: _Optional[_Iterable[_Union[FrameResult, _Mapping]]] = ...) -> None: ...
 
 class FrameResult(_message.Message):
-    __slots__ = ("tag", "opened", "block", "verdict", "closed", "error")
+    __slots__ = ("tag", "opened", "block", "verdict", "closed", "error", "predrafted")
     TAG_FIELD_NUMBER: _ClassVar[int]
     OPENED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFTED_FIELD_NUMBER: _ClassVar[int]
     tag: int
     opened: OpenSessionResponse
     block: DraftBlock
     verdict: Verdict
     closed: CloseSessionResponse
     error: EntryError
-    def __init__(self, tag: _Optional[int] = ..., opened: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., block: _Optional[_Union[DraftBlock, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., closed: _Optional[_Union[CloseSessionResponse, _Mapping]] = ..., error: _Optional[_Union[EntryError, _Mapping]] = ...) -> None: ...
+    predrafted: PredraftResponse
+    def __init__(self, tag: _Optional[int] = ..., opened: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., block: _Optional[_Union[DraftBlock, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., closed: _Optional[_Union[CloseSessionResponse, _Mapping]] = ..., error: _Optional[_Union[EntryError, _Mapping]] = ..., predrafted: _Optional[_Union[PredraftResponse, _Mapping]] = ...) -> None: ...
 
 class EntryError(_message.Message):
     __slots__ = ("status", "message", "retry_after_ms")
@@ -116,6 +120,50 @@ class DraftRequest(_message.Message):
     num_tokens: int
     truncate_to: int
     def __init__(self, session_id: _Optional[str] = ..., base_length: _Optional[int] = ..., appended_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., truncate_to: _Optional[int] = ...) -> None: ...
+
+class PredraftRequest(_message.Message):
+    __slots__ = ("session_id", "base_length", "appended_token_ids", "truncate_to", "block_token_ids", "branches", "num_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    APPENDED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_TO_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    base_length: int
+    appended_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    truncate_to: int
+    block_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    branches: _containers.RepeatedCompositeFieldContainer[PredraftBranch]
+    num_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., base_length: _Optional[int] = ..., appended_token_ids: _Optional[_Iterable[int]] = ..., truncate_to: _Optional[int] = ..., block_token_ids: _Optional[_Iterable[int]] = ..., branches: _Optional[_Iterable[_Union[PredraftBranch, _Mapping]]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class PredraftBranch(_message.Message):
+    __slots__ = ("accepted", "rank")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    rank: int
+    def __init__(self, accepted: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class PredraftResponse(_message.Message):
+    __slots__ = ("branches",)
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    branches: _containers.RepeatedCompositeFieldContainer[PreDraft]
+    def __init__(self, branches: _Optional[_Iterable[_Union[PreDraft, _Mapping]]] = ...) -> None: ...
+
+class PreDraft(_message.Message):
+    __slots__ = ("accepted", "token", "token_ids", "draft_probs")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    token: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
+    def __init__(self, accepted: _Optional[int] = ..., token: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")

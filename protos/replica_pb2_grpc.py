@@ -45,6 +45,11 @@ class DrafterStub:
                 request_serializer=protos_dot_replica__pb2.DraftRequest.SerializeToString,
                 response_deserializer=protos_dot_replica__pb2.DraftBlock.FromString,
                 _registered_method=True)
+        self.Predraft = channel.unary_unary(
+                '/tandem.v1.Drafter/Predraft',
+                request_serializer=protos_dot_replica__pb2.PredraftRequest.SerializeToString,
+                response_deserializer=protos_dot_replica__pb2.PredraftResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/tandem.v1.Drafter/CloseSession',
                 request_serializer=protos_dot_replica__pb2.CloseSessionRequest.SerializeToString,
@@ -80,6 +85,15 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Predraft(self, request, context):
+        """Appends the last verdict's tokens, then drafts a block after each of the likely
+        outcomes of verifying the block in flight (outcome-keyed pre-drafting); the session
+        itself keeps only its committed tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Drops a session and frees its cache.
         """
@@ -95,8 +109,8 @@ class DrafterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Frames(self, request_iterator, context):
-        """One long-lived stream per router process: OpenSession, Draft and CloseSession work of
-        any number of sessions in each RouterFrame; one ReplicaFrame per engine step with every
+        """One long-lived stream per router process: OpenSession, Draft, Predraft and CloseSession
+        work of any number of sessions in each RouterFrame; one ReplicaFrame per engine step with every
         result that step produced for this stream (Verify entries are refused per entry).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -115,6 +129,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=protos_dot_replica__pb2.DraftRequest.FromString,
                     response_serializer=protos_dot_replica__pb2.DraftBlock.SerializeToString,
+            ),
+            'Predraft': grpc.unary_unary_rpc_method_handler(
+                    servicer.Predraft,
+                    request_deserializer=protos_dot_replica__pb2.PredraftRequest.FromString,
+                    response_serializer=protos_dot_replica__pb2.PredraftResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -187,6 +206,33 @@ class Drafter:
             '/tandem.v1.Drafter/Draft',
             protos_dot_replica__pb2.DraftRequest.SerializeToString,
             protos_dot_replica__pb2.DraftBlock.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Predraft(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Drafter/Predraft',
+            protos_dot_replica__pb2.PredraftRequest.SerializeToString,
+            protos_dot_replica__pb2.PredraftResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -367,7 +413,8 @@ class VerifierServicer:
     def Frames(self, request_iterator, context):
         """One long-lived stream per router process: OpenSession, Verify and CloseSession work of
         any number of sessions in each RouterFrame; one ReplicaFrame per engine step with every
-        result that step produced for this stream (Draft entries are refused per entry).
+        result that step produced for this stream (Draft and Predraft entries are refused per
+        entry).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

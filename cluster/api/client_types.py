@@ -55,6 +55,8 @@ class RequestStats:
     pipeline_misses: int
     drafted_by_position: tuple[int, ...] = ()
     accepted_by_position: tuple[int, ...] = ()
+    predraft_hits: int = 0
+    predraft_misses: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,10 @@ class GenerateResult:
     """Per draft position i: verify passes whose block had a token at position i."""
     accepted_by_position: tuple[int, ...] = ()
     """Per draft position i: verify passes that accepted the block's first i + 1 tokens."""
+    predraft_hits: int = 0
+    """Pre-drafted rounds whose verdict was one of the outcomes drafted for."""
+    predraft_misses: int = 0
+    """Pre-drafted rounds whose verdict was none of them."""
 
     @property
     def num_generated_tokens(self) -> int:
@@ -121,6 +127,7 @@ class RequestSettings(TypedDict, total=False):
     stop: Sequence[str]
     draft_tokens: int | None
     pipelined: bool | None
+    predraft_fan_out: int | None
     min_tokens: int
     stop_token_ids: Sequence[int]
     ignore_eos: bool
@@ -144,6 +151,7 @@ def build_request(
     stop: Sequence[str] = (),
     draft_tokens: int | None = None,
     pipelined: bool | None = None,
+    predraft_fan_out: int | None = None,
     sampling_rule: str = "auto",
     min_tokens: int = 0,
     stop_token_ids: Sequence[int] = (),
@@ -151,15 +159,16 @@ def build_request(
     skip_special_tokens: bool = True,
     grammar: Grammar | None = None,
 ) -> generate_pb2.GenerateRequest:
-    """The request message; None for seed, draft_tokens or pipelined leaves the field unset,
-    which means the server's default, as does `sampling_rule` `auto` (`seed_exact` or
-    `rejection` force a rule: `cluster.api.sampling_rule`). The prompt is `prompt` (text or
-    token ids) or `messages` (role and content of each, rendered by the server's chat
-    template), not both. `min_tokens` (end tokens forbidden before), `stop_token_ids` (token ids
-    that end the output like end-of-sequence), `ignore_eos` (generate past end-of-sequence) and
-    `skip_special_tokens` (leave special tokens out of the text) are vLLM's parameters of the
-    same names. `grammar` constrains the output (`cluster.runtime.constraint.Grammar`: a JSON
-    schema, any JSON object, a regex or a Lark grammar; docs/structured-outputs.md)."""
+    """The request message; None for seed, draft_tokens, pipelined or predraft_fan_out leaves
+    the field unset, which means the server's default, as does `sampling_rule` `auto`
+    (`seed_exact` or `rejection` force a rule: `cluster.api.sampling_rule`). The prompt is
+    `prompt` (text or token ids) or `messages` (role and content of each, rendered by the
+    server's chat template), not both. `min_tokens` (end tokens forbidden before),
+    `stop_token_ids` (token ids that end the output like end-of-sequence), `ignore_eos`
+    (generate past end-of-sequence) and `skip_special_tokens` (leave special tokens out of the
+    text) are vLLM's parameters of the same names. `grammar` constrains the output
+    (`cluster.runtime.constraint.Grammar`: a JSON schema, any JSON object, a regex or a Lark
+    grammar; docs/structured-outputs.md)."""
     if prompt is not None and messages is not None:
         raise TandemClientError(
             grpc.StatusCode.INVALID_ARGUMENT, "give a prompt or chat messages, not both"
@@ -202,6 +211,8 @@ def build_request(
         request.speculation.draft_tokens = _int32("draft_tokens", draft_tokens)
     if pipelined is not None:
         request.speculation.pipelined = pipelined
+    if predraft_fan_out is not None:
+        request.speculation.predraft_fan_out = _int32("predraft_fan_out", predraft_fan_out)
     return request
 
 
@@ -251,6 +262,8 @@ def _speculation_fields(stats: generate_pb2.SpeculationStats) -> dict[str, Any]:
         "num_verify_passes": stats.num_verify_passes,
         "pipeline_hits": stats.pipeline_hits,
         "pipeline_misses": stats.pipeline_misses,
+        "predraft_hits": stats.predraft_hits,
+        "predraft_misses": stats.predraft_misses,
         "drafted_by_position": tuple(stats.drafted_by_position),
         "accepted_by_position": tuple(stats.accepted_by_position),
     }

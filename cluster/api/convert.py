@@ -40,6 +40,9 @@ def request_from_proto(message: generate_pb2.GenerateRequest) -> ApiRequest:
         stop=tuple(message.stop),
         draft_tokens=(speculation.draft_tokens if speculation.HasField("draft_tokens") else None),
         pipelined=speculation.pipelined if speculation.HasField("pipelined") else None,
+        predraft_fan_out=(
+            speculation.predraft_fan_out if speculation.HasField("predraft_fan_out") else None
+        ),
         grammar=grammar_from_wire(message.grammar),
         min_tokens=message.min_tokens,
         stop_token_ids=tuple(message.stop_token_ids),
@@ -141,6 +144,8 @@ def stats_to_proto(stats: SpeculationStats) -> generate_pb2.SpeculationStats:
         num_verify_passes=stats.num_verify_passes,
         pipeline_hits=stats.pipeline_hits,
         pipeline_misses=stats.pipeline_misses,
+        predraft_hits=stats.predraft_hits,
+        predraft_misses=stats.predraft_misses,
         drafted_by_position=stats.drafted_by_position,
         accepted_by_position=stats.accepted_by_position,
     )
@@ -153,6 +158,8 @@ def stats_from_proto(message: generate_pb2.SpeculationStats) -> SpeculationStats
         num_verify_passes=message.num_verify_passes,
         pipeline_hits=message.pipeline_hits,
         pipeline_misses=message.pipeline_misses,
+        predraft_hits=message.predraft_hits,
+        predraft_misses=message.predraft_misses,
         drafted_by_position=list(message.drafted_by_position),
         accepted_by_position=list(message.accepted_by_position),
     )

@@ -50,6 +50,8 @@ class ApiRequest:
     """None: `ServiceConfig.default_draft_tokens`."""
     pipelined: bool | None = None
     """None: `ServiceConfig.default_pipelined`."""
+    predraft_fan_out: int | None = None
+    """None: `ServiceConfig.default_predraft_fan_out`."""
     grammar: Grammar | None = None
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()

@@ -17,11 +17,11 @@ INVALID_ARGUMENT too, not RESOURCE_EXHAUSTED: the limit is fixed configuration, 
 request can never succeed on this server, while RESOURCE_EXHAUSTED tells a client to back off
 and retry. Unset optional fields take defaults: `top_p` 1.0 (no nucleus cut), `seed` a fresh
 random one (as generate.proto promises; send a seed to make sampling repeatable),
-`draft_tokens` and `pipelined` from `ServiceConfig`, `skip_special_tokens` true. Prompt token
-ids are checked against the vocabulary by the verifier when the request starts;
-`stop_token_ids` against the tokenizer's here (`check_stop_token_ids`). `ignore_eos`,
-`min_tokens` (at most `max_tokens`) and `stop_token_ids` reach the router as they are: how
-each ends a generation is `cluster.routing.output`'s.
+`draft_tokens`, `pipelined` and `predraft_fan_out` from `ServiceConfig`, `skip_special_tokens`
+true. Prompt token ids are checked against the vocabulary by the verifier when the request
+starts; `stop_token_ids` against the tokenizer's here (`check_stop_token_ids`). `ignore_eos`,
+`min_tokens` (at most `max_tokens`) and `stop_token_ids` reach the router as they are: how each
+ends a generation is `cluster.routing.output`'s.
 
 Context limit: given the verifier replicas' `max_context_tokens` (the Serve ingress passes
 `TandemConfig.verifier_limits`), a request whose prompt plus `max_tokens` exceeds it is
@@ -106,6 +106,11 @@ class RequestReader:
                 message.draft_tokens
                 if message.draft_tokens is not None
                 else self.config.default_draft_tokens
+            ),
+            predraft_fan_out=(
+                message.predraft_fan_out
+                if message.predraft_fan_out is not None
+                else self.config.default_predraft_fan_out
             ),
             deadline=deadline,
             grammar=self.grammar(message.grammar),

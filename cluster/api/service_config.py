@@ -14,7 +14,7 @@ from cluster.api.sampling_rule import AUTO, check_rule_name
 from cluster.api.tool_formats import DETECT, check_format_name
 from cluster.routing.draft_length_config import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.limits import DEFAULT_MAX_CONTEXT_TOKENS
+from cluster.runtime.limits import DEFAULT_MAX_CONTEXT_TOKENS, MAX_PREDRAFT_FAN_OUT
 
 DEFAULT_MAX_TOKENS_LIMIT = DEFAULT_MAX_CONTEXT_TOKENS
 """Default ceiling on `max_tokens`: the verifier's default context."""
@@ -31,6 +31,10 @@ class ServiceConfig:
     """Draft block length of a request that sets none; 0 means no speculation."""
     default_pipelined: bool = True
     """Whether a request that does not say drafts the next block during verification."""
+    default_predraft_fan_out: int = 0
+    """Outcome-keyed pre-drafting for a request that does not say: while a block is
+    verified, the next is drafted for up to this many of its likely outcomes (0: off, the
+    pipelined guess alone; at most `MAX_PREDRAFT_FAN_OUT`)."""
     max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
     """Largest `max_tokens` a request may ask for."""
     max_running_requests: int = DEFAULT_MAX_RUNNING
@@ -52,6 +56,11 @@ class ServiceConfig:
             raise InvalidArgumentError(
                 f"default_draft_tokens must be in 0..{MAX_DRAFT_TOKENS}, "
                 f"got {self.default_draft_tokens}"
+            )
+        fan_out = self.default_predraft_fan_out
+        if isinstance(fan_out, bool) or not 0 <= fan_out <= MAX_PREDRAFT_FAN_OUT:
+            raise InvalidArgumentError(
+                f"default_predraft_fan_out must be in 0..{MAX_PREDRAFT_FAN_OUT}, got {fan_out}"
             )
         if self.max_tokens_limit < 1:
             raise InvalidArgumentError(

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from cluster.routing.waits import Started, Steps, answer, call_steps
 from cluster.runtime.constraint import Constraint
 from cluster.runtime.draft_block import DraftBlock, Verdict
+from cluster.runtime.predraft import Branch, PreDraft
 from cluster.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -63,6 +64,27 @@ class DrafterPort(Protocol):
 
     def close_session(self, session_id: str) -> bool:
         """Free the session; True if it existed."""
+        ...
+
+
+class PredraftPort(Protocol):
+    """What a drafter port offers if it pre-drafts (outcome-keyed pre-drafting): optional, so
+    not part of `DrafterPort`; the router asks a port that has `predraft` (the in-process
+    `Drafter`, `GrpcDrafter`)."""
+
+    def predraft(
+        self,
+        session_id: str,
+        base_length: int,
+        appended_tokens: Sequence[int],
+        block: Sequence[int],
+        branches: Sequence[Branch],
+        num_tokens: int,
+        truncate_to: int | None = None,
+    ) -> list[PreDraft]:
+        """Bring the session to its committed tokens as `draft` does, then draft `num_tokens`
+        after each of `branches`, likely outcomes of verifying `block`; the branches drafted
+        (some may be left out). The session keeps only its committed tokens."""
         ...
 
 

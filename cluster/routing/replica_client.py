@@ -5,8 +5,8 @@ router runs unchanged over replicas in other processes (docs/architecture.md, in
 gRPC to the pinned replica, no Serve hop). Each wraps one `grpc.Channel`, given or opened from a
 "host:port" address, and converts values with `cluster.wire.convert`.
 
-Frames (the default, `frames=True`): OpenSession, Draft, Verify and CloseSession travel as
-entries of one long-lived Frames stream per client (`cluster.routing.frame_channel.
+Frames (the default, `frames=True`): OpenSession, Draft, Predraft, Verify and CloseSession
+travel as entries of one long-lived Frames stream per client (`cluster.routing.frame_channel.
 FrameChannel`), shared by every `bounded` view of it, so a router sends one frame per replica
 for whatever its sessions have pending, not one call per session (docs/architecture.md, "Frame
 stream"). A client is kept per replica address (`cluster.routing.directory`), so one router
@@ -48,6 +48,7 @@ from cluster.runtime.audit import Replay
 from cluster.runtime.constraint import Constraint
 from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.errors import DeadlineExceededError, ReplicaUnavailableError
+from cluster.runtime.predraft import Branch, PreDraft
 from cluster.runtime.sampling import SamplingParams
 from cluster.runtime.session import ReplicaStats
 from cluster.wire import convert, requests
@@ -303,6 +304,30 @@ class GrpcDrafter(_ReplicaClient):
         )
         block = yield from self._send("draft", request, self._stub.Draft, timeout_s)
         return convert.block_from_wire(block, lazy_rows=True)
+
+    def predraft(self, *args: Any, **kwargs: Any) -> list[PreDraft]:
+        """See `DrafterPort.predraft` (`predraft_steps`, blocking)."""
+        return run(self.predraft_steps(*args, **kwargs))
+
+    def predraft_steps(
+        self,
+        session_id: str,
+        base_length: int,
+        appended_tokens: Sequence[int],
+        block: Sequence[int],
+        branches: Sequence[Branch],
+        num_tokens: int,
+        truncate_to: int | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> Steps[list[PreDraft]]:
+        """See `DrafterPort.predraft`; steps. Each branch's q stays as received
+        (`convert.WireRows`)."""
+        request = requests.predraft_request_to_wire(
+            session_id, base_length, appended_tokens, block, branches, num_tokens, truncate_to
+        )
+        response = yield from self._send("predraft", request, self._stub.Predraft, timeout_s)
+        return convert.predrafts_from_wire(response, lazy_rows=True)
 
 
 class GrpcVerifier(_ReplicaClient):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from cluster.routing.draft_length_config import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from cluster.runtime.constraint import Constraint, Grammar
 from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.limits import MAX_PREDRAFT_FAN_OUT
 from cluster.runtime.sampling import SamplingParams
 from cluster.runtime.session import MAX_SEED
 
@@ -40,6 +41,9 @@ class GenerationRequest:
     """Generation ends before the first occurrence of any of these strings."""
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     """Draft block length; 0 decodes with the target alone through the same path."""
+    predraft_fan_out: int | None = None
+    """Outcome-keyed pre-drafting: while a block is verified, the next is drafted for up to
+    this many of the verification's likely outcomes (0: off); None: the router's default."""
     deadline: float | None = None
     """A `time.monotonic()` instant after which the request must stop (DEADLINE_EXCEEDED) and
     free its sessions; None: no deadline."""
@@ -64,6 +68,13 @@ class GenerationRequest:
         if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise InvalidArgumentError(
                 f"draft_tokens must be in 0..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}"
+            )
+        fan_out = self.predraft_fan_out
+        if fan_out is not None and (
+            isinstance(fan_out, bool) or not 0 <= fan_out <= MAX_PREDRAFT_FAN_OUT
+        ):
+            raise InvalidArgumentError(
+                f"predraft_fan_out must be in 0..{MAX_PREDRAFT_FAN_OUT}, got {fan_out}"
             )
         if len(self.stop) > MAX_STOP_SEQUENCES:
             raise InvalidArgumentError(

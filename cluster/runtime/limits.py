@@ -16,6 +16,9 @@ from cluster.runtime.errors import InvalidArgumentError
 MAX_BLOCK_TOKENS = 32
 """Longest draft block: the most a request may ask for, and by default the most a drafter
 drafts and a verifier accepts in one call."""
+MAX_PREDRAFT_FAN_OUT = 8
+"""The most outcomes of a verify pass a request may have pre-drafted at once (its
+`predraft_fan_out`): each is a fork of its drafter session, drafted beside the verify pass."""
 DEFAULT_MAX_SESSIONS = 256
 DEFAULT_MAX_CONTEXT_TOKENS = 4096
 DEFAULT_SESSION_TTL_S = 600.0

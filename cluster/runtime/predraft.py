@@ -32,6 +32,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cluster.runtime.sampling import SparseDistribution
+
+MAX_FAN_OUT = 8
+"""The most branches one verify pass may be pre-drafted for (a request's and a deployment's
+`predraft_fan_out` bound)."""
+
 
 @dataclass(frozen=True, slots=True, order=True)
 class Outcome:
@@ -58,6 +64,9 @@ class PreDraft:
     accepted: int
     token: int
     tokens: tuple[int, ...]
+    draft_probs: Sequence[SparseDistribution] | None = None
+    """The exact q each of `tokens` was sampled from (a sampled session's branch), as a
+    `DraftBlock`'s; None when drafted deterministically."""
 
 
 def accept_odds(alpha: float, k: int) -> tuple[float, ...]:

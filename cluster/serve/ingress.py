@@ -153,6 +153,7 @@ class RouterIngress:
             text_decoder(loaded.tokenizer),
             loaded.eos_token_ids,
             pipelined=config.api.default_pipelined,
+            predraft_fan_out=config.api.default_predraft_fan_out,
             ngram=config.prompt_lookup,
             draft_length=config.draft_length,
             decode_special=text_decoder(loaded.tokenizer, skip_special_tokens=False),

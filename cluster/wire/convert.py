@@ -16,8 +16,9 @@ Requests, built from these values, are `cluster.wire.requests`.
 
 Pass-through: a draft block read on the router (`block_from_wire(..., lazy_rows=True)`) keeps
 its q rows as the protobuf messages that came off the wire (`WireRows`, decoded only if
-indexed), and `block_to_wire` copies those messages into the verify request as they are: the
-router never decodes or re-encodes q.
+indexed; a slice of them is still undecoded), and `block_to_wire` copies those messages into
+the verify request as they are: the router never decodes or re-encodes q. A pre-drafted
+branch read on the router (`predraft_from_wire(..., lazy_rows=True)`) keeps its q the same way.
 
 Exactness: sparse probabilities travel as raw float32 bytes (ids as int32 bytes, both
 little-endian) and `SparseDistribution.probs` is float32, so q round-trips bit for bit
@@ -39,6 +40,7 @@ from cluster.runtime.constraint import JSON_OBJECT, Constraint, Grammar
 from cluster.runtime.draft_block import DraftBlock, StepLoad, Verdict
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.predraft import Branch, PreDraft
 from cluster.runtime.sampling import NO_TOP_P, SamplingParams, SparseDistribution
 from cluster.runtime.session import ReplicaStats
 from protos import replica_pb2, sampling_pb2
@@ -235,8 +237,8 @@ class WireRows(Sequence[SparseDistribution]):
     def __getitem__(self, index: slice) -> Sequence[SparseDistribution]: ...
 
     def __getitem__(self, index: int | slice) -> SparseDistribution | Sequence[SparseDistribution]:
-        if isinstance(index, slice):
-            return tuple(self[i] for i in range(*index.indices(len(self))))
+        if isinstance(index, slice):  # still as received: a prefix goes on undecoded
+            return WireRows(self.messages[index])
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
@@ -279,18 +281,45 @@ def load_from_wire(message: replica_pb2.StepLoad) -> StepLoad:
     )
 
 
+def draft_probs_to_wire(
+    rows: Sequence[SparseDistribution] | None,
+) -> list[replica_pb2.SparseDistribution]:
+    """A drafted block's q rows (a `DraftBlock`'s or a `PreDraft`'s `draft_probs`) as the
+    wire's repeated field: None and () both empty, `WireRows` as received (not decoded)."""
+    if isinstance(rows, WireRows):
+        return list(rows.messages)
+    return [sparse_to_wire(row) for row in rows or ()]
+
+
+def draft_probs_from_wire(
+    rows: Sequence[replica_pb2.SparseDistribution],
+    num_tokens: int,
+    what: str,
+    lazy_rows: bool = False,
+) -> Sequence[SparseDistribution] | None:
+    """The q rows of a drafted block of `num_tokens` tokens (`what` names it in an error):
+    None when empty (deterministic draft), else one per token, decoded, or with `lazy_rows`
+    kept as received (`WireRows`, sizes checked)."""
+    if not rows:
+        return None
+    if len(rows) != num_tokens:
+        raise InvalidArgumentError(
+            f"{what} has {num_tokens} tokens but {len(rows)} draft distributions: "
+            "send one per token, or none for a deterministic draft"
+        )
+    if lazy_rows:
+        return WireRows(rows)
+    return tuple(sparse_from_wire(row, f"draft_probs[{i}]") for i, row in enumerate(rows))
+
+
 def block_to_wire(block: DraftBlock) -> replica_pb2.DraftBlock:
     """`draft_probs` None and () both become an empty field (see `block_from_wire`), and
     `WireRows` are copied as received; a `load` of None leaves the field unset."""
     message = replica_pb2.DraftBlock(
         base_length=uint_to_wire(block.base_length, "base_length"),
         token_ids=token_ids_to_wire(block.tokens, "block.tokens"),
+        draft_probs=draft_probs_to_wire(block.draft_probs),
     )
-    rows = block.draft_probs
-    if isinstance(rows, WireRows):
-        message.draft_probs.extend(rows.messages)  # the bytes as received, not decoded
-    else:
-        message.draft_probs.extend(sparse_to_wire(row) for row in rows or ())
     if block.load is not None:
         message.load.CopyFrom(load_to_wire(block.load))
     return message
@@ -305,25 +334,56 @@ def block_from_wire(message: replica_pb2.DraftBlock, *, lazy_rows: bool = False)
     for `block_to_wire` to pass on; otherwise every row is decoded here.
     """
     tokens = tuple(message.token_ids)
-    rows = message.draft_probs
-    if rows and len(rows) != len(tokens):
-        raise InvalidArgumentError(
-            f"block has {len(tokens)} tokens but {len(rows)} draft distributions: "
-            "send one per token, or none for a deterministic draft"
-        )
-    draft_probs: Sequence[SparseDistribution] | None = None
-    if rows and lazy_rows:
-        draft_probs = WireRows(rows)
-    elif rows:
-        draft_probs = tuple(
-            sparse_from_wire(row, f"draft_probs[{i}]") for i, row in enumerate(rows)
-        )
     return DraftBlock(
         base_length=message.base_length,
         tokens=tokens,
-        draft_probs=draft_probs,
+        draft_probs=draft_probs_from_wire(message.draft_probs, len(tokens), "block", lazy_rows),
         load=load_from_wire(message.load) if message.HasField("load") else None,
     )
+
+
+def branch_to_wire(branch: Branch) -> replica_pb2.PredraftBranch:
+    return replica_pb2.PredraftBranch(
+        accepted=uint_to_wire(branch.accepted, "branch.accepted", MAX_UINT32),
+        rank=uint_to_wire(branch.rank, "branch.rank", MAX_UINT32),
+    )
+
+
+def branch_from_wire(message: replica_pb2.PredraftBranch) -> Branch:
+    """As sent: whether `accepted` fits the block is the drafter's check."""
+    return Branch(accepted=message.accepted, rank=message.rank)
+
+
+def predraft_to_wire(branch: PreDraft) -> replica_pb2.PreDraft:
+    """q rows as `block_to_wire` sends a block's."""
+    return replica_pb2.PreDraft(
+        accepted=uint_to_wire(branch.accepted, "predraft.accepted", MAX_UINT32),
+        token=token_ids_to_wire((branch.token,), "predraft.token")[0],
+        token_ids=token_ids_to_wire(branch.tokens, "predraft.tokens"),
+        draft_probs=draft_probs_to_wire(branch.draft_probs),
+    )
+
+
+def predraft_from_wire(message: replica_pb2.PreDraft, *, lazy_rows: bool = False) -> PreDraft:
+    """q rows as `block_from_wire` reads a block's (`lazy_rows`: the router's, kept as
+    received)."""
+    tokens = tuple(message.token_ids)
+    return PreDraft(
+        accepted=message.accepted,
+        token=message.token,
+        tokens=tokens,
+        draft_probs=draft_probs_from_wire(message.draft_probs, len(tokens), "predraft", lazy_rows),
+    )
+
+
+def predrafts_to_wire(branches: Sequence[PreDraft]) -> replica_pb2.PredraftResponse:
+    return replica_pb2.PredraftResponse(branches=[predraft_to_wire(b) for b in branches])
+
+
+def predrafts_from_wire(
+    message: replica_pb2.PredraftResponse, *, lazy_rows: bool = False
+) -> list[PreDraft]:
+    return [predraft_from_wire(b, lazy_rows=lazy_rows) for b in message.branches]
 
 
 def verdict_to_wire(verdict: Verdict) -> replica_pb2.Verdict:

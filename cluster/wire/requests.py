@@ -1,11 +1,12 @@
 """The replica API's requests: built by the router's clients, read back by the replica's
 servicers and Frames streams, so that both ends share one layout.
 
-`open_request_to_wire`, `draft_request_to_wire`, `verify_request_to_wire` and
-`close_request_to_wire` build the messages; `*_from_wire` reads each back as the arguments of
-the component's call (`OpenCall`, `DraftCall`, `VerifyCall`). Values inside them are laid out
-by `cluster.wire.convert`, which checks what comes off the wire as far as the wire can tell.
-`FRAME_VERSION` is the layout of the frames that carry them (`protos/replica.proto`).
+`open_request_to_wire`, `draft_request_to_wire`, `predraft_request_to_wire`,
+`verify_request_to_wire` and `close_request_to_wire` build the messages; `*_from_wire` reads
+each back as the arguments of the component's call (`OpenCall`, `DraftCall`, `PredraftCall`,
+`VerifyCall`). Values inside them are laid out by `cluster.wire.convert`, which checks what
+comes off the wire as far as the wire can tell. `FRAME_VERSION` is the layout of the frames
+that carry them (`protos/replica.proto`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from dataclasses import dataclass
 
 from cluster.runtime.constraint import Constraint
 from cluster.runtime.draft_block import DraftBlock
+from cluster.runtime.predraft import Branch
 from cluster.runtime.sampling import SamplingParams
 from cluster.wire.convert import (
     MAX_UINT32,
     block_from_wire,
     block_to_wire,
+    branch_from_wire,
+    branch_to_wire,
     constraint_from_wire,
     constraint_to_wire,
     sampling_from_wire,
@@ -59,6 +63,20 @@ class DraftCall:
     session_id: str
     base_length: int
     appended_tokens: tuple[int, ...]
+    num_tokens: int
+    truncate_to: int | None
+
+
+@dataclass(frozen=True)
+class PredraftCall:
+    """A Predraft request read off the wire: the arguments of `Drafter.predraft` /
+    `submit_predraft`."""
+
+    session_id: str
+    base_length: int
+    appended_tokens: tuple[int, ...]
+    block: tuple[int, ...]
+    branches: tuple[Branch, ...]
     num_tokens: int
     truncate_to: int | None
 
@@ -136,6 +154,41 @@ def draft_request_from_wire(request: replica_pb2.DraftRequest) -> DraftCall:
         session_id=session_id_from_wire(request.session_id),
         base_length=request.base_length,
         appended_tokens=tuple(request.appended_token_ids),
+        num_tokens=request.num_tokens,
+        truncate_to=request.truncate_to if request.HasField("truncate_to") else None,
+    )
+
+
+def predraft_request_to_wire(
+    session_id: str,
+    base_length: int,
+    appended_tokens: Sequence[int],
+    block: Sequence[int],
+    branches: Sequence[Branch],
+    num_tokens: int,
+    truncate_to: int | None = None,
+) -> replica_pb2.PredraftRequest:
+    """`block`: the tokens being verified; `branches`: the outcomes of that to draft after."""
+    request = replica_pb2.PredraftRequest(
+        session_id=session_id,
+        base_length=uint_to_wire(base_length, "base_length"),
+        appended_token_ids=token_ids_to_wire(appended_tokens, "appended_tokens"),
+        block_token_ids=token_ids_to_wire(block, "block"),
+        branches=[branch_to_wire(branch) for branch in branches],
+        num_tokens=uint_to_wire(num_tokens, "num_tokens", MAX_UINT32),
+    )
+    if truncate_to is not None:
+        request.truncate_to = uint_to_wire(truncate_to, "truncate_to")
+    return request
+
+
+def predraft_request_from_wire(request: replica_pb2.PredraftRequest) -> PredraftCall:
+    return PredraftCall(
+        session_id=session_id_from_wire(request.session_id),
+        base_length=request.base_length,
+        appended_tokens=tuple(request.appended_token_ids),
+        block=tuple(request.block_token_ids),
+        branches=tuple(branch_from_wire(branch) for branch in request.branches),
         num_tokens=request.num_tokens,
         truncate_to=request.truncate_to if request.HasField("truncate_to") else None,
     )

@@ -197,6 +197,7 @@ def test_services_have_expected_methods() -> None:
     assert _method_names(replica_pb2.DESCRIPTOR, "Drafter") == [
         "OpenSession",
         "Draft",
+        "Predraft",
         "CloseSession",
         "Stats",
         "Frames",

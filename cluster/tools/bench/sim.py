@@ -3,9 +3,9 @@
 A simulated pair (`cluster.runtime.sim`) runs the real router, engines, KV blocks, sampling and
 acceptance with every forward pass replaced by a modelled wait, so what the run takes beyond the
 modelled device time is Tandem's own. Three runs, interleaved per prompt and repeated (medians):
-`tandem_target` (draft length 0), `tandem_serial` and `tandem_pipelined`, and in `--mode local`
-a fourth, `tandem_predrafted` (outcome-keyed pre-drafting at the ideal's best fan-out, with its
-hit rate; the service does not pre-draft yet). Each is reported
+`tandem_target` (draft length 0), `tandem_serial` and `tandem_pipelined`, and a fourth,
+`tandem_predrafted` (outcome-keyed pre-drafting at the ideal's best fan-out, with its hit rate;
+through the service, each request asks for it with its `predraft_fan_out`). Each is reported
 against the ideal for the same costs (`sim.ideal_rates`: the measured acceptance, the block
 length, the modelled pass times at the run's mean context, and the draft's agreement alpha).
 
@@ -131,10 +131,10 @@ def _through_service(
         ):
 
             def generate(prompt: tuple[int, ...], k: int, pipelined: bool, fan_out: int = 0) -> Any:
-                assert fan_out == 0, "the service does not pre-draft yet"
                 result = client.generate(
-                    list(prompt), max_tokens=args.max_tokens, draft_tokens=k, pipelined=pipelined
-                )
+                    list(prompt), max_tokens=args.max_tokens, draft_tokens=k,
+                    pipelined=pipelined, predraft_fan_out=fan_out,
+                )  # fmt: skip
                 return result.tokens, result
 
             def engines() -> tuple[EngineStats, EngineStats]:
@@ -142,7 +142,7 @@ def _through_service(
                 assert stats[0] is not None and stats[1] is not None, "replicas run engines"
                 return stats[0], stats[1]
 
-            cpu = CpuCalls(cluster_scope(str(home / "ray")), SIM_RUNS)
+            cpu = CpuCalls(cluster_scope(str(home / "ray")), (*SIM_RUNS, "tandem_predrafted"))
             yield tokenizer.encode, generate, engines, cpu
 
 
@@ -171,7 +171,7 @@ def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
             target_source.profile, draft_source.profile, alpha, args.draft_tokens,
             context_tokens=round(context),
         )  # fmt: skip
-        if args.mode == "local" and ideal.predraft_fan_out:  # the service does not pre-draft
+        if ideal.predraft_fan_out:
             configs["tandem_predrafted"] = (args.draft_tokens, True, ideal.predraft_fan_out)
         names = list(configs)
         records: dict[str, list[list[dict[str, Any]]]] = {n: [[] for _ in ids] for n in configs}

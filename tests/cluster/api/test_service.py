@@ -77,8 +77,9 @@ def test_finish_reasons_round_trip() -> None:
 
 def test_stats_round_trip() -> None:
     stats = SpeculationStats(
-        num_drafted=9, num_accepted=7, num_verify_passes=4, pipeline_hits=2, pipeline_misses=1
-    )
+        num_drafted=9, num_accepted=7, num_verify_passes=4, pipeline_hits=2, pipeline_misses=1,
+        predraft_hits=3, predraft_misses=5,
+    )  # fmt: skip
     assert stats_from_proto(stats_to_proto(stats)) == stats
 
 
@@ -92,6 +93,7 @@ def test_defaults_fill_unset_fields(service: TandemService, local_tandem: LocalT
         seed=converted.seed,
         stop=(),
         draft_tokens=3,
+        predraft_fan_out=0,  # ServiceConfig.default_predraft_fan_out
     )
     assert pipelined is False
     # An unset seed is a fresh random one per request (generate.proto), not a fixed default.
@@ -107,7 +109,9 @@ def test_set_fields_are_taken_as_sent(service: TandemService) -> None:
                 sampling=sampling_pb2.SamplingParams(temperature=0.5, top_p=0.75, top_k=20),
                 seed=2**64 - 1,
                 stop=["\n\n", "def"],
-                speculation=generate_pb2.SpeculationSettings(draft_tokens=0, pipelined=True),
+                speculation=generate_pb2.SpeculationSettings(
+                    draft_tokens=0, pipelined=True, predraft_fan_out=3
+                ),
             )
         )
     )
@@ -119,6 +123,7 @@ def test_set_fields_are_taken_as_sent(service: TandemService) -> None:
     assert converted.seed == 2**64 - 1
     assert converted.stop == ("\n\n", "def")
     assert converted.draft_tokens == 0  # set to 0 is not "unset": speculation off
+    assert converted.predraft_fan_out == 3
     assert pipelined is True
 
 
@@ -142,6 +147,8 @@ NAN = float("nan")
         ({"sampling": {"top_k": -1}}, "top_k must be >= 0 (0 = no limit), got -1"),
         ({"speculation": {"draft_tokens": 33}}, "draft_tokens must be in 0..32, got 33"),
         ({"speculation": {"draft_tokens": -1}}, "draft_tokens must be in 0..32, got -1"),
+        ({"speculation": {"predraft_fan_out": 9}}, "predraft_fan_out must be in 0..8, got 9"),
+        ({"speculation": {"predraft_fan_out": -1}}, "predraft_fan_out must be in 0..8, got -1"),
         ({"stop": ["ok", ""]}, "stop sequences must not be empty strings"),
         ({"stop": ["s"] * 17}, "at most 16 stop sequences, got 17"),
     ],
@@ -173,6 +180,8 @@ def test_service_config_is_validated() -> None:
         ServiceConfig(default_draft_tokens=40)
     with pytest.raises(InvalidArgumentError, match="max_tokens_limit must be >= 1"):
         ServiceConfig(max_tokens_limit=0)
+    with pytest.raises(InvalidArgumentError, match=r"default_predraft_fan_out must be in 0\.\.8"):
+        ServiceConfig(default_predraft_fan_out=9)
 
 
 @pytest.mark.parametrize("pipelined", [False, True])

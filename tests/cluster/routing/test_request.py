@@ -21,6 +21,8 @@ from cluster.runtime.sampling import SamplingParams
         (dict(seed=-1), "seed"),
         (dict(draft_tokens=-1), "draft_tokens must be in 0..32"),
         (dict(draft_tokens=33), "draft_tokens"),
+        (dict(predraft_fan_out=-1), "predraft_fan_out must be in 0..8, got -1"),
+        (dict(predraft_fan_out=9), "predraft_fan_out must be in 0..8, got 9"),
         (dict(stop=("",)), "stop sequences must not be empty"),
         (dict(stop=tuple("abcdefghijklmnopq")), "at most 16 stop sequences"),
     ],

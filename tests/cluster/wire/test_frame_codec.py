@@ -19,6 +19,7 @@ from cluster.runtime.errors import (
     StaleBaseError,
     TandemError,
 )
+from cluster.runtime.predraft import Branch, PreDraft
 from cluster.runtime.sampling import SamplingParams, SparseDistribution
 from cluster.runtime.session import ReplicaStats
 from cluster.wire import convert, requests
@@ -134,6 +135,108 @@ def test_a_draft_entry_reads_back_as_its_values(
     assert requests.draft_request_from_wire(entry.draft) == requests.DraftCall(
         session_id, base, appended, num_tokens, truncate_to
     )
+
+
+branches = st.lists(
+    st.builds(Branch, st.integers(0, convert.MAX_UINT32), st.integers(0, convert.MAX_UINT32)),
+    max_size=8,
+).map(tuple)
+
+
+@EXAMPLES
+@given(
+    tag=tags,
+    session_id=session_ids,
+    base=st.integers(0, convert.MAX_UINT64),
+    appended=tokens,
+    block=tokens,
+    chosen=branches,
+    num_tokens=st.integers(0, convert.MAX_UINT32),
+    truncate_to=st.none() | st.integers(0, convert.MAX_UINT64),
+)
+def test_a_predraft_entry_reads_back_as_its_values(
+    tag: int,
+    session_id: str,
+    base: int,
+    appended: tuple[int, ...],
+    block: tuple[int, ...],
+    chosen: tuple[Branch, ...],
+    num_tokens: int,
+    truncate_to: int | None,
+) -> None:
+    request = requests.predraft_request_to_wire(
+        session_id, base, appended, block, chosen, num_tokens, truncate_to
+    )
+    frame = replica_pb2.RouterFrame(entries=[replica_pb2.FrameEntry(tag=tag, predraft=request)])
+    (entry,) = replica_pb2.RouterFrame.FromString(over_the_wire(frame)).entries
+    assert entry.tag == tag and entry.WhichOneof("call") == "predraft"
+    assert requests.predraft_request_from_wire(entry.predraft) == requests.PredraftCall(
+        session_id, base, appended, block, chosen, num_tokens, truncate_to
+    )
+
+
+@st.composite
+def predrafts(draw: st.DrawFn) -> PreDraft:
+    drafted = draw(tokens)
+    sampled = draw(st.booleans()) and len(drafted) > 0
+    return PreDraft(
+        accepted=draw(st.integers(0, convert.MAX_UINT32)),
+        token=draw(st.integers(0, convert.MAX_INT32)),
+        tokens=drafted,
+        draft_probs=draw(rows(len(drafted))) if sampled else None,
+    )
+
+
+@EXAMPLES
+@given(tag=tags, drafted=st.lists(predrafts(), max_size=4), session_id=session_ids)
+def test_predrafted_branches_read_back_with_q_bit_for_bit_and_pass_through_as_bytes(
+    tag: int, drafted: list[PreDraft], session_id: str
+) -> None:
+    sent = convert.predrafts_to_wire(drafted)
+    frame = replica_pb2.ReplicaFrame(results=[replica_pb2.FrameResult(tag=tag, predrafted=sent)])
+    (result,) = replica_pb2.ReplicaFrame.FromString(over_the_wire(frame)).results
+    assert result.tag == tag and result.WhichOneof("result") == "predrafted"
+    decoded = convert.predrafts_from_wire(result.predrafted)
+    on_router = convert.predrafts_from_wire(result.predrafted, lazy_rows=True)
+    for want, got, kept, as_sent in zip(drafted, decoded, on_router, sent.branches, strict=True):
+        for read in (got, kept):
+            assert (read.accepted, read.token) == (want.accepted, want.token)
+            assert read.tokens == want.tokens
+            assert same_rows(read.draft_probs, want.draft_probs)
+        if want.draft_probs is None:
+            continue
+        assert not isinstance(got.draft_probs, convert.WireRows)
+        assert kept.draft_probs is not None
+        # A hit branch is verified as a block: its q, cut to what is left, goes on undecoded.
+        cut = len(kept.tokens) - 1
+        prefix = kept.draft_probs[:cut]
+        assert isinstance(prefix, convert.WireRows)
+        block = DraftBlock(base_length=7, tokens=kept.tokens[:cut], draft_probs=prefix)
+        request = requests.verify_request_to_wire(session_id, block)
+        assert [(r.token_ids, r.probs) for r in request.block.draft_probs] == [
+            (r.token_ids, r.probs) for r in as_sent.draft_probs[:cut]
+        ]
+
+
+def test_a_predrafted_branch_with_q_for_some_of_its_tokens_is_refused() -> None:
+    row = convert.sparse_to_wire(SparseDistribution(torch.tensor([3]), torch.tensor([1.0])))
+    message = replica_pb2.PreDraft(accepted=1, token=4, token_ids=[5, 6], draft_probs=[row])
+    try:
+        convert.predraft_from_wire(message)
+    except InvalidArgumentError as error:
+        assert "predraft has 2 tokens but 1 draft distributions" in str(error)
+    else:
+        raise AssertionError("a branch with q for one of its two tokens was taken")
+
+
+def test_a_branch_the_wire_cannot_carry_is_refused_before_sending() -> None:
+    for bad in (Branch(-1, 0), Branch(0, -2)):
+        try:
+            requests.predraft_request_to_wire("s", 3, [], [5], [bad], 2)
+        except InvalidArgumentError as error:
+            assert "branch." in str(error)
+        else:
+            raise AssertionError(f"{bad} was sent")
 
 
 @EXAMPLES
