@@ -18,6 +18,14 @@ over a pipelined one when a block takes longer to draft than to verify and is of
 (the draft ahead is then mostly wasted wait). So the same rule turns speculation and pipelining
 down under load and back up when they pay.
 
+A pipelined round may instead pre-draft (`cluster.routing.predraft_budget`): the drafter drafts
+the next block for each of the F likeliest outcomes of the verify pass while it runs, and a
+verdict that hits one is verified next at once, bonus token kept. Its price: the longer of the
+verify pass and F branches' steps (priced on the drafter's cost curve with F times the rows, so
+a loaded drafter's steps grow with F), plus a draft alone after a miss; its odds of a hit are
+the branches', scaled by how often this request's have hit. Each F up to the request's
+`max_fan_out` is one more plan to price.
+
 Where the two sides share a machine, a draft and a verify pass that run at once each take
 longer than alone, so the latencies are measured apart: alone (serial rounds, a redraft after a
 miss) and beside each other (a pipelined round's verify pass and draft ahead). Each plan is
@@ -66,7 +74,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cluster.routing.draft_length_config import DraftLengthConfig
+from cluster.routing.predraft_budget import PredraftCost, branch_steps, predrafted_seconds
 from cluster.runtime.draft_block import StepLoad
+
+HIT_PRIOR = 1.0
+"""Pseudo-rounds, at the odds, behind a request's measured hit rate of pre-drafted rounds."""
 
 VerifyCost = float | Callable[[int], float]
 """Seconds of a verify pass: a constant, or a function of the block's length (under load)."""
@@ -109,6 +121,10 @@ class Plan:
 
     k: int
     pipelined: bool
+    fan_out: int = 0
+    """A pipelined round's branches, pre-drafted for the likeliest outcomes of its verify pass
+    (`cluster.routing.predraft_budget`); 0: it drafts ahead as if all of the block were
+    accepted."""
 
 
 def rate(
@@ -117,8 +133,20 @@ def rate(
     draft_s: float,
     verify_s: VerifyCost,
     overlapped: tuple[float, VerifyCost] | None = None,
+    predraft: PredraftCost | None = None,
 ) -> float:
-    """Expected tokens per second of rounds run to `plan`."""
+    """Expected tokens per second of rounds run to `plan` (`predraft`: what its fan-out
+    costs, needed for a plan with one)."""
+    if plan.fan_out > 0:
+        assert predraft is not None, "a plan with a fan-out is priced with its cost"
+        verify_beside = (overlapped or (draft_s, verify_s))[1]
+        seconds = predrafted_seconds(
+            predraft.hit(acceptance, plan.k, plan.fan_out),
+            verify_seconds(verify_beside, plan.k),
+            predraft.seconds(plan.k, plan.fan_out),
+            plan.k * draft_s,
+        )
+        return expected_tokens(acceptance, plan.k) / seconds
     tokens = expected_tokens(acceptance, plan.k, plan.pipelined)
     seconds = pass_seconds(acceptance, plan.k, draft_s, verify_s, plan.pipelined, overlapped)
     return tokens / seconds
@@ -131,14 +159,23 @@ def best_plan(
     verify_s: VerifyCost,
     may_pipeline: bool,
     overlapped: tuple[float, VerifyCost] | None = None,
+    predraft: PredraftCost | None = None,
 ) -> Plan:
-    """The plan with the most tokens per second; on ties serial, then the shortest block."""
+    """The plan with the most tokens per second; on ties serial, then the shortest block,
+    then the narrowest fan-out."""
     plans = [Plan(k, False) for k in range(max_k + 1)]
     if may_pipeline:
         plans += [Plan(k, True) for k in range(1, max_k + 1)]
+        fan_outs = range(1, predraft.max_fan_out + 1) if predraft is not None else ()
+        plans += [Plan(k, True, f) for k in range(1, max_k + 1) for f in fan_outs]
     return max(
         plans,
-        key=lambda p: (rate(acceptance, p, draft_s, verify_s, overlapped), not p.pipelined, -p.k),
+        key=lambda p: (
+            rate(acceptance, p, draft_s, verify_s, overlapped, predraft),
+            not p.pipelined,
+            -p.k,
+            -p.fan_out,
+        ),
     )
 
 
@@ -188,11 +225,23 @@ def usable_load(load: StepLoad | None) -> Load | None:
 class DraftLength:
     """One request's acceptance and latency estimates, and the length they recommend."""
 
-    def __init__(self, config: DraftLengthConfig, max_k: int, pipelined: bool) -> None:
+    def __init__(
+        self, config: DraftLengthConfig, max_k: int, pipelined: bool, max_fan_out: int = 0
+    ) -> None:
         self.config = config
         self.max_k = max_k
         self.pipelined = pipelined
         """Whether the request allows pipelined rounds (the plan decides each round)."""
+        self.max_fan_out = max_fan_out
+        """The widest fan-out a pipelined round may pre-draft (0: none; the plan decides each
+        round's, up to it)."""
+        self._predraft_ratio: dict[int, float] = {}
+        """By fan-out, measured seconds of a pre-draft over its predicted seconds (a wide
+        fan-out's engine work per row is not on the device's curve); a fan-out not yet
+        measured takes the nearest measured one's."""
+        self._hits = 0.0
+        self._hit_odds = 0.0
+        """Pre-drafted rounds that hit and the odds they were chosen with, decayed alike."""
         self._accepted = 0.0
         self._rejected = 0.0
         self._alone = Latencies()
@@ -221,6 +270,7 @@ class DraftLength:
         self._drafter_load = (
             None if recent._drafter_load is None else dataclasses.replace(recent._drafter_load)
         )
+        self._predraft_ratio = dict(recent._predraft_ratio)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """Count one verify pass's outcome (nothing drafted: only the decay)."""
@@ -260,6 +310,55 @@ class DraftLength:
             ratio = seconds / self._verifier_load.step_s(load.batch_tokens)
             latencies.verify_ratio = self._smooth(latencies.verify_ratio, ratio)
 
+    def observe_predraft(self, seconds: float, fan_out: int, num_tokens: int) -> None:
+        """A pre-draft of `fan_out` branches of `num_tokens` took `seconds` (it ran beside a
+        verify pass)."""
+        if fan_out <= 0 or num_tokens <= 0 or self._predraft_step_s(fan_out) is None:
+            return
+        predicted = self._predraft_step_s(fan_out)
+        assert predicted is not None
+        ratio = seconds / (branch_steps(num_tokens) * predicted)
+        self._predraft_ratio[fan_out] = self._smooth(self._predraft_ratio.get(fan_out), ratio)
+
+    def observe_predraft_outcome(self, hit: bool, odds: float) -> None:
+        """A pre-drafted round hit a branch or not; its branches were chosen with `odds` of a
+        hit."""
+        self._hits = self._hits * self.config.decay + hit
+        self._hit_odds = self._hit_odds * self.config.decay + odds
+
+    @property
+    def hit_scale(self) -> float:
+        """How often this request's branches hit, over the odds they were chosen with; one
+        pseudo-round at odds holds it at 1 until rounds show otherwise."""
+        return (self._hits + HIT_PRIOR) / (self._hit_odds + HIT_PRIOR)
+
+    def _predraft_step_s(self, fan_out: int) -> float | None:
+        """Predicted seconds of one drafter step of `fan_out` branches beside a verify pass,
+        before this request's measured correction: the measured draft latency (beside a
+        verify pass where known), at `fan_out` times the rows on the drafter's step cost
+        curve (every drafting session pre-drafting alike), or `fan_out` times as long
+        without one. None before a draft is timed."""
+        latencies = self._beside if self._beside.draft_s is not None else self._alone
+        if latencies.draft_s is None:
+            return None
+        drafter, ratio = self._drafter_load, latencies.draft_ratio
+        if drafter is not None and ratio is not None:
+            return ratio * drafter.step_s(drafter.tokens * fan_out)
+        return latencies.draft_s * fan_out
+
+    def _predraft_cost(self) -> PredraftCost | None:
+        if self.max_fan_out <= 0 or self._predraft_step_s(1) is None:
+            return None
+        measured = self._predraft_ratio
+
+        def step_s(fan_out: int) -> float:
+            step = self._predraft_step_s(fan_out)
+            assert step is not None
+            nearest = min(measured, key=lambda f: (abs(f - fan_out), f), default=None)
+            return step * (1.0 if nearest is None else measured[nearest])
+
+        return PredraftCost(self.max_fan_out, step_s, self.hit_scale)
+
     def _observe_load(self, old: Load | None, reported: StepLoad | None) -> Load | None:
         """The side's load after a call reported `reported`: its latest curve and smoothed
         batch; None (priced as without load) once a call reports none it can price with."""
@@ -275,21 +374,28 @@ class DraftLength:
         return new if old is None else weight * old + (1 - weight) * new
 
     def next_plan(self) -> Plan:
-        """The next round's plan. The request's own (`max_k`, pipelined as asked) until a
-        round alone has been timed; a pipelined request then runs one serial round to time
-        the two sides alone, so that serial and pipelined plans are each priced with their own
-        measured latencies. A request that did not ask for pipelining never gets it."""
-        asked = Plan(self.max_k, self.pipelined and self.max_k > 0)
+        """The next round's plan. The request's own (`max_k`, pipelined as asked, no
+        pre-drafting) until a round alone has been timed; a pipelined request then runs one
+        serial round to time the two sides alone, so that serial and pipelined plans are each
+        priced with their own measured latencies. A request that did not ask for pipelining
+        never gets it, nor pre-drafting."""
+        pipelined = self.pipelined and self.max_k > 0
+        asked = Plan(self.max_k, pipelined, self.max_fan_out if pipelined else 0)
         alone, beside = self._alone, self._beside
         if not self.config.enabled:
             return asked
         if not alone.known:
-            if beside.known:  # pipelined rounds so far: time one alone
+            if beside.verify_s is not None:  # pipelined rounds so far: time one alone
                 return Plan(self.max_k, False)
-            return asked
+            # Pre-drafting waits for a price: on a drafter that shares the verifier's cores,
+            # F branches beside a verify pass can cost more than they save.
+            return dataclasses.replace(asked, fan_out=0)
         draft_s, verify_s = self._priced(alone)
         overlapped = self._priced(beside) if beside.known else None
-        return best_plan(self.acceptance, self.max_k, draft_s, verify_s, self.pipelined, overlapped)
+        return best_plan(
+            self.acceptance, self.max_k, draft_s, verify_s, self.pipelined, overlapped,
+            self._predraft_cost(),
+        )  # fmt: skip
 
     def _priced(self, latencies: Latencies) -> tuple[float, VerifyCost]:
         """Seconds per drafted token and of a verify pass (a function of the block's length

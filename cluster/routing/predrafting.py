@@ -2,38 +2,41 @@
 block is verified, and which of them the verdict hits.
 
 Pure, no I/O. The drafter names each branch's token itself (the draft's choice of a rank after
-the outcome's prefix, `drafter.branches`), so the router chooses (accept length, rank) pairs
-with the odds of `cluster.runtime.predraft`: the accept length's at the request's measured
-acceptance, times a prior over ranks (`RANK_PRIOR`; after a rejection the draft's own token is
-skipped, so rank 0 is its best other choice); each is a `Branch`. A verdict hits the branch
-whose accept length and token it commits; that branch's block is verified next at once, as a
-looked-up block is: the drafter's session never saw it.
+the outcome's prefix, `drafter.branches`), so the router chooses (accept length, rank) pairs by
+their odds (`cluster.routing.predraft_budget.branch_odds`: the accept length's at the request's
+measured acceptance, times a prior over ranks; after a rejection the draft's own token is
+skipped, so rank 0 is its best other choice); each is a `Branch`. How many (the fan-out) is the
+adaptive plan's choice. A verdict hits the branch whose accept length and token it commits;
+that branch's block is verified next at once, as a looked-up block is: the drafter's session
+never saw it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from cluster.routing.generation import Draft, Generation
 from cluster.routing.outcome import count_round
+from cluster.routing.predraft_budget import branch_odds
 from cluster.runtime.draft_block import DraftBlock, Verdict
-from cluster.runtime.predraft import Branch, PreDraft, accept_odds
+from cluster.runtime.predraft import Branch, PreDraft
 
-RANK_PRIOR = (0.6, 0.2, 0.1)
-"""P(the committed token is the draft's choice of rank r): after a rejection, among the draft's
-tokens other than the one rejected; after a whole block, the share the draft's favourite misses
-is spread the same way."""
+
+@dataclass(frozen=True)
+class Branches:
+    """A pre-draft's answer: the branches drafted, and the odds that the verdict hits one."""
+
+    drafted: Sequence[PreDraft]
+    odds: float
 
 
 def choose_branches(alpha: float, k: int, fan_out: int) -> list[Branch]:
     """The `fan_out` likeliest (accepted, rank) outcomes of verifying a k-token block at
-    per-position acceptance `alpha`, likeliest first."""
-    scored: list[tuple[float, int, int]] = []
-    for accepted, p in enumerate(accept_odds(alpha, k)):
-        ranks = RANK_PRIOR if accepted < k else (alpha, *((1 - alpha) * r for r in RANK_PRIOR))
-        scored.extend((p * r, accepted, rank) for rank, r in enumerate(ranks))
-    scored.sort(key=lambda s: (-s[0], s[1], s[2]))
-    return [Branch(accepted, rank) for _, accepted, rank in scored[: max(0, fan_out)]]
+    per-position acceptance `alpha`, likeliest first (`predraft_budget.branch_odds`)."""
+    return [
+        Branch(accepted, rank) for _, accepted, rank in branch_odds(alpha, k)[: max(0, fan_out)]
+    ]
 
 
 def hit(
@@ -46,13 +49,18 @@ def hit(
     token = verdict.tokens[-1]
     for branch in predrafts:
         if branch.accepted == verdict.num_accepted and branch.token == token:
-            block = DraftBlock(base_length=committed, tokens=branch.tokens[:max_tokens])
+            probs = branch.draft_probs
+            block = DraftBlock(
+                base_length=committed,
+                tokens=branch.tokens[:max_tokens],
+                draft_probs=None if probs is None else probs[:max_tokens],
+            )
             return Draft(block, by_drafter=False)
     return None
 
 
 def predrafted(
-    gen: Generation, block: DraftBlock, verdict: Verdict, branches: Sequence[PreDraft] | None
+    gen: Generation, block: DraftBlock, verdict: Verdict, branches: Branches | None
 ) -> Draft | None:
     """A pre-drafted round's bookkeeping, after its verdict is committed: the counters (a hit
     or a miss of the blocks drafted ahead), the drafter's view (it holds the committed tokens
@@ -65,7 +73,9 @@ def predrafted(
     # A branch was drafted as long as the block it follows allowed: cut it to what is left
     # (the verdict is not emitted yet), less the target's own token after it.
     left = gen.remaining - len(verdict.tokens)
-    draft = hit(branches, verdict, gen.committed, max(0, left - 1))
+    draft = hit(branches.drafted, verdict, gen.committed, max(0, left - 1))
+    if branches.drafted:
+        gen.lengths.observe_predraft_outcome(draft is not None, branches.odds)
     if draft is None:
         gen.stats.predraft_misses += 1
     else:

@@ -62,7 +62,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from llguidance import LLTokenizer
 
@@ -81,7 +81,8 @@ from cluster.routing.ports import (
     begin_call,
     draft_steps,
 )
-from cluster.routing.predrafting import choose_branches, predrafted
+from cluster.routing.predraft_budget import hit_odds
+from cluster.routing.predrafting import Branches, choose_branches, predrafted
 from cluster.routing.request import (
     FinishReason,
     GenerationChunk,
@@ -101,7 +102,8 @@ from cluster.routing.waits import (
     run,
 )
 from cluster.runtime.draft_block import DraftBlock
-from cluster.runtime.errors import DeadlineExceededError
+from cluster.runtime.errors import DeadlineExceededError, InvalidArgumentError
+from cluster.runtime.predraft import PreDraft
 from drafter.config import NgramConfig
 
 if TYPE_CHECKING:
@@ -310,6 +312,7 @@ class Router:
             )
             if self._recent_lengths is not None:  # price the first rounds with today's load
                 gen.lengths.inherit(self._recent_lengths)
+            gen.lengths.max_fan_out = self._max_fan_out(gen)
             yield from self._session(gen)
         finally:
             for release in releases:
@@ -395,7 +398,7 @@ class Router:
                 next_k = min(plan.k, remaining - len(block.tokens) - 1)
                 predrafting = False
                 if plan.pipelined and not opening and len(block.tokens) > 0 and next_k > 0:
-                    ahead = yield from self._predraft(gen, block, next_k)
+                    ahead = yield from self._predraft(gen, block, next_k, plan.fan_out)
                     predrafting = ahead is not None
                     if ahead is None:
                         ahead = yield from self._draft_ahead(gen, block, next_k)
@@ -467,29 +470,36 @@ class Router:
         gen.drafter = DrafterView(base_length=block.base_length)
         return Draft(block, by_drafter=True)
 
+    def _max_fan_out(self, gen: Generation) -> int:
+        """The widest fan-out `gen` may pre-draft: the request's, else the router's; 0 where
+        its drafter cannot, or it is constrained (a structured output's drafts are masked
+        step by step, which branches do not follow): the plan then never prices one."""
+        asked = gen.request.predraft_fan_out
+        port = gen.drafter_port
+        if port is None or not hasattr(port, "predraft") or gen.constraint is not None:
+            return 0
+        return self.predraft_fan_out if asked is None else asked
+
     def _predraft(
-        self, gen: Generation, block: DraftBlock, num_tokens: int
+        self, gen: Generation, block: DraftBlock, num_tokens: int, fan_out: int
     ) -> Steps[Started | None]:
-        """Ask the drafter for the next block after each likely outcome of verifying `block`
-        (`cluster.routing.predrafting`), sent now and finished after the verdict; None where
-        the router, the request or the drafter does not pre-draft."""
-        port, sampling = gen.drafter_port, gen.request.sampling
-        if (
-            self.predraft_fan_out <= 0 or port is None or not hasattr(port, "predraft")
-            or not sampling.is_greedy or gen.constraint is not None
-        ):  # fmt: skip
+        """Ask the drafter for the next block after each of the `fan_out` likeliest outcomes
+        of verifying `block` (`cluster.routing.predrafting`), sent now and finished after the
+        verdict; None where the request or its drafter does not pre-draft."""
+        if fan_out <= 0 or gen.drafter_port is None or gen.lengths.max_fan_out <= 0:
             return None
         port = yield from self._ready_drafter_ahead(gen)
         if port is None:
             return None
         view = gen.drafter
-        branches = choose_branches(gen.lengths.acceptance, len(block.tokens), self.predraft_fan_out)
+        alpha, k = gen.lengths.acceptance, len(block.tokens)
+        branches = choose_branches(alpha, k, fan_out)
         args = (gen.session_id, view.base_length, view.behind, block.tokens, branches, num_tokens)
         sent_at = time.perf_counter()
         drafting = begin_call(self._pool, port, "predraft", *args, truncate_to=view.truncate_to)
         keep = view.base_length if view.truncate_to is None else view.truncate_to
         gen.drafter = DrafterView(base_length=keep + len(view.behind))  # committed, no more
-        return Started(self._predrafted(gen, drafting, sent_at))
+        return Started(self._predrafted(gen, drafting, sent_at, alpha, k, num_tokens, view))
 
     def _ready_drafter_ahead(self, gen: Generation) -> Steps[DrafterPort | None]:
         """The request's drafter, once its session is open, for drafting ahead; None (the
@@ -500,11 +510,23 @@ class Router:
             self._failover.replace(gen, "drafter", error)
             return None
 
-    def _predrafted(self, gen: Generation, drafting: Started, sent_at: float) -> Steps[Any]:
-        branches = yield from drafting.finish()
+    def _predrafted(
+        self, gen: Generation, drafting: Started, sent_at: float, alpha: float, k: int,
+        num_tokens: int, view: DrafterView,
+    ) -> Steps[Branches]:  # fmt: skip
+        try:
+            drafted: list[PreDraft] = yield from drafting.finish()
+        except InvalidArgumentError:
+            # A drafter that refuses the call (a replica from before pre-drafting, or a
+            # pre-draft past its limits) took none of it: its view is as before the call, and
+            # the request stops asking. The round is a miss; output is unchanged.
+            gen.drafter = view
+            gen.lengths.max_fan_out = 0
+            return Branches((), 0.0)
         elapsed = (drafting.finished_at or time.perf_counter()) - sent_at
         self.metrics.drafted(elapsed)
-        return branches
+        gen.lengths.observe_predraft(elapsed, len(drafted), num_tokens)
+        return Branches(drafted, hit_odds(alpha, k, len(drafted)))
 
     def _draft_ahead(
         self, gen: Generation, block: DraftBlock, num_tokens: int

@@ -44,8 +44,6 @@ END_OF_TEXT_LOGIT = -40.0
 DRAFT_SALT = 0x5DEECE66D
 _MASK_62 = (1 << 62) - 1
 _UNIFORM_STEPS = 1 << 24
-MAX_FAN_OUT = 8
-"""The widest pre-drafting fan-out the ideal considers."""
 
 
 def tail_table(vocab_size: int, seed: int) -> Tensor:
@@ -155,7 +153,7 @@ def ideal_rates(
     k: int,
     streams: int = 1,
     context_tokens: int = 256,
-    max_fan_out: int = MAX_FAN_OUT,
+    max_fan_out: int = predraft.MAX_FAN_OUT,
 ) -> IdealRates:
     """Aggregate tokens/s for `streams` streams of mean context `context_tokens`, each drafting
     `k` tokens a round at acceptance `alpha`.
@@ -218,14 +216,16 @@ def _predrafted(
     fan_out: int,
 ) -> tuple[float, float]:
     """Tokens/s and hit share of outcome-keyed pre-drafting at `fan_out`: during each verify
-    pass the drafter drafts `fan_out` k-token blocks for every stream as one batch (k passes
-    of `streams x fan_out` rows, each reading its own context). A hit round takes the longer
-    of the two and commits every token of the verdict, the bonus included; a miss then drafts
-    its next block as a serial round does."""
+    pass the drafter drafts `fan_out` k-token blocks for every stream as one batch (k + 1
+    passes of `streams x fan_out` rows, each reading its own context: a branch's token after a
+    whole block is the draft's guess after the block's last token, which no pass has read yet,
+    so a round's chain is that token's pass and k more). A hit round takes the longer of the
+    two and commits every token of the verdict, the bonus included; a miss then drafts its next
+    block as a serial round does."""
     attended = streams * context_tokens
     verify_s = target.step_s(streams * (k + 1), attended)
     draft_block_s = k * draft.step_s(streams, attended)
-    predraft_s = k * draft.step_s(streams * fan_out, attended * fan_out)
+    predraft_s = (k + 1) * draft.step_s(streams * fan_out, attended * fan_out)
     hit = sim_predraft_hit(alpha, k, fan_out)
     round_s = max(verify_s, predraft_s) + (1.0 - hit) * draft_block_s
     return streams * expected_tokens(alpha, k) / round_s, hit

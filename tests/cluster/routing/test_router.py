@@ -601,3 +601,38 @@ def test_closing_a_predrafting_stream_leaves_no_session_or_branch(
     while local_tandem.drafter._runner.sequences() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert local_tandem.drafter._runner.sequences() == ()
+
+
+class _RefusesPredrafts(_DraftCallCounter):
+    """A drafter that refuses every pre-draft, as a replica from before pre-drafting does."""
+
+    def __init__(self, drafter: Any) -> None:
+        super().__init__(drafter)
+        self.refused = 0
+
+    def predraft(self, *args: Any, **kwargs: Any) -> Any:
+        self.refused += 1
+        raise InvalidArgumentError("a frame entry must carry a call")
+
+
+def test_a_drafter_that_refuses_predrafts_keeps_the_request_exact_and_stops_the_asking(
+    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
+) -> None:
+    drafter = _RefusesPredrafts(local_tandem.drafter)
+    router = Router(
+        local_tandem.verifier, drafter, local_tandem.router._decode,
+        local_tandem.router._eos_token_ids, predraft_fan_out=4,
+    )  # fmt: skip
+    try:
+        prompt, expected = next(iter(target_only.items()))
+        request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=4)
+        result = router.generate(request, pipelined=True)
+    finally:
+        router.close()
+    assert result.tokens == expected
+    # Asked once, then never again; the drafter was not failed over for it, and kept drafting
+    # from the view it had before the refused call.
+    assert drafter.refused == 1
+    assert result.stats.drafters == ["drafter"]
+    assert drafter.drafts > 1 and result.stats.num_accepted > 0
+    assert local_tandem.drafter.stats().num_sessions == 0
