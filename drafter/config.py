@@ -29,6 +29,14 @@ class DrafterConfig(SessionLimits):
     most likely token's probability, before truncation): later tokens would likely be
     rejected, and drafting them costs time. 0 drafts every token asked for. The block length
     then depends only on the drafter, so acceptance stays exact."""
+    saguaro_scale: float | None = None
+    """Saguaro-style drafting: sampled drafts are drawn from the draft's q with its
+    `saguaro_top` most probable tokens' probability multiplied by this, renormalised (and
+    that q' is what is reported), so the verifier's corrections fall on the draft's top
+    tokens, the ones pre-drafted branches guess (`cluster.runtime.saguaro`). In (0, 1];
+    None (the default) draws from q itself. Exact either way."""
+    saguaro_top: int = 4
+    """How many of the draft's most probable tokens Saguaro-style drafting damps; >= 1."""
     error_fraction: float = 0.0
     """Share of Draft calls answered INTERNAL on purpose, for soak tests (`tandem soak`); 0 in
     production. Honoured by one drafter replica only, the one Serve ranks 0
@@ -44,6 +52,15 @@ class DrafterConfig(SessionLimits):
             raise InvalidArgumentError(
                 f"min_confidence must be in [0, 1], got {self.min_confidence}"
             )
+        scale = self.saguaro_scale
+        if scale is not None and (
+            isinstance(scale, bool) or not isinstance(scale, int | float) or not 0.0 < scale <= 1.0
+        ):
+            raise InvalidArgumentError(f"saguaro_scale must be in (0, 1] or None, got {scale!r}")
+        if isinstance(self.saguaro_top, bool) or not isinstance(self.saguaro_top, int):
+            raise InvalidArgumentError(f"saguaro_top must be an int, got {self.saguaro_top!r}")
+        if self.saguaro_top < 1:
+            raise InvalidArgumentError(f"saguaro_top must be >= 1, got {self.saguaro_top}")
         if not 0.0 <= self.error_fraction <= 1.0:
             raise InvalidArgumentError(
                 f"error_fraction must be in [0, 1], got {self.error_fraction}"

@@ -15,13 +15,23 @@ needs the q the token was really drawn from, so truncation costs acceptance, nev
 Seed-exact requests (`SamplingParams.seed_exact`) draw each token with the target's own noise
 at its position (`cluster.runtime.gumbel`, keyed by the request's unsalted seed) and send no q:
 the verifier accepts such a token exactly when it is the target's own draw.
+
+Saguaro-style drafting (`DrafterConfig.saguaro_scale`, off by default): sampled drafts are drawn
+from q' (q with its top tokens damped, `cluster.runtime.saguaro`) and q' is what is sent, so
+the rule stays exact while the verifier's corrections lean towards the draft's favourites, the
+tokens pre-drafted branches guess.
+
+Pre-drafting (`predraft`): while a block is verified, the next block is drafted for each of
+the likely outcomes of that verification, each on a fork of the session (`drafter.branches`),
+for greedy, seed-exact and sampled sessions alike; the session itself stays at its committed
+tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -36,27 +46,20 @@ from cluster.runtime.constraint import (
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.engine import Batched, Task
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.gumbel import gumbel_tokens
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.predraft import Branch, PreDraft
 from cluster.runtime.runner import ModelRunner, PoolExhaustedError
-from cluster.runtime.sampling import (
-    SamplingParams,
-    SparseDistribution,
-    argmax_rows,
-    logits_to_probs_rows,
-    sample_rows,
-    to_sparse,
-)
+from cluster.runtime.sampling import SamplingParams, SparseDistribution, argmax_rows
 from cluster.runtime.session import (
     DRAFTER_SEED_SALT,
     ReplicaSession,
     check_seed,
     check_token_ids,
+    make_generator,
 )
-from cluster.runtime.task import each_alone_if_refused
-from drafter.branches import branch_task, fork_id
+from drafter.branches import BranchDraw, branch_task, fork_id
 from drafter.config import DrafterConfig
+from drafter.draws import DraftRow, sample_step, seed_exact_step
 
 
 def draft_sampling(request: SamplingParams, top_k: int) -> SamplingParams:
@@ -77,6 +80,9 @@ class Drafter(SessionComponent[DrafterConfig]):
         runner: ModelRunner | None = None,
     ) -> None:
         super().__init__(draft, config or DrafterConfig(), runner)
+        scale = self.config.saguaro_scale
+        self._saguaro = None if scale is None else (scale, self.config.saguaro_top)
+        """Sampled drafts draw from q damped by (scale, top) (`cluster.runtime.saguaro`)."""
 
     def _headroom_tokens(self) -> int:
         return self.config.max_draft_tokens
@@ -159,18 +165,12 @@ class Drafter(SessionComponent[DrafterConfig]):
                 # The target's noise at this position: the draft is the target's own draw
                 # whenever the two distributions agree on the argmax (`cluster.runtime.gumbel`).
                 position = session.kv.length
-                drafted.append(
-                    (yield Batched(
-                        _seed_exact_step,
-                        _DraftRow(logits, session.sampling, session.generator,
-                                  (session.seed, position)),
-                    ))
-                )  # fmt: skip
+                row = DraftRow(logits, session.sampling, key=(session.seed, position))
+                drafted.append((yield Batched(seed_exact_step, row)))
             else:
                 # Sampled with every other sampled session of the step, in one call.
-                token, q = yield Batched(
-                    _sample_step, _DraftRow(logits, session.sampling, session.generator)
-                )
+                row = DraftRow(logits, session.sampling, session.generator, saguaro=self._saguaro)
+                token, q = yield Batched(sample_step, row)
                 drafted.append(token)
                 draft_probs.append(q)
             session.kv.extend(drafted[-1:])
@@ -201,9 +201,11 @@ class Drafter(SessionComponent[DrafterConfig]):
     ) -> list[PreDraft]:
         """Bring the session to its committed tokens (as `draft` does: `truncate_to`, then
         `appended_tokens`), then draft `num_tokens` tokens after each of `branches`, the likely
-        outcomes of verifying `block` (`drafter.branches`), all at once. Branches that do not
-        fit in the KV pool, and every branch of a sampled or constrained session, are left
-        out; the session itself does not change past its committed tokens."""
+        outcomes of verifying `block` (`drafter.branches`), all at once, each drawn as the
+        session draws (greedy, seed-exact or sampled). Branches that do not fit in the KV
+        pool, and every branch of a constrained session, are left out; the session itself
+        does not change past its committed tokens (a sampled session's generator gives one
+        draw per branch, its seed)."""
         return self.submit_predraft(
             session_id, base_length, appended_tokens, block, branches, num_tokens, truncate_to
         ).result()
@@ -248,14 +250,16 @@ class Drafter(SessionComponent[DrafterConfig]):
                 )
         self._sessions.check_context(keep + len(appended_tokens) + len(block) + 1 + num_tokens)
         session.kv.commit_at(keep, appended_tokens)
-        sampling = session.sampling
-        if not sampling.is_greedy or session.constrained:
+        if session.constrained:
             return []
         committed = list(session.kv.committed_tokens)
         # After the commit the session's KV holds at most its committed tokens.
         held = min(self._runner.length(session.kv.seq_id), len(committed))
         futures = []
         for branch in branches:
+            # Drawn before the fork may fail, so the session's generator advances the same
+            # whatever room the pool has.
+            draw = self._branch_draw(session)
             child = fork_id(session.kv.seq_id)
             try:
                 self._runner.fork(session.kv.seq_id, child, held)
@@ -263,10 +267,24 @@ class Drafter(SessionComponent[DrafterConfig]):
                 continue  # no room for this branch: it is a guess, not a promise
             skip = block[branch.accepted] if branch.accepted < len(block) else None
             prefix = committed + list(block[: branch.accepted])
-            task = branch_task(self._runner, child, prefix, branch, skip, num_tokens)
+            task = branch_task(self._runner, child, prefix, branch, skip, num_tokens, draw)
             futures.append(self._engine.submit(task, key=child, closes=True))
         return futures
         yield  # pragma: no cover - makes this a task
+
+    def _branch_draw(self, session: ReplicaSession) -> BranchDraw:
+        """How a branch of `session` draws (engine thread): greedily, with the request's
+        noise, or sampled with a generator of its own, seeded by a draw of the session's."""
+        sampling = session.sampling
+        if sampling.is_greedy:
+            return BranchDraw(sampling)
+        if sampling.seed_exact:
+            return BranchDraw(sampling, seed=session.seed)
+        generator = session.generator
+        seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+        return BranchDraw(
+            sampling, generator=make_generator(seed, generator.device), saguaro=self._saguaro
+        )
 
     def _checked_catch_up(
         self,
@@ -316,47 +334,6 @@ class Drafter(SessionComponent[DrafterConfig]):
         if self.config.min_confidence <= 0.0:
             return False
         return float(logits.float().softmax(-1).max()) < self.config.min_confidence
-
-
-@dataclass(frozen=True)
-class _DraftRow:
-    """One sampled session's next-token logits in a step, and how it draws."""
-
-    logits: torch.Tensor  # [1, vocab]
-    sampling: SamplingParams
-    generator: torch.Generator
-    key: tuple[int, int] | None = None
-    """Seed-exact drafts: the request's seed and the drafted token's position."""
-
-
-def _seed_exact_step(batch: list[_DraftRow]) -> list[int | Exception]:
-    """Every seed-exact session of a step: its q as used from one `logits_to_probs_rows` call,
-    its token the Gumbel-max draw keyed by (seed, position) from one `gumbel_tokens` call;
-    only the sessions whose logits the calls refuse fail (`each_alone_if_refused`)."""
-    return each_alone_if_refused(_seed_exact_tokens, batch)
-
-
-def _seed_exact_tokens(batch: list[_DraftRow]) -> list[int]:
-    probs = logits_to_probs_rows(
-        torch.cat([row.logits for row in batch]), [row.sampling for row in batch]
-    )
-    keys = [row.key for row in batch if row.key is not None]
-    return list(gumbel_tokens(probs, [k[0] for k in keys], [k[1] for k in keys]))
-
-
-def _sample_step(batch: list[_DraftRow]) -> list[tuple[int, SparseDistribution] | Exception]:
-    """Every sampled session of a step: its q as used from one `logits_to_probs_rows` call (each
-    row under its own settings), its token drawn with its own generator, and q kept sparse;
-    only the sessions whose logits the call refuses fail (`each_alone_if_refused`)."""
-    return each_alone_if_refused(_sampled_tokens, batch)
-
-
-def _sampled_tokens(batch: list[_DraftRow]) -> list[tuple[int, SparseDistribution]]:
-    probs = logits_to_probs_rows(
-        torch.cat([row.logits for row in batch]), [row.sampling for row in batch]
-    )
-    tokens = sample_rows(probs, [row.generator for row in batch])
-    return [(token, to_sparse(q)) for token, q in zip(tokens, probs, strict=True)]
 
 
 def gathered(forking: Future[list[Future[PreDraft]]]) -> Future[list[PreDraft]]:

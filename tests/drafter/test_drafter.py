@@ -108,6 +108,17 @@ def test_config_validation(field: str) -> None:
         DrafterConfig(top_k=-1)
 
 
+@pytest.mark.parametrize(
+    ("scale", "top", "field"),
+    [(0.0, 4, "saguaro_scale"), (1.5, 4, "saguaro_scale"), (0.5, 0, "saguaro_top")],
+)
+def test_saguaro_settings_are_validated(scale: float, top: int, field: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=field):
+        DrafterConfig(saguaro_scale=scale, saguaro_top=top)
+    assert DrafterConfig().saguaro_scale is None  # off by default
+    assert DrafterConfig(saguaro_scale=1.0, saguaro_top=1).saguaro_scale == 1.0
+
+
 def test_bad_seed_is_reported_as_sent(tiny_draft: LoadedModel) -> None:
     drafter = Drafter(tiny_draft)
     with pytest.raises(InvalidArgumentError, match="got -5"):

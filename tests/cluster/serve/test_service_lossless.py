@@ -38,15 +38,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from scipy import stats
 
 import cluster.serve.ingress
 from cluster.api.tenants import AuthConfig, TenantConfig, hash_api_key, new_api_key
@@ -58,6 +56,7 @@ from cluster.serve.ingress import RouterIngress
 from cluster.wire.replica_info import ReplicaInfo
 from drafter.drafter import Drafter
 from protos import generate_pb2, sampling_pb2
+from tests.exact_cells import Prefix, cell_mass, chi_square_p_value
 from tests.replicas import serve_drafter, serve_verifier
 from verifier.verifier import Verifier
 
@@ -77,8 +76,6 @@ MIN_PROPOSED = NUM_REQUESTS // 2
 """Fewest tokens each proposer must have drafted: about 2 are looked up and 1 drafted a request
 when the plan speculates, so the sample tests acceptance in at least half the requests."""
 KEY = new_api_key()
-
-Prefix = tuple[int, ...]
 
 
 class Context:
@@ -187,34 +184,14 @@ def exact_cells(model: LoadedModel, prompt: Prefix) -> dict[Prefix, float]:
         mass.update({(*pair, t): float(joint3[t]) for t in _frequent(joint3)})
     for length in range(NUM_TOKENS - 1, 0, -1):
         for prefix in [p for p in mass if len(p) == length]:
-            if _cell_mass(prefix, mass) * NUM_REQUESTS < MIN_EXPECTED:
+            if cell_mass(prefix, mass) * NUM_REQUESTS < MIN_EXPECTED:
                 del mass[prefix]
-    return {prefix: _cell_mass(prefix, mass) for prefix in mass}
+    return {prefix: cell_mass(prefix, mass) for prefix in mass}
 
 
 def _frequent(probs: torch.Tensor) -> list[Any]:
     """Indices (ints, or pairs for 2-D `probs`) whose expected count is at least MIN_EXPECTED."""
     return (probs * NUM_REQUESTS >= MIN_EXPECTED).nonzero().squeeze(-1).tolist()
-
-
-def cell_of(tokens: Prefix, names: Iterable[Prefix]) -> Prefix:
-    """The longest prefix of `tokens` among `names` (`()` is always one)."""
-    return max((p for p in names if tokens[: len(p)] == p), key=len)
-
-
-def _cell_mass(prefix: Prefix, mass: dict[Prefix, float]) -> float:
-    """The mass under `prefix` that no longer name in `mass` takes."""
-    children = [p for p in mass if p and p != prefix and cell_of(p[:-1], mass) == prefix]
-    return mass[prefix] - sum(mass[p] for p in children)
-
-
-def chi_square_p_value(samples: Sequence[Prefix], cells: dict[Prefix, float]) -> float:
-    """Pearson's p-value of `samples` over `cells` (as `exact_cells` makes them)."""
-    counts = Counter(cell_of(tokens, cells) for tokens in samples)
-    observed = [counts[cell] for cell in cells]
-    expected = [p * len(samples) for p in cells.values()]
-    assert min(expected) >= MIN_EXPECTED
-    return float(stats.chisquare(observed, expected, sum_check=False).pvalue)
 
 
 async def sample(ingress: RouterIngress) -> list[generate_pb2.GenerateResponse]:
@@ -240,7 +217,7 @@ def test_the_first_tokens_through_the_default_service_follow_the_target(served: 
     drafted = sum(r.speculation.num_drafted for r in responses)
     accepted = sum(r.speculation.num_accepted for r in responses)
     model_drafted = served.model_drafted[0]
-    p_value = chi_square_p_value(samples, cells)
+    p_value = chi_square_p_value(samples, cells, MIN_EXPECTED)
     print(
         f"\n{len(cells)} cells, p-value {p_value:.3g}; drafted {drafted} (looked up "
         f"{drafted - model_drafted}, by the draft model {model_drafted}), accepted {accepted}"
