@@ -34,6 +34,11 @@ and runs greedy (`--temperature 0`). `hf_baseline` in the JSON says which method
 `goals` gives per level speculative's tokens/s over target_only's and over hf_target_batched's,
 and speculative at 8 streams over 1 when both levels ran.
 
+`--predraft` runs three speculative modes at every level: `speculative` pipelining without
+pre-drafting, `serial` rounds, and `predrafted` (outcome-keyed pre-drafting up to the widest
+fan-out, the adaptive plan's budget choosing each round's, `cluster.routing.predraft_budget`),
+each beside its ideal with a sim preset.
+
 `--preset NAME` says which pair the service runs (loadtest cannot always ask it). A simulated
 preset (`sim-...`, `cluster.runtime.sim`) adds the analytic ideal of every level and mode
 (`cluster.tools.bench.loadtest_ideal`): `ideal` (aggregate tokens/s a perfect system would reach at
@@ -91,6 +96,12 @@ def add_to(commands: Any) -> None:
         "--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples"
     )
     p.add_argument("--compare", action="store_true", help="also run the target alone")
+    p.add_argument(
+        "--predraft",
+        action="store_true",
+        help="also run serial rounds and outcome-keyed pre-drafting (the plan's budget picks "
+        "the fan-out, up to the widest); speculative then pipelines without pre-drafting",
+    )
     p.add_argument(
         "--kill",
         choices=("drafter", "verifier"),
@@ -197,9 +208,7 @@ def _run(
     from cluster.tools.bench.process_cpu import CpuWindow, cpu_fields, cpu_line
     from cluster.tools.bench.replica_traffic import read_traffic, traffic_line, traffic_per_token
 
-    modes = {"speculative": args.draft_tokens}
-    if args.compare:
-        modes["target_only"] = 0
+    modes = run_modes(args.draft_tokens, args.compare, args.predraft)
     levels: list[dict[str, Any]] = []
     replicas = _local_replicas(args.kill is not None)
     kills: list[dict[str, Any]] = []
@@ -221,8 +230,8 @@ def _run(
             for name in names:
                 settings = {
                     "max_tokens": args.max_tokens,
-                    "draft_tokens": modes[name],
                     "temperature": args.temperature,
+                    **modes[name],
                 }
                 midway = None
                 if args.kill is not None and name == "speculative":
@@ -272,6 +281,7 @@ def _run(
         "config": {"address": args.address, "duration_s": args.duration,
                    "max_tokens": args.max_tokens, "draft_tokens": args.draft_tokens,
                    "temperature": args.temperature, "kill": args.kill,
+                   "predraft": args.predraft,
                    "prompts": args.prompts or "default", "preset": args.preset},
         "levels": levels,
         "lost": sum(lv[m]["lost"] for lv in levels for m in modes),
@@ -399,6 +409,28 @@ def goals(levels: list[dict[str, Any]]) -> dict[str, Any]:
     return {"speculative_8_over_1": scaling, "levels": per_level}
 
 
+def run_modes(draft_tokens: int | None, compare: bool, predraft: bool) -> dict[str, dict[str, Any]]:
+    """Each mode's request settings: `speculative` (the service's way), and with `predraft`
+    `serial`, `predrafted` (up to the widest fan-out, the plan's budget deciding) and
+    `speculative` pipelining without pre-drafting; with `compare`, `target_only`."""
+    from cluster.runtime.predraft import MAX_FAN_OUT
+
+    modes: dict[str, dict[str, Any]] = {"speculative": {"draft_tokens": draft_tokens}}
+    if predraft:
+        modes["speculative"]["predraft_fan_out"] = 0
+        modes["serial"] = {"draft_tokens": draft_tokens, "pipelined": False, "predraft_fan_out": 0}
+        modes["predrafted"] = {
+            "draft_tokens": draft_tokens, "pipelined": True, "predraft_fan_out": MAX_FAN_OUT,
+        }  # fmt: skip
+    if compare:
+        modes["target_only"] = {"draft_tokens": 0}
+    return modes
+
+
+RUN_MODES = ("speculative", "serial", "predrafted", "target_only")
+"""Every mode a load test may run, in the order tables and plots show them."""
+
+
 def _local_replicas(required: bool) -> faults.Replicas | None:
     """The live replicas of the service `tandem serve` started here, if there is one."""
     from cluster.serve import local_cluster
@@ -437,7 +469,7 @@ def format_table(result: dict[str, Any]) -> str:
 
     for level in result["levels"]:
         concurrency = str(level["concurrency"])
-        for mode in ("speculative", "target_only", HF_MODE):
+        for mode in (*RUN_MODES, HF_MODE):
             if mode not in level:
                 continue
             run = level[mode]
@@ -469,7 +501,7 @@ def format_table(result: dict[str, Any]) -> str:
     cpu_rows = [
         ((str(level["concurrency"]), mode), level[mode]["cpu_ms_per_token"])
         for level in result["levels"]
-        for mode in ("speculative", "target_only")
+        for mode in RUN_MODES
         if "cpu_ms_per_token" in level.get(mode, {})
     ]
     lines += cpu_section(("concurrency", "mode"), cpu_rows, result.get("cpu_scope"))
@@ -494,7 +526,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     concurrency = [level["concurrency"] for level in levels]
     fig, (rate_ax, speedup_ax) = plt.subplots(1, 2, figsize=(11.0, 4.0))
     try:
-        for mode in ("speculative", "target_only", HF_MODE):
+        for mode in (*RUN_MODES, HF_MODE):
             if all(mode in lv for lv in levels):
                 (line,) = rate_ax.plot(concurrency, [lv[mode]["tokens_per_s"] for lv in levels],
                                        marker="o", label=mode)  # fmt: skip
@@ -508,6 +540,14 @@ def plot(result: dict[str, Any], path: str) -> None:
         rate_ax.grid(alpha=0.3)
         speedup_ax.plot(concurrency, [lv["speedup"] for lv in levels], marker="o",
                         label="speculative / target_only")  # fmt: skip
+        for mode in ("serial", "predrafted"):
+            if all(mode in lv for lv in levels):
+                speedup_ax.plot(
+                    concurrency,
+                    [lv[mode]["tokens_per_s"] / lv["target_only"]["tokens_per_s"] for lv in levels],
+                    marker="^", label=f"{mode} / target_only",
+                )  # fmt: skip
+        speedup_ax.legend()
         with_hf = all(HF_MODE in lv for lv in levels)
         if with_hf:
             speedup_ax.plot(

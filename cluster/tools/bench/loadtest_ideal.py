@@ -7,6 +7,10 @@ ideal next to each level's achieved rate:
 
 - `speculative`: the better of serial and pipelined rounds (the service pipelines by
   default), at the draft's agreement alpha and the requests' block length k;
+- `serial` (`tandem loadtest --predraft`): serial rounds alone;
+- `predrafted` (the same): the best of those and outcome-keyed
+  pre-drafting at its best fan-out (`sim.ideal_rates`), which the adaptive plan's budget may
+  narrow or turn off under load;
 - `target_only`: one target pass a token (draft length 0).
 
 Every stream is taken at the run's mean context: the mean prompt length in tokens plus half of
@@ -24,7 +28,7 @@ from typing import Any
 from cluster.runtime.sim import ideal_rates
 from cluster.runtime.sim_source import DeviceProfile, SimSource
 
-MODES = ("speculative", "target_only")
+MODES = ("speculative", "serial", "predrafted", "target_only")
 """The modes of a load test that have an ideal (the HF baseline has none)."""
 
 
@@ -79,13 +83,16 @@ class SimIdeal:
 
     def level(self, streams: int) -> dict[str, float | None]:
         """The ideal aggregate tokens/s at `streams` concurrent streams: `speculative` (the
-        better of `serial` and `pipelined`) and `target_only`; None where unbounded."""
+        better of `serial` and `pipelined`), `predrafted` (the best of those and outcome-keyed
+        pre-drafting at its best fan-out, with that fan-out and its hit rate) and
+        `target_only`; None where unbounded."""
         context = round(self.context_tokens)
         if self.target.step_s(streams, streams * context) <= 0:
             return {
                 "speculative_tokens_per_s": None, "serial_tokens_per_s": None,
-                "pipelined_tokens_per_s": None, "target_only_tokens_per_s": None,
-                "tokens_per_verify": None,
+                "pipelined_tokens_per_s": None, "predrafted_tokens_per_s": None,
+                "predraft_fan_out": None, "predraft_hit": None,
+                "target_only_tokens_per_s": None, "tokens_per_verify": None,
             }  # fmt: skip
         rates = ideal_rates(
             self.target, self.draft, self.alpha, self.draft_tokens, streams, context
@@ -94,6 +101,9 @@ class SimIdeal:
             "speculative_tokens_per_s": max(rates.serial, rates.pipelined),
             "serial_tokens_per_s": rates.serial,
             "pipelined_tokens_per_s": rates.pipelined,
+            "predrafted_tokens_per_s": max(rates.serial, rates.pipelined, rates.predrafted),
+            "predraft_fan_out": rates.predraft_fan_out,
+            "predraft_hit": rates.predraft_hit,
             "target_only_tokens_per_s": rates.target_only,
             "tokens_per_verify": rates.tokens_per_verify,
         }

@@ -11,18 +11,19 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from matplotlib.figure import Figure
 
 from cluster.api.client_types import StreamChunk
-from cluster.cli.loadtest import format_table, plot
+from cluster.cli.loadtest import format_table, plot, run_modes
 from cluster.cli.main import main
 from cluster.presets import PRESETS, resolve_pair
 from cluster.routing.draft_length_config import DEFAULT_DRAFT_TOKENS
 from cluster.runtime import sim, sim_source
 from cluster.runtime.models import load_tokenizer
+from cluster.runtime.predraft import MAX_FAN_OUT
 from cluster.tools.bench.loadtest_ideal import SimIdeal, achieved_over_ideal, ideal_of_level
 from cluster.tools.bench.process_cpu import CLIENT, ROLES, SERVICE_TOTAL
 from cluster.tools.bench.run import load_prompts
@@ -89,6 +90,9 @@ def test_every_level_is_sim_ideal_rates_at_its_streams(streams: int, draft_token
     assert level["serial_tokens_per_s"] == rates.serial
     assert level["pipelined_tokens_per_s"] == rates.pipelined
     assert level["target_only_tokens_per_s"] == rates.target_only
+    # Pre-drafting's ideal is never below the rounds it may fall back to.
+    assert level["predrafted_tokens_per_s"] == max(rates.serial, rates.pipelined, rates.predrafted)
+    assert level["predraft_fan_out"] == rates.predraft_fan_out
     if draft_tokens == 0:  # no drafting: speculation is the target alone
         assert level["speculative_tokens_per_s"] == pytest.approx(rates.target_only)
 
@@ -333,3 +337,48 @@ def test_the_ideal_is_refused_for_a_service_that_reports_another_preset(
     captured = capsys.readouterr()  # sim-instant's ideal is unbounded
     assert "| – | – |" in captured.out
     assert "speculative – (ideal unbounded: the device costs nothing)" in captured.err
+
+
+def test_run_modes_ask_each_mode_its_way() -> None:
+    assert run_modes(4, compare=False, predraft=False) == {"speculative": {"draft_tokens": 4}}
+    modes = run_modes(None, compare=True, predraft=True)
+    assert list(modes) == ["speculative", "serial", "predrafted", "target_only"]
+    assert modes["speculative"] == {"draft_tokens": None, "predraft_fan_out": 0}
+    assert modes["serial"]["pipelined"] is False and modes["serial"]["predraft_fan_out"] == 0
+    assert modes["predrafted"]["predraft_fan_out"] == MAX_FAN_OUT
+    assert modes["target_only"] == {"draft_tokens": 0}
+
+
+class _RecordingService(FakeService):
+    asked: ClassVar[list[dict[str, Any]]] = []
+
+    def stream(self, prompt: str, max_tokens: int, **settings: Any) -> Iterator[StreamChunk]:
+        _RecordingService.asked.append(settings)
+        return super().stream(prompt, max_tokens, **settings)
+
+
+def test_loadtest_with_predraft_runs_serial_and_predrafted_beside_their_ideals(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr("cluster.api.client.TandemClient", _RecordingService)
+    monkeypatch.setattr("cluster.api.client.AsyncTandemClient", as_async(_RecordingService))
+    out = tmp_path / "result.json"
+    argv = ["loadtest", "--concurrency", "1", "4", "--duration", "0.05", "--max-tokens", "8",
+            "--compare", "--predraft", "--preset", "sim-h100-8b", "--json", str(out),
+            "--plot", str(tmp_path / "plot.png")]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["predraft"] is True
+    for level in result["levels"]:
+        for mode in ("speculative", "serial", "predrafted", "target_only"):
+            assert level[mode]["requests"] > 0
+            assert level["achieved_over_ideal"][mode] == pytest.approx(
+                level[mode]["tokens_per_s"] / level["ideal"][f"{mode}_tokens_per_s"]
+            )
+        assert level["ideal"]["predrafted_tokens_per_s"] >= level["ideal"]["serial_tokens_per_s"]
+    fan_outs = {settings.get("predraft_fan_out") for settings in _RecordingService.asked}
+    assert fan_outs == {0, MAX_FAN_OUT, None}  # None: the target alone asks nothing of it
+    table = capsys.readouterr().out
+    assert "| 4 | predrafted |" in table and "| 1 | serial |" in table
+    assert (tmp_path / "plot.png").stat().st_size > 0
