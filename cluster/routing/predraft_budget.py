@@ -20,6 +20,8 @@ plain pipelining, or to serial rounds, as the same rule prices them all against 
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,7 +47,15 @@ def branch_odds(alpha: float, k: int) -> list[tuple[float, int, int]]:
 
 def hit_odds(alpha: float, k: int, fan_out: int) -> float:
     """P(the verdict of a k-token block is one of the `fan_out` likeliest branches)."""
-    return sum(p for p, _, _ in branch_odds(alpha, k)[: max(0, fan_out)])
+    curve = _hit_curve(alpha, k)
+    return curve[min(max(0, fan_out), len(curve) - 1)]
+
+
+@functools.lru_cache(maxsize=64)
+def _hit_curve(alpha: float, k: int) -> tuple[float, ...]:
+    """`hit_odds` at every fan-out from 0 up to every branch: a plan prices each k at many
+    fan-outs, with the same acceptance."""
+    return (0.0, *itertools.accumulate(p for p, _, _ in branch_odds(alpha, k)))
 
 
 def branch_steps(num_tokens: int) -> int:
