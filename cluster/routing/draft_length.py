@@ -235,10 +235,11 @@ class DraftLength:
         self.max_fan_out = max_fan_out
         """The widest fan-out a pipelined round may pre-draft (0: none; the plan decides each
         round's, up to it)."""
-        self._predraft_ratio: dict[int, float] = {}
-        """By fan-out, measured seconds of a pre-draft over its predicted seconds (a wide
-        fan-out's engine work per row is not on the device's curve); a fan-out not yet
-        measured takes the nearest measured one's."""
+        self._predraft_extra_s: dict[int, float] = {}
+        """By fan-out, measured seconds of a pre-draft beyond its predicted steps: the
+        hand-offs of the call and its branches' engine work per row, which the device's curve
+        leaves out. Added, not scaled, so that it does not grow with the block's length; a
+        fan-out not yet measured takes the nearest measured one's."""
         self._hits = 0.0
         self._hit_odds = 0.0
         """Pre-drafted rounds that hit and the odds they were chosen with, decayed alike."""
@@ -270,7 +271,7 @@ class DraftLength:
         self._drafter_load = (
             None if recent._drafter_load is None else dataclasses.replace(recent._drafter_load)
         )
-        self._predraft_ratio = dict(recent._predraft_ratio)
+        self._predraft_extra_s = dict(recent._predraft_extra_s)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """Count one verify pass's outcome (nothing drafted: only the decay)."""
@@ -317,8 +318,8 @@ class DraftLength:
             return
         predicted = self._predraft_step_s(fan_out)
         assert predicted is not None
-        ratio = seconds / (branch_steps(num_tokens) * predicted)
-        self._predraft_ratio[fan_out] = self._smooth(self._predraft_ratio.get(fan_out), ratio)
+        extra_s = seconds - branch_steps(num_tokens) * predicted
+        self._predraft_extra_s[fan_out] = self._smooth(self._predraft_extra_s.get(fan_out), extra_s)
 
     def observe_predraft_outcome(self, hit: bool, odds: float) -> None:
         """A pre-drafted round hit a branch or not; its branches were chosen with `odds` of a
@@ -349,15 +350,18 @@ class DraftLength:
     def _predraft_cost(self) -> PredraftCost | None:
         if self.max_fan_out <= 0 or self._predraft_step_s(1) is None:
             return None
-        measured = self._predraft_ratio
+        measured = self._predraft_extra_s
 
         def step_s(fan_out: int) -> float:
             step = self._predraft_step_s(fan_out)
             assert step is not None
-            nearest = min(measured, key=lambda f: (abs(f - fan_out), f), default=None)
-            return step * (1.0 if nearest is None else measured[nearest])
+            return step
 
-        return PredraftCost(self.max_fan_out, step_s, self.hit_scale)
+        def extra_s(fan_out: int) -> float:
+            nearest = min(measured, key=lambda f: (abs(f - fan_out), f), default=None)
+            return 0.0 if nearest is None else measured[nearest]
+
+        return PredraftCost(self.max_fan_out, step_s, self.hit_scale, extra_s)
 
     def _observe_load(self, old: Load | None, reported: StepLoad | None) -> Load | None:
         """The side's load after a call reported `reported`: its latest curve and smoothed

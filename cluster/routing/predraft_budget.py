@@ -81,10 +81,12 @@ class PredraftCost:
     pass runs."""
     hit_scale: float = 1.0
     """How often its branches hit, against the odds they were chosen by."""
+    extra_s: Callable[[int], float] = lambda fan_out: 0.0
+    """Seconds a pre-draft of `fan_out` branches takes beyond its steps (measured)."""
 
     def hit(self, acceptance: float, k: int, fan_out: int) -> float:
         return min(1.0, hit_odds(acceptance, k, fan_out) * self.hit_scale)
 
     def seconds(self, k: int, fan_out: int) -> float:
         """Seconds of pre-drafting `fan_out` branches of a k-token block."""
-        return branch_steps(k) * self.step_s(fan_out)
+        return max(0.0, branch_steps(k) * self.step_s(fan_out) + self.extra_s(fan_out))
