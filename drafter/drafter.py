@@ -29,7 +29,7 @@ tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -43,7 +43,7 @@ from cluster.runtime.constraint import (
     masks_ahead,
     wait_for,
 )
-from cluster.runtime.draft_block import DraftBlock
+from cluster.runtime.draft_block import DraftBlock, StepLoad
 from cluster.runtime.engine import Batched, Task
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel
@@ -226,7 +226,7 @@ class Drafter(SessionComponent[DrafterConfig]):
             num_tokens, truncate_to,
         )  # fmt: skip
         forking = submitted(lambda: self._engine.submit(task, key=session_id))
-        return gathered(forking)
+        return gathered(forking, self._engine.step_load)
 
     def _forks(
         self,
@@ -336,9 +336,12 @@ class Drafter(SessionComponent[DrafterConfig]):
         return float(logits.float().softmax(-1).max()) < self.config.min_confidence
 
 
-def gathered(forking: Future[list[Future[PreDraft]]]) -> Future[list[PreDraft]]:
+def gathered(
+    forking: Future[list[Future[PreDraft]]], load: Callable[[], StepLoad | None] = lambda: None
+) -> Future[list[PreDraft]]:
     """One future of every branch's result, in order, once the session's part has forked
-    them; a branch that failed is left out (a guess lost), the session's own error is raised."""
+    them, each with the engine's `load()` when the last ended; a branch that failed is left
+    out (a guess lost), the session's own error is raised."""
     out: Future[list[PreDraft]] = Future()
 
     def forked(done: Future[list[Future[PreDraft]]]) -> None:
@@ -355,7 +358,9 @@ def gathered(forking: Future[list[Future[PreDraft]]]) -> Future[list[PreDraft]]:
         def drafted(_: Future[PreDraft]) -> None:
             left[0] -= 1
             if left[0] == 0:
-                out.set_result([b.result() for b in branches if b.exception() is None])
+                now = load()
+                results = [b.result() for b in branches if b.exception() is None]
+                out.set_result([replace(b, load=now) for b in results])
 
         for branch in branches:
             branch.add_done_callback(drafted)

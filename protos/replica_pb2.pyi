@@ -154,16 +154,18 @@ class PredraftResponse(_message.Message):
     def __init__(self, branches: _Optional[_Iterable[_Union[PreDraft, _Mapping]]] = ...) -> None: ...
 
 class PreDraft(_message.Message):
-    __slots__ = ("accepted", "token", "token_ids", "draft_probs")
+    __slots__ = ("accepted", "token", "token_ids", "draft_probs", "load")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     token: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
-    def __init__(self, accepted: _Optional[int] = ..., token: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
+    load: StepLoad
+    def __init__(self, accepted: _Optional[int] = ..., token: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., load: _Optional[_Union[StepLoad, _Mapping]] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")

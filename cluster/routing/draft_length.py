@@ -311,10 +311,24 @@ class DraftLength:
             ratio = seconds / self._verifier_load.step_s(load.batch_tokens)
             latencies.verify_ratio = self._smooth(latencies.verify_ratio, ratio)
 
-    def observe_predraft(self, seconds: float, fan_out: int, num_tokens: int) -> None:
+    def observe_predraft(
+        self, seconds: float, fan_out: int, num_tokens: int, load: StepLoad | None = None
+    ) -> None:
         """A pre-draft of `fan_out` branches of `num_tokens` took `seconds` (it ran beside a
-        verify pass)."""
-        if fan_out <= 0 or num_tokens <= 0 or self._predraft_step_s(fan_out) is None:
+        verify pass); `load`: the drafter's as its branches reported it. While every round
+        hits, no plain draft reports the drafter's load, so this one keeps it current: its
+        batch is taken per session (the step held `fan_out` rows of this one, and of each
+        other pre-drafting alike)."""
+        if fan_out <= 0 or num_tokens <= 0:
+            return
+        if load is not None:
+            per_session = dataclasses.replace(
+                load,
+                batch_sequences=max(1, round(load.batch_sequences / fan_out)),
+                batch_tokens=max(1, round(load.batch_tokens / fan_out)),
+            )
+            self._drafter_load = self._observe_load(self._drafter_load, per_session)
+        if self._predraft_step_s(fan_out) is None:
             return
         predicted = self._predraft_step_s(fan_out)
         assert predicted is not None

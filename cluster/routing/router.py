@@ -525,7 +525,8 @@ class Router:
             return Branches((), 0.0)
         elapsed = (drafting.finished_at or time.perf_counter()) - sent_at
         self.metrics.drafted(elapsed)
-        gen.lengths.observe_predraft(elapsed, len(drafted), num_tokens)
+        load = next((branch.load for branch in drafted if branch.load is not None), None)
+        gen.lengths.observe_predraft(elapsed, len(drafted), num_tokens, load)
         return Branches(drafted, hit_odds(alpha, k, len(drafted)))
 
     def _draft_ahead(

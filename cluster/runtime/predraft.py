@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cluster.runtime.draft_block import StepLoad
 from cluster.runtime.sampling import SparseDistribution
 
 MAX_FAN_OUT = 8
@@ -67,6 +68,9 @@ class PreDraft:
     draft_probs: Sequence[SparseDistribution] | None = None
     """The exact q each of `tokens` was sampled from (a sampled session's branch), as a
     `DraftBlock`'s; None when drafted deterministically."""
+    load: StepLoad | None = None
+    """The drafter's load when the branch was drafted (None: not reported): what prices the
+    next fan-out while every round hits and no plain draft reports one."""
 
 
 def accept_odds(alpha: float, k: int) -> tuple[float, ...]:

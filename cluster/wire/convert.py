@@ -356,12 +356,15 @@ def branch_from_wire(message: replica_pb2.PredraftBranch) -> Branch:
 
 def predraft_to_wire(branch: PreDraft) -> replica_pb2.PreDraft:
     """q rows as `block_to_wire` sends a block's."""
-    return replica_pb2.PreDraft(
+    message = replica_pb2.PreDraft(
         accepted=uint_to_wire(branch.accepted, "predraft.accepted", MAX_UINT32),
         token=token_ids_to_wire((branch.token,), "predraft.token")[0],
         token_ids=token_ids_to_wire(branch.tokens, "predraft.tokens"),
         draft_probs=draft_probs_to_wire(branch.draft_probs),
     )
+    if branch.load is not None:
+        message.load.CopyFrom(load_to_wire(branch.load))
+    return message
 
 
 def predraft_from_wire(message: replica_pb2.PreDraft, *, lazy_rows: bool = False) -> PreDraft:
@@ -373,6 +376,7 @@ def predraft_from_wire(message: replica_pb2.PreDraft, *, lazy_rows: bool = False
         token=message.token,
         tokens=tokens,
         draft_probs=draft_probs_from_wire(message.draft_probs, len(tokens), "predraft", lazy_rows),
+        load=load_from_wire(message.load) if message.HasField("load") else None,
     )
 
 

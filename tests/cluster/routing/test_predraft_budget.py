@@ -137,3 +137,19 @@ def test_without_a_budget_or_before_timing_the_request_gets_what_it_asked() -> N
     fixed = DraftLength(DraftLengthConfig(enabled=False), max_k=4, pipelined=True, max_fan_out=3)
     _timed(fixed, drafter_batch=64, per_token_s=0.01)
     assert fixed.next_plan() == Plan(4, True, 3)
+
+
+def test_a_drafter_loaded_meanwhile_narrows_the_fan_out_through_its_branches_loads() -> None:
+    """While every round hits, no plain draft reports the drafter's load: the branches' do."""
+    lengths = DraftLength(ON, max_k=4, pipelined=True, max_fan_out=MAX_FAN_OUT)
+    _timed(lengths, drafter_batch=1, per_token_s=0.00002)
+    idle = lengths.next_plan().fan_out
+    assert idle >= 3
+    # Each of 64 sessions pre-drafts `idle` branches: a step holds 64 x idle rows.
+    load = StepLoad(64 * idle, 64 * idle, 0.0008, 0.00002)
+    for _ in range(20):
+        lengths.observe_predraft(branch_steps(4) * load.step_s(64 * idle), idle, 4, load)
+    assert lengths.next_plan().fan_out < idle
+    # The batch is taken per session: 64 sessions, not 64 x idle rows each.
+    drafter = lengths._drafter_load
+    assert drafter is not None and drafter.sequences == pytest.approx(64, rel=0.05)

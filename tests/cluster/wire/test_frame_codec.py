@@ -184,6 +184,12 @@ def predrafts(draw: st.DrawFn) -> PreDraft:
         token=draw(st.integers(0, convert.MAX_INT32)),
         tokens=drafted,
         draft_probs=draw(rows(len(drafted))) if sampled else None,
+        load=draw(
+            st.none()
+            | st.builds(
+                StepLoad, st.integers(0, 99), st.integers(0, 999), st.just(0.5), st.just(0.25)
+            )
+        ),
     )
 
 
@@ -201,7 +207,7 @@ def test_predrafted_branches_read_back_with_q_bit_for_bit_and_pass_through_as_by
     for want, got, kept, as_sent in zip(drafted, decoded, on_router, sent.branches, strict=True):
         for read in (got, kept):
             assert (read.accepted, read.token) == (want.accepted, want.token)
-            assert read.tokens == want.tokens
+            assert read.tokens == want.tokens and read.load == want.load
             assert same_rows(read.draft_probs, want.draft_probs)
         if want.draft_probs is None:
             continue
