@@ -196,6 +196,9 @@ class Router:
         gated = self.draft_length.enabled and self.draft_length.speculation_gate
         self.gate = SpeculationGate(GateConfig(enabled=gated), self._clock)
         """Whether speculation pays for all this router's requests at once, measured."""
+        self.predraft_gate = SpeculationGate(GateConfig(enabled=gated), self._clock)
+        """Whether pre-drafting pays for all this router's requests that may pre-draft, against
+        the same requests' rounds without it, measured the same way."""
         self._recent_lengths: DraftLength | None = None
         """The estimates of the request that last timed a verify pass: where a new request's
         plan starts (`DraftLength.inherit`)."""
@@ -313,6 +316,9 @@ class Router:
             if self._recent_lengths is not None:  # price the first rounds with today's load
                 gen.lengths.inherit(self._recent_lengths)
             gen.lengths.max_fan_out = self._max_fan_out(gen)
+            if gen.lengths.max_fan_out > 0:
+                self.predraft_gate.request_started()
+                releases.append(self.predraft_gate.request_ended)
             yield from self._session(gen)
         finally:
             for release in releases:
@@ -386,6 +392,8 @@ class Router:
                 plan = gen.lengths.next_plan()
                 if not self.gate.speculate():  # the router measured the target alone faster
                     plan = Plan(0, False)
+                elif plan.fan_out > 0 and not self.predraft_gate.speculate():
+                    plan = Plan(plan.k, plan.pipelined)  # measured faster without pre-drafting
                 opening = gen.opening_round
                 gen.opening_round = False
                 if draft is None:
@@ -423,6 +431,8 @@ class Router:
                 gen.commit(verdict.tokens)
                 if gen.request.draft_tokens > 0:
                     self.gate.committed(len(verdict.tokens))
+                if gen.lengths.max_fan_out > 0:
+                    self.predraft_gate.committed(len(verdict.tokens))
                 assert gen.committed == verdict.committed_length, "verifier and router disagree"
                 if predrafting:  # the branch the verdict hit, if any, is verified next
                     draft = predrafted(gen, block, verdict, next_draft)

@@ -16,6 +16,12 @@ not compared: the exploration starts over. With one request the gate stays open:
 per-request plan sees all there is. While the gate holds the target alone, a request that starts
 defers opening its drafter's session to its first round that may speculate
 (`Router._session`): a short request that never speculates never pays the draft's prefill.
+
+The router runs a second gate of this kind over outcome-keyed pre-drafting (`predraft_gate`):
+among the requests that may pre-draft, epochs whose rounds pre-draft as the plan chooses
+(`speculate`) against epochs whose rounds do not (`target`: plain pipelining or serial rounds,
+as the plan prices them). On shared cores under load, the drafter's branches take CPU the
+device model does not see; the gate keeps pre-drafting only while it commits more.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.local import LocalTandem
 from cluster.routing.draft_length import DraftLength, Plan, best_plan, rate
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.predraft_budget import (
@@ -15,8 +16,11 @@ from cluster.routing.predraft_budget import (
     predrafted_seconds,
 )
 from cluster.routing.predrafting import choose_branches
+from cluster.routing.request import GenerationRequest
+from cluster.routing.router import Router
 from cluster.runtime.draft_block import StepLoad
 from cluster.runtime.predraft import MAX_FAN_OUT, accept_odds
+from tests.conftest import MAX_TOKENS, encode
 
 ON = DraftLengthConfig(enabled=True)
 VERIFY_S = 0.0065
@@ -153,3 +157,25 @@ def test_a_drafter_loaded_meanwhile_narrows_the_fan_out_through_its_branches_loa
     # The batch is taken per session: 64 sessions, not 64 x idle rows each.
     drafter = lengths._drafter_load
     assert drafter is not None and drafter.sequences == pytest.approx(64, rel=0.05)
+
+
+def test_the_routers_predraft_gate_turns_pre_drafting_off_and_keeps_output_exact(
+    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
+) -> None:
+    """Where the router measured rounds without pre-drafting faster, no round pre-drafts."""
+    router = Router(
+        local_tandem.verifier, local_tandem.drafter, local_tandem.router._decode,
+        local_tandem.router._eos_token_ids, predraft_fan_out=4,
+    )  # fmt: skip
+    try:
+        prompt, expected = next(iter(target_only.items()))
+        request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=4)
+        on = router.generate(request, pipelined=True)
+        router.predraft_gate.speculate = lambda: False  # type: ignore[method-assign]
+        off = router.generate(request, pipelined=True)
+    finally:
+        router.close()
+    assert on.tokens == off.tokens == expected
+    assert on.stats.predraft_hits > 0
+    assert off.stats.predraft_hits == off.stats.predraft_misses == 0
+    assert off.stats.pipeline_hits + off.stats.pipeline_misses > 0  # plain pipelining instead
