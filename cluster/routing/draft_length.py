@@ -166,17 +166,17 @@ def best_plan(
     plans = [Plan(k, False) for k in range(max_k + 1)]
     if may_pipeline:
         plans += [Plan(k, True) for k in range(1, max_k + 1)]
-        fan_outs = range(1, predraft.max_fan_out + 1) if predraft is not None else ()
-        plans += [Plan(k, True, f) for k in range(1, max_k + 1) for f in fan_outs]
-    return max(
-        plans,
-        key=lambda p: (
-            rate(acceptance, p, draft_s, verify_s, overlapped, predraft),
-            not p.pipelined,
-            -p.k,
-            -p.fan_out,
-        ),
-    )
+    priced = [
+        (rate(acceptance, p, draft_s, verify_s, overlapped), not p.pipelined, -p.k, 0, p)
+        for p in plans
+    ]
+    if may_pipeline and predraft is not None:
+        verify_beside = (overlapped or (draft_s, verify_s))[1]
+        for k in range(1, max_k + 1):
+            tokens, verify_k = expected_tokens(acceptance, k), verify_seconds(verify_beside, k)
+            for fan_out, value in predraft.rates(acceptance, k, tokens, verify_k, k * draft_s):
+                priced.append((value, False, -k, -fan_out, Plan(k, True, fan_out)))
+    return max(priced, key=lambda p: p[:4])[4]
 
 
 @dataclass
@@ -364,18 +364,17 @@ class DraftLength:
     def _predraft_cost(self) -> PredraftCost | None:
         if self.max_fan_out <= 0 or self._predraft_step_s(1) is None:
             return None
+        # Each fan-out's step and extra once: the plan prices every block length at each.
         measured = self._predraft_extra_s
-
-        def step_s(fan_out: int) -> float:
+        steps: dict[int, float] = {}
+        extras: dict[int, float] = {}
+        for fan_out in range(1, self.max_fan_out + 1):
             step = self._predraft_step_s(fan_out)
             assert step is not None
-            return step
-
-        def extra_s(fan_out: int) -> float:
             nearest = min(measured, key=lambda f: (abs(f - fan_out), f), default=None)
-            return 0.0 if nearest is None else measured[nearest]
-
-        return PredraftCost(self.max_fan_out, step_s, self.hit_scale, extra_s)
+            steps[fan_out] = step
+            extras[fan_out] = 0.0 if nearest is None else measured[nearest]
+        return PredraftCost(self.max_fan_out, steps.__getitem__, self.hit_scale, extras.__getitem__)
 
     def _observe_load(self, old: Load | None, reported: StepLoad | None) -> Load | None:
         """The side's load after a call reported `reported`: its latest curve and smoothed

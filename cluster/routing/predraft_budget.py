@@ -90,3 +90,24 @@ class PredraftCost:
     def seconds(self, k: int, fan_out: int) -> float:
         """Seconds of pre-drafting `fan_out` branches of a k-token block."""
         return max(0.0, branch_steps(k) * self.step_s(fan_out) + self.extra_s(fan_out))
+
+    def rates(
+        self, acceptance: float, k: int, tokens: float, verify_s: float, redraft_s: float
+    ) -> list[tuple[int, float]]:
+        """(fan-out, tokens per second) of a k-token block's pre-drafted rounds, from F = 1 up
+        to the rate's peak: the odds of a hit grow ever more slowly with F and its steps grow
+        dearer, so the rate rises to one peak. `tokens` per round, `verify_s` of its verify
+        pass beside the branches, `redraft_s` to draft the block alone after a miss. What
+        `rate` gives each, in one pass: the plan prices every block length at each F."""
+        curve, steps = _hit_curve(acceptance, k), branch_steps(k)
+        priced: list[tuple[int, float]] = []
+        best = 0.0
+        for fan_out in range(1, self.max_fan_out + 1):
+            hit = min(1.0, curve[min(fan_out, len(curve) - 1)] * self.hit_scale)
+            predraft_s = max(0.0, steps * self.step_s(fan_out) + self.extra_s(fan_out))
+            value = tokens / predrafted_seconds(hit, verify_s, predraft_s, redraft_s)
+            if value < best:
+                break
+            best = value
+            priced.append((fan_out, value))
+        return priced

@@ -389,10 +389,10 @@ class Router:
             while True:
                 gen.check_deadline()
                 remaining = gen.remaining
-                plan = gen.lengths.next_plan()
-                if not self.gate.speculate():  # the router measured the target alone faster
-                    plan = Plan(0, False)
-                elif plan.fan_out > 0 and not self.predraft_gate.speculate():
+                # Where the router measured the target alone faster, the plan is not priced
+                # at all (pricing costs router CPU each round).
+                plan = gen.lengths.next_plan() if self.gate.speculate() else Plan(0, False)
+                if plan.fan_out > 0 and not self.predraft_gate.speculate():
                     plan = Plan(plan.k, plan.pipelined)  # measured faster without pre-drafting
                 opening = gen.opening_round
                 gen.opening_round = False
