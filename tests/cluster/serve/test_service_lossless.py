@@ -23,6 +23,13 @@ rejected. With three CPU-bound processes beside it on 2 cores, the plan stopped 
 (the draft latency it inherits from request to request stays high while nothing is drafted),
 and the test fails there rather than pass on a sample of the target alone.
 
+A second run (`predrafting`) takes the same path with outcome-keyed pre-drafting on
+(`api.default_predraft_fan_out` 4) and Saguaro-style sampling on the drafter
+(`saguaro_scale` 0.5), under rejection sampling, PREDRAFT_TOKENS long with one-token blocks:
+after the opening round, each verify pass runs beside the drafter's branches and a hit
+branch's block (with its q, over the wire) is verified next, deciding the third token
+whenever the round before it committed one. It asserts that most requests hit.
+
 Statistic: the exact joint distribution of the first three tokens,
 P(t1, t2, t3) = p(t1 | prompt) p(t2 | prompt, t1) p(t3 | prompt, t1, t2), from the target's own
 probabilities at temperature 1 (in process), against NUM_REQUESTS seeded requests by Pearson's
@@ -37,6 +44,7 @@ measured times, so reruns differ.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -95,18 +103,34 @@ class Context:
         pass
 
 
+PREDRAFT_TOKENS = 6
+"""A pre-drafting request's length: the opening round, then a one-token block whose verify
+pass runs beside its branches, then the hit branch's; the first NUM_TOKENS are tested."""
+
+
 @dataclass
 class Served:
     ingress: RouterIngress
     target: LoadedModel
     model_drafted: list[int]
     """Tokens the draft model proposed (one count); the other drafted tokens were looked up."""
+    predrafting: bool = False
+    """Requests pre-draft (with Saguaro-style sampling on the drafter) under rejection
+    sampling, PREDRAFT_TOKENS long with one-token blocks, so that pre-drafted blocks decide
+    some of the first tokens."""
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
+@pytest.fixture(scope="module", params=["default", "predrafting"])
+def served(request: pytest.FixtureRequest) -> Iterator[Served]:
     tenant = TenantConfig("main", hash_api_key(KEY))
     config = TandemConfig(auth=AuthConfig(tenants=(tenant,))).with_cluster_secret()
+    predrafting = request.param == "predrafting"
+    if predrafting:  # the default path, with pre-drafting and Saguaro-style sampling turned on
+        config = dataclasses.replace(
+            config,
+            api=dataclasses.replace(config.api, default_predraft_fan_out=4),
+            drafter_limits=dataclasses.replace(config.drafter_limits, saguaro_scale=0.5),
+        )
     pair = config.pair()
     target, draft = load_model(pair.target), load_model(pair.draft)
     verifier = Verifier(target, config.verifier_limits)
@@ -144,7 +168,7 @@ def served() -> Iterator[Served]:
         # The registry actor's listing, without Ray: both replicas, always live.
         patch.setattr(cluster.serve.ingress, "get_registry", lambda app_name: None)
         patch.setattr(cluster.serve.ingress, "from_registry_actor", lambda actor: lambda: entries)
-        served = Served(RouterIngress(config), target, model_drafted)
+        served = Served(RouterIngress(config), target, model_drafted, predrafting)
         try:
             yield served
         finally:
@@ -194,25 +218,31 @@ def _frequent(probs: torch.Tensor) -> list[Any]:
     return (probs * NUM_REQUESTS >= MIN_EXPECTED).nonzero().squeeze(-1).tolist()
 
 
-async def sample(ingress: RouterIngress) -> list[generate_pb2.GenerateResponse]:
+async def sample(served: Served) -> list[generate_pb2.GenerateResponse]:
     """NUM_REQUESTS responses for PROMPT, seeds 0..NUM_REQUESTS-1, one after another."""
     responses = []
     for seed in range(NUM_REQUESTS):
         request = generate_pb2.GenerateRequest(
             text=PROMPT,
-            max_tokens=NUM_TOKENS,
+            max_tokens=PREDRAFT_TOKENS if served.predrafting else NUM_TOKENS,
             seed=seed,
             sampling=sampling_pb2.SamplingParams(temperature=SAMPLING.temperature),
         )
-        responses.append(await ingress.Generate(request, Context()))
+        if served.predrafting:
+            # Rejection sampling: the rule that reads the q a branch carries over the wire
+            # (Saguaro-style q' included). A seeded request's default, seed-exact, accepts
+            # by equality, and pre-drafting leaves its output unchanged token for token.
+            request.speculation.draft_tokens = 1
+            request.sampling.rule = sampling_pb2.SAMPLING_RULE_REJECTION
+        responses.append(await served.ingress.Generate(request, Context()))
     return responses
 
 
 def test_the_first_tokens_through_the_default_service_follow_the_target(served: Served) -> None:
     prompt = tuple(served.target.tokenizer.encode(PROMPT, add_special_tokens=False))
     cells = exact_cells(served.target, prompt)
-    responses = asyncio.run(sample(served.ingress))
-    samples = [tuple(r.token_ids) for r in responses]
+    responses = asyncio.run(sample(served))
+    samples = [tuple(r.token_ids[:NUM_TOKENS]) for r in responses]
     assert all(len(tokens) == NUM_TOKENS for tokens in samples)
     drafted = sum(r.speculation.num_drafted for r in responses)
     accepted = sum(r.speculation.num_accepted for r in responses)
@@ -223,6 +253,15 @@ def test_the_first_tokens_through_the_default_service_follow_the_target(served: 
         f"{drafted - model_drafted}, by the draft model {model_drafted}), accepted {accepted}"
     )
     # The sample tests acceptance only where tokens were proposed.
-    assert min(drafted - model_drafted, model_drafted) >= MIN_PROPOSED
     assert 0 < accepted < drafted
+    if served.predrafting:
+        # Pre-drafted rounds happened, hit and missed: a hit's block (drawn with its q, damped
+        # by Saguaro-style sampling) is verified next, and decides the third token whenever the
+        # round before committed one.
+        hits = sum(r.speculation.predraft_hits for r in responses)
+        misses = sum(r.speculation.predraft_misses for r in responses)
+        print(f"pre-drafted rounds: {hits} hits, {misses} misses")
+        assert hits >= MIN_PROPOSED // 2 and misses > 0
+    else:
+        assert min(drafted - model_drafted, model_drafted) >= MIN_PROPOSED
     assert p_value > ALPHA
