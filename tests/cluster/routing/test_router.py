@@ -20,7 +20,12 @@ from cluster.routing.speculation_gate import GateConfig, SpeculationGate
 from cluster.routing.waits import Wait
 from cluster.runtime import tiny
 from cluster.runtime.draft_block import DraftBlock
-from cluster.runtime.errors import InvalidArgumentError, StaleBaseError, TandemError
+from cluster.runtime.errors import (
+    InvalidArgumentError,
+    ReplicaUnavailableError,
+    StaleBaseError,
+    TandemError,
+)
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from tests.cluster.routing.stepping import OpensOnSteps
@@ -636,3 +641,47 @@ def test_a_drafter_that_refuses_predrafts_keeps_the_request_exact_and_stops_the_
     assert result.stats.drafters == ["drafter"]
     assert drafter.drafts > 1 and result.stats.num_accepted > 0
     assert local_tandem.drafter.stats().num_sessions == 0
+
+
+class _PredraftsThenFails(_DraftCallCounter):
+    """A drafter whose replica is lost during its third pre-draft."""
+
+    def __init__(self, drafter: Any) -> None:
+        super().__init__(drafter)
+        self.predrafts = 0
+
+    def predraft(self, *args: Any, **kwargs: Any) -> Any:
+        self.predrafts += 1
+        if self.predrafts == 3:
+            raise ReplicaUnavailableError("the drafter replica is gone")
+        return self._drafter.predraft(*args, **kwargs)
+
+
+def test_a_drafter_lost_while_predrafting_drops_its_branches_and_stays_exact(
+    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
+) -> None:
+    """The round whose pre-draft failed hits nothing (its cache is gone with the drafter), the
+    request fails over (here to the target alone: no spare), and no session or fork is left."""
+    drafter = _PredraftsThenFails(local_tandem.drafter)
+    router = Router(
+        local_tandem.verifier, drafter, local_tandem.router._decode,
+        local_tandem.router._eos_token_ids, predraft_fan_out=4,
+    )  # fmt: skip
+    try:
+        prompt, expected = next(iter(target_only.items()))
+        request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=4)
+        result = router.generate(request, pipelined=True)
+    finally:
+        router.close()
+    assert result.tokens == expected
+    stats = result.stats
+    assert drafter.predrafts == 3  # never asked again after the loss
+    # The two pre-drafted rounds before the loss count; the lost one drafted nothing to hit.
+    assert stats.predraft_hits + stats.predraft_misses == 2
+    assert local_tandem.drafter.stats().num_sessions == 0
+    assert local_tandem.verifier.stats().num_sessions == 0
+    local_tandem.drafter.engine.call(lambda: None)
+    deadline = time.monotonic() + 10
+    while local_tandem.drafter._runner.sequences() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert local_tandem.drafter._runner.sequences() == ()
