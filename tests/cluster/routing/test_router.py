@@ -546,6 +546,29 @@ def test_greedy_with_outcome_keyed_predrafting_is_lossless(
     assert local_tandem.drafter._runner.sequences() == ()
 
 
+def _predrafting_once(local_tandem: LocalTandem, drafter: Any) -> Any:
+    """The first prompt's result through a router over `drafter` that pre-drafts up to 4."""
+    router = Router(
+        local_tandem.verifier, drafter, local_tandem.router._decode,
+        local_tandem.router._eos_token_ids, predraft_fan_out=4,
+    )  # fmt: skip
+    try:
+        request = GenerationRequest(encode(local_tandem, PROMPTS[0]), MAX_TOKENS, draft_tokens=4)
+        return router.generate(request, pipelined=True)
+    finally:
+        router.close()
+
+
+def _wait_for_no_branch(local_tandem: LocalTandem) -> None:
+    """Assert every branch's fork is released: a branch still drafting when its session
+    closed releases its fork as it ends."""
+    local_tandem.drafter.engine.call(lambda: None)  # after every task queued before it
+    deadline = time.monotonic() + 10
+    while local_tandem.drafter._runner.sequences() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert local_tandem.drafter._runner.sequences() == ()
+
+
 class _DraftCallCounter:
     """The in-process drafter, its `draft` calls counted."""
 
@@ -565,17 +588,8 @@ def test_a_predraft_hit_is_verified_without_asking_the_drafter_again(
     local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
 ) -> None:
     drafter = _DraftCallCounter(local_tandem.drafter)
-    router = Router(
-        local_tandem.verifier, drafter, local_tandem.router._decode,
-        local_tandem.router._eos_token_ids, predraft_fan_out=4,
-    )  # fmt: skip
-    try:
-        prompt, expected = next(iter(target_only.items()))
-        request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=4)
-        result = router.generate(request, pipelined=True)
-    finally:
-        router.close()
-    assert result.tokens == expected
+    result = _predrafting_once(local_tandem, drafter)
+    assert result.tokens == target_only[PROMPTS[0]]
     stats = result.stats
     assert stats.predraft_hits > 0
     # Every verify pass's block came from a draft call, a hit, or neither (the opening pass,
@@ -601,11 +615,7 @@ def test_closing_a_predrafting_stream_leaves_no_session_or_branch(
     assert local_tandem.verifier.stats().num_sessions == 0
     assert local_tandem.drafter.stats().num_sessions == 0
     # A branch still drafting when its session closed releases its fork as it ends.
-    local_tandem.drafter.engine.call(lambda: None)  # after every task queued before it
-    deadline = time.monotonic() + 10
-    while local_tandem.drafter._runner.sequences() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert local_tandem.drafter._runner.sequences() == ()
+    _wait_for_no_branch(local_tandem)
 
 
 class _RefusesPredrafts(_DraftCallCounter):
@@ -624,17 +634,8 @@ def test_a_drafter_that_refuses_predrafts_keeps_the_request_exact_and_stops_the_
     local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
 ) -> None:
     drafter = _RefusesPredrafts(local_tandem.drafter)
-    router = Router(
-        local_tandem.verifier, drafter, local_tandem.router._decode,
-        local_tandem.router._eos_token_ids, predraft_fan_out=4,
-    )  # fmt: skip
-    try:
-        prompt, expected = next(iter(target_only.items()))
-        request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=4)
-        result = router.generate(request, pipelined=True)
-    finally:
-        router.close()
-    assert result.tokens == expected
+    result = _predrafting_once(local_tandem, drafter)
+    assert result.tokens == target_only[PROMPTS[0]]
     # Asked once, then never again; the drafter was not failed over for it, and kept drafting
     # from the view it had before the refused call.
     assert drafter.refused == 1
@@ -663,25 +664,12 @@ def test_a_drafter_lost_while_predrafting_drops_its_branches_and_stays_exact(
     """The round whose pre-draft failed hits nothing (its cache is gone with the drafter), the
     request fails over (here to the target alone: no spare), and no session or fork is left."""
     drafter = _PredraftsThenFails(local_tandem.drafter)
-    router = Router(
-        local_tandem.verifier, drafter, local_tandem.router._decode,
-        local_tandem.router._eos_token_ids, predraft_fan_out=4,
-    )  # fmt: skip
-    try:
-        prompt, expected = next(iter(target_only.items()))
-        request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=4)
-        result = router.generate(request, pipelined=True)
-    finally:
-        router.close()
-    assert result.tokens == expected
+    result = _predrafting_once(local_tandem, drafter)
+    assert result.tokens == target_only[PROMPTS[0]]
     stats = result.stats
     assert drafter.predrafts == 3  # never asked again after the loss
     # The two pre-drafted rounds before the loss count; the lost one drafted nothing to hit.
     assert stats.predraft_hits + stats.predraft_misses == 2
     assert local_tandem.drafter.stats().num_sessions == 0
     assert local_tandem.verifier.stats().num_sessions == 0
-    local_tandem.drafter.engine.call(lambda: None)
-    deadline = time.monotonic() + 10
-    while local_tandem.drafter._runner.sequences() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert local_tandem.drafter._runner.sequences() == ()
+    _wait_for_no_branch(local_tandem)
