@@ -33,7 +33,7 @@ from cluster.presets import DEFAULT_PRESET, PRESETS, ModelPair, resolve_pair
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.model_spec import QUANTIZATIONS
-from drafter.config import DrafterConfig, NgramConfig
+from drafter.config import DrafterConfig, NgramConfig, SuffixConfig
 from verifier.config import VerifierConfig
 
 DEFAULT_APP_NAME = "tandem"
@@ -169,6 +169,15 @@ class TandemConfig:
     verifier: ReplicaGroupConfig = field(default_factory=ReplicaGroupConfig)
     drafter_limits: DrafterConfig = field(default_factory=DrafterConfig)
     verifier_limits: VerifierConfig = field(default_factory=VerifierConfig)
+    suffix: ReplicaGroupConfig = field(default_factory=ReplicaGroupConfig)
+    """The suffix drafter replicas (`suffix_drafter`): CPU-only (a GPU asked for is refused),
+    one by default."""
+    suffix_drafter: SuffixConfig = field(default_factory=SuffixConfig)
+    """The suffix drafter: blocks continuing what the tenant's earlier requests (and the
+    request itself) wrote, from indexes on CPU-only replicas; the router verifies its block
+    where it proposes one and drafts with the model otherwise. On by default: where nothing
+    recurs it proposes nothing and the router stops asking for a while. `enabled: false`
+    deploys no suffix replica."""
     prompt_lookup: NgramConfig = field(default_factory=lambda: NgramConfig(enabled=True))
     """The router's prompt lookup: blocks copied from the token history when its last few
     tokens recur, the draft model otherwise. On by default: free blocks, lossless."""
@@ -198,12 +207,16 @@ class TandemConfig:
             )
         if not 0 < self.grpc_port < 65536:
             raise InvalidArgumentError(f"grpc_port must be in 1..65535, got {self.grpc_port}")
-        for side in ("router", "verifier"):
+        if self.suffix.num_gpus > 0 or self.suffix.accelerator_type:
+            raise InvalidArgumentError(
+                "suffix: the suffix drafter runs on CPUs only (set no num_gpus or accelerator_type)"
+            )
+        for side in ("router", "verifier", "suffix"):
             for key in ("quantization", "trimmed_vocab"):
                 if getattr(getattr(self, side), key) is not None:
                     raise InvalidArgumentError(
                         f"{side}.{key}: only the drafter's model may be changed (the target's "
-                        "output is what Tandem reproduces)"
+                        "output is what Tandem reproduces; the suffix drafter has none)"
                     )
         if self.cluster_secret is not None and len(self.cluster_secret) < MIN_SECRET_CHARS:
             raise InvalidArgumentError(

@@ -19,8 +19,9 @@ from cluster.routing.router import Router
 from cluster.runtime.constraint import grammar_tokenizer_of
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel, load_model
-from drafter.config import DrafterConfig, NgramConfig
+from drafter.config import DrafterConfig, NgramConfig, SuffixConfig
 from drafter.drafter import Drafter
+from drafter.suffix import SuffixDrafter
 from verifier.config import VerifierConfig
 from verifier.verifier import Verifier
 
@@ -54,9 +55,11 @@ def build_local(
     prompt_lookup: NgramConfig | None = None,
     draft_length: DraftLengthConfig | None = None,
     predraft_fan_out: int = 0,
+    suffix: SuffixConfig | None = None,
 ) -> LocalTandem:
     """Load both models of `pair` and connect them in this process. `predraft_fan_out`: the
-    router's default for requests that do not set theirs (0: no pre-drafting)."""
+    router's default for requests that do not set theirs (0: no pre-drafting); `suffix`: a
+    suffix drafter asked before the drafter (None, or not enabled: none)."""
     target = load_model(pair.target)
     draft = load_model(pair.draft)
     if draft.vocab_size > target.vocab_size:
@@ -71,6 +74,7 @@ def build_local(
         drafter,
         text_decoder(target.tokenizer),
         target.eos_token_ids,
+        suffix=SuffixDrafter(suffix) if suffix is not None and suffix.enabled else None,
         ngram=prompt_lookup,
         draft_length=draft_length,
         predraft_fan_out=predraft_fan_out,

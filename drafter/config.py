@@ -1,5 +1,5 @@
-"""The drafter side's configs: a drafter replica's limits (`DrafterConfig`) and prompt lookup's
-settings (`NgramConfig`).
+"""The drafter side's configs: a drafter replica's limits (`DrafterConfig`), prompt lookup's
+settings (`NgramConfig`) and the suffix drafter's (`SuffixConfig`).
 
 Plain data, validated when built, no I/O: no torch, no model, no component, so that a config
 file can be read (`cluster.config.TandemConfig`) without loading what it configures. The
@@ -80,4 +80,56 @@ class NgramConfig:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise InvalidArgumentError(
                 f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}"
+            )
+
+
+SUFFIX_SCOPES = ("tenant", "request")
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    """The suffix drafter: continuations of what earlier requests (and this one) wrote, drafted
+    from suffix indexes held on CPU-only replicas (`drafter.suffix_index`, `drafter.suffix`).
+
+    Its drafts are deterministic, so their q is one-hot and acceptance stays exact for every
+    sampling rule; they only move speed."""
+
+    enabled: bool = True
+    scope: str = "tenant"
+    """Whose text drafts for a request: "tenant" (every request of the same tenant, the
+    default) or "request" (its own prompt and output only). Never another tenant's: what a
+    draft proposes shows in acceptance and timing, so a tree shared across tenants would tell
+    one tenant whether another wrote the same text."""
+    max_tokens: int = 16
+    """Longest block drafted; a block ends earlier where its confidence falls."""
+    min_match: int = 2
+    """Shortest suffix of the context that must recur for a proposal."""
+    max_match: int = 16
+    """Longest suffix of the context compared when ranking earlier occurrences."""
+    max_candidates: int = 64
+    """Earlier occurrences weighed per proposal (the most recent first): bounds its CPU."""
+    min_confidence: float = 0.25
+    """A block ends before the token whose running confidence (the product of each token's
+    share among the occurrences still matching) would fall below this."""
+    tenant_bytes: int = 64 * 1024 * 1024
+    """Memory cap of one tenant's index, in bytes; the oldest requests are evicted first."""
+
+    def __post_init__(self) -> None:
+        if self.scope not in SUFFIX_SCOPES:
+            raise InvalidArgumentError(
+                f"scope must be one of {', '.join(SUFFIX_SCOPES)}, got {self.scope!r}"
+            )
+        for name in ("max_tokens", "min_match", "max_candidates", "tenant_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.max_match, bool) or not isinstance(self.max_match, int):
+            raise InvalidArgumentError(f"max_match must be an int, got {self.max_match!r}")
+        if self.max_match < self.min_match:
+            raise InvalidArgumentError(
+                f"need min_match <= max_match, got {self.min_match} and {self.max_match}"
+            )
+        if not 0.0 <= self.min_confidence <= 1.0:
+            raise InvalidArgumentError(
+                f"min_confidence must be in [0, 1], got {self.min_confidence}"
             )

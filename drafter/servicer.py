@@ -87,7 +87,7 @@ class DrafterServicer(SessionServicer[Drafter], replica_pb2_grpc.DrafterServicer
     def _entry_handlers(self) -> dict[str, EntryHandler]:
         return {
             **super()._entry_handlers(),
-            "draft": EntryHandler(self._submit_draft, _drafted),
+            "draft": EntryHandler(self._submit_draft, drafted),
             "predraft": EntryHandler(self._submit_predraft, _predrafted),
         }
 
@@ -116,7 +116,7 @@ class DrafterServicer(SessionServicer[Drafter], replica_pb2_grpc.DrafterServicer
         )
 
 
-def _drafted(block: DraftBlock) -> replica_pb2.FrameResult:
+def drafted(block: DraftBlock) -> replica_pb2.FrameResult:
     return replica_pb2.FrameResult(block=convert.block_to_wire(block))
 
 

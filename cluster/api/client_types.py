@@ -57,6 +57,8 @@ class RequestStats:
     accepted_by_position: tuple[int, ...] = ()
     predraft_hits: int = 0
     predraft_misses: int = 0
+    suffix_drafted: int = 0
+    suffix_accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,10 @@ class GenerateResult:
     """Pre-drafted rounds whose verdict was one of the outcomes drafted for."""
     predraft_misses: int = 0
     """Pre-drafted rounds whose verdict was none of them."""
+    suffix_drafted: int = 0
+    """Of `num_drafted`: tokens the suffix drafter proposed."""
+    suffix_accepted: int = 0
+    """Of `num_accepted`: those of them accepted."""
 
     @property
     def num_generated_tokens(self) -> int:
@@ -264,6 +270,8 @@ def _speculation_fields(stats: generate_pb2.SpeculationStats) -> dict[str, Any]:
         "pipeline_misses": stats.pipeline_misses,
         "predraft_hits": stats.predraft_hits,
         "predraft_misses": stats.predraft_misses,
+        "suffix_drafted": stats.suffix_drafted,
+        "suffix_accepted": stats.suffix_accepted,
         "drafted_by_position": tuple(stats.drafted_by_position),
         "accepted_by_position": tuple(stats.accepted_by_position),
     }

@@ -146,6 +146,8 @@ def stats_to_proto(stats: SpeculationStats) -> generate_pb2.SpeculationStats:
         pipeline_misses=stats.pipeline_misses,
         predraft_hits=stats.predraft_hits,
         predraft_misses=stats.predraft_misses,
+        suffix_drafted=stats.suffix_drafted,
+        suffix_accepted=stats.suffix_accepted,
         drafted_by_position=stats.drafted_by_position,
         accepted_by_position=stats.accepted_by_position,
     )
@@ -160,6 +162,8 @@ def stats_from_proto(message: generate_pb2.SpeculationStats) -> SpeculationStats
         pipeline_misses=message.pipeline_misses,
         predraft_hits=message.predraft_hits,
         predraft_misses=message.predraft_misses,
+        suffix_drafted=message.suffix_drafted,
+        suffix_accepted=message.suffix_accepted,
         drafted_by_position=list(message.drafted_by_position),
         accepted_by_position=list(message.accepted_by_position),
     )

@@ -256,6 +256,7 @@ class TandemService:
         on_finished: Callable[[Served], None] | None,
     ) -> Generator[ApiChunk | Wait, None, None]:
         stats = SpeculationStats()
+        request = dataclasses.replace(request, tenant=tenant.name)  # whose text may draft for it
         chunks = self._router.steps(request, stats, pipelined=pipelined)
         num_generated = 0
         served: list[int] | None = [] if on_finished or self.online_audit.enabled else None

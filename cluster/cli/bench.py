@@ -24,6 +24,12 @@ def add_to(commands: Any) -> None:
         help="copy recurring text first (default: the service's, on)",
     )
     p.add_argument(
+        "--suffix-drafter",
+        action=on_off,
+        help="draft from earlier requests' text before the model (default: the service's, on; "
+        "--mode local only: each run and repeat drafts from its own earlier prompts only)",
+    )
+    p.add_argument(
         "--adaptive-draft",
         action=on_off,
         help="choose block lengths and pipelining per round (default: the service's, on)",

@@ -75,6 +75,13 @@ def add_to(commands: Any) -> None:
         help="copy recurring text before drafting (default: the config's, on)",
     )
     serve.add_argument(
+        "--suffix-drafter",
+        action=argparse.BooleanOptionalAction,
+        help="draft from the tenant's earlier text on CPU-only replicas before the model "
+        "(default: the config's, on)",
+    )
+    serve.add_argument("--suffix-drafters", type=int, help="suffix drafter replicas")
+    serve.add_argument(
         "--adaptive-draft",
         action=argparse.BooleanOptionalAction,
         help="choose each round's length and pipelining per request (default: the config's, on)",
@@ -128,6 +135,12 @@ def _config(args: argparse.Namespace) -> TandemConfig:
         changes["prompt_lookup"] = dataclasses.replace(
             config.prompt_lookup, enabled=args.prompt_lookup
         )
+    if args.suffix_drafter is not None:
+        changes["suffix_drafter"] = dataclasses.replace(
+            config.suffix_drafter, enabled=args.suffix_drafter
+        )
+    if args.suffix_drafters is not None:
+        changes["suffix"] = dataclasses.replace(config.suffix, num_replicas=args.suffix_drafters)
     if args.adaptive_draft is not None:
         changes["draft_length"] = dataclasses.replace(
             config.draft_length, enabled=args.adaptive_draft

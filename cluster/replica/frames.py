@@ -36,10 +36,9 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from cluster.runtime.call_scope import call_scope
-from cluster.runtime.engine import Engine
 from cluster.runtime.errors import InvalidArgumentError, TandemError
 from cluster.runtime.session import ReplicaStats
 from cluster.wire.frame_budget import split_by_size
@@ -101,6 +100,20 @@ END = None
 """What `send` is given once the stream has nothing more to send (see `FrameStream`)."""
 
 
+class StepSource(Protocol):
+    """What a stream needs of the component's engine (`cluster.runtime.engine.Engine`): to be
+    told when each step ends, and whether a result completed on its thread. A component with
+    no steps (the suffix drafter answers as it reads) never calls the listener and is never
+    on an engine thread: every result then leaves with the frame that brought it."""
+
+    @property
+    def on_engine_thread(self) -> bool: ...
+
+    def add_step_listener(self, listener: Callable[[], None]) -> None: ...
+
+    def remove_step_listener(self, listener: Callable[[], None]) -> None: ...
+
+
 class FrameStream:
     """Serves one Frames stream over a component's engine (see the module docstring).
 
@@ -113,7 +126,7 @@ class FrameStream:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: StepSource,
         handlers: Mapping[str, EntryHandler],
         send: Callable[[replica_pb2.ReplicaFrame | None], None],
         counters: FrameCounters,

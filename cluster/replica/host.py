@@ -307,6 +307,9 @@ class ReplicaHost:
                 ),
                 kv_bytes=stats.num_cached_tokens * self._kv_bytes_per_token,
                 engine=None if stats.engine is None else stats.engine.to_dict(),
+                index_bytes=stats.index_bytes,
+                index_proposals=stats.index_proposals,
+                index_proposed=stats.index_proposed,
                 node_id=self._node_id,
                 resources=dict(self._resources),
             )

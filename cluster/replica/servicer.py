@@ -20,19 +20,37 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Any, Generic, TypeVar
+from concurrent.futures import Future
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
-from cluster.replica.frames import END, EntryHandler, FrameCounters, FrameStream
+from cluster.replica.frames import END, EntryHandler, FrameCounters, FrameStream, StepSource
 from cluster.replica.rpc import CallGuard
-from cluster.runtime.component import SessionComponent
 from cluster.runtime.errors import TandemError
+from cluster.runtime.session import ReplicaStats
 from cluster.wire import convert, requests
 from cluster.wire.status import status_code
 from protos import replica_pb2
 
-K = TypeVar("K", bound=SessionComponent[Any])
+
+class ServedComponent(Protocol):
+    """What a servicer serves: a `SessionComponent` (drafter, verifier), or a component with
+    no engine (`drafter.suffix.SuffixDrafter`) whose servicer brings its own entry handlers."""
+
+    @property
+    def engine(self) -> StepSource: ...
+
+    def close_session(self, session_id: str) -> bool: ...
+
+    def submit_open(self, *args: Any, **kwargs: Any) -> Future[int]: ...
+
+    def submit_close(self, session_id: str) -> Future[bool]: ...
+
+    def stats(self) -> ReplicaStats: ...
+
+
+K = TypeVar("K", bound=ServedComponent)
 
 
 class _StreamError:
@@ -62,17 +80,7 @@ class SessionServicer(Generic[K]):
         self, request: replica_pb2.OpenSessionRequest, context: grpc.ServicerContext
     ) -> replica_pb2.OpenSessionResponse:
         def call() -> replica_pb2.OpenSessionResponse:
-            read = requests.open_request_from_wire(request)
-            length = self.component.open_session(
-                read.session_id,
-                read.prompt_tokens,
-                read.sampling,
-                read.seed,
-                time_limit_s=read.time_limit_s,
-                max_new_tokens=read.max_new_tokens,
-                resumed=read.resumed,
-                constraint=read.constraint,
-            )
+            length = self._submit_open(request).result()  # as a Frames entry is opened
             return replica_pb2.OpenSessionResponse(committed_length=length)
 
         return self._guard.run(context, "OpenSession", call)
@@ -140,7 +148,7 @@ class SessionServicer(Generic[K]):
     def _entry_handlers(self) -> dict[str, EntryHandler]:
         """How this servicer serves each kind of frame entry; a side adds its own."""
         return {
-            "open": EntryHandler(self._submit_open, _opened),
+            "open": EntryHandler(self._submit_open, opened),
             "close": EntryHandler(
                 lambda request: self.component.submit_close(
                     requests.close_request_from_wire(request)
@@ -165,5 +173,5 @@ class SessionServicer(Generic[K]):
         )
 
 
-def _opened(length: int) -> replica_pb2.FrameResult:
+def opened(length: int) -> replica_pb2.FrameResult:
     return replica_pb2.FrameResult(opened=replica_pb2.OpenSessionResponse(committed_length=length))

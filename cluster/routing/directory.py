@@ -1,6 +1,8 @@
 """Pinning requests to replicas found in the registry: the distributed `ReplicaPool`.
 
-For each new request the router asks for one verifier and (when speculating) one drafter. We
+For each new request the router asks for one verifier and (when speculating) one drafter, and
+one suffix drafter where any runs: the one that holds the tenant's index (the same for all of a
+tenant's requests, on every router: rendezvous hashing over the live suffix replicas). We
 pick the least-loaded live replica of each side: load is the larger of the sessions the replica
 last reported and the requests this router has pinned to it and not yet released (the report
 is up to a heartbeat old; our own count is exact for our share). Ties are broken at random, so
@@ -16,6 +18,7 @@ spare of the same side, never one that already failed that request.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import threading
 import time
@@ -28,6 +31,8 @@ from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.runtime.errors import ReplicaUnavailableError
 from cluster.wire.replica_info import ReplicaInfo
 
+SUFFIX_SIDE = "suffix"
+"""The registry's side of suffix drafter replicas (`drafter.suffix_deployment`)."""
 DEFAULT_REFRESH_S = 0.5
 REGISTRY_TIMEOUT_S = 10.0
 
@@ -70,6 +75,8 @@ class RegistryPool:
         self._pinned: Counter[str] = Counter()
         self._drafters: dict[str, GrpcDrafter] = {}
         self._verifiers: dict[str, GrpcVerifier] = {}
+        self._suffixes: dict[str, GrpcDrafter] = {}
+        """Suffix drafters serve the drafter's service: the same client."""
         self._random = random.Random()
 
     def replicas(self) -> list[ReplicaInfo]:
@@ -77,16 +84,18 @@ class RegistryPool:
         self._refresh()
         return list(self._entries)
 
-    def pin(self, speculate: bool, deadline: float | None = None) -> Pinned:
-        """The least-loaded live verifier (and drafter, if `speculate`), pinned, as clients
-        bound to `deadline`; raises `ReplicaUnavailableError` when no verifier is live."""
+    def pin(self, speculate: bool, deadline: float | None = None, tenant: str = "") -> Pinned:
+        """The least-loaded live verifier (and drafter, if `speculate`, and `tenant`'s suffix
+        drafter), pinned, as clients bound to `deadline`; raises `ReplicaUnavailableError`
+        when no verifier is live."""
         self._refresh()
         with self._lock:
             verifier = self._least_loaded("verifier")
             if verifier is None:
                 raise ReplicaUnavailableError("no verifier replica is available")
             drafter = self._least_loaded("drafter") if speculate else None
-            chosen = [verifier] + ([drafter] if drafter is not None else [])
+            suffix = self._tenants_suffix(tenant) if speculate else None
+            chosen = [info for info in (verifier, drafter, suffix) if info is not None]
             for info in chosen:
                 self._pinned[info.replica_id] += 1
             verifier_port = self._client(self._verifiers, GrpcVerifier, verifier.address)
@@ -96,6 +105,11 @@ class RegistryPool:
                 else self._client(self._drafters, GrpcDrafter, drafter.address).bounded(deadline)
             )
             verifier_port = verifier_port.bounded(deadline)
+            suffix_port = (
+                None
+                if suffix is None
+                else self._client(self._suffixes, GrpcDrafter, suffix.address).bounded(deadline)
+            )
 
         def release() -> None:
             with self._lock:
@@ -110,6 +124,8 @@ class RegistryPool:
             release,
             verifier_id=verifier.replica_id,
             drafter_id=drafter.replica_id if drafter is not None else "",
+            suffix=suffix_port,
+            suffix_id=suffix.replica_id if suffix is not None else "",
         )
 
     def spare(
@@ -144,10 +160,12 @@ class RegistryPool:
 
     def close(self) -> None:
         with self._lock:
-            for client in [*self._drafters.values(), *self._verifiers.values()]:
+            clients = [*self._drafters.values(), *self._verifiers.values()]
+            for client in [*clients, *self._suffixes.values()]:
                 client.close()
             self._drafters.clear()
             self._verifiers.clear()
+            self._suffixes.clear()
 
     def _refresh(self) -> None:
         if time.monotonic() - self._fetched_at < self._refresh_s:
@@ -156,6 +174,15 @@ class RegistryPool:
         with self._lock:
             self._entries = [ReplicaInfo.from_dict(e) for e in entries]
             self._fetched_at = time.monotonic()
+
+    def _tenants_suffix(self, tenant: str) -> ReplicaInfo | None:
+        """The suffix drafter that holds `tenant`'s index: the live one ranked first for the
+        tenant by rendezvous hashing, so every router sends a tenant's requests to the same
+        replica, and a replica joining or leaving moves only the tenants it ranks first."""
+        candidates = [e for e in self._entries if e.side == SUFFIX_SIDE]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda e: _rank(tenant, e.replica_id))
 
     def _least_loaded(self, side: str, avoid: frozenset[str] = frozenset()) -> ReplicaInfo | None:
         candidates = [e for e in self._entries if e.side == side and e.replica_id not in avoid]
@@ -169,3 +196,8 @@ class RegistryPool:
         if address not in cache:
             cache[address] = kind(address, timeout_s=self._rpc_timeout_s, secret=self._secret)
         return cache[address]
+
+
+def _rank(tenant: str, replica_id: str) -> bytes:
+    """`replica_id`'s rank for `tenant` (rendezvous hashing): the same on every router."""
+    return hashlib.blake2b(f"{tenant}\0{replica_id}".encode(), digest_size=8).digest()

@@ -23,6 +23,7 @@ from cluster.routing.draft_length import DraftLength
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.ports import DrafterPort, Pinned
 from cluster.routing.request import GenerationRequest, SpeculationStats
+from cluster.routing.suffix_drafting import SuffixDrafting
 from cluster.routing.text import TextAssembler
 from cluster.routing.waits import Started, Steps
 from cluster.runtime.constraint import Constraint, TokenMatcher, tokenizer_size
@@ -54,7 +55,9 @@ class Draft:
 
     block: DraftBlock
     by_drafter: bool
-    """False for a looked-up block: the drafter's session never saw it."""
+    """False for a looked-up or suffix block: the drafter's session never saw it."""
+    by_suffix: bool = False
+    """Proposed by the suffix drafter (`cluster.routing.suffix_drafting`)."""
 
 
 class Generation:
@@ -113,6 +116,11 @@ class Generation:
         self.lookup = PromptLookup(ngram) if ngram is not None else None
         """Prompt lookup's index over `history`."""
         self.drafter = DrafterView(base_length=len(self.history))
+        self.suffix = SuffixDrafting(
+            pinned.suffix if constraint is None else None, pinned.suffix_id, self.session_id
+        )
+        """The suffix drafter, asked before the drafter (none for a constrained request: its
+        blocks would have to follow the grammar, which it does not track)."""
         self.drafter_opening: Started | None = None
         """The drafter's session being opened in the background; None once known open."""
         self.open_drafter: Callable[[], Started] | None = None

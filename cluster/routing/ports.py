@@ -192,6 +192,9 @@ class Pinned:
     """Called once when the request ends, whatever the outcome (load accounting)."""
     verifier_id: str = "verifier"
     drafter_id: str = "drafter"
+    suffix: DrafterPort | None = None
+    """A suffix drafter (`drafter.suffix`), asked before the model drafter; None: none."""
+    suffix_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -205,9 +208,10 @@ class Spare:
 
 
 class ReplicaPool(Protocol):
-    def pin(self, speculate: bool, deadline: float | None = None) -> Pinned:
+    def pin(self, speculate: bool, deadline: float | None = None, tenant: str = "") -> Pinned:
         """Choose the replicas for a new request; `speculate` says whether it needs a drafter.
-        `deadline`: the request's `time.monotonic()` deadline, which the ports may honour."""
+        `deadline`: the request's `time.monotonic()` deadline, which the ports may honour;
+        `tenant`: whose request it is (a tenant's requests share a suffix drafter)."""
         ...
 
     def spare(
@@ -224,15 +228,20 @@ class FixedReplicas:
 
     verifier: VerifierPort
     drafter: DrafterPort | None
+    suffix: DrafterPort | None = None
 
-    def pin(self, speculate: bool, deadline: float | None = None) -> Pinned:
+    def pin(self, speculate: bool, deadline: float | None = None, tenant: str = "") -> Pinned:
         # In-process calls cannot be cut short: the router checks `deadline` between rounds.
-        return Pinned(self.verifier, self.drafter if speculate else None)
+        if not speculate:
+            return Pinned(self.verifier, None)
+        return Pinned(self.verifier, self.drafter, suffix=self.suffix, suffix_id="suffix")
 
     @property
     def waits_without_threads(self) -> bool:
         """Whether every port waits without a thread (`has_steps`)."""
-        return has_steps(self.verifier) and (self.drafter is None or has_steps(self.drafter))
+        return all(
+            port is None or has_steps(port) for port in (self.verifier, self.drafter, self.suffix)
+        )
 
     def spare(
         self, side: str, avoid: frozenset[str], deadline: float | None = None

@@ -218,8 +218,10 @@ class _ReplicaClient:
         resumed: bool = False,
         constraint: Constraint | None = None,
         timeout_s: float | None = None,
+        tenant: str = "",
     ) -> Steps[int]:
-        """Open a session; steps returning its committed length (`cluster.routing.waits`)."""
+        """Open a session; steps returning its committed length (`cluster.routing.waits`).
+        `tenant`: whose request it is (a suffix drafter drafts from that tenant's text only)."""
         request = requests.open_request_to_wire(
             session_id,
             prompt_tokens,
@@ -229,6 +231,7 @@ class _ReplicaClient:
             resumed=resumed,
             constraint=constraint,
             time_left_s=self._time_left(),
+            tenant=tenant,
         )
         response: replica_pb2.OpenSessionResponse = yield from self._send(
             "open", request, self._stub.OpenSession, timeout_s

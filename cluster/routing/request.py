@@ -57,6 +57,9 @@ class GenerationRequest:
     """Generate past end-of-sequence tokens (until max_tokens or a stop)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the text."""
+    tenant: str = ""
+    """Whose request it is (set by the service from the caller's key): a suffix drafter drafts
+    from that tenant's earlier text only. "" for the anonymous tenant (in process)."""
 
     def __post_init__(self) -> None:
         if len(self.prompt_tokens) == 0:
@@ -118,6 +121,10 @@ class SpeculationStats:
     """Pre-drafted rounds whose verdict was one of the outcomes drafted for: the next block
     was ready at once (no bonus deferred, unlike a pipeline hit)."""
     predraft_misses: int = 0
+    suffix_drafted: int = 0
+    """Of `num_drafted`: tokens the suffix drafter proposed (`cluster.routing.suffix_drafting`)."""
+    suffix_accepted: int = 0
+    """Of `num_accepted`: those of them accepted."""
     drafted_by_position: list[int] = field(default_factory=list)
     """Per draft position i: verify passes whose block had a token at position i."""
     accepted_by_position: list[int] = field(default_factory=list)

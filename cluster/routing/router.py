@@ -103,6 +103,7 @@ from cluster.routing.waits import (
 )
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import DeadlineExceededError, InvalidArgumentError
+from cluster.runtime.limits import MAX_BLOCK_TOKENS
 from cluster.runtime.predraft import PreDraft
 from drafter.config import NgramConfig
 
@@ -147,10 +148,13 @@ class Router:
         drafter: DrafterPort | None,
         decode: Decode,
         eos_token_ids: frozenset[int],
+        *,
+        suffix: DrafterPort | None = None,
         **options: Unpack[RouterOptions],
     ) -> None:
-        """A router over one fixed verifier and drafter (the in-process transport)."""
-        self._setup(FixedReplicas(verifier, drafter), decode, eos_token_ids, **options)
+        """A router over one fixed verifier and drafter, and optionally a suffix drafter (the
+        in-process transport)."""
+        self._setup(FixedReplicas(verifier, drafter, suffix), decode, eos_token_ids, **options)
 
     @classmethod
     def over_pool(
@@ -288,7 +292,7 @@ class Router:
         self, request: GenerationRequest, stats: SpeculationStats, pipelined: bool | None
     ) -> Generator[GenerationChunk | Wait, None, None]:
         speculate = request.draft_tokens > 0
-        pinned = self._replicas.pin(speculate, deadline=request.deadline)
+        pinned = self._replicas.pin(speculate, deadline=request.deadline, tenant=request.tenant)
         releases = [pinned.release]
         if pinned.drafter is not None:
             stats.drafters.append(pinned.drafter_id)
@@ -381,6 +385,7 @@ class Router:
         """Close the request's sessions on both sides, best effort."""
         yield from self._failover.closed_quietly("verifier", gen.verifier, gen.session_id)
         yield from self._failover.close_drafter(gen)
+        yield from gen.suffix.close(self._pool)
 
     def _loop(self, gen: Generation) -> Iterator[GenerationChunk | Wait]:
         draft: Draft | None = None  # a block drafted ahead that is still valid
@@ -391,21 +396,29 @@ class Router:
                 remaining = gen.remaining
                 # Where the router measured the target alone faster, the plan is not priced
                 # at all (pricing costs router CPU each round).
-                plan = gen.lengths.next_plan() if self.gate.speculate() else Plan(0, False)
+                speculating = self.gate.speculate()
+                plan = gen.lengths.next_plan() if speculating else Plan(0, False)
                 if plan.fan_out > 0 and not self.predraft_gate.speculate():
                     plan = Plan(plan.k, plan.pipelined)  # measured faster without pre-drafting
                 opening = gen.opening_round
                 gen.opening_round = False
                 if draft is None:
+                    # The suffix drafter is asked even where the plan gives the model drafter no
+                    # block (its own asking is priced apart), not while the gate holds the target.
                     draft = yield from self._draft_now(
-                        gen, min(plan.k, remaining - 1), by_drafter=not opening
-                    )
+                        gen, min(plan.k, remaining - 1), by_drafter=not opening,
+                        suffix=speculating and not opening,
+                    )  # fmt: skip
                 block = draft.block
                 # If all of `block` is accepted (bonus deferred), `remaining - k` tokens are
                 # left and the next block must leave room for one more of the target's own.
                 next_k = min(plan.k, remaining - len(block.tokens) - 1)
                 predrafting = False
-                if plan.pipelined and not opening and len(block.tokens) > 0 and next_k > 0:
+                # After a suffix block the round is serial: the next asks the suffix drafter
+                # again, where text that recurs goes on recurring.
+                by_suffix = draft.by_suffix
+                ahead_ok = not opening and not by_suffix and len(block.tokens) > 0
+                if plan.pipelined and ahead_ok and next_k > 0:
                     ahead = yield from self._predraft(gen, block, next_k, plan.fan_out)
                     predrafting = ahead is not None
                     if ahead is None:
@@ -421,7 +434,12 @@ class Router:
                     gen.lengths.observe_verify(verify_s, overlapped, verdict.load)
                     self._recent_lengths = gen.lengths
                     self.metrics.verified(verify_s)
-                gen.lengths.observe(len(block.tokens), verdict.num_accepted)
+                if by_suffix:  # priced apart: the model's acceptance is the plan's
+                    gen.suffix.use.verified(verdict.num_accepted)
+                    gen.stats.suffix_drafted += len(block.tokens)
+                    gen.stats.suffix_accepted += verdict.num_accepted
+                else:
+                    gen.lengths.observe(len(block.tokens), verdict.num_accepted)
                 lost: Exception | None = None
                 try:
                     next_draft = (yield from ahead.finish()) if ahead is not None else None
@@ -456,11 +474,22 @@ class Router:
                 yield from finishing(quietly(ahead.finish()))
             raise
 
-    def _draft_now(self, gen: Generation, num_tokens: int, by_drafter: bool = True) -> Steps[Draft]:
-        """A block to verify now: looked up, else drafted (if `by_drafter`), else empty."""
+    def _draft_now(
+        self, gen: Generation, num_tokens: int, by_drafter: bool = True, suffix: bool = False
+    ) -> Steps[Draft]:
+        """A block of up to `num_tokens` to verify now: looked up, else proposed by the suffix
+        drafter (if `suffix`, whatever `num_tokens`), else drafted (if `by_drafter`), else
+        empty."""
+        looked_up = gen.look_up(num_tokens) if num_tokens > 0 else None
+        if looked_up is None and suffix:
+            # The suffix drafter's blocks may be longer than the model's: it ends them itself
+            # where their confidence falls.
+            longest = min(MAX_BLOCK_TOKENS, gen.remaining - 1)
+            proposed = yield from gen.suffix.propose(self._pool, gen.request, gen.history, longest)
+            if proposed is not None:
+                return Draft(proposed, by_drafter=False, by_suffix=True)
         if num_tokens <= 0:
             return Draft(DraftBlock(base_length=gen.committed, tokens=()), by_drafter=False)
-        looked_up = gen.look_up(num_tokens)
         if looked_up is not None or gen.drafter_port is None or not by_drafter:
             empty = DraftBlock(base_length=gen.committed, tokens=())
             return Draft(looked_up or empty, by_drafter=False)

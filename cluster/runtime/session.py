@@ -99,6 +99,12 @@ class ReplicaStats:
     """RouterFrames its Frames streams received since start."""
     entries_received: int = 0
     """FrameEntries in those frames."""
+    index_bytes: int | None = None
+    """A suffix drafter's indexes: the bytes they hold (None on other replicas)."""
+    index_proposals: int | None = None
+    """Its proposals asked for since start."""
+    index_proposed: int | None = None
+    """Those that proposed at least one token (the hit rate is this over `index_proposals`)."""
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:

@@ -1,11 +1,13 @@
-"""The application builder: three Serve deployments from one config.
+"""The application builder: three or four Serve deployments from one config.
 
-Drafter, Verifier and Router (the ingress) are separate deployments, each with its own replica
-count and `ray_actor_options`, so the two sides can land on different node types and scale
-apart: with `autoscaling.enabled`, Serve scales a side on the load its replicas report, by the
-policy in cluster/serve/autoscaling.py. The deployments are thin shells over plain classes;
-`serve.deployment` is applied here, from outside. `app_builder` is the import path for Serve
-config files (`serve deploy`).
+Drafter, Verifier and Router (the ingress) are separate deployments, each with its own replica count
+and `ray_actor_options`, so the two sides can land on different node types and scale apart; with
+`suffix_drafter.enabled` (the default) a fourth, SuffixDrafter, asks for CPUs only
+(`drafter.suffix_deployment`), so its replicas land on any node, accelerator or none: with
+`autoscaling.enabled`, Serve scales a side on the load its replicas report, by the policy in
+cluster/serve/autoscaling.py. The deployments are thin shells over plain classes; `serve.deployment`
+is applied here, from outside. `app_builder` is the import path for Serve config files (`serve
+deploy`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from cluster.runtime.limits import SessionLimits
 from cluster.runtime.model_spec import ModelSpec
 from cluster.serve.ingress import MAX_CONCURRENT_REQUESTS, RouterIngress
 from drafter.deployment import DrafterReplica
+from drafter.suffix_deployment import SuffixReplica
 from verifier.deployment import VerifierReplica
 
 GRPC_SERVICER_FUNCTIONS = (
@@ -75,12 +78,24 @@ def build_app(config: TandemConfig) -> Application:
         registry,
         config.cluster_secret,
     )
+    # The suffix drafter asks Ray for CPUs only: it lands on any node, accelerator or not.
+    suffix = (
+        serve.deployment(
+            name="SuffixDrafter",
+            **replica_count(config.suffix),
+            ray_actor_options=config.suffix.ray_actor_options(),
+            health_check_period_s=HEALTH_CHECK_PERIOD_S,
+            graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
+        )(SuffixReplica).bind(config.suffix_drafter, registry, config.cluster_secret)
+        if config.suffix_drafter.enabled
+        else None
+    )
     return serve.deployment(
         name="Router",
         num_replicas=config.router.num_replicas,
         ray_actor_options=config.router.ray_actor_options(),
         max_ongoing_requests=MAX_CONCURRENT_REQUESTS,
-    )(RouterIngress).bind(config, drafter, verifier)
+    )(RouterIngress).bind(config, drafter, verifier, suffix)
 
 
 def app_builder(args: dict[str, Any]) -> Application:

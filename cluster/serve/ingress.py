@@ -136,9 +136,15 @@ class IngressProbes:
 class RouterIngress:
     """Serve ingress body: the public API over a router whose replicas come from the registry."""
 
-    def __init__(self, config: TandemConfig, drafters: Any = None, verifiers: Any = None) -> None:
-        # `drafters` and `verifiers` are the two sides' deployment handles: bound so that Serve
-        # deploys them with this application. Blocks never go through them.
+    def __init__(
+        self,
+        config: TandemConfig,
+        drafters: Any = None,
+        verifiers: Any = None,
+        suffix_drafters: Any = None,
+    ) -> None:
+        # `drafters`, `verifiers` and `suffix_drafters` are the sides' deployment handles: bound
+        # so that Serve deploys them with this application. Blocks never go through them.
         self._config = config
         loaded = load_tokenizer(config.models.pair().target)
         grammar_tokenizer = grammar_tokenizer_of(loaded.tokenizer, loaded.eos_token_ids)

@@ -27,7 +27,7 @@ class ReplicaInfo:
 
     replica_id: str
     side: str
-    """`drafter` or `verifier`."""
+    """`drafter`, `verifier` or `suffix` (a suffix drafter: `drafter.suffix`)."""
     address: str
     """host:port of its internal gRPC server."""
     num_sessions: int
@@ -43,6 +43,11 @@ class ReplicaInfo:
     kv_bytes: int = 0
     """Bytes held by its sessions' KV caches: cached tokens times the model's KV bytes per
     token (0 when the model's config does not say how many; see `kv_cache_bytes_per_token`)."""
+    index_bytes: int | None = None
+    """A suffix drafter's indexes: bytes held, proposals asked and those that proposed
+    (`ReplicaStats`); None on other replicas, so they export no such gauge."""
+    index_proposals: int | None = None
+    index_proposed: int | None = None
     engine: dict[str, Any] | None = None
     """Its batching engine's figures (`EngineStats.to_dict()`); None where no engine runs. A
     dict, not an `EngineStats`, so it travels as plain data and keeps the figures of a newer

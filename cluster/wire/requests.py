@@ -54,6 +54,8 @@ class OpenCall:
     max_new_tokens: int | None
     resumed: bool
     constraint: Constraint | None
+    tenant: str = ""
+    """Whose request it is (a suffix drafter's scope); "" when unset."""
 
 
 @dataclass(frozen=True)
@@ -101,14 +103,17 @@ def open_request_to_wire(
     resumed: bool = False,
     constraint: Constraint | None = None,
     time_left_s: float | None = None,
+    tenant: str = "",
 ) -> replica_pb2.OpenSessionRequest:
-    """`time_left_s`: the request's time left, sent as `time_limit_ms` (None: unset)."""
+    """`time_left_s`: the request's time left, sent as `time_limit_ms` (None: unset);
+    `tenant`: whose request it is (read by a suffix drafter only)."""
     request = replica_pb2.OpenSessionRequest(
         session_id=session_id,
         prompt_token_ids=token_ids_to_wire(prompt_tokens, "prompt_tokens"),
         sampling=sampling_to_wire(sampling),
         seed=uint_to_wire(seed, "seed"),
         resumed=resumed,
+        tenant=tenant,
     )
     constraint_to_wire(constraint, request)
     if max_new_tokens is not None:
@@ -128,6 +133,7 @@ def open_request_from_wire(request: replica_pb2.OpenSessionRequest) -> OpenCall:
         max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
         resumed=request.resumed,
         constraint=constraint_from_wire(request),
+        tenant=request.tenant,
     )
 
 

@@ -106,7 +106,7 @@ def replica_sessions(
     the service's first status reading (fast to poll; stale once a test killed a replica)."""
     counts = {}
     for replica in replicas if replicas is not None else service["status"]["replicas"]:  # type: ignore[attr-defined]
-        kind = GrpcDrafter if replica["side"] == "drafter" else GrpcVerifier
+        kind = GrpcVerifier if replica["side"] == "verifier" else GrpcDrafter
         with kind(replica["address"], timeout_s=10, secret=service["secret"]) as port:
             counts[replica["replica_id"]] = port.stats().num_sessions
     return counts

@@ -31,6 +31,7 @@ from ray.serve.schema import ServeDeploySchema
 from ray.util import accelerators
 
 from cluster.config import CLUSTER_SECRET_ENV, TandemConfig
+from cluster.config_parsing import ConfigError
 from cluster.serve.app import GRPC_SERVICER_FUNCTIONS, app_builder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -42,8 +43,10 @@ DOCKERFILE = REPO_ROOT / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
 GRPC_PORT = 9000
 HTTP_PORT = 8000
-SIDES = ("router", "drafter", "verifier")
-DEPLOYMENTS = {"router": "Router", "drafter": "Drafter", "verifier": "Verifier"}
+SIDES = ("router", "drafter", "verifier", "suffix")
+DEPLOYMENTS = {
+    "router": "Router", "drafter": "Drafter", "verifier": "Verifier", "suffix": "SuffixDrafter",
+}  # fmt: skip
 POLICY_PATH = "cluster.serve.autoscaling:scale_on_load"
 
 # Field names of KubeRay's ray.io/v1 types (API reference, v1.6), for the fields this manifest
@@ -141,7 +144,7 @@ def test_the_rayservice_serves_tenants_and_keeps_the_cluster_secret_out_of_the_m
 def test_drafters_and_verifiers_scale_on_load_with_a_policy_serve_can_instantiate() -> None:
     app = the_app(serve_config(load_rayservice()))
     overrides = {d["name"]: d for d in app["deployments"]}
-    for name in ("Drafter", "Verifier"):
+    for name in ("Drafter", "Verifier", "SuffixDrafter"):
         autoscaling = AutoscalingConfig(**overrides[name]["autoscaling_config"])
         assert autoscaling.policy.policy_function == POLICY_PATH
         # Serve passes policy_kwargs only to a class, instantiated once (Ray 2.60's
@@ -378,3 +381,29 @@ def test_the_image_checks_the_protos_and_installs_the_project() -> None:
     ignore = DOCKERIGNORE.read_text().splitlines()
     assert "*" in ignore and "!.venv" not in ignore
     assert {f"!{source}" for source in sources} <= set(ignore)
+
+
+def test_suffix_drafters_are_a_cpu_only_deployment_on_pods_without_an_accelerator() -> None:
+    """The suffix drafter asks Ray for no GPU and no accelerator type, and the one worker group
+    it fits offers none: no GPU in Ray's view of the group, no GPU limit, no GPU node
+    selector or toleration. The app builds it as its own deployment from these args."""
+    rayservice = load_rayservice()
+    app = the_app(serve_config(rayservice))
+    config = TandemConfig.from_dict(app["args"])
+    assert config.suffix_drafter.enabled
+    options = config.suffix.ray_actor_options()
+    assert options["num_gpus"] == 0 and "accelerator_type" not in options
+    offered = {
+        name: _get_ray_resources_from_group_spec(group, is_head=False)
+        for name, group in groups(rayservice).items()
+    }
+    (home,) = [name for name, resources in offered.items() if _fits(options, resources)]
+    assert offered[home].get("GPU", 0) == 0
+    assert not any(key.startswith("accelerator_type:") for key in offered[home])
+    spec = groups(rayservice)[home]["template"]["spec"]
+    assert "nodeSelector" not in spec and "tolerations" not in spec
+    for container in spec["containers"]:
+        for amounts in container["resources"].values():
+            assert not any("gpu" in key for key in amounts)
+    with pytest.raises(ConfigError, match="CPUs only"):
+        TandemConfig.from_dict({**app["args"], "suffix": {"num_gpus": 1}})

@@ -45,12 +45,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROLES = ("router", "proxy", "controller", "registry", "drafter", "verifier", "ray", "other")
+ROLES = (
+    "router", "proxy", "controller", "registry", "drafter", "verifier", "suffix", "ray", "other",
+)  # fmt: skip
 """The service's roles, in report order; `service_total` is their sum."""
 CLIENT = "load_client"
 SERVICE_TOTAL = "service_total"
 
-DEPLOYMENT_ROLES = {"Router": "router", "Drafter": "drafter", "Verifier": "verifier"}
+DEPLOYMENT_ROLES = {
+    "Router": "router", "Drafter": "drafter", "Verifier": "verifier", "SuffixDrafter": "suffix",
+}  # fmt: skip
 """Serve deployment name (cluster.serve.app) -> role."""
 ACTOR_ROLES = {
     "ProxyActor": "proxy",

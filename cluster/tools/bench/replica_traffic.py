@@ -36,7 +36,7 @@ def read_traffic(replicas: Callable[[], Sequence[dict[str, Any]]], secret: str |
         side = entry.get("side")
         if side not in SIDES or not entry.get("address"):
             continue
-        client_class = GrpcDrafter if side == "drafter" else GrpcVerifier
+        client_class = GrpcVerifier if side == "verifier" else GrpcDrafter
         try:
             with client_class(
                 entry["address"], timeout_s=STATS_TIMEOUT_S, secret=secret, frames=False

@@ -22,6 +22,8 @@ from cluster.tools.bench.process_cpu import cpu_section
 # Printed in place of a value the run did not measure (HF runs have no acceptance rate).
 MISSING = "–"
 
+DRAFTER_KIND_COLUMNS = ("suffix_share", "suffix_acceptance_rate", "model_acceptance_rate")
+"""Per category: the suffix drafter's share of drafted tokens, its acceptance, the model's."""
 # The run whose throughput the per-category table reports: the full Tandem configuration.
 CATEGORY_RUN = "tandem_pipelined"
 
@@ -92,12 +94,15 @@ def format_table(result: dict[str, Any]) -> str:
     runs = list(result["runs"])
     category_rows = [
         [category, _percent(stats.get("acceptance_rate"))]
+        + [_percent(stats.get(key)) for key in DRAFTER_KIND_COLUMNS]
         + [_number(stats.get("tokens_per_s", {}).get(name), ".2f") for name in runs]
         for category, stats in result["by_category"].items()
     ]
     if category_rows:
         lines.append("")
-        lines += _markdown_table(["category", f"acceptance ({CATEGORY_RUN})", *runs], category_rows)
+        header = ["category", f"acceptance ({CATEGORY_RUN})", "suffix share", "suffix acc.",
+                  "model acc.", *runs]  # fmt: skip
+        lines += _markdown_table(header, category_rows)
     lines += _forms_table(result.get("draft_forms"))
     lines += runs_cpu_section(result)
     return "\n".join(lines) + "\n"

@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -119,16 +120,28 @@ def _stats(result: Any) -> dict[str, Any]:
         "passes": result.num_verify_passes,
         "hits": result.pipeline_hits,
         "misses": result.pipeline_misses,
+        "suffix_drafted": result.suffix_drafted,
+        "suffix_accepted": result.suffix_accepted,
         "drafted_by_position": list(result.drafted_by_position),
         "accepted_by_position": list(result.accepted_by_position),
     }
 
 
-def _local_runner(tandem: Any, max_tokens: int, draft_tokens: int, pipelined: bool) -> Runner:
+def _local_runner(
+    tandem: Any, max_tokens: int, draft_tokens: int, pipelined: bool, name: str = ""
+) -> Runner:
+    """A runner in process. Each of its passes over the prompts is a tenant of its own
+    (`name` and the pass), so the suffix drafter drafts from the prompts and answers before
+    it in the same pass (an agent's earlier turns), never from the same prompt's answer in an
+    earlier repeat or another run."""
     from cluster.routing.request import GenerationRequest
 
+    passes: Counter[tuple[int, ...]] = Counter()
+
     def run(ids: tuple[int, ...]) -> tuple[tuple[int, ...], dict[str, Any]]:
-        request = GenerationRequest(ids, max_tokens, draft_tokens=draft_tokens)
+        tenant = f"{name}-{passes[ids]}"
+        passes[ids] += 1
+        request = GenerationRequest(ids, max_tokens, draft_tokens=draft_tokens, tenant=tenant)
         result = tandem.router.generate(request, pipelined=pipelined)
         return result.tokens, _stats(result.stats)
 
@@ -248,6 +261,13 @@ def speculation_summary(samples: list[Sample]) -> dict[str, Any]:
         # exactly this many tokens per target step.
         "ideal_speedup": tokens / total("passes"),
         "pipeline_hit_rate": _ratio(total("hits"), total("hits") + total("misses")),
+        # The suffix drafter's share of the drafted tokens, and its own acceptance.
+        "suffix_share": _ratio(total("suffix_drafted"), total("drafted")),
+        "suffix_acceptance_rate": _ratio(total("suffix_accepted"), total("suffix_drafted")),
+        "model_acceptance_rate": _ratio(
+            total("accepted") - total("suffix_accepted"),
+            total("drafted") - total("suffix_drafted"),
+        ),
     }
 
 
@@ -270,6 +290,10 @@ def bench_settings(args: Any) -> dict[str, Any]:
     settings: dict[str, Any] = {
         "prompt_lookup": given(args.prompt_lookup, config.prompt_lookup.enabled),
         "adaptive_draft": given(args.adaptive_draft, config.draft_length.enabled),
+        # The service's tenants cannot be told apart per repeat, so a repeat there would draft
+        # from the same prompt's answer the repeat before: the suffix drafter runs in process.
+        "suffix_drafter": given(args.suffix_drafter, config.suffix_drafter.enabled)
+        and args.mode == "local",
         "draft_quantization": given(args.draft_quantization, draft.quantization),
         "draft_vocab": given(args.draft_vocab, draft.trimmed_vocab),
     }
@@ -306,7 +330,7 @@ def run_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
                                    ("tandem_serial", args.draft_tokens, False),
                                    ("tandem_pipelined", args.draft_tokens, True)):  # fmt: skip
             runners[name] = (
-                _local_runner(tandem, args.max_tokens, k, pipelined)
+                _local_runner(tandem, args.max_tokens, k, pipelined, name)
                 if client is None
                 else _service_runner(client, args.max_tokens, k, pipelined)
             )
@@ -375,11 +399,12 @@ def _with_draft(pair: Any, settings: dict[str, Any]) -> Any:
 def _router_settings(settings: dict[str, Any]) -> dict[str, Any]:
     """`build_local` arguments for the router features Tandem runs with."""
     from cluster.routing.draft_length_config import DraftLengthConfig
-    from drafter.config import NgramConfig
+    from drafter.config import NgramConfig, SuffixConfig
 
     return {
         "prompt_lookup": NgramConfig(enabled=settings["prompt_lookup"]),
         "draft_length": DraftLengthConfig(enabled=settings["adaptive_draft"]),
+        "suffix": SuffixConfig(enabled=settings.get("suffix_drafter", False)),
     }
 
 
@@ -389,6 +414,7 @@ def _serve_flags(args: Any, settings: dict[str, Any]) -> list[str]:
     flags = {
         "prompt-lookup": settings["prompt_lookup"],
         "adaptive-draft": settings["adaptive_draft"],
+        "suffix-drafter": settings["suffix_drafter"],
     }
     stated = [f"--{name}" if on else f"--no-{name}" for name, on in flags.items()]
     stated += ["--draft-quantization", settings["draft_quantization"]]
@@ -422,6 +448,9 @@ def _by_category(prompts: list[Prompt], samples: dict[str, list[Sample]]) -> dic
         summary = speculation_summary(pipelined)
         out[category] = {
             "acceptance_rate": summary["acceptance_rate"],
+            "suffix_acceptance_rate": summary["suffix_acceptance_rate"],
+            "model_acceptance_rate": summary["model_acceptance_rate"],
+            "suffix_share": summary["suffix_share"],
             "acceptance_by_position": summary["acceptance_by_position"],
             "tokens_per_s": {
                 name: summarize_run([samples[name][i] for i in members], False, False)[

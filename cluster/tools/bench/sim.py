@@ -68,7 +68,7 @@ def _split(
     return parts
 
 
-Generate = Callable[[tuple[int, ...], int, bool, int], Any]
+Generate = Callable[[tuple[int, ...], int, bool, int, str], Any]
 Engines = Callable[[], tuple[EngineStats, EngineStats]]
 
 
@@ -81,9 +81,11 @@ def _in_process(pair: Any, settings: dict[str, Any], max_tokens: int) -> Iterato
 
     local = build_local(pair, **_router_settings(settings))
 
-    def generate(prompt: tuple[int, ...], k: int, pipelined: bool, fan_out: int = 0) -> Any:
+    def generate(
+        prompt: tuple[int, ...], k: int, pipelined: bool, fan_out: int = 0, tenant: str = ""
+    ) -> Any:
         local.router.predraft_fan_out = fan_out
-        request = GenerationRequest(prompt, max_tokens, draft_tokens=k)
+        request = GenerationRequest(prompt, max_tokens, draft_tokens=k, tenant=tenant)
         result = local.router.generate(request, pipelined=pipelined)
         return result.tokens, result.stats
 
@@ -130,7 +132,9 @@ def _through_service(
             GrpcDrafter(replicas["drafter"], secret=secret) as drafter,
         ):
 
-            def generate(prompt: tuple[int, ...], k: int, pipelined: bool, fan_out: int = 0) -> Any:
+            def generate(
+                prompt: tuple[int, ...], k: int, pipelined: bool, fan_out: int = 0, tenant: str = ""
+            ) -> Any:  # the service's one tenant: the suffix drafter is off there (run.py)
                 result = client.generate(
                     list(prompt), max_tokens=args.max_tokens, draft_tokens=k,
                     pipelined=pipelined, predraft_fan_out=fan_out,
@@ -180,7 +184,12 @@ def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
                 shift = (repeat + index) % len(names)
                 for name in names[shift:] + names[:shift]:
                     k, pipelined, fan_out = configs[name]
-                    record = _one(generate, engines, prompt, k, pipelined, cpu, name, fan_out)
+                    # A tenant per run and repeat: the suffix drafter never drafts a prompt's
+                    # answer from its own earlier repeat (the simulated target repeats it).
+                    record = _one(
+                        generate, engines, prompt, k, pipelined, cpu, name, fan_out,
+                        tenant=f"{name}-{repeat}",
+                    )  # fmt: skip
                     records[name][index].append(record)
             progress(f"repeat {repeat + 1}/{args.repeats} done")
     runs = {name: _summarize(records[name]) for name in names}
@@ -240,13 +249,14 @@ def _one(
     cpu: CpuCalls | None = None,
     name: str = "",
     fan_out: int = 0,
+    tenant: str = "",
 ) -> dict[str, Any]:
     """One request, timed, with its engines' counters read before and after; with `cpu`, the
     CPU of the service's processes while it ran (run `name`), read outside the timed region."""
     before = engines()
     counted = cpu.open(name) if cpu is not None else None
     started = time.perf_counter()
-    tokens, stats = generate(prompt, k, pipelined, fan_out)
+    tokens, stats = generate(prompt, k, pipelined, fan_out, tenant)
     wall_s = time.perf_counter() - started
     if counted is not None:
         counted(len(tokens), wall_s)

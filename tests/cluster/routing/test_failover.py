@@ -81,7 +81,7 @@ class Pool:
         self._replicas = {"verifier": verifiers, "drafter": drafters}
         self.spares_given: list[str] = []
 
-    def pin(self, speculate: bool, deadline: float | None = None) -> Pinned:
+    def pin(self, speculate: bool, deadline: float | None = None, tenant: str = "") -> Pinned:
         drafters = self._replicas["drafter"]
         return Pinned(
             self._replicas["verifier"][0],

@@ -85,3 +85,28 @@ def test_a_spare_is_another_live_replica_of_the_side_never_one_that_failed() -> 
     pinned.release()
     assert replicas.pinned_counts() == {}
     replicas.close()
+
+
+def test_a_tenants_requests_all_go_to_one_suffix_drafter_and_tenants_spread() -> None:
+    """Rendezvous hashing: the same suffix replica for every request of a tenant whatever the
+    load, tenants spread over the replicas, and a replica leaving moves only its tenants."""
+    suffixes = [entry(f"s{i}", "suffix", sessions=i, port=10 + i) for i in range(3)]
+    replicas = pool([entry("v1", "verifier"), entry("d1", "drafter", port=2), *suffixes])
+    tenants = [f"tenant-{i}" for i in range(30)]
+    homes = {}
+    for tenant in tenants:
+        pins = [replicas.pin(speculate=True, tenant=tenant) for _ in range(3)]
+        assert len({pinned.suffix_id for pinned in pins}) == 1
+        assert all(pinned.suffix is not None for pinned in pins)
+        homes[tenant] = pins[0].suffix_id
+        for pinned in pins:
+            pinned.release()
+    assert set(homes.values()) == {"s0", "s1", "s2"}
+    assert replicas.pinned_counts() == {}
+    assert replicas.pin(speculate=False, tenant=tenants[0]).suffix is None
+    fewer = pool([entry("v1", "verifier"), *suffixes[:2]])
+    for tenant, home in homes.items():
+        moved = fewer.pin(speculate=True, tenant=tenant).suffix_id
+        assert moved == home if home != "s2" else moved in {"s0", "s1"}
+    replicas.close()
+    fewer.close()

@@ -60,7 +60,7 @@ class Replicas:
         self.sides: dict[str, str] = {}
         for replica in live_replicas(service):
             replica_id, side = str(replica["replica_id"]), str(replica["side"])
-            kind = GrpcDrafter if side == "drafter" else GrpcVerifier
+            kind = GrpcVerifier if side == "verifier" else GrpcDrafter
             self._ports[replica_id] = kind(
                 str(replica["address"]), timeout_s=10, secret=str(service["secret"])
             )

@@ -114,7 +114,7 @@ def wait_for(predicate: Callable[[], object], what: str) -> None:
 
 
 def sessions_on(replica: dict[str, Any]) -> int:
-    kind = GrpcDrafter if replica["side"] == "drafter" else GrpcVerifier
+    kind = GrpcVerifier if replica["side"] == "verifier" else GrpcDrafter
     with kind(str(replica["address"]), timeout_s=10, secret=SECRET) as port:
         return port.stats().num_sessions
 
@@ -163,7 +163,7 @@ def test_a_replica_on_another_node_refuses_calls_without_the_secret(
     driver_node = ray.get_runtime_context().get_node_id()
     for replica in multinode.nodes.replicas():
         assert replica["node_id"] != driver_node
-        kind = GrpcDrafter if replica["side"] == "drafter" else GrpcVerifier
+        kind = GrpcVerifier if replica["side"] == "verifier" else GrpcDrafter
         for secret in (None, "x" * len(SECRET)):
             with (
                 kind(replica["address"], timeout_s=10, secret=secret) as port,

@@ -104,15 +104,16 @@ def test_serve_config_needs_service_mode(capsys: pytest.CaptureFixture[str]) -> 
 def test_the_benched_service_gets_each_setting_as_asked(lookup: bool) -> None:
     """The service turns both router features on by default: a bench run without them must
     say so; the draft's form is stated too."""
-    settings = {"prompt_lookup": lookup, "adaptive_draft": False,
+    settings = {"prompt_lookup": lookup, "adaptive_draft": False, "suffix_drafter": False,
                 "draft_quantization": "int8-dynamic", "draft_vocab": 4096}  # fmt: skip
     flags = _serve_flags(SimpleNamespace(serve_config=None), settings)
     assert ("--prompt-lookup" in flags) is lookup and ("--no-prompt-lookup" in flags) is not lookup
-    assert "--no-adaptive-draft" in flags
+    assert "--no-adaptive-draft" in flags and "--no-suffix-drafter" in flags
     parser = argparse.ArgumentParser()
     cli_service.add_to(parser.add_subparsers())
     config = cli_service._config(parser.parse_args(["serve", *flags]))
     assert config.prompt_lookup.enabled is lookup and not config.draft_length.enabled
+    assert not config.suffix_drafter.enabled
     assert config.pair().draft.quantization == "int8-dynamic"
     assert config.pair().draft.trimmed_vocab == 4096
 
@@ -129,6 +130,10 @@ def test_without_flags_the_bench_runs_the_service_defaults() -> None:
     assert settings["prompt_lookup"] is True and settings["adaptive_draft"] is True
     assert settings["draft_quantization"] == "int8"
     assert settings["verifier_threads"] == settings["drafter_threads"] >= 1
+    # Service tenants cannot be told apart per repeat: the suffix drafter is benched in process.
+    assert settings["suffix_drafter"] is False
+    local = parser.parse_args(["bench", "--preset", "qwen-coder"])
+    assert bench_settings(local)["suffix_drafter"] is True
     off = parser.parse_args(["bench", "--mode", "service", "--no-prompt-lookup",
                              "--draft-quantization", "none", "--draft-vocab", "0"])  # fmt: skip
     settings = bench_settings(off)
