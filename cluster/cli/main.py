@@ -30,6 +30,7 @@ from cluster.cli import generate as cli_generate
 from cluster.cli import keys as cli_keys
 from cluster.cli import loadtest as cli_loadtest
 from cluster.cli import models as cli_models
+from cluster.cli import plan as cli_plan
 from cluster.cli import service as cli_service
 from cluster.cli import soak as cli_soak
 from cluster.runtime.errors import TandemError
@@ -65,6 +66,7 @@ REGISTRARS: tuple[Registrar, ...] = (
     cli_keys.add_to,
     cli_config.add_to,
     cli_audit.add_to,
+    cli_plan.add_to,
 )
 
 
