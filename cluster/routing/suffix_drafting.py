@@ -87,6 +87,8 @@ class SuffixDrafting:
     use: SuffixUse = field(default_factory=SuffixUse)
     sent: int | None = None
     """Tokens of the history the session holds; None until it is opened."""
+    open_sent: bool = False
+    """The open was sent (it may be in flight): closing must close the session too."""
 
     def propose(
         self,
@@ -102,6 +104,7 @@ class SuffixDrafting:
             return None
         try:
             if self.sent is None:
+                self.open_sent = True
                 opening = begin_call(
                     pool,
                     port,
@@ -131,8 +134,9 @@ class SuffixDrafting:
         return block if block.tokens else None
 
     def close(self, pool: Executor) -> Steps[None]:
-        """Close its session, if one was opened; best effort."""
+        """Close its session, if an open was sent (a consumer that leaves while it is in flight
+        still closes it: over a Frames stream the close follows the open); best effort."""
         port, self.port = self.port, None
-        if port is None or self.sent is None:
+        if port is None or not self.open_sent:
             return
         yield from quietly(begin_call(pool, port, "close_session", self.session_id).finish())

@@ -126,7 +126,7 @@ def test_serve_deploy_of_the_local_config_serves_exactly_the_target_output(
     deployed = serve_cli(ray_head, "deploy", str(copy))
     assert deployed.returncode == 0, deployed.stderr[-3000:]
     status = wait_until_running(ray_head, app["name"])
-    assert set(status["deployments"]) == {"Router", "Drafter", "Verifier"}
+    assert set(status["deployments"]) == {"Router", "Drafter", "Verifier", "SuffixDrafter"}
 
     with TandemClient(f"{LOOPBACK}:{grpc_port}", timeout_s=120) as client:
         speculative = client.generate(CODE_PROMPT, max_tokens=MAX_TOKENS)

@@ -35,7 +35,7 @@ from cluster.routing.request import GenerationRequest
 from cluster.runtime.errors import ClusterSecretError
 from cluster.serve.local_cluster import LOOPBACK, cluster_processes, free_port
 from cluster.tools.bench.overhead import actor_table_nodes, measure
-from drafter.config import NgramConfig
+from drafter.config import NgramConfig, SuffixConfig
 from tests.cluster.multinode import (
     DRAFTER_NODE,
     REPLICA_SHARE,
@@ -80,6 +80,8 @@ def multinode() -> Iterator[MultiNode]:
             auth=AuthConfig(enabled=False),
             draft_length=DraftLengthConfig(enabled=False),
             prompt_lookup=NgramConfig(enabled=False),
+            # The model sides' placement is what is under test: no CPU-only suffix drafter.
+            suffix_drafter=SuffixConfig(enabled=False),
             router=ReplicaGroupConfig(resources={ROUTER_NODE: REPLICA_SHARE}),
             drafter=on_nodes(DRAFTER_NODE),
             verifier=on_nodes(VERIFIER_NODE, num_replicas=2),
