@@ -64,8 +64,9 @@ class ReplicaGroupConfig:
     autoscaling: AutoscalingConfig = field(default_factory=AutoscalingConfig)
     """Drafters and verifiers only: scale this group on its replicas' load."""
     quantization: str | None = None
-    """Drafters only: the draft's weights, `none`, `int8` (weight-only, per output channel) or
-    `int8-dynamic` (CPU; activations too); see `cluster.runtime.quantize`. Unset: the preset's
+    """Drafters only: the draft's weights, `none`, `int8` (weight-only, per output channel),
+    `int8-dynamic` (CPU; activations too) or `int4` (weight-only, grouped); see
+    `cluster.runtime.quantize`. Unset: the preset's
     choice. The target is never quantized."""
     trimmed_vocab: int | None = None
     """Drafters only: the draft scores only this many most frequent token ids (FR-Spec; 0: all

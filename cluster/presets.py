@@ -46,6 +46,17 @@ class Preset:
     tool_parser: str = ""
     """The tool-call format its target writes (`cluster.api.tool_formats`), when not the one
     its chat template asks for ("": the template's)."""
+    draft_role: str = "draft"
+    """Which of the pack's models drafts: `draft`, or `target` for a self-draft (the target's
+    own weights, quantized: `draft_quantization` must then not be `none`)."""
+
+    def __post_init__(self) -> None:
+        if self.draft_role not in ("draft", "target"):
+            raise InvalidArgumentError(
+                f"draft_role must be draft or target, got {self.draft_role!r}"
+            )
+        if self.draft_role == "target" and self.draft_quantization == "none":
+            raise InvalidArgumentError("a self-draft is the target again unless it is quantized")
 
     def pair(self, dtype: str | None) -> ModelPair:
         chosen = dtype or self.default_dtype
@@ -60,7 +71,7 @@ class Preset:
         return ModelPair(
             ModelSpec(str(model_dir(pack, "target", stored)), dtype=chosen),
             ModelSpec(
-                str(model_dir(pack, "draft", stored)),
+                str(model_dir(pack, self.draft_role, stored)),
                 dtype=chosen,
                 quantization=quantization,
                 trimmed_vocab=vocab,
@@ -100,6 +111,25 @@ PRESETS: dict[str, Preset] = {
         pack="qwen-coder",
         draft_quantization="int8",
         draft_vocab=65536,
+        tool_parser="json_fence",
+    ),
+    # Self-drafts: the target's own weights, quantized, draft for it (docs/models.md, "The
+    # target's own weights as the draft"). On one CPU thread, against the bf16 target's 235.5
+    # ms/token: int4 (groups of 32) 56.2 ms/token, greedy agreement 95.1%; int8 110.9 ms,
+    # 97.9%; the 0.5B int8 draft over 65,536 ids 31.6 ms, 77.1%. End to end (4 prompts, 48
+    # tokens): 10.3 tokens/s against 6.5 for the target alone. The full vocabulary is kept.
+    "qwen-coder-self-int4": Preset(
+        default_dtype="bfloat16",
+        pack="qwen-coder",
+        draft_role="target",
+        draft_quantization="int4",
+        tool_parser="json_fence",
+    ),
+    "qwen-coder-self-int8": Preset(
+        default_dtype="bfloat16",
+        pack="qwen-coder",
+        draft_role="target",
+        draft_quantization="int8",
         tool_parser="json_fence",
     ),
 }

@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+from cluster.runtime.model_spec import QUANTIZATIONS
+
 
 def add_to(commands: Any) -> None:
     p = commands.add_parser("bench", help="Tandem against Hugging Face on the same prompts")
@@ -36,7 +38,7 @@ def add_to(commands: Any) -> None:
     )
     p.add_argument(
         "--draft-quantization",
-        choices=("none", "int8", "int8-dynamic"),
+        choices=QUANTIZATIONS,
         help="the draft's weights in Tandem's runs (default: the service's, else the preset's); "
         "HF assisted always drafts with the plain model",
     )

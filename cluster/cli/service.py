@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.metrics import parse_prometheus, replica_numbers, summarize
 from cluster.runtime.errors import InvalidArgumentError, TandemError
+from cluster.runtime.model_spec import QUANTIZATIONS
 from cluster.serve import local_cluster
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ def add_to(commands: Any) -> None:
     )
     serve.add_argument(
         "--draft-quantization",
-        choices=("none", "int8", "int8-dynamic"),
+        choices=QUANTIZATIONS,
         help="the draft model's weights (default: the config's, else the preset's)",
     )
     serve.add_argument(

@@ -20,7 +20,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """Weight and compute dtypes a model loads in (`cluster.runtime.models.DTYPES` maps each to its
 torch dtype)."""
 AUTO_DEVICE = "auto"
-QUANTIZATIONS = ("none", "int8", "int8-dynamic")
+QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4")
 """Weight quantizations a model can be loaded with."""
 
 
@@ -44,7 +44,8 @@ class ModelSpec:
     """`auto` (CUDA when present, else CPU), `cpu`, `cuda` or `cuda:N`."""
     quantization: str = "none"
     """`none`; `int8`: int8 weights per output channel for the Linear layers; `int8-dynamic`
-    (CPU): activations quantized too, the rest in float32. Drafts only: see
+    (CPU): activations quantized too, the rest in float32; `int4`: int4 weights in groups of
+    input channels (a self-draft: the target's own copy). Drafts only: see
     `cluster.runtime.quantize`."""
     trimmed_vocab: int = 0
     """Score only this many most frequent token ids (0: all); the logits keep their width,

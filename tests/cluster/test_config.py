@@ -247,7 +247,7 @@ def test_the_draft_is_quantized_as_the_preset_the_config_or_the_cli_says() -> No
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"drafter": {"quantization": "int4"}}, "quantization must be one of"),
+        ({"drafter": {"quantization": "int2"}}, "quantization must be one of"),
         ({"verifier": {"quantization": "int8"}}, "only the drafter's model may be changed"),
         ({"router": {"quantization": "none"}}, "only the drafter's model may be changed"),
     ],

@@ -134,6 +134,8 @@ def test_serve_deploy_of_the_local_config_serves_exactly_the_target_output(
     # Greedy decoding is lossless: the tiny pair, fp32, same numerics on both paths.
     assert speculative.tokens == target_only.tokens
     assert len(speculative.tokens) == MAX_TOKENS and target_only.num_drafted == 0
+    # The file's drafter is the target's own int4 copy: it drafted (not only the suffix drafter).
+    assert speculative.num_drafted - speculative.suffix_drafted > 0
     # The OpenAI-compatible API on Serve's HTTP proxy, at the base URL the file promises.
     body = {"model": "tiny", "prompt": CODE_PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback

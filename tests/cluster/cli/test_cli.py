@@ -95,8 +95,8 @@ def test_streams_text_without_json(capsys: pytest.CaptureFixture[str]) -> None:
         (["--dtype", "int3"], "dtype must be one of float32, bfloat16, float16"),
         (
             ["--preset", "nope"],
-            "unknown preset 'nope'; known presets: qwen-coder, sim-h100-8b, sim-h100-8b-a06, "
-            "sim-instant, tiny",
+            "unknown preset 'nope'; known presets: qwen-coder, qwen-coder-self-int4, "
+            "qwen-coder-self-int8, sim-h100-8b, sim-h100-8b-a06, sim-instant, tiny",
         ),
     ],
 )

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.presets import resolve_pair
+from cluster.presets import Preset, resolve_pair
 from cluster.runtime import pack_catalog, packs, wheels
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.model_spec import ModelSpec
@@ -271,6 +271,29 @@ def test_preset_points_at_the_pack_folders(tmp_path: Path, monkeypatch: pytest.M
     assert fp16.draft.source == str(tmp_path / "qwen-coder" / "draft-float32")
     with pytest.raises(InvalidArgumentError, match="tandem models fetch qwen-coder"):
         load_model(pair.target)
+
+
+SELF_DRAFTS = [("qwen-coder-self-int4", "int4"), ("qwen-coder-self-int8", "int8")]
+
+
+@pytest.mark.parametrize(("preset", "quantization"), SELF_DRAFTS)
+def test_a_self_draft_preset_drafts_with_the_targets_own_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preset: str, quantization: str
+) -> None:
+    monkeypatch.setenv(pack_catalog.CACHE_ENV, str(tmp_path))
+    pair = resolve_pair(preset)
+    target_folder = str(tmp_path / "qwen-coder" / "target-bfloat16")
+    assert pair.draft.source == pair.target.source == target_folder
+    assert (pair.draft.quantization, pair.target.quantization) == (quantization, "none")
+    assert pair.draft.trimmed_vocab == 0
+    assert resolve_pair(preset, dtype="float16").draft.source.endswith("target-float32")
+
+
+def test_a_self_draft_must_be_quantized_and_roles_are_checked() -> None:
+    with pytest.raises(InvalidArgumentError, match="unless it is quantized"):
+        Preset(default_dtype="bfloat16", pack="qwen-coder", draft_role="target")
+    with pytest.raises(InvalidArgumentError, match="draft_role must be draft or target"):
+        Preset(default_dtype="bfloat16", pack="qwen-coder", draft_role="verifier")
 
 
 def test_missing_absolute_folder_is_not_taken_for_a_hub_id(tmp_path: Path) -> None:

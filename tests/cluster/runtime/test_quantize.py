@@ -63,7 +63,7 @@ def test_weight_only_linear_is_the_dequantised_product_and_batch_invariant(
 
 def test_unknown_quantizations_are_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="quantization must be one of"):
-        ModelSpec(TINY_DRAFT, quantization="int4")
+        ModelSpec(TINY_DRAFT, quantization="int3")
     with pytest.raises(ValueError, match="CPU only"):
         quantize_weights(nn.Sequential(nn.Linear(4, 4)), "int8-dynamic", torch.device("meta"))
 
