@@ -212,4 +212,3 @@ def test_an_accepted_proposal_asks_again_at_once() -> None:
     use.verified(3)
     assert use.fruitless == 0 and asks(use, 3) == [True, True, True]
     assert (use.asked, use.proposed_tokens, use.accepted_tokens) == (3, 10, 3)
-
