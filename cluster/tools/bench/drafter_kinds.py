@@ -39,7 +39,7 @@ Generate = Callable[[tuple[int, ...], str], tuple[tuple[int, ...], Any]]
 
 @dataclass
 class Tally:
-    """One mode on one prompt: its repeats' seconds and its last counters."""
+    """One mode on one prompt: its repeats' seconds and counters (summed)."""
 
     seconds: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -107,10 +107,10 @@ def run(args: Any, say: Callable[[str], None]) -> dict[str, Any]:
         return generate
 
     try:
-        model_only = router(local.drafter, suffix=False)
+        # A router per mode: each router's speculation gate learns from its own requests.
         modes: dict[str, Generate] = {
-            TARGET: speculative(model_only, 0),
-            "model": speculative(model_only, args.draft_tokens),
+            TARGET: speculative(router(local.drafter, suffix=False), 0),
+            "model": speculative(router(local.drafter, suffix=False), args.draft_tokens),
             "suffix+model": speculative(router(local.drafter, suffix=True), args.draft_tokens),
         }
         if args.self_preset:
@@ -148,10 +148,11 @@ def measure(
                 tally = tallies[name][index]
                 tally.seconds.append(seconds)
                 tally.tokens = len(tokens)
-                if stats is not None:
-                    tally.drafted, tally.accepted = stats.num_drafted, stats.num_accepted
-                    tally.suffix_drafted = stats.suffix_drafted
-                    tally.suffix_accepted = stats.suffix_accepted
+                if stats is not None:  # summed over repeats
+                    tally.drafted += stats.num_drafted
+                    tally.accepted += stats.num_accepted
+                    tally.suffix_drafted += stats.suffix_drafted
+                    tally.suffix_accepted += stats.suffix_accepted
                 if name == TARGET:
                     targets[index] = tokens
                 elif targets[index] is not None:
