@@ -94,7 +94,7 @@ class SuffixConfig:
     Its drafts are deterministic, so their q is one-hot and acceptance stays exact for every
     sampling rule; they only move speed."""
 
-    enabled: bool = True
+    enabled: bool = False
     scope: str = "tenant"
     """Whose text drafts for a request: "tenant" (every request of the same tenant, the
     default) or "request" (its own prompt and output only). Never another tenant's: what a

@@ -131,6 +131,10 @@ def test_serve_deploy_of_the_local_config_serves_exactly_the_target_output(
     with TandemClient(f"{LOOPBACK}:{grpc_port}", timeout_s=120) as client:
         speculative = client.generate(CODE_PROMPT, max_tokens=MAX_TOKENS)
         target_only = client.generate(CODE_PROMPT, max_tokens=MAX_TOKENS, draft_tokens=0)
+        # The file turns the CPU-only suffix drafter on: the same prompt again is drafted from
+        # the first answer, held in the (anonymous) tenant's index, and stays exact.
+        again = client.generate(CODE_PROMPT, max_tokens=MAX_TOKENS, pipelined=False)
+    assert again.tokens == target_only.tokens and again.suffix_accepted > 0
     # Greedy decoding is lossless: the tiny pair, fp32, same numerics on both paths.
     assert speculative.tokens == target_only.tokens
     assert len(speculative.tokens) == MAX_TOKENS and target_only.num_drafted == 0

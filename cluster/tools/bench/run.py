@@ -292,8 +292,8 @@ def bench_settings(args: Any) -> dict[str, Any]:
         "adaptive_draft": given(args.adaptive_draft, config.draft_length.enabled),
         # The service's tenants cannot be told apart per repeat, so a repeat there would draft
         # from the same prompt's answer the repeat before: the suffix drafter runs in process.
-        "suffix_drafter": given(args.suffix_drafter, config.suffix_drafter.enabled)
-        and args.mode == "local",
+        "suffix_drafter": args.mode == "local"
+        and given(getattr(args, "suffix_drafter", None), config.suffix_drafter.enabled),
         "draft_quantization": given(args.draft_quantization, draft.quantization),
         "draft_vocab": given(args.draft_vocab, draft.trimmed_vocab),
     }
