@@ -176,8 +176,9 @@ class TandemConfig:
     suffix_drafter: SuffixConfig = field(default_factory=SuffixConfig)
     """The suffix drafter: blocks continuing what the tenant's earlier requests (and the
     request itself) wrote, from indexes on CPU-only replicas; the router verifies its block
-    where it proposes one and drafts with the model otherwise. Off by default (`enabled:
-    true`, or `tandem serve --suffix-drafter`, deploys the suffix replicas)."""
+    where it proposes one and drafts with the model otherwise. On by default: where nothing
+    recurs it proposes nothing and the router stops asking for a while. `enabled: false`
+    deploys no suffix replica."""
     prompt_lookup: NgramConfig = field(default_factory=lambda: NgramConfig(enabled=True))
     """The router's prompt lookup: blocks copied from the token history when its last few
     tokens recur, the draft model otherwise. On by default: free blocks, lossless."""

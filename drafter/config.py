@@ -94,7 +94,7 @@ class SuffixConfig:
     Its drafts are deterministic, so their q is one-hot and acceptance stays exact for every
     sampling rule; they only move speed."""
 
-    enabled: bool = False
+    enabled: bool = True
     scope: str = "tenant"
     """Whose text drafts for a request: "tenant" (every request of the same tenant, the
     default) or "request" (its own prompt and output only). Never another tenant's: what a
@@ -111,6 +111,10 @@ class SuffixConfig:
     min_confidence: float = 0.25
     """A block ends before the token whose running confidence (the product of each token's
     share among the occurrences still matching) would fall below this."""
+    tokens_per_match: float = 1.0
+    """A block is at most this many tokens per token of the context's longest suffix that
+    recurs (at least one; 0: no such cap): a 2-token match is weaker evidence than a 16-token
+    one, and a rejected long block costs the verifier a longer pass."""
     tenant_bytes: int = 64 * 1024 * 1024
     """Memory cap of one tenant's index, in bytes; the oldest requests are evicted first."""
 
@@ -129,6 +133,9 @@ class SuffixConfig:
             raise InvalidArgumentError(
                 f"need min_match <= max_match, got {self.min_match} and {self.max_match}"
             )
+        per_match = self.tokens_per_match
+        if isinstance(per_match, bool) or not isinstance(per_match, int | float) or per_match < 0:
+            raise InvalidArgumentError(f"tokens_per_match must be >= 0, got {per_match!r}")
         if not 0.0 <= self.min_confidence <= 1.0:
             raise InvalidArgumentError(
                 f"min_confidence must be in [0, 1], got {self.min_confidence}"

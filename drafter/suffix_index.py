@@ -16,7 +16,9 @@ How a proposal is made (`SuffixIndex.propose`), like a walk down a suffix tree:
    occurrences that disagree drop out. The block ends before a token that would take the
    confidence below `min_confidence`, at `max_tokens`, or where no occurrence goes on. An
    occurrence that reaches its document's end (a live request's tail) says nothing about
-   what follows, so it leaves the count rather than counting against the winner.
+   what follows, so it leaves the count rather than counting against the winner. A block is
+   also at most `tokens_per_match` tokens per matched token (SuffixDecoding's length cap,
+   proportional to the match): a 2-token match drafts at most 2.
 
 Costs: `extend` is O(tokens added) (each token links one n-gram occurrence); `propose` is
 O(max_candidates x (max_match + tokens proposed)), whatever the corpus size. Measured on one
@@ -225,6 +227,8 @@ class SuffixIndex:
             elif length == match_length:
                 survivors.append((held, end))
             position = document.older[end]
+        if config.tokens_per_match > 0:  # a short match earns a short block
+            budget = min(budget, max(1, int(config.tokens_per_match * match_length)))
         drafted: list[int] = []
         confidence = 1.0
         while survivors and len(drafted) < budget:

@@ -256,7 +256,10 @@ class TandemService:
         on_finished: Callable[[Served], None] | None,
     ) -> Generator[ApiChunk | Wait, None, None]:
         stats = SpeculationStats()
-        request = dataclasses.replace(request, tenant=tenant.name)  # whose text may draft for it
+        # Whose text may draft for it, and whether its text may be held for drafting at all.
+        request = dataclasses.replace(
+            request, tenant=tenant.name, suffix_index=tenant.config.suffix_index
+        )
         chunks = self._router.steps(request, stats, pipelined=pipelined)
         num_generated = 0
         served: list[int] | None = [] if on_finished or self.online_audit.enabled else None

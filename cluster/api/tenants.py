@@ -95,6 +95,9 @@ class TenantConfig:
     """Largest max_tokens a request may ask for (None: the server's limit only)."""
     weight: float = 1.0
     """Share of the router when requests queue, relative to other tenants' weights."""
+    suffix_index: bool = True
+    """False: the suffix drafter never holds this tenant's prompts or outputs, nor drafts for
+    its requests (nothing of its text outlives a request on the drafting side)."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():

@@ -116,11 +116,13 @@ class Generation:
         self.lookup = PromptLookup(ngram) if ngram is not None else None
         """Prompt lookup's index over `history`."""
         self.drafter = DrafterView(base_length=len(self.history))
+        asks_suffix = constraint is None and request.suffix_index
         self.suffix = SuffixDrafting(
-            pinned.suffix if constraint is None else None, pinned.suffix_id, self.session_id
+            pinned.suffix if asks_suffix else None, pinned.suffix_id, self.session_id
         )
         """The suffix drafter, asked before the drafter (none for a constrained request: its
-        blocks would have to follow the grammar, which it does not track)."""
+        blocks would have to follow the grammar, which it does not track; none where the
+        tenant keeps its text out of the suffix index)."""
         self.drafter_opening: Started | None = None
         """The drafter's session being opened in the background; None once known open."""
         self.open_drafter: Callable[[], Started] | None = None

@@ -60,6 +60,9 @@ class GenerationRequest:
     tenant: str = ""
     """Whose request it is (set by the service from the caller's key): a suffix drafter drafts
     from that tenant's earlier text only. "" for the anonymous tenant (in process)."""
+    suffix_index: bool = True
+    """Whether the suffix drafter may hold this request's text and draft for it (its tenant's
+    `suffix_index`)."""
 
     def __post_init__(self) -> None:
         if len(self.prompt_tokens) == 0:

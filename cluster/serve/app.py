@@ -2,7 +2,7 @@
 
 Drafter, Verifier and Router (the ingress) are separate deployments, each with its own replica count
 and `ray_actor_options`, so the two sides can land on different node types and scale apart; with
-`suffix_drafter.enabled` (off by default) a fourth, SuffixDrafter, asks for CPUs only
+`suffix_drafter.enabled` (the default) a fourth, SuffixDrafter, asks for CPUs only
 (`drafter.suffix_deployment`), so its replicas land on any node, accelerator or none: with
 `autoscaling.enabled`, Serve scales a side on the load its replicas report, by the policy in
 cluster/serve/autoscaling.py. The deployments are thin shells over plain classes; `serve.deployment`

@@ -1,9 +1,10 @@
 """The service as a user starts it, once per test session, for every module that needs it.
 
-`service`: `tandem serve --preset tiny --drafters 2 --verifiers 2 --detach` in its own
-TANDEM_HOME and on free ports, with a config that names its tenants (`TENANT_KEYS`: `main`,
-whose key the command line gets through $TANDEM_API_KEY, and `small`, with tight limits), its
-OpenAI-compatible HTTP API at `http_url`; stopped by `tandem shutdown` at the end.
+`service`: `tandem serve --preset tiny --drafters 2 --verifiers 2 --detach` (with the default
+CPU-only suffix drafter) in its own TANDEM_HOME and on free ports, with a config that names its
+tenants (`TENANT_KEYS`: `main`, whose key the command line gets through $TANDEM_API_KEY,
+`small`, with tight limits, and `private`, kept out of the suffix index), its OpenAI-compatible
+HTTP API at `http_url`; stopped by `tandem shutdown` at the end.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from cluster.config import CLUSTER_SECRET_ENV
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.serve.local_cluster import API_KEY_ENV, cluster_processes, free_port
 
-TENANT_KEYS = {"main": new_api_key(), "small": new_api_key()}
+TENANT_KEYS = {"main": new_api_key(), "small": new_api_key(), "private": new_api_key()}
 SMALL_LIMITS = {"max_concurrent": 1, "max_tokens_per_request": 400}
 TANDEM = str(Path(sys.executable).with_name("tandem"))
 SERVE_TIMEOUT_S = 300
@@ -43,6 +44,13 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
     tenants = [
         {"name": "main", "key_sha256": hash_api_key(TENANT_KEYS["main"]), "max_concurrent": 64},
         {"name": "small", "key_sha256": hash_api_key(TENANT_KEYS["small"]), **SMALL_LIMITS},
+        # Its text never enters the suffix index: its repeated requests run at the model's pace.
+        {
+            "name": "private",
+            "key_sha256": hash_api_key(TENANT_KEYS["private"]),
+            "max_concurrent": 8,
+            "suffix_index": False,
+        },
     ]
     config.write_text(yaml.safe_dump({"auth": {"tenants": tenants}}))
     port, http_port = free_port(), free_port()

@@ -18,7 +18,9 @@ from cluster.runtime.errors import InvalidArgumentError
 from drafter.config import SuffixConfig
 from drafter.suffix_index import NO_PROPOSAL, Proposal, SuffixIndex
 
-CONFIG = SuffixConfig(min_match=2, max_match=8, max_tokens=8, min_confidence=0.0)
+CONFIG = SuffixConfig(
+    min_match=2, max_match=8, max_tokens=8, min_confidence=0.0, tokens_per_match=0.0
+)
 
 
 def index_of(*docs: Sequence[int], config: SuffixConfig = CONFIG) -> SuffixIndex:
@@ -85,6 +87,20 @@ def test_max_tokens_is_respected() -> None:
     assert index.propose([0, 1], 3).tokens == (2, 3, 4)
     assert index.propose([0, 1], 100).tokens == (2, 3, 4, 5, 6)  # the config's bound
     assert index.propose([0, 1], 0) == NO_PROPOSAL
+
+
+def test_a_short_match_drafts_a_short_block() -> None:
+    """`tokens_per_match`: at most that many tokens per matched token, at least one."""
+    text = list(range(40))
+    index = index_of(text, config=_with(tokens_per_match=1.0))
+    assert index.propose([99, 3, 4], 8) == Proposal((5, 6), 1.0, 2)  # matched 2: drafts 2
+    assert index.propose([2, 3, 4], 8).tokens == (5, 6, 7)  # matched 3
+    assert index.propose([0, 1, 2, 3, 4, 5], 8).tokens == tuple(range(6, 12))
+    halved = index_of(text, config=_with(tokens_per_match=0.4))
+    assert halved.propose([99, 3, 4], 8).tokens == (5,)  # at least one
+    assert index_of(text).propose([99, 3, 4], 8).tokens == tuple(range(5, 13))  # 0: no cap
+    with pytest.raises(InvalidArgumentError, match="tokens_per_match"):
+        _with(tokens_per_match=-1.0)
 
 
 def test_nothing_when_nothing_recurs() -> None:
@@ -154,6 +170,7 @@ def reference(
     m, budget = config.min_match, min(max_tokens, config.max_tokens)
     if budget < 1 or len(context) < m:
         return NO_PROPOSAL
+    bounded = config.tokens_per_match > 0
     found = [(n, e) for n, e in reversed(order) if docs[n][e - m : e] == list(context[-m:])]
     lengths = []
     for name, end in found[: config.max_candidates]:
@@ -166,6 +183,8 @@ def reference(
         lengths.append(length)
     best = max(lengths, default=0)
     survivors = [(n, e) for (n, e), x in zip(found, lengths, strict=False) if x == best]
+    if bounded:
+        budget = min(budget, max(1, int(config.tokens_per_match * best)))
     drafted: list[int] = []
     confidence = 1.0
     while len(drafted) < budget:
@@ -183,18 +202,20 @@ def reference(
 
 
 configs = st.builds(
-    lambda m, extra, candidates, confidence, tokens: _with(
+    lambda m, extra, candidates, confidence, tokens, per_match: _with(
         min_match=m,
         max_match=m + extra,
         max_candidates=candidates,
         min_confidence=confidence,
         max_tokens=tokens,
+        tokens_per_match=per_match,
     ),
     st.integers(1, 3),
     st.integers(0, 3),
     st.integers(1, 6),
     st.sampled_from([0.0, 0.3, 0.6]),
     st.integers(1, 6),
+    st.sampled_from([0.0, 0.5, 1.0, 2.0]),
 )
 token_lists = st.lists(st.integers(0, 3), max_size=12)
 
@@ -293,5 +314,6 @@ def _with(**changes: object) -> SuffixConfig:
         "max_match": CONFIG.max_match,
         "max_tokens": CONFIG.max_tokens,
         "min_confidence": CONFIG.min_confidence,
+        "tokens_per_match": CONFIG.tokens_per_match,
     }
     return SuffixConfig(**{**fields, **changes})  # type: ignore[arg-type]

@@ -10,8 +10,8 @@ from drafter.config import SuffixConfig
 from drafter.suffix_index import NO_PROPOSAL
 from drafter.suffix_store import StoreStats, SuffixStore
 
-TENANT = SuffixConfig(scope="tenant", min_confidence=0.0)
-REQUEST = SuffixConfig(scope="request", min_confidence=0.0)
+TENANT = SuffixConfig(scope="tenant", min_confidence=0.0, tokens_per_match=0.0)
+REQUEST = SuffixConfig(scope="request", min_confidence=0.0, tokens_per_match=0.0)
 SECRET = [11, 12, 13, 14, 15, 16]
 
 

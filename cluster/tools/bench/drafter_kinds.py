@@ -9,7 +9,9 @@ each prompt once per mode and repeat, the modes interleaved and their order rota
 - `suffix+model`: the suffix drafter is asked first, the draft model otherwise;
 - with `--self-preset P` (a preset whose draft is the target's own quantized copy, e.g.
   `qwen-coder-self-int4`): `self` and `suffix+self`, the same with that draft instead;
-- with `--hf-assisted`: Hugging Face assisted generation with the preset's plain draft.
+- with `--hf-assisted`: Hugging Face assisted generation with the preset's plain draft;
+- with `--variant KEY=VALUE[,...]`: suffix+model again with other suffix drafter settings
+  (`--suffix KEY=VALUE` changes them for every suffix mode; `--skip` leaves modes out).
 
 Each mode's pass over the prompts, per repeat, is a tenant of its own, so the suffix drafter
 drafts only from the prompts and answers before it in that pass (an agent's earlier turns, in
@@ -59,16 +61,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--self-preset", help="also draft with this preset's draft (self-draft)")
     parser.add_argument("--hf-assisted", action="store_true", help="also run HF assisted")
+    parser.add_argument(
+        "--suffix", action="append", default=[], metavar="KEY=VALUE",
+        help="a suffix drafter setting of the suffix modes (repeatable): tokens_per_match=0",
+    )  # fmt: skip
+    parser.add_argument(
+        "--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+        help="also run suffix+model with these settings, as the mode suffix[KEY=VALUE]+model",
+    )  # fmt: skip
+    parser.add_argument("--skip", nargs="*", default=[], choices=SKIPPABLE, help="modes left out")
     parser.add_argument("--json", dest="json_out", help="write the result here")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.max_tokens < 2 or args.draft_tokens < 1:
         parser.error("--repeats and --draft-tokens must be >= 1, --max-tokens >= 2")
+    try:
+        args.suffix_settings = settings(args.suffix)
+        args.variants = {f"suffix[{v}]+model": settings(v.split(",")) for v in args.variant}
+    except ValueError as error:
+        parser.error(str(error))
     result = run(args, lambda line: print(line, file=sys.stderr, flush=True))
     print(format_table(result))
     if args.json_out:
         with open(args.json_out, "w") as out:
             json.dump(result, out, indent=2)
     return 0
+
+
+SKIPPABLE = ("model", "suffix+model")
+
+
+def settings(pairs: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` pairs as SuffixConfig fields (numbers parsed, the config checks them)."""
+    from drafter.config import SuffixConfig
+
+    fields = {f.name for f in dataclasses.fields(SuffixConfig)}
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"not a suffix drafter setting: {pair!r}")
+        for kind in (int, float):
+            try:
+                out[key] = kind(value)
+                break
+            except ValueError:
+                out[key] = value
+    SuffixConfig(**out)  # refused here, before a model loads
+    return out
 
 
 def run(args: Any, say: Callable[[str], None]) -> dict[str, Any]:
@@ -89,10 +128,11 @@ def run(args: Any, say: Callable[[str], None]) -> dict[str, Any]:
     target = local.target
     routers: list[Router] = []
 
-    def router(drafter: Any, suffix: bool) -> Router:
+    def router(drafter: Any, suffix: bool, changes: dict[str, Any] | None = None) -> Router:
+        config = SuffixConfig(**{**args.suffix_settings, **(changes or {})})
         made = Router(
             local.verifier, drafter, text_decoder(target.tokenizer), target.eos_token_ids,
-            suffix=SuffixDrafter(SuffixConfig()) if suffix else None,
+            suffix=SuffixDrafter(config) if suffix else None,
             ngram=NgramConfig(enabled=True), draft_length=DraftLengthConfig(enabled=True),
         )  # fmt: skip
         routers.append(made)
@@ -108,15 +148,17 @@ def run(args: Any, say: Callable[[str], None]) -> dict[str, Any]:
 
     try:
         # A router per mode: each router's speculation gate learns from its own requests.
-        modes: dict[str, Generate] = {
-            TARGET: speculative(router(local.drafter, suffix=False), 0),
-            "model": speculative(router(local.drafter, suffix=False), args.draft_tokens),
-            "suffix+model": speculative(router(local.drafter, suffix=True), args.draft_tokens),
-        }
+        modes: dict[str, Generate] = {TARGET: speculative(router(local.drafter, False), 0)}
+        if "model" not in args.skip:
+            modes["model"] = speculative(router(local.drafter, False), args.draft_tokens)
+        if "suffix+model" not in args.skip:
+            modes["suffix+model"] = speculative(router(local.drafter, True), args.draft_tokens)
+        for name, changes in args.variants.items():
+            modes[name] = speculative(router(local.drafter, True, changes), args.draft_tokens)
         if args.self_preset:
             self_draft = Drafter(load_model(resolve_pair(args.self_preset).draft))
-            modes["self"] = speculative(router(self_draft, suffix=False), args.draft_tokens)
-            modes["suffix+self"] = speculative(router(self_draft, suffix=True), args.draft_tokens)
+            modes["self"] = speculative(router(self_draft, False), args.draft_tokens)
+            modes["suffix+self"] = speculative(router(self_draft, True), args.draft_tokens)
         if args.hf_assisted:
             plain = dataclasses.replace(pair.draft, quantization="none", trimmed_vocab=0)
             draft = load_model(plain).model
@@ -200,6 +242,7 @@ def summarize(args: Any, categories: list[str], tallies: dict[str, list[Tally]])
             "max_tokens": args.max_tokens,
             "draft_tokens": args.draft_tokens,
             "self_preset": args.self_preset,
+            "suffix": getattr(args, "suffix_settings", {}),
         },
         "by_category": out,
     }

@@ -103,10 +103,15 @@ def _greedy_row(requests: Mapping[str, Any]) -> Row:
 def _replica_row(findings: Findings, what: str) -> Row:
     """Sessions, or KV blocks in use, on every live replica: all 0, every replica read."""
     replicas = findings.replicas
+    expected = findings.expected_replicas
     if what == "kv":
         figure = (
             f"KV blocks in use on every replica, {findings.settle_s:.0f} s after the last request"
         )
+        # A suffix drafter holds an index, not a KV cache: it has no engine to report.
+        cached = [r for r in replicas if r.get("side") != "suffix"]
+        expected -= len(replicas) - len(cached)
+        replicas = cached
         values = {r["replica_id"]: (r.get("engine") or {}).get("kv_blocks_used") for r in replicas}
     else:
         figure = "sessions open on every replica"
@@ -114,10 +119,12 @@ def _replica_row(findings: Findings, what: str) -> Row:
     unread = sorted(rid for rid, value in values.items() if value is None)
     busy = {rid: value for rid, value in values.items() if value}
     found = ", ".join(f"{rid} {value}" for rid, value in sorted(busy.items())) or "0"
-    found += f" on {len(replicas)} of {findings.expected_replicas} replicas"
+    found += f" on {len(replicas)} of {expected} replicas"
+    if what == "kv" and expected < findings.expected_replicas:
+        found += " with a KV cache"
     if unread:
         found += f" (not reported by {', '.join(unread)})"
-    complete = len(replicas) == findings.expected_replicas and not unread
+    complete = len(replicas) == expected and not unread
     return Row(figure, found, "0", PASS if complete and not busy else FAIL)
 
 

@@ -73,7 +73,8 @@ read this long after the last request."""
 RETRY_GRACE_S = 30.0
 """A refused request retries until this long after the load's end, then counts as failed."""
 JOIN_TIMEOUT_S = LOST_AFTER_S + 30.0
-EXPECTED = {"drafter": NUM_DRAFTERS, "verifier": NUM_VERIFIERS}
+EXPECTED = {"drafter": NUM_DRAFTERS, "verifier": NUM_VERIFIERS, "suffix": 1}
+"""Replicas of each side the soak's service runs (one suffix drafter, the default)."""
 
 Say = Callable[[str], None]
 

@@ -23,6 +23,8 @@ from cluster.api.tenants import AuthConfig, TenantConfig, Tenants, hash_api_key,
 from cluster.local import LocalTandem, text_decoder
 from cluster.routing.router import Router
 from cluster.runtime.draft_block import DraftBlock, Verdict
+from drafter.config import SuffixConfig
+from drafter.suffix import SuffixDrafter
 from protos import generate_pb2
 from tests.cluster.grpc_front import serve_local
 from tests.conftest import CODE_PROMPT
@@ -229,3 +231,39 @@ def test_a_full_router_queue_refuses_at_once(one_at_a_time: str, local_tandem: L
         waiter.join(timeout=60)
         assert len(queued) == 1 and len(queued[0]) == 4  # the queued one ran once there was room
     assert sessions(local_tandem) == (0, 0)
+
+
+class OpenedFor(SuffixDrafter):
+    """A suffix drafter that records whose requests opened a session on it."""
+
+    def __init__(self) -> None:
+        super().__init__(SuffixConfig())
+        self.opened_for: list[str] = []
+
+    def open_session(self, session_id: str, *args: Any, **kwargs: Any) -> int:
+        self.opened_for.append(str(kwargs.get("tenant", "")))
+        return super().open_session(session_id, *args, **kwargs)
+
+
+def test_a_tenant_may_keep_its_text_out_of_the_suffix_index(local_tandem: LocalTandem) -> None:
+    """`suffix_index: false` in a tenant's config reaches its requests through the API: the
+    suffix drafter opens sessions for alice (by her name), never for the private tenant."""
+    suffix = OpenedFor()
+    target = local_tandem.target
+    router = Router(
+        local_tandem.verifier, local_tandem.drafter, text_decoder(target.tokenizer),
+        target.eos_token_ids, suffix=suffix, pipelined=False,
+    )  # fmt: skip
+    KEYS.setdefault("private", new_api_key())
+    auth = AuthConfig(tenants=(tenant("alice"), tenant("private", suffix_index=False)))
+    service = TandemService(router, local_tandem.tokenizer, ServiceConfig(), tenants=Tenants(auth))
+    server, port = serve_local(service)
+    try:
+        for name in ("private", "alice", "private"):
+            with client(f"127.0.0.1:{port}", name) as caller:
+                assert len(caller.generate(CODE_PROMPT, max_tokens=16).tokens) == 16
+    finally:
+        server.stop(None)
+        router.close()
+    assert suffix.opened_for == ["alice"]
+    assert suffix.index_stats().tokens > 0  # alice's text only

@@ -153,6 +153,29 @@ def test_no_tenant_drafts_from_another_tenants_text(
     assert spy.stats().num_sessions == 0
 
 
+def test_a_tenant_that_keeps_its_text_out_is_never_held_nor_drafted_for(
+    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
+) -> None:
+    """`suffix_index: false` (the tenant's config, carried by its requests): the suffix drafter
+    is never opened for them, so none of their text enters an index; the model drafts."""
+    spy = SpySuffix(SuffixConfig())
+    router = in_process_router(local_tandem, spy)
+    prompt = PROMPTS[0]
+    try:
+        for _ in range(2):
+            request = GenerationRequest(
+                encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=4, tenant="private",
+                suffix_index=False,
+            )  # fmt: skip
+            result = router.generate(request)
+            assert result.tokens == target_only[prompt]
+            assert result.stats.num_drafted > 0 and result.stats.suffix_drafted == 0
+    finally:
+        router.close()
+    assert spy.tenants == {} and spy.proposals == []
+    assert spy.index_stats().tokens == 0
+
+
 class FailingSuffix(SuffixDrafter):
     """Opens, then fails every draft as a lost replica does."""
 

@@ -193,13 +193,15 @@ def test_both_sides_scale_up_on_load_and_down_without_losing_a_stream(
         assert isinstance(live, list)
         sides = [r["side"] for r in live]
         assert sides.count("drafter") == 2 and sides.count("verifier") == 2, live
+        assert sides.count("suffix") == 1, live
         completed_up = streams.completed
         # One client keeps streaming while Serve stops a replica of each side (draining it).
         streams.stop(keep=1)
         down_s, reading = wait_for(autoscaled, {"Drafter": 1, "Verifier": 1}, streams.check)
         live = reading["replicas"]
         assert isinstance(live, list)
-        assert sorted(r["side"] for r in live) == ["drafter", "verifier"], live
+        # The suffix drafter (on by default, a fixed count) is neither side and stays.
+        assert sorted(r["side"] for r in live) == ["drafter", "suffix", "verifier"], live
         # The survivors serve on: a few more streams after the scale-down.
         target = streams.completed + 2
         deadline = time.monotonic() + 60

@@ -1,12 +1,13 @@
 """A client that goes away frees its request on both sides within a second.
 
 Through the session's service (tests/cluster/conftest.py: Serve's gRPC proxy, the router
-ingress, two drafter and two verifier replicas): a stream the client leaves after a few
-chunks, and a unary Generate whose client deadline runs out, as gRPC's deadline alone (the
-proxy cancels the call; the router learns nothing else) and as the shipped client sends it
-(also in the metadata, so the router ends the request itself, and each replica was told the
-time left). Once the client's call has ended, every replica must hold no session and no KV
-block within RELEASE_S, read from each replica's Stats RPC (exact, no heartbeat lag), polled.
+ingress, two drafter and two verifier replicas, a suffix drafter), as a tenant kept out of the
+suffix index (TENANT_KEY): a stream the client leaves after a few chunks, and a unary
+Generate whose client deadline runs out, as gRPC's deadline alone (the proxy cancels the
+call; the router learns nothing else) and as the shipped client sends it (also in the
+metadata, so the router ends the request itself, and each replica was told the time left).
+Once the client's call has ended, every replica must hold no session and no KV block within
+RELEASE_S, read from each replica's Stats RPC (exact, no heartbeat lag), polled.
 
 Why a second is safe: the router finishes the round in flight (one tiny-model pass,
 milliseconds), then closes both sessions, one loopback call each, which frees their blocks;
@@ -44,6 +45,11 @@ DEADLINE_S = 2.0
 CHUNKS_READ = 3
 POLL_S = 0.01
 
+TENANT_KEY = TENANT_KEYS["private"]
+"""A tenant kept out of the suffix index: after the earlier tests' requests, the suffix drafter
+would draft CODE_PROMPT's answer whole, and LONG_MAX_TOKENS would end within DEADLINE_S."""
+MODEL_SIDES = {"drafter", "verifier"}
+"""The sides that hold the tenant's running request (never the suffix drafter: see TENANT_KEY)."""
 Held = dict[str, tuple[int, int]]
 """(sessions, KV blocks in use) per replica id."""
 
@@ -70,14 +76,20 @@ class Replicas:
         held = {}
         for replica_id, port in self._ports.items():
             stats = port.stats()
-            assert stats.engine is not None  # every replica runs a batching engine
+            if self.sides[replica_id] == "suffix":  # an index, no KV cache: sessions only
+                assert stats.engine is None
+                held[replica_id] = (stats.num_sessions, 0)
+                continue
+            assert stats.engine is not None  # every model replica runs a batching engine
             held[replica_id] = (stats.num_sessions, stats.engine.kv_blocks_used)
         return held
 
     def holding_sides(self) -> set[str]:
-        """The sides with a replica that holds a session and KV blocks now."""
+        """The sides with a replica that holds a session (and KV blocks, if it has a cache)."""
         return {
-            self.sides[r] for r, (sessions, blocks) in self.held().items() if sessions and blocks
+            self.sides[r]
+            for r, (sessions, blocks) in self.held().items()
+            if sessions and (blocks or self.sides[r] == "suffix")
         }
 
     def close(self) -> None:
@@ -119,12 +131,12 @@ def assert_released(replicas: Replicas, ended: float) -> None:
 def test_leaving_a_stream_frees_both_sides_within_a_second(
     service: dict[str, object], replicas: Replicas
 ) -> None:
-    with TandemClient(str(service["address"]), api_key=TENANT_KEYS["main"]) as client:
+    with TandemClient(str(service["address"]), api_key=TENANT_KEY) as client:
         chunks = client.stream(CODE_PROMPT, max_tokens=LONG_MAX_TOKENS)
         for _ in range(CHUNKS_READ):
             assert next(chunks).finish_reason is None
         # The request is mid-stream: its drafter and its verifier both hold it.
-        wait_until(lambda: replicas.holding_sides() == {"drafter", "verifier"}, what="sessions")
+        wait_until(lambda: replicas.holding_sides() == MODEL_SIDES, what="sessions")
         chunks.close()  # cancels the call, as leaving the loop does
         ended = time.monotonic()
     assert_released(replicas, ended)
@@ -134,7 +146,7 @@ def grpc_deadline_only(service: dict[str, object]) -> None:
     """Generate with a gRPC deadline and no deadline metadata: only the proxy knows it."""
     with grpc.insecure_channel(str(service["address"])) as channel:
         request = generate_pb2.GenerateRequest(text=CODE_PROMPT, max_tokens=LONG_MAX_TOKENS)
-        auth = [("authorization", f"Bearer {TENANT_KEYS['main']}")]
+        auth = [("authorization", f"Bearer {TENANT_KEY}")]
         try:
             generate_pb2_grpc.TandemStub(channel).Generate(
                 request, timeout=DEADLINE_S, metadata=auth
@@ -147,7 +159,7 @@ def grpc_deadline_only(service: dict[str, object]) -> None:
 
 def shipped_client(service: dict[str, object]) -> None:
     """Generate with the shipped client's timeout: a gRPC deadline and the same in metadata."""
-    address, key = str(service["address"]), TENANT_KEYS["main"]
+    address, key = str(service["address"]), TENANT_KEY
     with (
         TandemClient(address, timeout_s=DEADLINE_S, api_key=key) as client,
         pytest.raises(TandemClientError) as error,
@@ -173,7 +185,7 @@ def test_a_unary_call_past_its_client_deadline_frees_both_sides_within_a_second(
     caller.start()
     try:
         # The request runs on both sides before its deadline passes.
-        wait_until(lambda: replicas.holding_sides() == {"drafter", "verifier"}, what="sessions")
+        wait_until(lambda: replicas.holding_sides() == MODEL_SIDES, what="sessions")
     finally:
         caller.join()
     (ended,) = outcome

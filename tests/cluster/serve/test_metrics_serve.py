@@ -133,9 +133,16 @@ def test_requests_reach_the_metrics_endpoint(service: dict[str, object]) -> None
 def test_every_live_replica_has_its_gauges(service: dict[str, object]) -> None:
     url = metrics_url(service)
     replicas = live_replicas(service)
-    fields = set(replica_measurements(replicas[0]))
-    assert {"num_sessions", "num_cached_tokens"} <= fields
-    assert {"engine_batch_sequences", "engine_kv_blocks_free", "engine_steps"} <= fields
+    fields = {str(r["replica_id"]): set(replica_measurements(r)) for r in replicas}
+    for replica in replicas:
+        own = fields[str(replica["replica_id"])]
+        assert {"num_sessions", "num_cached_tokens"} <= own
+        if replica["side"] == "suffix":  # an index on CPUs, no engine
+            assert {"index_bytes", "index_proposals", "index_proposed"} <= own
+            assert not any(field.startswith("engine_") for field in own)
+        else:
+            assert {"engine_batch_sequences", "engine_kv_blocks_free", "engine_steps"} <= own
+    assert {str(r["side"]) for r in replicas} == {"drafter", "verifier", "suffix"}
 
     def seen(samples: list[Sample]) -> set[tuple[str, str, str]]:
         return {
@@ -147,7 +154,7 @@ def test_every_live_replica_has_its_gauges(service: dict[str, object]) -> None:
     wanted = {
         (f"ray_tandem_replica_{field}", str(r["replica_id"]), str(r["side"]))
         for r in replicas
-        for field in fields
+        for field in fields[str(r["replica_id"])]
     }
     samples = poll(url, lambda s: wanted <= seen(s))
     assert wanted <= seen(samples)

@@ -59,13 +59,13 @@ def expected(local_tandem: LocalTandem) -> dict[str, tuple[int, ...]]:
 def test_deployments_and_replicas(service: dict[str, object]) -> None:
     status = service["status"]
     assert status["status"] == "RUNNING"  # type: ignore[index]
-    deployments = {"Drafter", "Verifier", "Router"}
+    deployments = {"Drafter", "Verifier", "Router", "SuffixDrafter"}
     assert status["deployments"].keys() == deployments  # type: ignore[index]
     for deployment in status["deployments"].values():  # type: ignore[index]
         assert deployment["status"] == "HEALTHY"
     sides = [r["side"] for r in status["replicas"]]  # type: ignore[index]
     assert sides.count("drafter") == 2 and sides.count("verifier") == 2
-    assert sides.count("suffix") == 0  # off by default
+    assert sides.count("suffix") == 1
     assert all(r["address"].startswith("127.0.0.1:") for r in status["replicas"])  # type: ignore[index]
     # Where Ray placed each: the one node of this cluster, and no resources asked for (the
     # default groups reserve no CPUs and name no node type).
@@ -144,8 +144,8 @@ def test_stream_yields_exactly_what_generate_returns(client: TandemClient) -> No
 def test_concurrent_clients_are_exact_and_spread(
     service: dict[str, object], client: TandemClient, expected: dict[str, tuple[int, ...]]
 ) -> None:
-    """8 clients at once over 2 drafters and 2 verifiers: every output exact, and every
-    replica holds sessions while they run."""
+    """8 clients at once over 2 drafters, 2 verifiers and a suffix drafter: every output
+    exact, and every replica holds sessions while they run."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
     seen: dict[str, int] = {}
     running = threading.Event()
@@ -171,7 +171,7 @@ def test_concurrent_clients_are_exact_and_spread(
         watcher.join()
     for prompt, result in zip(prompts, results, strict=True):
         assert result.tokens == expected[prompt], prompt
-    assert len(seen) == 4 and all(n > 0 for n in seen.values()), seen
+    assert len(seen) == 5 and all(n > 0 for n in seen.values()), seen
     assert not any(wait_until_no_sessions(service).values())
 
 
@@ -387,3 +387,27 @@ def test_loadtest_kill_reports_nothing_lost_or_corrupted(
     assert before[side]["replicas"] >= 2 and after["verifier"]["sessions"] == 0
     assert after["drafter"]["sessions"] == 0 and after["verifier"]["cached_tokens"] == 0
     wait_until_replaced(service, side, killed[0]["replica_id"])
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
+def test_the_suffix_drafter_through_the_service_is_exact_and_drafts(
+    service: dict[str, object],
+    client: TandemClient,
+    expected: dict[str, tuple[int, ...]],
+    pipelined: bool,
+) -> None:
+    """The second time a tenant sends a prompt, its first answer is in the tenant's index on
+    the CPU-only suffix replica: blocks from there are verified, and the output is still the
+    target's alone. The replica's heartbeat counts its proposals (its metrics)."""
+    prompt = PROMPTS[1]
+    results = [
+        client.generate(prompt, max_tokens=MAX_TOKENS, draft_tokens=4, pipelined=pipelined)
+        for _ in range(2)
+    ]
+    assert [result.tokens for result in results] == [expected[prompt]] * 2
+    assert results[1].suffix_accepted > MAX_TOKENS // 4
+    assert results[1].suffix_accepted <= results[1].suffix_drafted
+    (suffix,) = live_replicas(service, "suffix")
+    assert suffix["resources"] == {}  # asked Ray for no GPU (nor anything else)
+    assert 0 < suffix["index_proposed"] <= suffix["index_proposals"]  # type: ignore[operator]
+    assert suffix["index_bytes"] > 0  # type: ignore[operator]

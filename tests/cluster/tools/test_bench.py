@@ -132,9 +132,9 @@ def test_without_flags_the_bench_runs_the_service_defaults() -> None:
     assert settings["verifier_threads"] == settings["drafter_threads"] >= 1
     # Service tenants cannot be told apart per repeat: the suffix drafter is benched in process.
     assert settings["suffix_drafter"] is False
-    assert bench_settings(parser.parse_args(["bench"]))["suffix_drafter"] is False  # off
-    local = parser.parse_args(["bench", "--preset", "qwen-coder", "--suffix-drafter"])
-    assert bench_settings(local)["suffix_drafter"] is True
+    assert bench_settings(parser.parse_args(["bench"]))["suffix_drafter"] is True  # on
+    local = parser.parse_args(["bench", "--preset", "qwen-coder", "--no-suffix-drafter"])
+    assert bench_settings(local)["suffix_drafter"] is False
     service = parser.parse_args(["bench", "--mode", "service", "--suffix-drafter"])
     assert bench_settings(service)["suffix_drafter"] is False
     off = parser.parse_args(["bench", "--mode", "service", "--no-prompt-lookup",

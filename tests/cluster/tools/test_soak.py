@@ -327,6 +327,20 @@ def test_a_clean_run_passes_and_says_what_it_counted() -> None:
     assert "1 lived through (verifier 11); 1 killed and restarted" in text
 
 
+def test_a_suffix_drafter_has_no_kv_cache_but_must_hold_no_session() -> None:
+    """The suffix replica reports no engine: the KV row reads the others; sessions read all."""
+    suffix = {"replica_id": "s0", "side": "suffix", "num_sessions": 0, "engine": None}
+    findings = passing()
+    findings = replace(findings, replicas=[*findings.replicas, suffix], expected_replicas=5)
+    table = rows(findings)
+    assert not failed(table)
+    assert "0 on 4 of 4 replicas with a KV cache" in format_table(table)
+    held = replace(findings, replicas=[*findings.replicas[:4], {**suffix, "num_sessions": 1}])
+    assert [row.figure for row in rows(held) if row.verdict == FAIL] == [
+        "sessions open on every replica"
+    ]
+
+
 def replicas(sessions: int, kv_blocks: int | None, count: int = 4) -> list[dict[str, Any]]:
     engine = None if kv_blocks is None else {"kv_blocks_used": kv_blocks}
     return [{"replica_id": f"r{i}", "num_sessions": sessions, "engine": engine}
