@@ -477,17 +477,21 @@ class Router:
     def _draft_now(
         self, gen: Generation, num_tokens: int, by_drafter: bool = True, suffix: bool = False
     ) -> Steps[Draft]:
-        """A block of up to `num_tokens` to verify now: looked up, else proposed by the suffix
-        drafter (if `suffix`, whatever `num_tokens`), else drafted (if `by_drafter`), else
-        empty."""
-        looked_up = gen.look_up(num_tokens) if num_tokens > 0 else None
-        if looked_up is None and suffix:
-            # The suffix drafter's blocks may be longer than the model's: it ends them itself
-            # where their confidence falls.
+        """A block to verify now: proposed by the suffix drafter (if `suffix`: up to
+        MAX_BLOCK_TOKENS, at least `num_tokens`), else up to `num_tokens` looked up, else
+        drafted (if `by_drafter`), else empty."""
+        if suffix:
+            # Its index holds the request's own prompt too, so it finds what prompt lookup
+            # finds, and more; its blocks may be longer than the model's (it ends them where
+            # their confidence falls); one shorter than the model's is left to lookup or the
+            # model. Where it earns nothing, it is asked less and less often (SuffixUse).
             longest = min(MAX_BLOCK_TOKENS, gen.remaining - 1)
-            proposed = yield from gen.suffix.propose(self._pool, gen.request, gen.history, longest)
+            proposed = yield from gen.suffix.propose(
+                self._pool, gen.request, gen.history, longest, shortest=max(1, num_tokens)
+            )
             if proposed is not None:
                 return Draft(proposed, by_drafter=False, by_suffix=True)
+        looked_up = gen.look_up(num_tokens) if num_tokens > 0 else None
         if num_tokens <= 0:
             return Draft(DraftBlock(base_length=gen.committed, tokens=()), by_drafter=False)
         if looked_up is not None or gen.drafter_port is None or not by_drafter:

@@ -96,9 +96,12 @@ class SuffixDrafting:
         request: GenerationRequest,
         history: Sequence[int],
         num_tokens: int,
+        shortest: int = 1,
     ) -> Steps[DraftBlock | None]:
         """Its block continuing `history` (the committed tokens), or None: nothing proposed,
-        not asked this round, or it failed (and is dropped)."""
+        fewer than `shortest` tokens (the block the model would draft instead: a shorter
+        proposal earns less than it, and counts as fruitless), not asked this round, or it
+        failed (and is dropped)."""
         port = self.port
         if port is None or num_tokens <= 0 or not self.use.ask():
             return None
@@ -130,8 +133,9 @@ class SuffixDrafting:
             yield from self.close(pool)
             return None
         self.sent = len(history)
-        self.use.proposed(len(block.tokens))
-        return block if block.tokens else None
+        worth = len(block.tokens) >= shortest
+        self.use.proposed(len(block.tokens) if worth else 0)
+        return block if block.tokens and worth else None
 
     def close(self, pool: Executor) -> Steps[None]:
         """Close its session, if an open was sent (a consumer that leaves while it is in flight

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster.tools.bench.drafter_kinds")
     parser.add_argument("--preset", default="qwen-coder")
     parser.add_argument("--prompts", help="jsonl as for tandem bench (default: its prompt set)")
+    parser.add_argument("--categories", nargs="*", help="only the prompts of these categories")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--draft-tokens", type=int, default=4)
@@ -122,6 +123,11 @@ def run(args: Any, say: Callable[[str], None]) -> dict[str, Any]:
     from drafter.drafter import Drafter
     from drafter.suffix import SuffixDrafter
 
+    prompts = load_prompts(args.prompts)
+    if args.categories:
+        prompts = [p for p in prompts if p.category in args.categories]
+        if not prompts:
+            raise SystemExit(f"no prompt of the categories {', '.join(args.categories)}")
     pair = resolve_pair(args.preset)
     local = build_local(pair, prompt_lookup=NgramConfig(enabled=True),
                         draft_length=DraftLengthConfig(enabled=True))  # fmt: skip
@@ -164,7 +170,6 @@ def run(args: Any, say: Callable[[str], None]) -> dict[str, Any]:
             draft = load_model(plain).model
             hf = _hf_runner(target.model, args.max_tokens, assistant=draft)
             modes["hf_assisted"] = lambda ids, tenant: (hf(ids)[0], None)
-        prompts = load_prompts(args.prompts)
         ids = [tuple(local.tokenizer.encode(p.text, add_special_tokens=False)) for p in prompts]
         tallies = measure(modes, ids, args.repeats, say)
     finally:
@@ -238,6 +243,7 @@ def summarize(args: Any, categories: list[str], tallies: dict[str, list[Tally]])
         "config": {
             "preset": args.preset,
             "prompts": args.prompts or "default",
+            "categories": getattr(args, "categories", None),
             "repeats": args.repeats,
             "max_tokens": args.max_tokens,
             "draft_tokens": args.draft_tokens,

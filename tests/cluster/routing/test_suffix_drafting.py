@@ -6,6 +6,7 @@ output; and the pure pricing of when a round asks it (`SuffixUse`)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -14,10 +15,12 @@ from cluster.local import LocalTandem, text_decoder
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.routing.router import Router
-from cluster.routing.suffix_drafting import MAX_SKIPPED_ROUNDS, SuffixUse
+from cluster.routing.suffix_drafting import MAX_SKIPPED_ROUNDS, SuffixDrafting, SuffixUse
+from cluster.routing.waits import run
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel
+from cluster.runtime.sampling import SamplingParams
 from drafter.config import SuffixConfig
 from drafter.drafter import Drafter
 from drafter.suffix import SuffixDrafter
@@ -235,3 +238,21 @@ def test_an_accepted_proposal_asks_again_at_once() -> None:
     use.verified(3)
     assert use.fruitless == 0 and asks(use, 3) == [True, True, True]
     assert (use.asked, use.proposed_tokens, use.accepted_tokens) == (3, 10, 3)
+
+
+def test_a_proposal_shorter_than_the_models_block_is_left_for_the_model() -> None:
+    """A real suffix drafter proposes 2 tokens (its match is 2 long): with the model ready to
+    draft 4 it is not verified, and counts as fruitless (asking pauses); with 2 it is."""
+    suffix = SuffixDrafter(SuffixConfig(min_match=2, tokens_per_match=1.0))
+    suffix.open_session("earlier", (5, 6, 7, 8, 9, 10, 11, 12), SamplingParams(), 0, tenant="t")
+    request = GenerationRequest((1, 2, 3), 32, tenant="t")
+    history = [1, 2, 3, 6, 7]  # "6, 7" recurs: 8, 9 follow, capped at two tokens
+    with ThreadPoolExecutor(1) as pool:
+        wanting_four = SuffixDrafting(suffix, "suffix", "s1")
+        assert run(wanting_four.propose(pool, request, history, 16, shortest=4)) is None
+        assert wanting_four.use.fruitless == 1 and not wanting_four.use.ask()
+        wanting_two = SuffixDrafting(suffix, "suffix", "s2")
+        block = run(wanting_two.propose(pool, request, history, 16, shortest=2))
+        assert block is not None and block.tokens == (8, 9)
+        assert wanting_two.use.fruitless == 0
+    suffix.close()
