@@ -203,7 +203,7 @@ def _run(
 ) -> dict[str, Any]:
     from cluster.api.client import TandemClient
     from cluster.tools import cleanup
-    from cluster.tools.bench.loadtest import run_load
+    from cluster.tools.bench.loadtest import run_load, speculation_line
     from cluster.tools.bench.loadtest_ideal import ideal_of_level
     from cluster.tools.bench.process_cpu import CpuWindow, cpu_fields, cpu_line
     from cluster.tools.bench.replica_traffic import read_traffic, traffic_line, traffic_per_token
@@ -258,6 +258,7 @@ def _run(
                       f"{level[name]['tokens_per_s']:.2f} tokens/s, "
                       f"{level[name]['requests']} requests, errors {level[name]['errors']}, "
                       f"lost {level[name]['lost']}, corrupted {level[name]['corrupted']}; "
+                      f"{speculation_line(level[name]['speculation'])}; "
                       f"{cpu_line(level[name]['cpu_ms_per_token'])}",
                       file=sys.stderr, flush=True)  # fmt: skip
             if hf is not None:  # after the service's runs: it is idle now

@@ -47,6 +47,12 @@ class LoadLog:
     inter_token_s: list[float] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
     corrupted: int = 0
+    speculation: Counter[str] = field(default_factory=Counter)
+    """Sums of the finished requests' counters (`SPECULATION_FIELDS`), and how many drafted."""
+
+
+SPECULATION_FIELDS = ("num_drafted", "num_accepted", "num_verify_passes", "suffix_drafted")
+"""The per-request counters a run sums (from each stream's last chunk)."""
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -78,6 +84,10 @@ async def _one_request(
                     gaps.extend([(now - last) / len(chunk.tokens)] * len(chunk.tokens))
                 last = now
                 received.extend(chunk.tokens)
+            if chunk.stats is not None:
+                for name in SPECULATION_FIELDS:
+                    log.speculation[name] += getattr(chunk.stats, name)
+                log.speculation["requests_drafted"] += chunk.stats.num_drafted > 0
     except TandemClientError as error:
         log.errors[error.code.name] += 1
         return
@@ -142,6 +152,22 @@ async def run_load(
         "errors": dict(log.errors),
         "lost": sum(log.errors.values()),
         "corrupted": log.corrupted if reference is not None else None,
+        "speculation": speculation_summary(log),
+    }
+
+
+def speculation_summary(log: LoadLog) -> dict[str, float | int]:
+    """How much the run speculated: the counters summed over its finished requests, with
+    drafted tokens and verify passes per generated token and the share of requests that drafted
+    at all (where the speculation gate held the target alone, few did)."""
+    counts = {name: log.speculation[name] for name in SPECULATION_FIELDS}
+    tokens, requests = max(1, log.tokens), max(1, log.requests)
+    return {
+        **counts,
+        "drafted_per_token": counts["num_drafted"] / tokens,
+        "passes_per_token": counts["num_verify_passes"] / tokens,
+        "acceptance": counts["num_accepted"] / max(1, counts["num_drafted"]),
+        "requests_drafted": log.speculation["requests_drafted"] / requests,
     }
 
 
@@ -150,3 +176,12 @@ def _millis(values: Sequence[float]) -> dict[str, float | None]:
         name: None if (v := percentile(values, q)) is None else 1000 * v
         for name, q in (("p50", 0.5), ("p99", 0.99))
     }
+
+
+def speculation_line(summary: dict[str, float | int]) -> str:
+    """`speculation_summary` in a few words, for progress lines."""
+    return (
+        f"drafted {summary['drafted_per_token']:.2f}/token (suffix {summary['suffix_drafted']}), "
+        f"accepted {summary['acceptance']:.0%}, {summary['passes_per_token']:.2f} passes/token, "
+        f"{summary['requests_drafted']:.0%} of requests drafted"
+    )

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from cluster.api.client_types import StreamChunk, TandemClientError
+from cluster.api.client_types import RequestStats, StreamChunk, TandemClientError
 from cluster.cli.loadtest import _cpu_scope
 from cluster.cli.main import main
 from cluster.serve import local_cluster
@@ -51,6 +51,41 @@ def test_counts_tokens_latencies_and_errors() -> None:
     # Requests start only before the deadline: a worker's successful requests last at least
     # two gaps each, so each of the two starts at most 0.3 / (2 gaps) + 1 of them.
     assert result["requests"] <= 2 * (0.3 / (2 * CHUNK_GAP_S) + 1)
+
+
+class DraftingClient:
+    """Four tokens per request; the last chunk's stats say whether the request drafted:
+    prompt "draft" drafted 6 tokens (3 accepted, 1 of them by the suffix drafter) in 2 passes,
+    any other prompt drafted nothing in 4 passes."""
+
+    async def stream(self, prompt: str, **settings: Any) -> AsyncIterator[StreamChunk]:
+        drafted = prompt == "draft"
+        stats = RequestStats(
+            num_prompt_tokens=3,
+            num_generated_tokens=4,
+            num_drafted=6 if drafted else 0,
+            num_accepted=3 if drafted else 0,
+            num_verify_passes=2 if drafted else 4,
+            pipeline_hits=0,
+            pipeline_misses=0,
+            suffix_drafted=1 if drafted else 0,
+        )
+        await asyncio.sleep(0)
+        yield StreamChunk("r", (1, 2, 3, 4), "abcd", "length", stats)
+
+
+def test_the_run_sums_what_its_requests_speculated() -> None:
+    load = run_load(DraftingClient(), ["draft", "plain"], concurrency=1, duration_s=0.05,
+                    settings={})  # fmt: skip
+    result = asyncio.run(load)
+    drafting = (result["requests"] + 1) // 2  # prompts alternate, "draft" first
+    summary = result["speculation"]
+    assert summary["num_drafted"] == 6 * drafting
+    assert summary["suffix_drafted"] == drafting
+    assert summary["num_verify_passes"] == 2 * drafting + 4 * (result["requests"] - drafting)
+    assert summary["drafted_per_token"] == pytest.approx(6 * drafting / result["tokens"])
+    assert summary["acceptance"] == pytest.approx(0.5)
+    assert summary["requests_drafted"] == pytest.approx(drafting / result["requests"])
 
 
 def test_streams_spread_over_a_list_of_clients() -> None:
