@@ -84,18 +84,24 @@ class RegistryPool:
         self._refresh()
         return list(self._entries)
 
-    def pin(self, speculate: bool, deadline: float | None = None, tenant: str = "") -> Pinned:
+    def pin(
+        self,
+        speculate: bool,
+        deadline: float | None = None,
+        tenant: str = "",
+        suffix: bool = True,
+    ) -> Pinned:
         """The least-loaded live verifier (and drafter, if `speculate`, and `tenant`'s suffix
-        drafter), pinned, as clients bound to `deadline`; raises `ReplicaUnavailableError`
-        when no verifier is live."""
+        drafter, if `suffix` too), pinned, as clients bound to `deadline`; raises
+        `ReplicaUnavailableError` when no verifier is live."""
         self._refresh()
         with self._lock:
             verifier = self._least_loaded("verifier")
             if verifier is None:
                 raise ReplicaUnavailableError("no verifier replica is available")
             drafter = self._least_loaded("drafter") if speculate else None
-            suffix = self._tenants_suffix(tenant) if speculate else None
-            chosen = [info for info in (verifier, drafter, suffix) if info is not None]
+            home = self._tenants_suffix(tenant) if speculate and suffix else None
+            chosen = [info for info in (verifier, drafter, home) if info is not None]
             for info in chosen:
                 self._pinned[info.replica_id] += 1
             verifier_port = self._client(self._verifiers, GrpcVerifier, verifier.address)
@@ -107,8 +113,8 @@ class RegistryPool:
             verifier_port = verifier_port.bounded(deadline)
             suffix_port = (
                 None
-                if suffix is None
-                else self._client(self._suffixes, GrpcDrafter, suffix.address).bounded(deadline)
+                if home is None
+                else self._client(self._suffixes, GrpcDrafter, home.address).bounded(deadline)
             )
 
         def release() -> None:
@@ -125,7 +131,7 @@ class RegistryPool:
             verifier_id=verifier.replica_id,
             drafter_id=drafter.replica_id if drafter is not None else "",
             suffix=suffix_port,
-            suffix_id=suffix.replica_id if suffix is not None else "",
+            suffix_id=home.replica_id if home is not None else "",
         )
 
     def spare(

@@ -208,10 +208,18 @@ class Spare:
 
 
 class ReplicaPool(Protocol):
-    def pin(self, speculate: bool, deadline: float | None = None, tenant: str = "") -> Pinned:
+    def pin(
+        self,
+        speculate: bool,
+        deadline: float | None = None,
+        tenant: str = "",
+        suffix: bool = True,
+    ) -> Pinned:
         """Choose the replicas for a new request; `speculate` says whether it needs a drafter.
         `deadline`: the request's `time.monotonic()` deadline, which the ports may honour;
-        `tenant`: whose request it is (a tenant's requests share a suffix drafter)."""
+        `tenant`: whose request it is (a tenant's requests share a suffix drafter); `suffix`:
+        whether it may use that suffix drafter (False: its tenant keeps its text out of the
+        index, and no suffix replica is pinned for it)."""
         ...
 
     def spare(
@@ -230,10 +238,18 @@ class FixedReplicas:
     drafter: DrafterPort | None
     suffix: DrafterPort | None = None
 
-    def pin(self, speculate: bool, deadline: float | None = None, tenant: str = "") -> Pinned:
+    def pin(
+        self,
+        speculate: bool,
+        deadline: float | None = None,
+        tenant: str = "",
+        suffix: bool = True,
+    ) -> Pinned:
         # In-process calls cannot be cut short: the router checks `deadline` between rounds.
         if not speculate:
             return Pinned(self.verifier, None)
+        if not suffix or self.suffix is None:
+            return Pinned(self.verifier, self.drafter)
         return Pinned(self.verifier, self.drafter, suffix=self.suffix, suffix_id="suffix")
 
     @property

@@ -289,7 +289,12 @@ class Router:
         self, request: GenerationRequest, stats: SpeculationStats, pipelined: bool | None
     ) -> Generator[GenerationChunk | Wait, None, None]:
         speculate = request.draft_tokens > 0
-        pinned = self._replicas.pin(speculate, deadline=request.deadline, tenant=request.tenant)
+        pinned = self._replicas.pin(
+            speculate,
+            deadline=request.deadline,
+            tenant=request.tenant,
+            suffix=request.suffix_index,
+        )
         releases = [pinned.release]
         if pinned.drafter is not None:
             stats.drafters.append(pinned.drafter_id)

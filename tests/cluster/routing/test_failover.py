@@ -81,7 +81,13 @@ class Pool:
         self._replicas = {"verifier": verifiers, "drafter": drafters}
         self.spares_given: list[str] = []
 
-    def pin(self, speculate: bool, deadline: float | None = None, tenant: str = "") -> Pinned:
+    def pin(
+        self,
+        speculate: bool,
+        deadline: float | None = None,
+        tenant: str = "",
+        suffix: bool = True,
+    ) -> Pinned:
         drafters = self._replicas["drafter"]
         return Pinned(
             self._replicas["verifier"][0],

@@ -104,6 +104,11 @@ def test_a_tenants_requests_all_go_to_one_suffix_drafter_and_tenants_spread() ->
     assert set(homes.values()) == {"s0", "s1", "s2"}
     assert replicas.pinned_counts() == {}
     assert replicas.pin(speculate=False, tenant=tenants[0]).suffix is None
+    # A tenant that keeps its text out of the index pins no suffix replica (nor loads one).
+    private = replicas.pin(speculate=True, tenant=tenants[0], suffix=False)
+    assert private.suffix is None and private.suffix_id == ""
+    assert set(replicas.pinned_counts()) == {"v1", "d1"}
+    private.release()
     fewer = pool([entry("v1", "verifier"), *suffixes[:2]])
     for tenant, home in homes.items():
         moved = fewer.pin(speculate=True, tenant=tenant).suffix_id
