@@ -43,7 +43,27 @@ def add_to(commands: Any) -> None:
     p.add_argument("--cores", type=float, help="cores the service may use (default: measured)")
     p.add_argument("--itl-ms", type=float, help="target ITL for clients per verifier")
     p.add_argument("--context-tokens", type=int, help="streams' mean context (prompt + half out)")
+    p.add_argument(
+        "--prompt-tokens", type=int,
+        help="a request's mean prompt, prefilled on the verifier (default: the preset's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--output-tokens", type=int,
+        help="a request's mean generated tokens (default: the preset's, or --check's max_tokens)",
+    )  # fmt: skip
     p.add_argument("--check", metavar="FILE", help="a tandem loadtest JSON: predicted beside it")
+    p.add_argument(
+        "--calibrate", metavar="FILE",
+        help="fit the host term to a tandem loadtest JSON of this host; print it and the check",
+    )  # fmt: skip
+    p.add_argument(
+        "--sampled", action="store_true",
+        help="plan sampled requests (temperature > 0): the preset's host term for them",
+    )  # fmt: skip
+    p.add_argument(
+        "--host", metavar="FILE",
+        help="the host term from a file (`--calibrate FILE --json`'s `host`, or that object)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(handler=plan_command)
 
@@ -63,12 +83,19 @@ def plan_command(args: argparse.Namespace) -> int:
         inputs = dataclasses.replace(
             inputs, acceptance=acceptance_from_json(_read_json(args.acceptance, "--acceptance"))
         )
-    if args.context_tokens is not None:
-        inputs = dataclasses.replace(inputs, context_tokens=args.context_tokens)
+    inputs = _with_request_shape(inputs, args)
     host = inputs.host
+    if args.sampled:
+        if inputs.sampled_host is None:
+            raise InvalidArgumentError(
+                f"--sampled: {inputs.name} has no host term of its own for sampled requests"
+            )
+        host = inputs.sampled_host
+    if args.host:
+        host = _host_from_json(_read_json(args.host, "--host"))
     if args.cpu_ms_per_token is not None:
         host = dataclasses.replace(
-            host, cpu_ms_per_token=args.cpu_ms_per_token, cpu_ms_per_step=0.0
+            host, cpu_ms_per_token=args.cpu_ms_per_token, cpu_ms_per_round=0.0, cpu_ms_per_step=0.0
         )
     if args.cores is not None:
         host = dataclasses.replace(host, usable_cores=args.cores)
@@ -81,6 +108,8 @@ def plan_command(args: argparse.Namespace) -> int:
         )
     if any(n < 1 for n in args.clients) or args.verifiers < 1:
         raise InvalidArgumentError("--clients and --verifiers must be >= 1")
+    if args.calibrate:
+        return _calibrate(inputs, args.calibrate, categories[0], args.json)
     if args.check:
         rows = check_rows(inputs, _read_json(args.check, "--check"), categories[0], host)
         print(
@@ -97,6 +126,64 @@ def plan_command(args: argparse.Namespace) -> int:
     else:
         print(_plan_text(inputs, host, levels, args.itl_ms))
     return 0
+
+
+def _calibrate(inputs: Any, path: str, category: str, as_json: bool) -> int:
+    from cluster.plan.calibrate import calibrate
+    from cluster.plan.check import check_rows
+
+    result = _read_json(path, "--calibrate")
+    host = calibrate(inputs, result, category, source=f"fitted to {path}")
+    rows = check_rows(inputs, result, category, host)
+    if as_json:
+        body = {"host": dataclasses.asdict(host), "check": [_check_dict(r) for r in rows]}
+        print(json.dumps(body, indent=2))
+        return 0
+    print(
+        f"host fitted to {path}: {host.usable_cores:.2f} cores; CPU a token "
+        f"{host.cpu_ms_per_token:.3f} + ({host.cpu_ms_per_round:.3f} + "
+        f"{host.cpu_ms_per_step:.3f} / N) / E ms, {host.critical_share:.2f} of it on the "
+        "round's path\n(save `--json`'s host as a file and pass it with --host)\n"
+    )
+    print(_check_table(rows))
+    return 0
+
+
+def _host_from_json(data: Any) -> Any:
+    from cluster.plan.inputs import HostCost
+
+    if isinstance(data, dict) and isinstance(data.get("host"), dict):
+        data = data["host"]
+    fields = {f.name for f in dataclasses.fields(HostCost)}
+    if not isinstance(data, dict) or "usable_cores" not in data:
+        raise InvalidArgumentError("--host: expected an object with usable_cores and CPU figures")
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise InvalidArgumentError(f"--host: unknown fields {', '.join(unknown)}")
+    try:
+        return HostCost(**data)
+    except TypeError as error:
+        raise InvalidArgumentError(f"--host: {error}") from None
+
+
+def _with_request_shape(inputs: Any, args: argparse.Namespace) -> Any:
+    """The preset's figures with the flags' prompt, output and context lengths; a prompt or
+    output length given without a context makes the context prompt + half the output."""
+    shape = {
+        name: getattr(args, name)
+        for name in ("prompt_tokens", "output_tokens", "context_tokens")
+        if getattr(args, name) is not None
+    }
+    if not shape:
+        return inputs
+    if "context_tokens" not in shape:
+        prompt = shape.get("prompt_tokens", inputs.prompt_tokens)
+        shape["context_tokens"] = round(
+            prompt + shape.get("output_tokens", inputs.output_tokens) / 2
+        )
+    if any(value < 0 for value in shape.values()):
+        raise InvalidArgumentError("--prompt-tokens, --output-tokens, --context-tokens: >= 0")
+    return dataclasses.replace(inputs, **shape)
 
 
 def _read_json(path: str, flag: str) -> Any:
@@ -144,7 +231,9 @@ def _plan_text(inputs: Any, host: Any, levels: list[Any], itl_ms: float | None) 
     lines = [
         f"plan for {inputs.name}: context {inputs.context_tokens} tokens; "
         f"host {host.usable_cores:g} cores, "
-        f"CPU {host.cpu_ms_per_token:g} + {host.cpu_ms_per_step:g}/N ms a token, "
+        f"CPU {host.cpu_ms_per_token:.3g} + ({host.cpu_ms_per_round:.3g} + "
+        f"{host.cpu_ms_per_step:.3g}/N)/E ms a token ({host.critical_share:.2g} on the round's "
+        "path), "
         f"{host.latency_ms_per_round:g} ms a round off-core ({host.source})",
     ]
     header = (
@@ -185,15 +274,20 @@ def _check_dict(row: Any) -> dict[str, Any]:
 
 def _check_table(rows: list[Any]) -> str:
     lines = [
-        "| streams | mode | measured tokens/s | predicted tokens/s | predicted / measured "
-        "| measured CPU ms/token | predicted CPU ms/token | cores used |",
-        "|" + "---|" * 8,
+        "| streams | mode | priced as | measured tokens/s | predicted tokens/s "
+        "| predicted / measured | measured CPU ms/token | predicted CPU ms/token | cores used |",
+        "|" + "---|" * 9,
     ]
     for r in rows:
         cpu = f"{r.measured_cpu_ms_per_token:.2f}" if r.measured_cpu_ms_per_token else "-"
         cores = f"{r.measured_cores:.2f}" if r.measured_cores is not None else "-"
+        priced = (
+            "target alone"
+            if r.kind == "none"
+            else f"{r.kind} k {r.draft_tokens} alpha {r.alpha:.2f}"
+        )
         lines.append(
-            f"| {r.concurrency} | {r.mode} | {r.measured_tokens_per_s:,.1f} "
+            f"| {r.concurrency} | {r.mode} | {priced} | {r.measured_tokens_per_s:,.1f} "
             f"| {r.predicted_tokens_per_s:,.1f} | {r.ratio:.2f} | {cpu} "
             f"| {r.predicted_cpu_ms_per_token:.2f} | {cores} |"
         )

@@ -2,14 +2,15 @@
 with the host's CPU in the loop. Pure functions of `cluster.plan.inputs` objects; no I/O.
 
 A stream's token goes round a closed loop: the device (its share of a round's verify pass and,
-where drafting does not overlap it, the drafted block), a wait outside any core (hops,
+where drafting does not overlap it, the drafted block, plus its share of its request's
+prefill: `PlanInputs.prefill_s_per_generated_token`), a wait outside any core (hops,
 wake-ups: `latency_ms_per_round` over the round's tokens) and the host's cores, where every
-token costs `HostCost.cpu_ms` (less at larger batches). The device part is the analytic ideal of
-`cluster.runtime.sim.ideal_rates` (serial rounds, or the better of serial and pipelined ones
-where the draft is made off the verifier's device) at the streams each verifier holds. The
-host is a queue of c cores, solved by exact mean value analysis over Seidmann's
-approximation (a c-core queue of demand D as a one-core queue of demand D / c plus a delay of
-D (c - 1) / c): with N streams, each with delay Z a token,
+token costs `HostCost.cpu_ms` (less at larger batches and longer rounds). The device part is
+the analytic ideal of `cluster.runtime.sim.ideal_rates` (serial rounds, or the better of
+serial and pipelined ones where the draft is made off the verifier's device) at the streams
+each verifier holds. The host is a queue of c cores, solved by exact mean value analysis over
+Seidmann's approximation (a c-core queue of demand D as a one-core queue of demand D / c plus
+a delay of D (c - 1) / c): with N streams, each with delay Z a token,
 
     R(n) = D / c x (1 + Q(n - 1)),  X(n) = n / (Z + D (c - 1) / c + R(n)),  Q(n) = X(n) R(n)
 
@@ -57,6 +58,8 @@ class Estimate:
     capacity_factor: float | None
     """1 + k t_d / t_v: a verifier's capacity over drafting on its own device (Speculation at a
     Distance), for drafts made on a device of their own; None elsewhere."""
+    cpu_ms_per_token: float = 0.0
+    """The host's CPU a generated token (`HostCost.cpu_ms`, plus a CPU drafter's lookups)."""
 
     @property
     def drafters_per_verifier(self) -> int:
@@ -78,14 +81,38 @@ def draft_step_profile(cost: DrafterCost, k: int, target: DeviceProfile) -> Devi
     raise InvalidArgumentError(f"{cost.kind}: no drafted block to price")
 
 
-def closed_loop_rate(streams: int, delay_s: float, cpu_s: float, cores: float) -> float:
+def closed_loop_rate(
+    streams: int, delay_s: float, cpu_s: float, cores: float, critical_share: float = 1.0
+) -> float:
     """Tokens/s of `streams` streams, each token spending `delay_s` off the cores and `cpu_s` on
-    one of `cores` cores (exact MVA over Seidmann's approximation; the module docstring)."""
+    one of `cores` cores (exact MVA over Seidmann's approximation; the module docstring).
+
+    Only `critical_share` of the CPU lies on a token's own path (its round's frames, verify and
+    commit); the rest (streaming it out, the load client, the service's background) loads the
+    cores without delaying the round. The loop then sees the cores that work leaves,
+    c' = c - X (1 - share) cpu_s, at the rate X it reaches with them: the fixed point, found by
+    bisection (the loop's rate falls as X grows). With the whole CPU critical it is the plain
+    loop; either way many streams tend to c / cpu_s."""
     if streams < 1:
         return 0.0
-    queue_s, spread_s = cpu_s / cores, cpu_s * (cores - 1) / cores
     if delay_s + cpu_s <= 0:
         return math.inf
+    critical_s, other_s = cpu_s * critical_share, cpu_s * (1.0 - critical_share)
+    if other_s <= 0:
+        return _mva_rate(streams, delay_s, critical_s, cores)
+    low, high = 0.0, cores / cpu_s
+    for _ in range(60):
+        rate = (low + high) / 2
+        left = cores - rate * other_s
+        reached = _mva_rate(streams, delay_s, critical_s, left) if left > 0 else 0.0
+        low, high = (rate, high) if reached > rate else (low, rate)
+    return (low + high) / 2
+
+
+def _mva_rate(streams: int, delay_s: float, cpu_s: float, cores: float) -> float:
+    if cpu_s <= 0:
+        return streams / delay_s
+    queue_s, spread_s = cpu_s / cores, cpu_s * max(cores - 1, 0.0) / cores
     waiting, rate = 0.0, 0.0
     for n in range(1, streams + 1):
         response_s = queue_s * (1.0 + waiting)
@@ -102,10 +129,12 @@ def estimate(
     clients: int,
     verifiers: int = 1,
     host: HostCost | None = None,
+    drafting_share: float = 1.0,
 ) -> Estimate:
     """Tokens/s and ITL of `clients` streams spread over `verifiers` verifiers (sharing one
     host) drafting `draft_tokens` a round with `kind` at acceptance `alpha` (`none`: the target
-    alone, k = 0). `host` overrides `inputs.host`."""
+    alone, k = 0). `host` overrides `inputs.host`. `drafting_share`: the share of rounds that
+    draft at all, whose host CPU the drafting costs (a measured run's gate drafts in some)."""
     if clients < 1 or verifiers < 1:
         raise InvalidArgumentError(
             f"clients and verifiers must be >= 1, got {clients}, {verifiers}"
@@ -127,11 +156,14 @@ def estimate(
         rates = ideal_rates(inputs.target, draft, alpha, k, per_verifier, context, 0)
         device_rate = max(rates.serial, rates.pipelined) if cost.overlaps_verify else rates.serial
         per_round = expected_tokens(alpha, k)
+    # Prefills share the device with the rounds: their time a generated token adds to a
+    # token's device time at every batch (chunks of prompt cost the marginal token's price).
+    device_rate = 1.0 / (1.0 / device_rate + inputs.prefill_s_per_generated_token(cost))
     delay_s = per_verifier / device_rate + host.latency_ms_per_round * MS / per_round
-    cpu_s = host.cpu_ms(per_verifier) * MS
-    if cost is not None and cost.placement == "host_cpu":
-        cpu_s += cost.cpu_ms_per_round * MS / per_round
-    rate = closed_loop_rate(clients, delay_s, cpu_s, host.usable_cores)
+    cpu_s = host.cpu_ms(per_verifier, per_round) * MS
+    if cost is not None:
+        cpu_s += drafting_share * cost.host_cpu_ms_per_round(k) * MS / per_round
+    rate = closed_loop_rate(clients, delay_s, cpu_s, host.usable_cores, host.critical_share)
     capacity, load = None, 0.0
     if cost is not None:
         load = drafter_load(cost, rate / verifiers, per_verifier, per_round, rates.draft_block_s)
@@ -147,6 +179,7 @@ def estimate(
         tokens_per_round=per_round,
         drafter_load=load,
         capacity_factor=capacity,
+        cpu_ms_per_token=cpu_s / MS,
     )
 
 

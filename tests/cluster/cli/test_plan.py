@@ -42,7 +42,8 @@ def test_overrides_reach_the_plan(capsys: pytest.CaptureFixture[str], tmp_path: 
     (chat,) = json.loads(out)["levels"][0]["categories"]
     assert chat["best"]["kind"] == "none"  # alpha 0: never speculate
     slow = run(capsys, "--clients", "64", "--cpu-ms-per-token", "10", "--json")
-    assert json.loads(slow)["levels"][0]["mixed_tokens_per_s"] <= 1.48 / 10e-3
+    cores = json.loads(slow)["host"]["usable_cores"]
+    assert json.loads(slow)["levels"][0]["mixed_tokens_per_s"] <= cores / 10e-3
 
 
 def test_check_puts_prediction_beside_a_loadtest(
@@ -63,7 +64,56 @@ def test_check_puts_prediction_beside_a_loadtest(
     assert spec["ratio"] == pytest.approx(spec["predicted_tokens_per_s"] / 150.0)
     assert spec["predicted_tokens_per_s"] > alone["predicted_tokens_per_s"]
     assert spec["measured_cpu_ms_per_token"] == pytest.approx(3.2)
-    assert "| 1 | speculative | 150.0 |" in run(capsys, "--check", str(path))
+    assert spec["kind"] == "model" and spec["draft_tokens"] == 4  # the run's sim draft
+    assert "| 1 | speculative | model k 4 alpha 0.80 | 150.0 |" in run(capsys, "--check", str(path))
+
+
+def loadtest_result() -> dict[str, object]:
+    """A load test of three levels, its speculative levels drafting 7.5 suffix tokens a pass."""
+    speculation = {"num_drafted": 900, "suffix_drafted": 880, "drafted_per_token": 0.9,
+                   "passes_per_token": 0.12}  # fmt: skip
+    levels = []
+    for streams, alone, drafted, cpu_alone, cpu_drafted in (
+        (1, 113.0, 530.0, 5.5, 1.6),
+        (16, 880.0, 2500.0, 1.7, 0.57),
+        (64, 1230.0, 3080.0, 1.44, 0.49),
+    ):
+        levels.append({
+            "concurrency": streams,
+            "target_only": {"tokens_per_s": alone,
+                            "cpu_ms_per_token": {"service_total": cpu_alone}},
+            "speculative": {"tokens_per_s": drafted, "speculation": speculation,
+                            "cpu_ms_per_token": {"service_total": cpu_drafted}},
+        })  # fmt: skip
+    return {"config": {"max_tokens": 64}, "sim": {"context_tokens": 124.0}, "levels": levels}
+
+
+def test_calibrate_fits_the_host_and_host_reuses_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "loadtest.json"
+    path.write_text(json.dumps(loadtest_result()))
+    fitted = json.loads(run(capsys, "--calibrate", str(path), "--json"))
+    assert {r["kind"] for r in fitted["check"]} == {"suffix", "none"}
+    assert all(0.5 < r["ratio"] < 2.0 for r in fitted["check"])
+    assert fitted["host"]["cpu_ms_per_round"] > 0 and 0 < fitted["host"]["critical_share"] <= 1
+    assert "host fitted to" in run(capsys, "--calibrate", str(path))
+    host = tmp_path / "host.json"
+    host.write_text(json.dumps(fitted))
+    rows = json.loads(run(capsys, "--host", str(host), "--check", str(path), "--json"))
+    assert [r["ratio"] for r in rows] == pytest.approx([r["ratio"] for r in fitted["check"]])
+    plan = json.loads(run(capsys, "--host", str(host), "--clients", "64", "--json"))
+    assert plan["host"]["usable_cores"] == pytest.approx(fitted["host"]["usable_cores"])
+
+
+def test_prompt_and_output_lengths_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    short = json.loads(run(capsys, "--preset", "qwen-coder", "--clients", "1", "--json"))
+    long = json.loads(
+        run(capsys, "--preset", "qwen-coder", "--clients", "1", "--prompt-tokens", "2000",
+            "--json")
+    )  # fmt: skip
+    assert long["context_tokens"] == 2000 + 32 // 2
+    assert long["levels"][0]["mixed_tokens_per_s"] < short["levels"][0]["mixed_tokens_per_s"]
 
 
 @pytest.mark.parametrize(
@@ -76,6 +126,10 @@ def test_check_puts_prediction_beside_a_loadtest(
         (["--itl-ms", "-1"], "the target ITL must be > 0 ms"),
         (["--cores", "0"], "usable_cores must be > 0"),
         (["--check", "/no/such/loadtest.json"], "--check: cannot read"),
+        (["--output-tokens", "0"], "output_tokens >= 1"),
+        (["--prompt-tokens", "-5"], ">= 0"),
+        (["--host", "/no/such/host.json"], "--host: cannot read"),
+        (["--preset", "qwen-coder", "--sampled"], "--sampled: qwen-coder has no host term"),
     ],
 )
 def test_bad_flags_are_one_invalid_argument_line(
@@ -85,3 +139,29 @@ def test_bad_flags_are_one_invalid_argument_line(
     err = capsys.readouterr().err
     assert err.startswith("tandem: error: INVALID_ARGUMENT: ") and message in err
     assert err.count("\n") == 1
+
+
+def test_a_bad_host_file_is_one_invalid_argument_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    for body, message in (
+        ({"cores": 2}, "expected an object with usable_cores"),
+        ({"usable_cores": 2, "cpu_ms_per_token": 1, "turbo": 1}, "unknown fields turbo"),
+        ({"usable_cores": 2}, "--host:"),
+        ({"usable_cores": 2, "cpu_ms_per_token": 1, "critical_share": 0}, "critical_share"),
+    ):
+        path = tmp_path / "host.json"
+        path.write_text(json.dumps(body))
+        assert main(["plan", "--host", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tandem: error: INVALID_ARGUMENT: ") and message in err
+
+
+def test_sampled_requests_plan_with_their_own_host(capsys: pytest.CaptureFixture[str]) -> None:
+    greedy = json.loads(run(capsys, "--clients", "64", "--json"))
+    sampled = json.loads(run(capsys, "--clients", "64", "--sampled", "--json"))
+    assert sampled["host"] != greedy["host"]
+    assert (
+        sampled["levels"][0]["mixed_target_alone_tokens_per_s"]
+        < (greedy["levels"][0]["mixed_target_alone_tokens_per_s"])
+    )

@@ -97,7 +97,8 @@ def test_capacity_factor_only_for_a_draft_on_its_own_device() -> None:
 def test_self_drafting_shares_the_verifiers_device() -> None:
     target = PROFILES["h100-8b"]
     step = draft_step_profile(SIM_H100_8B.drafters["self-int4"], 4, target)
-    assert step.step_s(8, 100) == pytest.approx(0.3 * target.step_s(8, 100))
+    ratio = SIM_H100_8B.drafters["self-int4"].target_ratio
+    assert step.step_s(8, 100) == pytest.approx(ratio * target.step_s(8, 100))
 
 
 def test_clients_per_verifier() -> None:
@@ -133,3 +134,39 @@ def test_mixing_weights_tokens_equally() -> None:
 def test_bad_inputs_are_invalid_arguments(call: object) -> None:
     with pytest.raises(InvalidArgumentError):
         call()  # type: ignore[operator]
+
+
+def test_prefill_shares_the_device_with_the_rounds() -> None:
+    # One stream on a free host: a token's device time grows by P x t_prefill / G exactly.
+    plain = estimate(inputs(0.8), "none", 0.0, 0, 1)
+    long = dataclasses.replace(inputs(0.8), prompt_tokens=1000, output_tokens=50)
+    with_prefill = estimate(long, "none", 0.0, 0, 1)
+    profile = PROFILES["h100-8b"]
+    extra_s = (1000 * profile.per_token_s + 1000**2 * profile.per_context_s / 2) / 50
+    assert 1 / with_prefill.tokens_per_s == pytest.approx(1 / plain.tokens_per_s + extra_s)
+    # A draft on the verifier's device prefills the prompt too, at its cost ratio.
+    self_draft = DrafterCost(kind="self-int4", placement="verifier_device", target_ratio=0.25)
+    assert long.prefill_s_per_generated_token(self_draft) == pytest.approx(1.25 * extra_s)
+    assert long.prefill_s_per_generated_token(long.drafters["model"]) == pytest.approx(extra_s)
+    priced = dataclasses.replace(long, prefill_s_per_token=1e-3, prefill_s_per_token_squared=0)
+    assert priced.prefill_s_per_generated_token(None) == pytest.approx(1000 * 1e-3 / 50)
+
+
+def test_longer_rounds_share_a_rounds_cpu() -> None:
+    host = HostCost(usable_cores=1.0, cpu_ms_per_token=0.5, cpu_ms_per_round=1.0, cpu_ms_per_step=8)
+    assert host.cpu_ms(1) == pytest.approx(9.5)
+    assert host.cpu_ms(16, tokens_per_round=3.0) == pytest.approx(0.5 + 1.5 / 3.0)
+    # At the host's cap, speculation that commits more tokens a round is worth more tokens/s.
+    capped = inputs(0.9, host)
+    alone = estimate(capped, "none", 0.0, 0, 256)
+    drafted = estimate(capped, "model", 0.9, 4, 256)
+    assert alone.tokens_per_s == pytest.approx(1000 / host.cpu_ms(256), rel=0.02)
+    assert drafted.tokens_per_s > 2 * alone.tokens_per_s
+
+
+def test_off_path_cpu_loads_the_cores_but_not_the_round() -> None:
+    # One stream: only the critical share delays it; many streams: every ms of CPU counts.
+    assert closed_loop_rate(1, 0.004, 0.002, 2.0, 0.5) == pytest.approx(1 / 0.005, rel=1e-6)
+    assert closed_loop_rate(10_000, 0.004, 0.002, 2.0, 0.5) == pytest.approx(1_000, rel=1e-3)
+    shares = [closed_loop_rate(16, 0.004, 0.002, 2.0, s) for s in (1.0, 0.6, 0.2)]
+    assert shares == sorted(shares)
