@@ -92,7 +92,9 @@ def plan_command(args: argparse.Namespace) -> int:
             )
         host = inputs.sampled_host
     if args.host:
-        host = _host_from_json(_read_json(args.host, "--host"))
+        fitted = _read_json(args.host, "--host")
+        host = _host_from_json(fitted)
+        inputs = _device_from_json(inputs, fitted)
     if args.cpu_ms_per_token is not None:
         host = dataclasses.replace(
             host, cpu_ms_per_token=args.cpu_ms_per_token, cpu_ms_per_round=0.0, cpu_ms_per_step=0.0
@@ -133,20 +135,62 @@ def _calibrate(inputs: Any, path: str, category: str, as_json: bool) -> int:
     from cluster.plan.check import check_rows
 
     result = _read_json(path, "--calibrate")
-    host = calibrate(inputs, result, category, source=f"fitted to {path}")
-    rows = check_rows(inputs, result, category, host)
+    fitted = calibrate(inputs, result, category, source=f"fitted to {path}")
+    host = fitted.host
+    rows = check_rows(fitted, result, category, host)
+    device = _device_dict(fitted) if fitted.device_is_host else None
     if as_json:
-        body = {"host": dataclasses.asdict(host), "check": [_check_dict(r) for r in rows]}
+        body: dict[str, Any] = {"host": dataclasses.asdict(host)}
+        if device is not None:
+            body["device"] = device
+        body["check"] = [_check_dict(r) for r in rows]
         print(json.dumps(body, indent=2))
         return 0
     print(
         f"host fitted to {path}: {host.usable_cores:.2f} cores; CPU a token "
         f"{host.cpu_ms_per_token:.3f} + ({host.cpu_ms_per_round:.3f} + "
         f"{host.cpu_ms_per_step:.3f} / N) / E ms, {host.critical_share:.2f} of it on the "
-        "round's path\n(save `--json`'s host as a file and pass it with --host)\n"
+        "round's path"
     )
+    if device is not None:
+        target = fitted.target
+        print(
+            f"device (the host's own cores) fitted too: a step {target.base_s * 1e3:.1f} ms + "
+            f"{target.per_token_s * 1e3:.2f} ms a token of the batch; prefill "
+            f"{fitted.prefill_s() * 1e3:,.0f} ms for {fitted.prompt_tokens} prompt tokens"
+        )
+    print("(save `--json`'s output as a file and pass it with --host)\n")
     print(_check_table(rows))
     return 0
+
+
+def _device_dict(inputs: Any) -> dict[str, Any]:
+    target = inputs.target
+    return {
+        "target": {"base_s": target.base_s, "per_token_s": target.per_token_s,
+                   "per_context_s": target.per_context_s},
+        "prefill_s_per_token": inputs.prefill_s_per_token,
+        "prefill_s_per_token_squared": inputs.prefill_s_per_token_squared,
+    }  # fmt: skip
+
+
+def _device_from_json(inputs: Any, data: Any) -> Any:
+    """`inputs` with a fitted device (`--calibrate --json`'s `device`), if the file has one."""
+    from cluster.runtime.sim_source import DeviceProfile
+
+    device = data.get("device") if isinstance(data, dict) else None
+    if device is None:
+        return inputs
+    try:
+        target = DeviceProfile(**device["target"], source="fitted (--host)")
+        return dataclasses.replace(
+            inputs,
+            target=target,
+            prefill_s_per_token=device.get("prefill_s_per_token"),
+            prefill_s_per_token_squared=device.get("prefill_s_per_token_squared"),
+        )
+    except (KeyError, TypeError) as error:
+        raise InvalidArgumentError(f"--host: a bad device: {error}") from None
 
 
 def _host_from_json(data: Any) -> Any:

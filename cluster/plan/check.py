@@ -44,7 +44,8 @@ class CheckRow:
     predicted_cpu_ms_per_token: float
     measured_host_cpu_ms_per_token: float | None = None
     """The measured CPU less the suffix drafter's processes (whose lookups a plan prices
-    apart): what `HostCost` models."""
+    apart) and, where the device is the host's cores, the verifier's and drafter's (their
+    forward passes are the device): what `HostCost` models."""
     kind: str = "model"
     """The kind the level was priced as."""
     draft_tokens: int = 0
@@ -105,7 +106,10 @@ def check_rows(
                 if "service_total" in cpu
                 else None
             )
-            host_spent = spent - cpu.get("suffix", 0.0) if spent is not None else None
+            apart = ("suffix", "verifier", "drafter") if inputs.device_is_host else ("suffix",)
+            host_spent = (
+                spent - sum(cpu.get(role, 0.0) for role in apart) if spent is not None else None
+            )
             rows.append(
                 CheckRow(
                     concurrency=concurrency,

@@ -165,6 +165,7 @@ QWEN_CODER = PlanInputs(
     # 1.43 ms a prompt token plus 0.0061 ms a token squared (attention over the prompt).
     prefill_s_per_token=1.43e-3,
     prefill_s_per_token_squared=6.1e-6,
+    device_is_host=True,
     sources={
         "acceptance": "model: docs/bench-qwen-coder-service-64.json code (agentic) and prose "
         "(summarise, reasoning) as stand-ins; self-int4: its agreement (docs/models.md); "

@@ -185,6 +185,9 @@ class PlanInputs:
     prefill_s_per_token_squared: float | None = None
     """A prefill's attention: this times P^2 more (each prompt token reads the ones before it);
     None: half the step's `per_context_s`, as the sim engine prices a prompt's attended KV."""
+    device_is_host: bool = False
+    """The "device" is the host's own cores (a model on a CPU): its speed moves with the
+    machine's state, and `tandem plan --calibrate` refits it with the host term."""
     sampled_host: HostCost | None = None
     """The host term for sampled requests where it differs from greedy ones' (`host`): the
     simulated verifier spends about twice the CPU a token sampling (`tandem plan --sampled`)."""

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from cluster.plan.calibrate import calibrate, fit_cpu, golden_minimum
+from cluster.plan.calibrate import calibrate, fit_cpu, fit_device, golden_minimum
 from cluster.plan.check import alpha_for_tokens, check_rows, drafting_share, priced_as_run
-from cluster.plan.defaults import SIM_H100_8B
+from cluster.plan.defaults import QWEN_CODER, SIM_H100_8B
 from cluster.plan.inputs import HostCost
 from cluster.plan.model import estimate
 from cluster.runtime.errors import InvalidArgumentError
@@ -88,10 +88,37 @@ def test_calibration_recovers_a_host_from_its_own_predictions() -> None:
         levels.append(level)
     result = {"config": {"max_tokens": 64}, "sim": {"context_tokens": 124}, "levels": levels}
     fitted = calibrate(SIM_H100_8B, result, "agentic")
-    assert fitted.usable_cores == pytest.approx(1.7, rel=0.02)
-    assert fitted.critical_share == pytest.approx(0.5, rel=0.05)
-    for row in check_rows(SIM_H100_8B, result, "agentic", fitted):
+    assert fitted.target == SIM_H100_8B.target  # a modelled device is not refitted
+    assert fitted.host.usable_cores == pytest.approx(1.7, rel=0.02)
+    assert fitted.host.critical_share == pytest.approx(0.5, rel=0.05)
+    for row in check_rows(fitted, result, "agentic"):
         assert row.ratio == pytest.approx(1.0, abs=0.02)
+
+
+def test_a_device_on_the_host_is_refitted_from_itl_and_first_token() -> None:
+    # A machine twice as slow as the shipped curve: steps of 2 (155 + 5.7 N) ms, and a
+    # prefill three times the shipped one.
+    inputs = dataclasses.replace(QWEN_CODER, prompt_tokens=400)
+    step = lambda n: 2 * (0.155 + 5.7e-3 * n)  # noqa: E731
+    prefill = 3 * inputs.prefill_s()
+    levels = [
+        {
+            "concurrency": n,
+            "target_only": {
+                "tokens_per_s": n / step(n),
+                "itl_ms": {"p50": 1e3 * step(n)},
+                "ttft_ms": {"p50": 1e3 * (prefill + step(1))},
+                "cpu_ms_per_token": {"service_total": 3.5 * n / n},
+            },
+        }
+        for n in (1, 2, 8)
+    ]
+    fitted = fit_device(inputs, {"levels": levels})
+    assert fitted.target.base_s == pytest.approx(0.31, rel=1e-6)
+    assert fitted.target.per_token_s == pytest.approx(11.4e-3, rel=1e-6)
+    assert fitted.prefill_s() == pytest.approx(prefill, rel=1e-6)
+    with pytest.raises(InvalidArgumentError):
+        fit_device(inputs, {"levels": levels[:1]})
 
 
 def test_a_gate_that_drafted_in_few_rounds_costs_their_cpu_only() -> None:
