@@ -40,7 +40,7 @@ class CheckRow:
     measured_tokens_per_s: float
     predicted_tokens_per_s: float
     measured_cpu_ms_per_token: float | None
-    """service_total + load_client, as the host term counts it."""
+    """service_total + load_client: every process of the run."""
     predicted_cpu_ms_per_token: float
     measured_host_cpu_ms_per_token: float | None = None
     """The measured CPU less the suffix drafter's processes (whose lookups a plan prices
