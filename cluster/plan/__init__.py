@@ -8,6 +8,7 @@ tokens/s and ITL to expect, with the host's CPU in the loop.
 - `level`: a plan of one load across categories (`plan_level`);
 - `check`: a plan beside a measured `tandem loadtest` result, each level priced as it ran;
 - `calibrate`: the host term fitted to such a result (`tandem plan --calibrate`);
+- `solve`: the shared solvers (a root by bisection, golden section, least squares);
 - `defaults`: the shipped figures per preset, each with where it was measured.
 
 `tandem plan` (`cluster.cli.plan`) is the command line; docs/planning.md the method and its

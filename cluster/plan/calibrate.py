@@ -24,6 +24,7 @@ from typing import Any
 
 from cluster.plan.check import CheckRow, check_rows
 from cluster.plan.inputs import HostCost, PlanInputs
+from cluster.plan.solve import golden_minimum, least_squares
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.sim import expected_tokens
 from cluster.runtime.sim_source import DeviceProfile
@@ -50,7 +51,7 @@ def fit_cpu(samples: Sequence[tuple[int, float, float]]) -> tuple[float, float, 
     best: tuple[float, list[float]] = (math.inf, [0.0, 0.0, 0.0])
     for size in (1, 2, 3):
         for subset in itertools.combinations(range(3), size):
-            coefficients = _least_squares([columns[i] for i in subset], measured)
+            coefficients = least_squares([columns[i] for i in subset], measured)
             if coefficients is None or min(coefficients) < 0:
                 continue
             full = [0.0, 0.0, 0.0]
@@ -64,42 +65,6 @@ def fit_cpu(samples: Sequence[tuple[int, float, float]]) -> tuple[float, float, 
                 best = (error, full)
     t, r, s = best[1]
     return t, r, s
-
-
-def _least_squares(columns: list[list[float]], y: list[float]) -> list[float] | None:
-    """The normal equations solved by Gaussian elimination; None if they are singular."""
-    size = len(columns)
-    a = [[sum(p * q for p, q in zip(ci, cj, strict=True)) for cj in columns] for ci in columns]
-    b = [sum(p * q for p, q in zip(ci, y, strict=True)) for ci in columns]
-    for col in range(size):
-        pivot = max(range(col, size), key=lambda row: abs(a[row][col]))
-        if abs(a[pivot][col]) < 1e-12:
-            return None
-        a[col], a[pivot], b[col], b[pivot] = a[pivot], a[col], b[pivot], b[col]
-        for row in range(size):
-            if row != col:
-                factor = a[row][col] / a[col][col]
-                a[row] = [x - factor * z for x, z in zip(a[row], a[col], strict=True)]
-                b[row] -= factor * b[col]
-    return [b[i] / a[i][i] for i in range(size)]
-
-
-def golden_minimum(f: Callable[[float], float], low: float, high: float, steps: int = 60) -> float:
-    """The x in [low, high] minimising a unimodal f, by golden-section search."""
-    ratio = (math.sqrt(5) - 1) / 2
-    a, b = low, high
-    c, d = b - ratio * (b - a), a + ratio * (b - a)
-    fc, fd = f(c), f(d)
-    for _ in range(steps):
-        if fc < fd:
-            b, d, fd = d, c, fc
-            c = b - ratio * (b - a)
-            fc = f(c)
-        else:
-            a, c, fc = c, d, fd
-            d = a + ratio * (b - a)
-            fd = f(d)
-    return (a + b) / 2
 
 
 def calibrate(
@@ -154,7 +119,7 @@ def fit_device(inputs: PlanInputs, result: Mapping[str, Any], source: str = "") 
         raise InvalidArgumentError(
             "--calibrate: fitting the device needs target-only levels at two concurrencies"
         )
-    fit = _least_squares([[1.0] * len(points), [float(n) for n, _ in points]],
+    fit = least_squares([[1.0] * len(points), [float(n) for n, _ in points]],
                          [step for _, step in points])  # fmt: skip
     base, per_token = fit if fit is not None and min(fit) >= 0 else (
         sum(step for _, step in points) / len(points), 0.0)  # fmt: skip

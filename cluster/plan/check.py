@@ -21,6 +21,7 @@ from typing import Any
 
 from cluster.plan.inputs import TARGET_ALONE, HostCost, PlanInputs
 from cluster.plan.model import estimate
+from cluster.plan.solve import increasing_root
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.sim import expected_tokens
 
@@ -161,8 +162,4 @@ def alpha_for_tokens(tokens_per_pass: float, k: int) -> float:
         return 0.0
     if tokens_per_pass >= k + 1:
         return 1.0
-    low, high = 0.0, 1.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        low, high = (mid, high) if expected_tokens(mid, k) < tokens_per_pass else (low, mid)
-    return (low + high) / 2
+    return increasing_root(lambda alpha: expected_tokens(alpha, k), tokens_per_pass)

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.plan.solve import increasing_root
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.sim_source import DeviceProfile
 
@@ -236,12 +237,8 @@ def alpha_from_rate(rate: float, k: int) -> float:
     root of alpha (1 - alpha^k) / ((1 - alpha) k) = rate (increasing in alpha), by bisection."""
     if not 0.0 <= rate <= 1.0 or k < 1:
         raise InvalidArgumentError(f"an acceptance rate in [0, 1] and k >= 1, got {rate}, {k}")
-    low, high = 0.0, 1.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        accepted = sum(mid**i for i in range(1, k + 1))  # expected accepted of k drafted
-        low, high = (mid, high) if accepted / k < rate else (low, mid)
-    return (low + high) / 2
+    # expected accepted of k drafted, over k
+    return increasing_root(lambda a: sum(a**i for i in range(1, k + 1)) / k, rate)
 
 
 def acceptance_from_json(data: Any) -> dict[str, dict[str, float]]:

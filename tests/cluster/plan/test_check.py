@@ -7,11 +7,12 @@ import dataclasses
 
 import pytest
 
-from cluster.plan.calibrate import calibrate, fit_cpu, fit_device, golden_minimum
+from cluster.plan.calibrate import calibrate, fit_cpu, fit_device
 from cluster.plan.check import alpha_for_tokens, check_rows, drafting_share, priced_as_run
 from cluster.plan.defaults import QWEN_CODER, SIM_H100_8B
 from cluster.plan.inputs import HostCost
 from cluster.plan.model import estimate
+from cluster.plan.solve import golden_minimum, increasing_root, least_squares
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.sim import expected_tokens
 
@@ -130,3 +131,12 @@ def test_a_gate_that_drafted_in_few_rounds_costs_their_cpu_only() -> None:
     every = estimate(SIM_H100_8B, "model", 0.05, 1, 16)
     extra = model.host_cpu_ms_per_round(1) / few.tokens_per_round
     assert every.cpu_ms_per_token - few.cpu_ms_per_token == pytest.approx(0.9 * extra)
+
+
+def test_solvers() -> None:
+    assert increasing_root(lambda x: x**3, 0.125) == pytest.approx(0.5, abs=1e-9)
+    assert increasing_root(lambda x: x, 2.0) == pytest.approx(1.0)  # beyond the interval
+    assert least_squares([[1.0, 1.0, 1.0], [1.0, 2.0, 3.0]], [3.0, 5.0, 7.0]) == pytest.approx(
+        [1.0, 2.0]
+    )
+    assert least_squares([[1.0, 1.0], [2.0, 2.0]], [1.0, 2.0]) is None  # collinear
