@@ -64,7 +64,9 @@ protos: setup
 # minutes the first time), start the service on a local Ray cluster, stream a generation with
 # speculation through its gRPC API and compare it with the target alone, make one chat call
 # with curl through its OpenAI-compatible HTTP API (the key: the local tenant's, which
-# `tandem serve` keeps in TANDEM_HOME), show the replicas, shut it all down.
+# `tandem serve` keeps in TANDEM_HOME), show the replicas, shut it all down. PORT and HTTP_PORT
+# are the default door, the router replicas' own servers; Serve's proxies take the ports one
+# above them (`tandem serve --proxy-port`, `--proxy-http-port`).
 # `make demo PRESET=tiny` does the same in a minute with random tiny models.
 demo: setup
 ifneq ($(filter $(PRESET),$(PACKS)),)

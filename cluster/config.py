@@ -38,6 +38,11 @@ from verifier.config import VerifierConfig
 
 DEFAULT_APP_NAME = "tandem"
 DEFAULT_GRPC_PORT = 9000
+"""The public gRPC API: the router replicas' own server (`FrontConfig.grpc_port`)."""
+DEFAULT_HTTP_PORT = 8000
+"""The OpenAI-compatible API: the router replicas' own server (`FrontConfig.http_port`)."""
+DEFAULT_PROXY_GRPC_PORT = DEFAULT_GRPC_PORT + 1
+"""Serve's gRPC proxy (`TandemConfig.proxy_grpc_port`): the same API, the second door."""
 
 
 @dataclass(frozen=True)
@@ -122,13 +127,14 @@ class ModelsConfig:
 
 @dataclass(frozen=True)
 class FrontConfig:
-    """The router replicas' own servers for the public APIs (`cluster.serve.front`): no Serve
-    proxy between the client and the router. Every router replica on a node binds these ports
-    (SO_REUSEPORT); None: that server is not started (the Serve proxy's entry always is)."""
+    """The router replicas' own servers for the public APIs (`cluster.serve.front`), the
+    default door: no Serve proxy between the client and the router. Every router replica on a
+    node binds these ports (SO_REUSEPORT); None: that server is not started (Serve's proxies,
+    the second door, always serve the same APIs)."""
 
-    grpc_port: int | None = None
+    grpc_port: int | None = DEFAULT_GRPC_PORT
     """`tandem.v1.Tandem` and gRPC health."""
-    http_port: int | None = None
+    http_port: int | None = DEFAULT_HTTP_PORT
     """The OpenAI-compatible API, probes included."""
     host: str = "0.0.0.0"
     """The address both bind (every interface: a Kubernetes Service reaches the pod's)."""
@@ -157,11 +163,13 @@ class TandemConfig:
     """Everything `tandem serve` deploys."""
 
     app_name: str = DEFAULT_APP_NAME
-    grpc_port: int = DEFAULT_GRPC_PORT
-    """Port of Serve's gRPC proxy: the public API."""
+    proxy_grpc_port: int = DEFAULT_PROXY_GRPC_PORT
+    """Port of Serve's gRPC proxy: the public API's second door (the router replicas' own
+    servers, `front`, are the first). Whoever starts Serve binds it: `tandem serve` (default
+    `--port` + 1), or a Serve config's `grpc_options.port` (keep the two equal)."""
     front: FrontConfig = field(default_factory=FrontConfig)
-    """The router replicas' own servers for the public APIs, beside Serve's proxies (off
-    unless a port is set; `tandem serve` sets both)."""
+    """The router replicas' own servers for the public APIs, the default door: gRPC on 9000,
+    HTTP on 8000 unless set otherwise (null: that server is not started)."""
     models: ModelsConfig = field(default_factory=ModelsConfig)
     api: ServiceConfig = field(default_factory=ServiceConfig)
     """Defaults and limits of the public API (draft length, pipelining, max_tokens)."""
@@ -206,8 +214,10 @@ class TandemConfig:
             raise InvalidArgumentError(
                 f"app_name must be alphanumeric (with - or _), got {self.app_name!r}"
             )
-        if not 0 < self.grpc_port < 65536:
-            raise InvalidArgumentError(f"grpc_port must be in 1..65535, got {self.grpc_port}")
+        if not 0 < self.proxy_grpc_port < 65536:
+            raise InvalidArgumentError(
+                f"proxy_grpc_port must be in 1..65535, got {self.proxy_grpc_port}"
+            )
         if self.suffix.num_gpus > 0 or self.suffix.accelerator_type:
             raise InvalidArgumentError(
                 "suffix: the suffix drafter runs on CPUs only (set no num_gpus or accelerator_type)"

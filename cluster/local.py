@@ -1,29 +1,90 @@
 """In-process Tandem: load a model pair and wire drafter, verifier and router together.
 
-The transport is a direct method call: the plain `Drafter` and `Verifier` satisfy the router's
-ports themselves. Everything else (router loop, sessions, acceptance) is the code the
-distributed service runs.
+The transport is a direct method call: `InProcess` makes a plain `Drafter`, `SuffixDrafter`
+or `Verifier` one of the router's ports, each call the component's `submit_*` future waited on
+as steps (no thread of the router's waits). Everything else (router loop, sessions,
+acceptance) is the code the distributed service runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Unpack
 
 from transformers import PreTrainedTokenizerBase
 
 from cluster.presets import ModelPair
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.generation import Decode
-from cluster.routing.router import Router
+from cluster.routing.router import Router, RouterOptions
+from cluster.routing.session_events import SessionEvents
+from cluster.routing.waits import Steps, answer
+from cluster.runtime.advance import Advance
+from cluster.runtime.audit import Replay
 from cluster.runtime.constraint import grammar_tokenizer_of
+from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel, load_model
+from cluster.runtime.predraft import PreDraft
+from cluster.runtime.sampling import SamplingParams
 from drafter.config import DrafterConfig, NgramConfig, SuffixConfig
 from drafter.drafter import Drafter
 from drafter.suffix import SuffixDrafter
 from verifier.config import VerifierConfig
 from verifier.verifier import Verifier
+
+
+class InProcess:
+    """A plain component in this process as the router's port (`cluster.routing.ports`): a
+    drafter's or a verifier's calls, as steps over its futures. A verifier's running session
+    reports to the request's `SessionEvents` from the engine thread."""
+
+    def __init__(self, component: Any) -> None:
+        self.component = component
+
+    def open_session_steps(
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+        *,
+        advance: Advance | None = None,
+        events: SessionEvents | None = None,
+        **options: Any,
+    ) -> Steps[int]:
+        if advance is not None:
+            assert events is not None, "a running session reports to its events"
+            options.update(advance=advance, sink=events.report)
+        opening = self.component.submit_open(session_id, prompt_tokens, sampling, seed, **options)
+        return (yield from answer(opening))
+
+    def draft_steps(self, *args: Any) -> Steps[DraftBlock]:
+        return (yield from answer(self.component.submit_draft(*args)))
+
+    def predraft_steps(self, *args: Any, **kwargs: Any) -> Steps[list[PreDraft]]:
+        submit = getattr(self.component, "submit_predraft", None)
+        if submit is None:
+            raise InvalidArgumentError("this drafter does not pre-draft")
+        return (yield from answer(submit(*args, **kwargs)))
+
+    def post(
+        self,
+        session_id: str,
+        block: DraftBlock,
+        defer_bonus: bool,
+        events: SessionEvents,
+        post_id: int,
+    ) -> None:
+        events.answer(post_id, self.component.submit_verify(session_id, block, defer_bonus))
+
+    def close_session_steps(self, session_id: str) -> Steps[bool]:
+        return (yield from answer(self.component.submit_close(session_id)))
+
+    def reference(self, *args: Any, **kwargs: Any) -> Replay:
+        replay: Replay = self.component.reference(*args, **kwargs)
+        return replay
 
 
 @dataclass
@@ -56,10 +117,12 @@ def build_local(
     draft_length: DraftLengthConfig | None = None,
     predraft_fan_out: int = 0,
     suffix: SuffixConfig | None = None,
+    verifier_advances: bool = True,
 ) -> LocalTandem:
     """Load both models of `pair` and connect them in this process. `predraft_fan_out`: the
     router's default for requests that do not set theirs (0: no pre-drafting); `suffix`: a
-    suffix drafter asked before the drafter (None, or not enabled: none)."""
+    suffix drafter asked before the drafter (None, or not enabled: none);
+    `verifier_advances`: the router's option of that name."""
     target = load_model(pair.target)
     draft = load_model(pair.draft)
     if draft.vocab_size > target.vocab_size:
@@ -69,23 +132,38 @@ def build_local(
         )
     verifier = Verifier(target, verifier_config)
     drafter = Drafter(draft, drafter_config)
-    router = Router(
+    router = local_router(
         verifier,
         drafter,
-        text_decoder(target.tokenizer),
-        target.eos_token_ids,
+        target,
         suffix=SuffixDrafter(suffix) if suffix is not None and suffix.enabled else None,
         ngram=prompt_lookup,
         draft_length=draft_length,
         predraft_fan_out=predraft_fan_out,
-        decode_special=text_decoder(target.tokenizer, skip_special_tokens=False),
-        grammar_tokenizer=grammar_tokenizer_of(target.tokenizer, target.eos_token_ids),
+        verifier_advances=verifier_advances,
     )
-    return LocalTandem(
-        router=router,
-        drafter=drafter,
-        verifier=verifier,
-        tokenizer=target.tokenizer,
-        target=target,
-        draft=draft,
+    return LocalTandem(router, drafter, verifier, target.tokenizer, target, draft)
+
+
+def local_router(
+    verifier: Verifier,
+    drafter: Drafter | None,
+    target: LoadedModel,
+    suffix: SuffixDrafter | None = None,
+    **options: Unpack[RouterOptions],
+) -> Router:
+    """A router over an in-process verifier and drafter (and `suffix`, if given), decoding
+    with `target`'s tokenizer, with `options` (`RouterOptions`): how tests and tools build
+    another router over the components of a `LocalTandem`."""
+    options.setdefault("decode_special", text_decoder(target.tokenizer, skip_special_tokens=False))
+    options.setdefault(
+        "grammar_tokenizer", grammar_tokenizer_of(target.tokenizer, target.eos_token_ids)
+    )
+    return Router(
+        InProcess(verifier),
+        None if drafter is None else InProcess(drafter),
+        text_decoder(target.tokenizer),
+        target.eos_token_ids,
+        suffix=None if suffix is None else InProcess(suffix),
+        **options,
     )

@@ -115,7 +115,8 @@ DRAFT_LATENCY = Metric(
     buckets=LATENCY_BUCKETS_S,
 )  # fmt: skip
 VERIFY_LATENCY = Metric(
-    "tandem_verify_latency_seconds", Kind.HISTOGRAM, "Verify passes after the first, seconds",
+    "tandem_verify_latency_seconds", Kind.HISTOGRAM,
+    "Posted draft blocks, from the post to their verdict, seconds",
     buckets=LATENCY_BUCKETS_S,
 )  # fmt: skip
 DRAFTER_DEGRADED = _counter(

@@ -1,14 +1,13 @@
 """The drafter's gRPC servicer: `tandem.v1.Drafter` over a plain `Drafter`.
 
-A thin adapter: the session RPCs and the Frames stream come from `SessionServicer`
-(cluster/replica/servicer.py); its own, Draft and Predraft (outcome-keyed pre-drafting),
-convert the request with `cluster.wire.requests`, call the drafter under the servicer's
-`CallGuard` (errors become gRPC statuses; calls run concurrently, batched by the drafter's
-engine), and convert the block or branches back; a Frames stream's draft and predraft entries
-take the same way through `submit_draft` and `submit_predraft`.
+A thin adapter: Stats and the Frames stream come from `SessionServicer`
+(cluster/replica/servicer.py); its own entries, draft and predraft (outcome-keyed
+pre-drafting), convert the request with `cluster.wire.requests`, submit it to the drafter
+(`submit_draft`, `submit_predraft`: calls run concurrently, batched by the drafter's engine),
+and convert the block or branches back.
 
 Chaos for soak tests: given an `error_fraction` above 0 (`DrafterConfig.error_fraction`), that
-share of Draft and Predraft calls and their entries, drawn from the servicer's own
+share of draft and predraft entries, drawn from the servicer's own
 `random.Random`, is answered INTERNAL (`InjectedError`) before the drafter sees it, as a faulty
 drafter would.
 """
@@ -53,31 +52,6 @@ class DrafterServicer(SessionServicer[Drafter], replica_pb2_grpc.DrafterServicer
 
     def add_to_server(self, server: grpc.Server) -> None:
         replica_pb2_grpc.add_DrafterServicer_to_server(self, server)
-
-    def Draft(
-        self, request: replica_pb2.DraftRequest, context: grpc.ServicerContext
-    ) -> replica_pb2.DraftBlock:
-        def call() -> replica_pb2.DraftBlock:
-            self._maybe_fail()
-            read = requests.draft_request_from_wire(request)
-            block = self.component.draft(
-                read.session_id,
-                read.base_length,
-                read.appended_tokens,
-                read.num_tokens,
-                truncate_to=read.truncate_to,
-            )
-            return convert.block_to_wire(block)
-
-        return self._guard.run(context, "Draft", call)
-
-    def Predraft(
-        self, request: replica_pb2.PredraftRequest, context: grpc.ServicerContext
-    ) -> replica_pb2.PredraftResponse:
-        def call() -> replica_pb2.PredraftResponse:
-            return convert.predrafts_to_wire(self._submit_predraft(request).result())
-
-        return self._guard.run(context, "Predraft", call)
 
     def _maybe_fail(self, call: str = "Draft") -> None:
         """Fail this draft on purpose, `error_fraction` of the time."""

@@ -18,7 +18,7 @@ from cluster.replica.frames import EntryHandler
 from cluster.replica.servicer import SessionServicer
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.wire import convert, requests
+from cluster.wire import requests
 from drafter.servicer import drafted
 from drafter.suffix import SuffixDrafter, answered
 from protos import replica_pb2, replica_pb2_grpc
@@ -34,23 +34,6 @@ class SuffixServicer(SessionServicer[SuffixDrafter], replica_pb2_grpc.DrafterSer
 
     def add_to_server(self, server: grpc.Server) -> None:
         replica_pb2_grpc.add_DrafterServicer_to_server(self, server)
-
-    def Draft(
-        self, request: replica_pb2.DraftRequest, context: grpc.ServicerContext
-    ) -> replica_pb2.DraftBlock:
-        return self._guard.run(
-            context,
-            "Draft",
-            lambda: convert.block_to_wire(self._submit_draft(request).result()),
-        )
-
-    def Predraft(
-        self, request: replica_pb2.PredraftRequest, context: grpc.ServicerContext
-    ) -> replica_pb2.PredraftResponse:
-        def call() -> replica_pb2.PredraftResponse:
-            raise InvalidArgumentError(NO_PREDRAFT)
-
-        return self._guard.run(context, "Predraft", call)
 
     def _entry_handlers(self) -> dict[str, EntryHandler]:
         return {

@@ -76,7 +76,7 @@ class EntryError(_message.Message):
     def __init__(self, status: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "seed", "time_limit_ms", "max_new_tokens", "resumed", "grammar", "min_tokens", "end_token_ids", "prompt_length", "tenant")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "seed", "time_limit_ms", "max_new_tokens", "resumed", "grammar", "min_tokens", "end_token_ids", "prompt_length", "tenant", "advance")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class OpenSessionRequest(_message.Message):
     END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    ADVANCE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _sampling_pb2.SamplingParams
@@ -101,7 +102,18 @@ class OpenSessionRequest(_message.Message):
     end_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_length: int
     tenant: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., time_limit_ms: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., resumed: _Optional[bool] = ..., grammar: _Optional[_Union[_sampling_pb2.Grammar, _Mapping]] = ..., min_tokens: _Optional[int] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    advance: Advance
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., time_limit_ms: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., resumed: _Optional[bool] = ..., grammar: _Optional[_Union[_sampling_pb2.Grammar, _Mapping]] = ..., min_tokens: _Optional[int] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., tenant: _Optional[str] = ..., advance: _Optional[_Union[Advance, _Mapping]] = ...) -> None: ...
+
+class Advance(_message.Message):
+    __slots__ = ("max_length", "end_token_ids", "ends_from")
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FROM_FIELD_NUMBER: _ClassVar[int]
+    max_length: int
+    end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ends_from: int
+    def __init__(self, max_length: _Optional[int] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., ends_from: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("committed_length",)
@@ -178,16 +190,18 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("base_length", "token_ids", "draft_probs", "load")
+    __slots__ = ("base_length", "token_ids", "draft_probs", "load", "assumed_token_ids")
     BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     base_length: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     load: StepLoad
-    def __init__(self, base_length: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., load: _Optional[_Union[StepLoad, _Mapping]] = ...) -> None: ...
+    assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, base_length: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., load: _Optional[_Union[StepLoad, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepLoad(_message.Message):
     __slots__ = ("batch_sequences", "batch_tokens", "cost_base_s", "cost_per_token_s")
@@ -212,20 +226,24 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., block: _Optional[_Union[DraftBlock, _Mapping]] = ..., defer_bonus: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("base_length", "num_accepted", "token_ids", "committed_length", "bonus_deferred", "load")
+    __slots__ = ("base_length", "num_accepted", "token_ids", "committed_length", "bonus_deferred", "load", "num_matched", "dropped")
     BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     BONUS_DEFERRED_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_MATCHED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     base_length: int
     num_accepted: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     committed_length: int
     bonus_deferred: bool
     load: StepLoad
-    def __init__(self, base_length: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., bonus_deferred: _Optional[bool] = ..., load: _Optional[_Union[StepLoad, _Mapping]] = ...) -> None: ...
+    num_matched: int
+    dropped: bool
+    def __init__(self, base_length: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., bonus_deferred: _Optional[bool] = ..., load: _Optional[_Union[StepLoad, _Mapping]] = ..., num_matched: _Optional[int] = ..., dropped: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -264,7 +282,7 @@ class ReplicaStats(_message.Message):
     def __init__(self, num_sessions: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., engine: _Optional[_Union[EngineStats, _Mapping]] = ..., frames_sent: _Optional[int] = ..., results_sent: _Optional[int] = ..., frames_received: _Optional[int] = ..., entries_received: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("runner", "steps", "max_batch_sequences", "kv_blocks_total", "kv_blocks_used", "block_size", "batch_sequences", "step_tokens", "queue_wait_s", "queued", "cost_base_s", "cost_per_token_s", "busy_s", "forward_s", "device_s", "batched_s", "gather_s", "gathers", "preemptions", "recomputed_tokens", "refusals")
+    __slots__ = ("runner", "steps", "max_batch_sequences", "kv_blocks_total", "kv_blocks_used", "block_size", "batch_sequences", "step_tokens", "queue_wait_s", "queued", "cost_base_s", "cost_per_token_s", "busy_s", "forward_s", "device_s", "batched_s", "gather_s", "gathers", "preemptions", "recomputed_tokens", "refusals", "running_sessions", "running_stepped")
     RUNNER_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +304,8 @@ class EngineStats(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_STEPPED_FIELD_NUMBER: _ClassVar[int]
     runner: str
     steps: int
     max_batch_sequences: int
@@ -307,7 +327,9 @@ class EngineStats(_message.Message):
     preemptions: int
     recomputed_tokens: int
     refusals: int
-    def __init__(self, runner: _Optional[str] = ..., steps: _Optional[int] = ..., max_batch_sequences: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., batch_sequences: _Optional[float] = ..., step_tokens: _Optional[float] = ..., queue_wait_s: _Optional[float] = ..., queued: _Optional[int] = ..., cost_base_s: _Optional[float] = ..., cost_per_token_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., device_s: _Optional[float] = ..., batched_s: _Optional[float] = ..., gather_s: _Optional[float] = ..., gathers: _Optional[int] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., refusals: _Optional[int] = ...) -> None: ...
+    running_sessions: int
+    running_stepped: int
+    def __init__(self, runner: _Optional[str] = ..., steps: _Optional[int] = ..., max_batch_sequences: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., batch_sequences: _Optional[float] = ..., step_tokens: _Optional[float] = ..., queue_wait_s: _Optional[float] = ..., queued: _Optional[int] = ..., cost_base_s: _Optional[float] = ..., cost_per_token_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., device_s: _Optional[float] = ..., batched_s: _Optional[float] = ..., gather_s: _Optional[float] = ..., gathers: _Optional[int] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., refusals: _Optional[int] = ..., running_sessions: _Optional[int] = ..., running_stepped: _Optional[int] = ...) -> None: ...
 
 class ReferenceRequest(_message.Message):
     __slots__ = ("prompt_token_ids", "served_token_ids", "sampling", "seed", "dtype")

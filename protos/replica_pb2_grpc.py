@@ -35,26 +35,6 @@ class DrafterStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.OpenSession = channel.unary_unary(
-                '/tandem.v1.Drafter/OpenSession',
-                request_serializer=protos_dot_replica__pb2.OpenSessionRequest.SerializeToString,
-                response_deserializer=protos_dot_replica__pb2.OpenSessionResponse.FromString,
-                _registered_method=True)
-        self.Draft = channel.unary_unary(
-                '/tandem.v1.Drafter/Draft',
-                request_serializer=protos_dot_replica__pb2.DraftRequest.SerializeToString,
-                response_deserializer=protos_dot_replica__pb2.DraftBlock.FromString,
-                _registered_method=True)
-        self.Predraft = channel.unary_unary(
-                '/tandem.v1.Drafter/Predraft',
-                request_serializer=protos_dot_replica__pb2.PredraftRequest.SerializeToString,
-                response_deserializer=protos_dot_replica__pb2.PredraftResponse.FromString,
-                _registered_method=True)
-        self.CloseSession = channel.unary_unary(
-                '/tandem.v1.Drafter/CloseSession',
-                request_serializer=protos_dot_replica__pb2.CloseSessionRequest.SerializeToString,
-                response_deserializer=protos_dot_replica__pb2.CloseSessionResponse.FromString,
-                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/tandem.v1.Drafter/Stats',
                 request_serializer=protos_dot_replica__pb2.StatsRequest.SerializeToString,
@@ -71,36 +51,6 @@ class DrafterServicer:
     """Proposes draft tokens with the small model.
     """
 
-    def OpenSession(self, request, context):
-        """Starts a session holding the prompt.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Draft(self, request, context):
-        """Appends the last verdict's tokens, then drafts a block continuing them.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Predraft(self, request, context):
-        """Appends the last verdict's tokens, then drafts a block after each of the likely
-        outcomes of verifying the block in flight (outcome-keyed pre-drafting); the session
-        itself keeps only its committed tokens.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def CloseSession(self, request, context):
-        """Drops a session and frees its cache.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Stats(self, request, context):
         """Reports the replica's load.
         """
@@ -109,9 +59,13 @@ class DrafterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Frames(self, request_iterator, context):
-        """One long-lived stream per router process: OpenSession, Draft, Predraft and CloseSession
-        work of any number of sessions in each RouterFrame; one ReplicaFrame per engine step with every
-        result that step produced for this stream (Verify entries are refused per entry).
+        """One long-lived stream per router process: open, draft, predraft and close entries of
+        any number of sessions in each RouterFrame; one ReplicaFrame per engine step with every
+        result that step produced for this stream (verify entries are refused per entry).
+        open: starts a session holding the prompt. draft: appends the last verdict's tokens,
+        then drafts a block continuing them. predraft: the same, then a block after each of the
+        likely outcomes of verifying the block in flight (outcome-keyed pre-drafting); the
+        session itself keeps only its committed tokens. close: drops a session and its cache.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -120,26 +74,6 @@ class DrafterServicer:
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'OpenSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.OpenSession,
-                    request_deserializer=protos_dot_replica__pb2.OpenSessionRequest.FromString,
-                    response_serializer=protos_dot_replica__pb2.OpenSessionResponse.SerializeToString,
-            ),
-            'Draft': grpc.unary_unary_rpc_method_handler(
-                    servicer.Draft,
-                    request_deserializer=protos_dot_replica__pb2.DraftRequest.FromString,
-                    response_serializer=protos_dot_replica__pb2.DraftBlock.SerializeToString,
-            ),
-            'Predraft': grpc.unary_unary_rpc_method_handler(
-                    servicer.Predraft,
-                    request_deserializer=protos_dot_replica__pb2.PredraftRequest.FromString,
-                    response_serializer=protos_dot_replica__pb2.PredraftResponse.SerializeToString,
-            ),
-            'CloseSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.CloseSession,
-                    request_deserializer=protos_dot_replica__pb2.CloseSessionRequest.FromString,
-                    response_serializer=protos_dot_replica__pb2.CloseSessionResponse.SerializeToString,
-            ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
                     request_deserializer=protos_dot_replica__pb2.StatsRequest.FromString,
@@ -161,114 +95,6 @@ def add_DrafterServicer_to_server(servicer, server):
 class Drafter:
     """Proposes draft tokens with the small model.
     """
-
-    @staticmethod
-    def OpenSession(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.Drafter/OpenSession',
-            protos_dot_replica__pb2.OpenSessionRequest.SerializeToString,
-            protos_dot_replica__pb2.OpenSessionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Draft(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.Drafter/Draft',
-            protos_dot_replica__pb2.DraftRequest.SerializeToString,
-            protos_dot_replica__pb2.DraftBlock.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Predraft(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.Drafter/Predraft',
-            protos_dot_replica__pb2.PredraftRequest.SerializeToString,
-            protos_dot_replica__pb2.PredraftResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def CloseSession(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.Drafter/CloseSession',
-            protos_dot_replica__pb2.CloseSessionRequest.SerializeToString,
-            protos_dot_replica__pb2.CloseSessionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def Stats(request,
@@ -335,21 +161,6 @@ class VerifierStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.OpenSession = channel.unary_unary(
-                '/tandem.v1.Verifier/OpenSession',
-                request_serializer=protos_dot_replica__pb2.OpenSessionRequest.SerializeToString,
-                response_deserializer=protos_dot_replica__pb2.OpenSessionResponse.FromString,
-                _registered_method=True)
-        self.Verify = channel.unary_unary(
-                '/tandem.v1.Verifier/Verify',
-                request_serializer=protos_dot_replica__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=protos_dot_replica__pb2.Verdict.FromString,
-                _registered_method=True)
-        self.CloseSession = channel.unary_unary(
-                '/tandem.v1.Verifier/CloseSession',
-                request_serializer=protos_dot_replica__pb2.CloseSessionRequest.SerializeToString,
-                response_deserializer=protos_dot_replica__pb2.CloseSessionResponse.FromString,
-                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/tandem.v1.Verifier/Stats',
                 request_serializer=protos_dot_replica__pb2.StatsRequest.SerializeToString,
@@ -371,27 +182,6 @@ class VerifierServicer:
     """Verifies draft blocks with the target model and commits the result.
     """
 
-    def OpenSession(self, request, context):
-        """Starts a session holding the prompt.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Verify(self, request, context):
-        """Verifies a block against the session and commits the verdict's tokens.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def CloseSession(self, request, context):
-        """Drops a session and frees its cache.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Stats(self, request, context):
         """Reports the replica's load.
         """
@@ -411,10 +201,14 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Frames(self, request_iterator, context):
-        """One long-lived stream per router process: OpenSession, Verify and CloseSession work of
-        any number of sessions in each RouterFrame; one ReplicaFrame per engine step with every
-        result that step produced for this stream (Draft and Predraft entries are refused per
-        entry).
+        """One long-lived stream per router process: open, verify and close entries of any number
+        of sessions in each RouterFrame; one ReplicaFrame per engine step with every result that
+        step produced for this stream (draft and predraft entries are refused per entry).
+        open: starts a session holding the prompt; with `advance`, the session is running: it
+        is in every engine step until its output ends, and each step it takes alone (no block
+        of the router's there) is reported as a further Verdict under the open entry's tag.
+        verify: verifies a block from where the session stands and commits the verdict's
+        tokens (a stale block is dropped). close: drops a session and its cache.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -423,21 +217,6 @@ class VerifierServicer:
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'OpenSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.OpenSession,
-                    request_deserializer=protos_dot_replica__pb2.OpenSessionRequest.FromString,
-                    response_serializer=protos_dot_replica__pb2.OpenSessionResponse.SerializeToString,
-            ),
-            'Verify': grpc.unary_unary_rpc_method_handler(
-                    servicer.Verify,
-                    request_deserializer=protos_dot_replica__pb2.VerifyRequest.FromString,
-                    response_serializer=protos_dot_replica__pb2.Verdict.SerializeToString,
-            ),
-            'CloseSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.CloseSession,
-                    request_deserializer=protos_dot_replica__pb2.CloseSessionRequest.FromString,
-                    response_serializer=protos_dot_replica__pb2.CloseSessionResponse.SerializeToString,
-            ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
                     request_deserializer=protos_dot_replica__pb2.StatsRequest.FromString,
@@ -464,87 +243,6 @@ def add_VerifierServicer_to_server(servicer, server):
 class Verifier:
     """Verifies draft blocks with the target model and commits the result.
     """
-
-    @staticmethod
-    def OpenSession(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.Verifier/OpenSession',
-            protos_dot_replica__pb2.OpenSessionRequest.SerializeToString,
-            protos_dot_replica__pb2.OpenSessionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Verify(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.Verifier/Verify',
-            protos_dot_replica__pb2.VerifyRequest.SerializeToString,
-            protos_dot_replica__pb2.Verdict.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def CloseSession(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.Verifier/CloseSession',
-            protos_dot_replica__pb2.CloseSessionRequest.SerializeToString,
-            protos_dot_replica__pb2.CloseSessionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def Stats(request,

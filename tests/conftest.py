@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.local import LocalTandem, build_local
+from cluster.local import LocalTandem, build_local, local_router
 from cluster.presets import resolve_pair
 from cluster.routing.request import GenerationRequest
+from cluster.routing.router import Router
 from cluster.runtime.model_spec import TINY_DRAFT, TINY_TARGET, ModelSpec
 from cluster.runtime.models import LoadedModel, load_model
 from cluster.runtime.pack_catalog import CACHE_ENV
@@ -108,6 +109,18 @@ def tiny_draft() -> LoadedModel:
 def local_tandem() -> LocalTandem:
     """Drafter, verifier and router over the tiny pair, in this process."""
     return build_local(resolve_pair("tiny", device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def lockstep(local_tandem: LocalTandem) -> Router:
+    """A router over the same drafter and verifier whose verifier sessions do not run: one
+    round at a time, every token through a posted block, the first round waiting for the
+    drafter (`verifier_advances` off), so that drafted tokens decide every position a test
+    looks at. The in-process tiny drafter is no faster than its verifier: with sessions that
+    run, its blocks mostly come after the verifier has taken those tokens alone."""
+    return local_router(
+        local_tandem.verifier, local_tandem.drafter, local_tandem.target, verifier_advances=False
+    )
 
 
 @pytest.fixture(scope="session")

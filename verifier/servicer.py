@@ -1,22 +1,23 @@
 """The verifier's gRPC servicer: `tandem.v1.Verifier` over a plain `Verifier`.
 
-A thin adapter: the session RPCs and the Frames stream come from `SessionServicer`
-(cluster/replica/servicer.py); the one of its own, Verify, converts the block with
-`cluster.wire.convert`, calls the verifier under the servicer's `CallGuard` (errors become gRPC
-statuses; calls run concurrently, batched by the verifier's engine), and converts the verdict
-back; a Frames stream's verify entries take the same way through `submit_verify`. Reference
+A thin adapter: Stats and the Frames stream come from `SessionServicer`
+(cluster/replica/servicer.py); its own entries: open (a session opened with `advance` runs,
+and each of its own steps is reported under the entry's tag: `_submit_open_running`) and
+verify (the block converted with `cluster.wire.convert`, submitted to the verifier, the
+verdict converted back; calls run concurrently, batched by the verifier's engine). Reference
 (the audit's replay) runs in the handler's own thread, between the engine's calls
 (`verifier.audit_replica`); its gaps travel as raw float32 bytes (`convert.floats_to_wire`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import grpc
 
 from cluster.replica.frames import EntryHandler
-from cluster.replica.servicer import SessionServicer
+from cluster.replica.servicer import SessionServicer, opened
 from cluster.runtime.draft_block import Verdict
 from cluster.wire import convert, requests
 from protos import replica_pb2, replica_pb2_grpc
@@ -32,20 +33,33 @@ class VerifierServicer(SessionServicer[Verifier], replica_pb2_grpc.VerifierServi
     def add_to_server(self, server: grpc.Server) -> None:
         replica_pb2_grpc.add_VerifierServicer_to_server(self, server)
 
-    def Verify(
-        self, request: replica_pb2.VerifyRequest, context: grpc.ServicerContext
-    ) -> replica_pb2.Verdict:
-        def call() -> replica_pb2.Verdict:
-            read = requests.verify_request_from_wire(request)
-            verdict = self.component.verify(
-                read.session_id, read.block, defer_bonus=read.defer_bonus
-            )
-            return convert.verdict_to_wire(verdict)
-
-        return self._guard.run(context, "Verify", call)
-
     def _entry_handlers(self) -> dict[str, EntryHandler]:
-        return {**super()._entry_handlers(), "verify": EntryHandler(self._submit_verify, _verified)}
+        return {
+            **super()._entry_handlers(),
+            "open": EntryHandler(self._submit_open_running, opened, reported=_verified),
+            "verify": EntryHandler(self._submit_verify, _verified),
+        }
+
+    def _submit_open_running(
+        self,
+        request: replica_pb2.OpenSessionRequest,
+        report: Callable[[Verdict | Exception], None],
+    ) -> Future[int]:
+        """An open entry; with `advance` set, the session runs and its own steps are reported
+        under the entry's tag."""
+        read = requests.open_request_from_wire(request)
+        return self.component.submit_open(
+            read.session_id,
+            read.prompt_tokens,
+            read.sampling,
+            read.seed,
+            time_limit_s=read.time_limit_s,
+            max_new_tokens=read.max_new_tokens,
+            resumed=read.resumed,
+            constraint=read.constraint,
+            advance=read.advance,
+            sink=None if read.advance is None else report,
+        )
 
     def _submit_verify(self, request: replica_pb2.VerifyRequest) -> Future[Verdict]:
         read = requests.verify_request_from_wire(request)

@@ -19,26 +19,26 @@ caller's thread and between the engine's calls (`verifier.audit_replica`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import replace
+from functools import partial
 
 import torch
 
+from cluster.runtime.advance import Advance
 from cluster.runtime.audit import Replay
+from cluster.runtime.call_scope import Gone, caller_gone
 from cluster.runtime.component import SessionComponent, submitted
-from cluster.runtime.constraint import mask_logits, masks_ahead, wait_for
-from cluster.runtime.draft_block import DraftBlock, Verdict
+from cluster.runtime.constraint import Constraint, mask_logits, masks_ahead, wait_for
+from cluster.runtime.draft_block import DraftBlock, StepLoad, Verdict
 from cluster.runtime.engine import Batched, Task
-from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.gumbel import gumbel_tokens
+from cluster.runtime.errors import InvalidArgumentError, StaleBaseError
 from cluster.runtime.models import LoadedModel
+from cluster.runtime.rebase import reconcile
 from cluster.runtime.runner import ModelRunner
 from cluster.runtime.sampling import (
     SamplingParams,
-    SparseDistribution,
-    greedy_tokens,
-    logits_to_probs_rows,
     to_dense,
 )
 from cluster.runtime.session import DRAFTER_SEED_SALT, ReplicaSession, check_token_ids
@@ -46,9 +46,7 @@ from cluster.runtime.task import each_alone_if_refused
 from verifier.audit_replica import ReferenceReplayer
 from verifier.batch_rejection import (
     BatchSession,
-    DeferredRow,
     SessionOutcome,
-    batch_rejection_sample,
 )
 from verifier.config import (
     ACCEPT_ALL,
@@ -59,27 +57,16 @@ from verifier.config import (
     VerifierConfig,
 )
 from verifier.rejection import greedy_accept
-
-
-@dataclass(frozen=True)
-class _Scored:
-    """One sampled block waiting for its step's acceptance call, its rows still logits."""
-
-    logits: torch.Tensor
-    """The target's logits at the block's positions (`[rows, vocab]`, maybe no rows)."""
-    sampling: SamplingParams
-    draft_tokens: tuple[int, ...]
-    session: BatchSession
-
-
-@dataclass(frozen=True)
-class _Acceptance:
-    """One block's part of a batched acceptance call."""
-
-    rows: torch.Tensor
-    """The target's p for the block, as used (temperature, top-k, top-p applied)."""
-    draft_tokens: tuple[int, ...]
-    session: BatchSession
+from verifier.step_outcomes import (
+    Acceptance,
+    Keyed,
+    Scored,
+    accept_together,
+    greedy_outcome,
+    on_device,
+    probs_by_block,
+    seed_exact_draws,
+)
 
 
 class Verifier(SessionComponent[VerifierConfig]):
@@ -112,6 +99,44 @@ class Verifier(SessionComponent[VerifierConfig]):
         """
         return self.submit_verify(session_id, block, defer_bonus).result()
 
+    def submit_open(  # type: ignore[override]
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+        *,
+        time_limit_s: float | None = None,
+        max_new_tokens: int | None = None,
+        resumed: bool = False,
+        constraint: Constraint | None = None,
+        advance: Advance | None = None,
+        sink: Callable[[Verdict | Exception], None] | None = None,
+    ) -> Future[int]:
+        """`SessionComponent.submit_open`; with `advance` (and `sink`, where its own steps
+        report), the session is running: once open, it is in every engine step, verifying a
+        block sent to it if one is there, else taking the target's own next token, until
+        `advance` says its output has ended (`cluster.runtime.advance`)."""
+        if (advance is None) != (sink is None):
+            raise InvalidArgumentError("a running session needs both advance and sink")
+        # Its own steps stop once whoever opened it has gone (a stream ended, an open given up).
+        on_open = (
+            None
+            if advance is None or sink is None
+            else partial(self._start_running, advance, sink, caller_gone())
+        )
+        return super().submit_open(
+            session_id,
+            prompt_tokens,
+            sampling,
+            seed,
+            time_limit_s=time_limit_s,
+            max_new_tokens=max_new_tokens,
+            resumed=resumed,
+            constraint=constraint,
+            on_open=on_open,
+        )
+
     def submit_verify(
         self, session_id: str, block: DraftBlock, defer_bonus: bool = False
     ) -> Future[Verdict]:
@@ -134,13 +159,53 @@ class Verifier(SessionComponent[VerifierConfig]):
         return self.replayer.reference(prompt_tokens, served_tokens, sampling, seed, dtype)
 
     def _verify(self, session_id: str, block: DraftBlock, defer_bonus: bool) -> Task[Verdict]:
-        session = self._sessions.get_at(session_id, block.base_length)
-        num_draft = len(block.tokens)
-        if num_draft > self.config.max_block_tokens:
+        """A block sent by the router, verified from where its session stands when the engine
+        takes it (`verifier.reconcile`): a running session may have advanced since the block's
+        base, or not be where the block assumed (it is then dropped, committing nothing)."""
+        session = self._sessions.get(session_id)
+        committed = session.committed_length
+        if block.base_length > committed:
+            raise StaleBaseError(
+                f"session {session_id!r} has committed length {committed}, but the block is "
+                f"based on length {block.base_length}"
+            )
+        if len(block.tokens) > self.config.max_block_tokens:
             raise InvalidArgumentError(
-                f"block of {num_draft} tokens exceeds the limit of {self.config.max_block_tokens}"
+                f"block of {len(block.tokens)} tokens exceeds the limit of "
+                f"{self.config.max_block_tokens}"
             )
         check_token_ids(block.tokens, self.vocab_size, "block.tokens")
+        check_token_ids(block.assumed, self.vocab_size, "block.assumed")
+        if block.assumed or block.base_length < committed:
+            since_base = session.kv.committed_from(block.base_length)
+            standing = reconcile(since_base, block.assumed, block.tokens)
+            if standing.dropped:
+                return Verdict(
+                    base_length=committed,
+                    num_accepted=0,
+                    tokens=(),
+                    committed_length=committed,
+                    num_matched=standing.skip,
+                    dropped=True,
+                )
+            skip = standing.skip
+            probs = block.draft_probs
+            block = DraftBlock(
+                base_length=committed,
+                tokens=block.tokens[skip:],
+                draft_probs=None if probs is None else tuple(probs[skip:]),
+            )
+            verdict = yield from self._verify_at(session, block, defer_bonus)
+            return replace(verdict, num_matched=skip)
+        return (yield from self._verify_at(session, block, defer_bonus))
+
+    def _verify_at(
+        self, session: ReplicaSession, block: DraftBlock, defer_bonus: bool
+    ) -> Task[Verdict]:
+        """One verify pass of `block`, based where `session` stands: the target's rows at its
+        positions in the engine's next step, the acceptance rule, the emitted tokens
+        committed. A running session stops advancing once they end its output."""
+        num_draft = len(block.tokens)
         self._sessions.check_context(session.committed_length + num_draft + 1)
         greedy = session.sampling.is_greedy
         if greedy and block.draft_probs is not None:
@@ -154,6 +219,16 @@ class Verifier(SessionComponent[VerifierConfig]):
         session.kv.drop_tentative()  # a block whose verdict never came (its call failed)
         masks = self._masks_ahead(session, block.tokens)
         session.kv.extend(block.tokens)
+        if greedy and masks is None:
+            # Greedy acceptance reads only argmaxes: the engine takes them for the whole step
+            # at once, and the rule is applied to these k + 1 ids (no row copied).
+            best = yield from self._argmaxes(session, num_rows)
+            load = self._engine.step_load() if best is not None else None
+            targets = [] if stored is None else [int(stored)]  # type: ignore[arg-type]
+            outcome = SessionOutcome(
+                *greedy_accept(block.tokens, targets + (best or []), defer_bonus)
+            )
+            return self._commit(session, block, outcome, load)
         try:
             logits = yield from self._forward(session, num_rows)
         finally:
@@ -164,13 +239,21 @@ class Verifier(SessionComponent[VerifierConfig]):
             logits = self._mask(logits, allowed[len(allowed) - logits.shape[0] :])
         load = self._engine.step_load() if logits is not None else None
         if greedy:
-            # Greedy acceptance reads only argmaxes: taken here, where the logits are, and
-            # the rule applied to those k + 1 ids at once (no batched call, no row copied).
-            outcome = _greedy_outcome(logits, stored, block.tokens, defer_bonus)
+            outcome = greedy_outcome(logits, stored, block.tokens, defer_bonus)
         elif session.sampling.seed_exact:
             outcome = yield from self._seed_exact_outcome(logits, session, block, defer_bonus)
         else:
             outcome = yield from self._sampled_outcome(logits, session, block, defer_bonus)
+        return self._commit(session, block, outcome, load)
+
+    def _commit(
+        self,
+        session: ReplicaSession,
+        block: DraftBlock,
+        outcome: SessionOutcome,
+        load: StepLoad | None,
+    ) -> Verdict:
+        """Commit a verify pass's outcome to its session: the verdict."""
         if self.config.fault == ACCEPT_ALL and block.tokens:
             outcome = SessionOutcome(len(block.tokens), block.tokens, None)
         session.next_row = outcome.deferred_row
@@ -184,6 +267,9 @@ class Verifier(SessionComponent[VerifierConfig]):
                 if self.config.fault != UNMASKED_BONUS:
                     raise
                 session.matcher = None  # the fault broke the grammar: unconstrained from here
+        advance = session.advance
+        if advance is not None and advance.ended(block.base_length, outcome.tokens):
+            session.advance = None  # its output is over: the router closes it
         return Verdict(
             base_length=block.base_length,
             num_accepted=outcome.num_accepted,
@@ -192,6 +278,46 @@ class Verifier(SessionComponent[VerifierConfig]):
             bonus_deferred=outcome.deferred_row is not None,
             load=load,
         )
+
+    # ------------------------------------------------------------------ running sessions
+
+    def _start_running(
+        self,
+        advance: Advance,
+        sink: Callable[[Verdict | Exception], None],
+        gone: Gone | None,
+        session_id: str,
+        session: ReplicaSession,
+    ) -> None:
+        """Make an opened session running (engine thread): from its next step on, the engine
+        asks `_next_step` for its work whenever no call of it is queued."""
+        if session.committed_length >= advance.max_length:
+            return  # nothing left to generate
+        session.advance, session.sink = advance, sink
+        self._engine.keep_running(session_id, lambda: self._next_step(session_id, gone))
+
+    def _next_step(self, session_id: str, gone: Gone | None) -> Task[None] | None:
+        """A running session's own next step (the target's next token, or its deferred bonus
+        token), or None once it has ended, been closed, run out of time or lost its caller."""
+        session = self._sessions.find(session_id)
+        if session is None or session.advance is None or session.sink is None:
+            return None
+        if gone is not None and gone.is_set():
+            session.advance = None
+            return None
+        return self._step_alone(session, session.sink)
+
+    def _step_alone(
+        self, session: ReplicaSession, sink: Callable[[Verdict | Exception], None]
+    ) -> Task[None]:
+        empty = DraftBlock(base_length=session.committed_length, tokens=())
+        try:
+            verdict = yield from self._verify_at(session, empty, defer_bonus=False)
+        except Exception as error:  # its router hears of it; the session stops advancing
+            session.advance = None
+            sink(error)
+            return
+        sink(verdict)
 
     def _masks_ahead(
         self, session: ReplicaSession, drafts: tuple[int, ...]
@@ -227,7 +353,7 @@ class Verifier(SessionComponent[VerifierConfig]):
             logits = torch.empty(0, self.vocab_size, device=self._target.device)
         outcome: SessionOutcome = yield Batched(
             self._score_and_accept,
-            _Scored(
+            Scored(
                 logits,
                 session.sampling,
                 block.tokens,
@@ -235,7 +361,7 @@ class Verifier(SessionComponent[VerifierConfig]):
                     num_draft=len(block.tokens),
                     greedy=False,
                     generator=session.generator,
-                    draft_probs=_on_device(block.draft_probs, self._target.device),
+                    draft_probs=on_device(block.draft_probs, self._target.device),
                     defer_bonus=defer_bonus,
                     stored_row=session.next_row,
                 ),
@@ -263,106 +389,34 @@ class Verifier(SessionComponent[VerifierConfig]):
             if self.config.fault == DRAFT_STREAM and block.tokens:
                 seed ^= DRAFTER_SEED_SALT
             drawn: list[int] = yield Batched(
-                self._draw_seed_exact, _Keyed(logits, session.sampling, seed, first)
+                self._draw_seed_exact, Keyed(logits, session.sampling, seed, first)
             )
             targets += drawn
         num_accepted, tokens, deferred = greedy_accept(block.tokens, targets, defer_bonus)
         return SessionOutcome(num_accepted, tokens, deferred)
 
-    def _draw_seed_exact(self, batch: list[_Keyed]) -> list[list[int] | Exception]:
+    def _draw_seed_exact(self, batch: list[Keyed]) -> list[list[int] | Exception]:
         """Every seed-exact block of a step: p as used from one `logits_to_probs_rows` call,
         the draws from one `gumbel_tokens` call; only the blocks whose logits the calls refuse
         fail (`each_alone_if_refused`)."""
         noise_positions = self.config.fault != REUSED_NOISE
-        return each_alone_if_refused(lambda b: _seed_exact_draws(b, noise_positions), batch)
+        return each_alone_if_refused(lambda b: seed_exact_draws(b, noise_positions), batch)
 
-    def _score_and_accept(self, batch: list[_Scored]) -> list[SessionOutcome | Exception]:
+    def _score_and_accept(self, batch: list[Scored]) -> list[SessionOutcome | Exception]:
         """Every sampled block of a step: its logits to p as used, all rows in one call (each
         under its own session's settings), then all accepted in one call."""
         results: list[SessionOutcome | Exception | None] = []
-        scored: list[_Acceptance] = []
-        for item, rows in zip(batch, _probs_by_block(batch), strict=True):
+        scored: list[Acceptance] = []
+        for item, rows in zip(batch, probs_by_block(batch), strict=True):
             if isinstance(rows, Exception):
                 results.append(rows)
                 continue
             results.append(None)
-            scored.append(_Acceptance(rows, item.draft_tokens, item.session))
+            scored.append(Acceptance(rows, item.draft_tokens, item.session))
         accepted = iter(self._accept(scored) if scored else [])
         return [next(accepted) if result is None else result for result in results]
 
-    def _accept(self, batch: list[_Acceptance]) -> list[SessionOutcome | Exception]:
+    def _accept(self, batch: list[Acceptance]) -> list[SessionOutcome | Exception]:
         """Accept every block of a step in one `batch_rejection_sample` call. A refused batch
         changes nothing; only the blocks at fault then fail (`each_alone_if_refused`)."""
-        return each_alone_if_refused(_accept_together, batch)
-
-
-@dataclass(frozen=True)
-class _Keyed:
-    """One seed-exact block waiting for its step's draws: its rows' logits and their noise."""
-
-    logits: torch.Tensor  # [rows, vocab]
-    sampling: SamplingParams
-    seed: int
-    first_position: int
-    """The sequence position of row 0; row i is `first_position + i`."""
-
-
-def _seed_exact_draws(batch: list[_Keyed], noise_positions: bool) -> list[list[int]]:
-    sizes = [item.logits.shape[0] for item in batch]
-    probs = logits_to_probs_rows(
-        torch.cat([item.logits for item in batch]),
-        [item.sampling for item, size in zip(batch, sizes, strict=True) for _ in range(size)],
-    )
-    seeds = [item.seed for item, size in zip(batch, sizes, strict=True) for _ in range(size)]
-    positions = [item.first_position + i for item in batch for i in range(item.logits.shape[0])]
-    tokens = gumbel_tokens(probs, seeds, positions, noise_positions=noise_positions)
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [tokens[start : start + size] for start, size in zip(starts, sizes, strict=True)]
-
-
-def _probs_by_block(batch: list[_Scored]) -> list[torch.Tensor | Exception]:
-    """Each block's p as used, from one `logits_to_probs_rows` call over every row; only the
-    blocks whose logits it refuses fail (`each_alone_if_refused`)."""
-    return each_alone_if_refused(_probs_together, batch)
-
-
-def _probs_together(batch: list[_Scored]) -> list[torch.Tensor]:
-    sizes = [item.logits.shape[0] for item in batch]
-    together = logits_to_probs_rows(
-        torch.cat([item.logits for item in batch]),
-        [item.sampling for item, size in zip(batch, sizes, strict=True) for _ in range(size)],
-    )
-    return list(together.split(sizes))
-
-
-def _accept_together(batch: list[_Acceptance]) -> list[SessionOutcome]:
-    rows = torch.cat([item.rows for item in batch])
-    drafts = [token for item in batch for token in item.draft_tokens]
-    draft_tokens = torch.tensor(drafts, dtype=torch.long, device=rows.device)
-    return batch_rejection_sample(rows, draft_tokens, [item.session for item in batch])
-
-
-def _greedy_outcome(
-    logits: torch.Tensor | None,  # [k + 1 - (stored is not None), vocab]
-    stored: DeferredRow | None,
-    draft_tokens: tuple[int, ...],
-    defer_bonus: bool,
-) -> SessionOutcome:
-    """A greedy block's outcome from the argmaxes of its rows (and the stored argmax of a
-    deferred bonus, which stands for position 0)."""
-    targets: list[int] = [] if stored is None else [int(stored)]  # type: ignore[arg-type]
-    if logits is not None and logits.shape[0]:
-        targets += greedy_tokens(logits)
-    num_accepted, tokens, deferred = greedy_accept(draft_tokens, targets, defer_bonus)
-    return SessionOutcome(num_accepted, tokens, deferred)
-
-
-def _on_device(
-    rows: Sequence[SparseDistribution] | None, device: torch.device
-) -> Sequence[SparseDistribution] | None:
-    """Sparse q rows on the target's device (they arrive on the host)."""
-    if rows is None or device.type == "cpu":
-        return rows
-    return tuple(
-        SparseDistribution(token_ids=r.token_ids.to(device), probs=r.probs.to(device)) for r in rows
-    )
+        return each_alone_if_refused(accept_together, batch)

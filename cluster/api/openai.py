@@ -222,11 +222,6 @@ class OpenAIService:
             for chunk in chunks:
                 yield from bodies.bodies(chunk)
 
-    @property
-    def waits_without_threads(self) -> bool:
-        """Whether `open_stream`'s steps never block (`TandemService.waits_without_threads`)."""
-        return self.service.waits_without_threads
-
     def open_stream(
         self, route: Route, body: object, caller: Caller = ANONYMOUS_CALL
     ) -> tuple[Generator[ApiChunk | Wait, None, None], ChunkBodies]:

@@ -58,6 +58,7 @@ from cluster.api.request_reader import RequestReader
 from cluster.api.response import ApiChunk, Usage, merge
 from cluster.api.running import RunningRequests
 from cluster.api.service_config import ServiceConfig
+from cluster.api.stream_interval import StreamInterval
 from cluster.api.tenants import Tenant, Tenants, TenantUsage
 from cluster.metrics import TandemMetrics
 from cluster.routing.request import (
@@ -182,11 +183,6 @@ class TandemService:
         """
         return blocking(self.stream_steps(tenant, message, deadline, on_finished=on_finished))
 
-    @property
-    def waits_without_threads(self) -> bool:
-        """Whether `stream_steps` never block (`Router.waits_without_threads`)."""
-        return self._router.waits_without_threads
-
     def stream_steps(
         self,
         tenant: Tenant,
@@ -261,6 +257,9 @@ class TandemService:
             request, tenant=tenant.name, suffix_index=tenant.config.suffix_index
         )
         chunks = self._router.steps(request, stats, pipelined=pipelined)
+        interval = StreamInterval(
+            self.config.stream_interval_tokens, self.config.stream_interval_ms
+        )
         num_generated = 0
         served: list[int] | None = [] if on_finished or self.online_audit.enabled else None
         outcome = FinishReason.CANCELLED.value  # unless it finishes or fails: the caller left
@@ -282,7 +281,9 @@ class TandemService:
                             Served(request_id, request, tuple(served), drafter_label(stats)),
                             on_finished,
                         )
-                yield _api_chunk(chunk, request, request_id, stats, num_generated)
+                out = interval.offer(_api_chunk(chunk, request, request_id, stats, num_generated))
+                if out is not None:
+                    yield out
                 if chunk.finish_reason is not None:
                     return
         except Exception as error:

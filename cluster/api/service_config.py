@@ -48,6 +48,13 @@ class ServiceConfig:
     tool_parser: str = DETECT
     """The tool-call format read with `tool_choice` "auto" (`cluster.api.tool_formats`): ""
     picks it by the model's chat template; a name (`hermes`) overrides that."""
+    stream_interval_tokens: int = 0
+    """A stream's chunks are let out once this many tokens have gathered (0: every chunk, at
+    most one per verifier step); the first and the last go out at once
+    (`cluster.api.stream_interval`)."""
+    stream_interval_ms: float = 0.0
+    """A stream's chunks are let out once this many milliseconds have passed since the last
+    went out (0: no time interval); with `stream_interval_tokens`, whichever comes first."""
 
     def __post_init__(self) -> None:
         check_rule_name(self.sampling_rule, "sampling_rule")
@@ -61,6 +68,11 @@ class ServiceConfig:
         if isinstance(fan_out, bool) or not 0 <= fan_out <= MAX_PREDRAFT_FAN_OUT:
             raise InvalidArgumentError(
                 f"default_predraft_fan_out must be in 0..{MAX_PREDRAFT_FAN_OUT}, got {fan_out}"
+            )
+        if self.stream_interval_tokens < 0 or self.stream_interval_ms < 0:
+            raise InvalidArgumentError(
+                "stream_interval_tokens and stream_interval_ms must be >= 0, got "
+                f"{self.stream_interval_tokens} and {self.stream_interval_ms}"
             )
         if self.max_tokens_limit < 1:
             raise InvalidArgumentError(

@@ -147,10 +147,10 @@ def _run_local(args: argparse.Namespace, preset: str, reference: LoadedModel) ->
         verifier_config=VerifierConfig(fault=args.verifier_fault or ""),
         prompt_lookup=NgramConfig(enabled=lookup),
         draft_length=DraftLengthConfig(enabled=bool(args.adaptive_draft)),
+        # One round at a time, the first waiting for the drafter: every position the audit
+        # checks went through speculation, none is the verifier's own step.
+        verifier_advances=False,
     )
-    # The opening round waits for the drafter: the first token is drafted too, not the
-    # target's alone, so every position the audit checks went through speculation.
-    tandem.router.first_token_alone = False
     # The messages the remote client would send, through the gRPC face's adapter.
     service = GrpcApi(
         TandemService(

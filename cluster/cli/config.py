@@ -5,7 +5,8 @@ whether a file validates.
 field docs included, for editors to validate and complete YAML against. `check` validates a
 TandemConfig file, or a Ray Serve config file whose applications are built by Tandem's
 `app_builder` (each one's `args` is a TandemConfig; KubeRay's RayService holds one in
-`spec.serveConfigV2`), and prints "ok" or every problem found,
+`spec.serveConfigV2`, alone in its file or beside other objects, as in
+deploy/kuberay/rayservice.yaml), and prints "ok" or every problem found,
 one a line, led by its file and key path; it then exits with status 2, like any wrong input.
 """
 
@@ -13,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
+
+from cluster.runtime.errors import InvalidArgumentError
 
 APP_BUILDER = "cluster.serve.app:app_builder"
 """The import path of Tandem's Serve application builder, as a Serve config names it."""
@@ -56,9 +60,9 @@ def check_file(path: str) -> list[str]:
     """Every problem of the config file at `path`, each led by where it is; none: it is valid.
     An unreadable file or invalid YAML raises InvalidArgumentError."""
     from cluster.config import TandemConfig
-    from cluster.config_parsing import ConfigError, load_yaml
+    from cluster.config_parsing import ConfigError
 
-    data = load_yaml(path)
+    data = _content(path)
     if isinstance(data, dict) and data.get("kind") == "RayService":  # KubeRay's: Serve's inside
         import yaml
 
@@ -82,3 +86,30 @@ def check_file(path: str) -> list[str]:
         except ConfigError as error:
             problems += [f"{where}: {problem}" for problem in error.problems]
     return problems
+
+
+def _content(path: str) -> Any:
+    """The file's YAML content: its one document, or of a manifest of several objects (a
+    RayService and its Services, for one `kubectl apply -f`) the RayService."""
+    from cluster.config_parsing import load_yaml
+
+    try:
+        return load_yaml(path)
+    except InvalidArgumentError:
+        ray_service = _the_ray_service(path)
+        if ray_service is None:
+            raise
+        return ray_service
+
+
+def _the_ray_service(path: str) -> dict[str, Any] | None:
+    """The one RayService among the documents of `path`; None if there is not exactly one
+    (or the file cannot be read as YAML documents)."""
+    import yaml
+
+    try:
+        documents = list(yaml.safe_load_all(Path(path).read_text()))
+    except (OSError, yaml.YAMLError):
+        return None
+    found = [d for d in documents if isinstance(d, dict) and d.get("kind") == "RayService"]
+    return found[0] if len(found) == 1 else None

@@ -22,7 +22,9 @@ serve` started here when `--address` is its port, else every Ray or Tandem proce
 (`cpu_scope` in the JSON). The load streams from one asyncio event loop. Against the service
 `tandem serve` started here, each run also reports `replica_traffic`: per side, the Frames
 stream's frames each way, entries and results per generated token, results per frame and frames
-per engine step (`cluster.tools.bench.replica_traffic`).
+per engine step (`cluster.tools.bench.replica_traffic`), and the verifier's step occupancy: the
+mean number of sessions in a verifier step over the mean number running (`occupancy`,
+`running_per_step`, `stepped_per_step`; 1.0 when every running session is in every step).
 
 `--compare --hf-baseline` adds `hf_target_batched` at every level: Hugging Face serving the
 target alone at the same concurrency, in this process (`cluster.tools.baselines.hf_baseline`),
@@ -461,8 +463,15 @@ def format_table(result: dict[str, Any]) -> str:
     from cluster.tools.bench.process_cpu import cpu_section
 
     with_ideal = any("ideal" in level for level in result["levels"])
+    with_occupancy = any(
+        _occupancy(level[mode]) is not None
+        for level in result["levels"]
+        for mode in RUN_MODES
+        if mode in level
+    )
     header = ["concurrency", "mode", "tokens/s", "requests", "TTFT p50 ms", "ITL p50 ms",
-              "errors", *(["ideal tokens/s", "achieved/ideal"] if with_ideal else [])]  # fmt: skip
+              "errors", *(["ideal tokens/s", "achieved/ideal"] if with_ideal else []),
+              *(["step occupancy", "running per step"] if with_occupancy else [])]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
     def row(*cells: str) -> str:
@@ -482,6 +491,10 @@ def format_table(result: dict[str, Any]) -> str:
                 ideal = level.get("ideal", {}).get(f"{mode}_tokens_per_s")
                 ratio = level.get("achieved_over_ideal", {}).get(mode)
                 cells += [_fixed(ideal), _fixed(ratio)]
+            if with_occupancy:
+                verifier = run.get("replica_traffic", {}).get("verifier", {})
+                cells += [_fixed(verifier.get("occupancy"), 3),
+                          _fixed(verifier.get("running_per_step"), 1)]  # fmt: skip
             lines.append(row(*cells))
         if "speedup" in level:
             lines.append(row(concurrency, "speedup", f"{level['speedup']:.2f}x"))
@@ -507,6 +520,13 @@ def format_table(result: dict[str, Any]) -> str:
     ]
     lines += cpu_section(("concurrency", "mode"), cpu_rows, result.get("cpu_scope"))
     return "\n".join(lines) + "\n"
+
+
+def _occupancy(run: dict[str, Any]) -> float | None:
+    """The verifiers' step occupancy over a run (`replica_traffic`), if it was read."""
+    verifier = run.get("replica_traffic", {}).get("verifier", {})
+    occupancy: float | None = verifier.get("occupancy")
+    return occupancy
 
 
 def _ideal_series(levels: list[dict[str, Any]], mode: str) -> list[float] | None:

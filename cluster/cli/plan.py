@@ -239,7 +239,11 @@ def _read_json(path: str, flag: str) -> Any:
 
 def _plan_dict(inputs: Any, host: Any, levels: list[Any]) -> dict[str, Any]:
     def estimate(e: Any) -> dict[str, Any]:
-        return {**dataclasses.asdict(e), "drafters_per_verifier": e.drafters_per_verifier}
+        return {
+            **dataclasses.asdict(e),
+            "drafters_per_verifier": e.drafters_per_verifier,
+            "routers_per_verifier": e.routers_per_verifier,
+        }
 
     return {
         "preset": inputs.name,
@@ -282,11 +286,12 @@ def _plan_text(inputs: Any, host: Any, levels: list[Any], itl_ms: float | None) 
     ]
     header = (
         "| category | kind | k | alpha | tokens/s | ITL ms | target alone tokens/s | ITL ms "
-        f"| ratio | drafters per verifier | clients per verifier ({served}) | capacity factor |"
+        f"| ratio | drafters per verifier | routers per verifier "
+        f"| clients per verifier ({served}) | capacity factor |"
     )
     for level in levels:
         lines += ["", f"{level.clients} clients, {level.verifiers} verifier(s):", header,
-                  "|" + "---|" * 12]  # fmt: skip
+                  "|" + "---|" * 13]  # fmt: skip
         for c in level.categories:
             b, t = c.best, c.target_alone
             drafters = ", ".join(
@@ -298,16 +303,26 @@ def _plan_text(inputs: Any, host: Any, levels: list[Any], itl_ms: float | None) 
                 f"| {c.category} | {b.kind} | {b.draft_tokens} | {b.alpha:.2f} "
                 f"| {b.tokens_per_s:,.0f} | {b.itl_ms:.2f} "
                 f"| {t.tokens_per_s:,.0f} | {t.itl_ms:.2f} "
-                f"| {c.speedup:.2f}x | {drafters} | {c.clients_per_verifier} | {factor} |"
+                f"| {c.speedup:.2f}x | {drafters} "
+                f"| {b.routers_per_verifier} ({b.router_load:.2f}) "
+                f"| {c.clients_per_verifier} | {factor} |"
             )
         lines.append(
             f"| mix (equal tokens) | | | | {level.mixed_tokens_per_s:,.0f} "
             f"| {level.itl_ms(level.mixed_tokens_per_s):.2f} "
             f"| {level.mixed_target_alone_tokens_per_s:,.0f} "
             f"| {level.itl_ms(level.mixed_target_alone_tokens_per_s):.2f} "
-            f"| {level.mixed_speedup:.2f}x | | | |"
+            f"| {level.mixed_speedup:.2f}x | | | | |"
         )
-    lines += ["", "drafters per verifier: replicas (their load in replicas' worth of work)"]
+    router = inputs.router
+    lines += [
+        "",
+        "drafters per verifier: replicas (their load in replicas' worth of work)",
+        f"routers per verifier: router replicas to keep its device fed at its ideal rate, at "
+        f"{router.cpu_ms_per_token:g} ms of a router's CPU a token + "
+        f"{router.cpu_ms_per_round:g} ms a drafting round, {router.core_share:g} of a core a "
+        f"router ({router.source or 'assumed'})",
+    ]
     lines += [f"{key}: {value}" for key, value in inputs.sources.items()]
     return "\n".join(lines)
 

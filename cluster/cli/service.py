@@ -1,13 +1,14 @@
 """`tandem serve`, `tandem status` and `tandem shutdown`: the service on a local Ray cluster.
 
 `serve` joins the cluster recorded under TANDEM_HOME, or starts one on loopback, deploys the three
-deployments and prints the addresses of both public APIs: `tandem.v1.Tandem` on gRPC (`--port`,
-default 9000) and the OpenAI-compatible HTTP API (`--http-port`, default 8000, Serve's HTTP proxy;
-the application is served at the route prefix `/`, so its base URL is
-`http://127.0.0.1:<port>/v1`), and the same two served by the router replicas themselves, with no
-Serve proxy in between (`cluster.serve.front`): `--direct-port` (default `--port` + 1) and
-`--direct-http-port` (default the HTTP port + 1), 0 for none. A cluster already running keeps the
-HTTP port it was started with (Serve's proxy is started once per cluster). A config with no tenants
+deployments and prints the addresses of both public APIs at two doors. The default door is the
+router replicas' own servers, with no Serve proxy in between (`cluster.serve.front`):
+`tandem.v1.Tandem` on gRPC (`--port`, default 9000) and the OpenAI-compatible HTTP API
+(`--http-port`, default 8000; its base URL is `http://127.0.0.1:<port>/v1`). The second door is
+Serve's proxies, serving the same two APIs: `--proxy-port` (default `--port` + 1) and
+`--proxy-http-port` (default the HTTP port + 1; the application is served at the route prefix
+`/`). A cluster already running keeps the proxies' ports it was started with (Serve starts its
+proxies once per cluster). A config with no tenants
 is served to one tenant, `local`, whose key the home keeps and the command line sends; `--detach`
 leaves it running, otherwise Ctrl-C stops it. `status` shows deployments, replicas with their Ray
 node, address, sessions, load, engine (batch, KV blocks used of total; all its figures in `--json`)
@@ -35,14 +36,19 @@ from cluster.runtime.model_spec import QUANTIZATIONS
 from cluster.serve import local_cluster
 
 if TYPE_CHECKING:
-    from cluster.config import ReplicaGroupConfig, TandemConfig
+    from cluster.config import FrontConfig, ReplicaGroupConfig, TandemConfig
 
 DEFAULT_NUM_CPUS = 8
 """Logical CPUs the local cluster advertises (replicas reserve none by default)."""
 LOCAL_CONCURRENT = 256
 """Concurrent requests of the `local` tenant: the router's whole capacity (the owner's)."""
 SCRAPE_TIMEOUT_S = 5.0
-DEFAULT_HTTP_PORT = 8000
+DEFAULT_PROXY_HTTP_PORT = 8001
+"""Serve's HTTP proxy where the routers serve no HTTP of their own (`front.http_port: null`)
+and no flag names one; otherwise the routers' HTTP port + 1."""
+PORT_FLAGS = ("--port", "--http-port", "--proxy-port", "--proxy-http-port")
+"""The flags that set the four public ports: the routers' own gRPC and HTTP servers (the
+default door), Serve's gRPC and HTTP proxies (the second door)."""
 
 
 def add_to(commands: Any) -> None:
@@ -51,24 +57,33 @@ def add_to(commands: Any) -> None:
     serve.add_argument("--config", help="YAML file with a TandemConfig")
     serve.add_argument("--drafters", type=int, help="drafter replicas")
     serve.add_argument("--verifiers", type=int, help="verifier replicas")
-    serve.add_argument("--port", type=int, help="gRPC port of the public API (default 9000)")
+    serve.add_argument(
+        "--port",
+        type=_port,
+        metavar="PORT",
+        help="gRPC port of the public API, served by the router replicas themselves "
+        "(default 9000, or the config's front.grpc_port)",
+    )
     serve.add_argument(
         "--http-port",
-        type=int,
-        default=DEFAULT_HTTP_PORT,
-        help=f"port of the OpenAI-compatible HTTP API (default {DEFAULT_HTTP_PORT})",
+        type=_port,
+        metavar="PORT",
+        help="port of the OpenAI-compatible HTTP API, served by the router replicas "
+        "themselves (default 8000, or the config's front.http_port)",
     )
     serve.add_argument(
-        "--direct-port",
-        type=int,
-        help="gRPC port of the router replicas' own server, no Serve proxy in between "
-        "(default: --port + 1; 0: none)",
+        "--proxy-port",
+        type=_port,
+        metavar="PORT",
+        help="gRPC port of Serve's proxy, the same API through Serve: the second door "
+        "(default: --port + 1, or the config's proxy_grpc_port)",
     )
     serve.add_argument(
-        "--direct-http-port",
-        type=int,
-        help="port of the router replicas' own OpenAI-compatible server "
-        "(default: the HTTP port + 1; 0: none)",
+        "--proxy-http-port",
+        type=_port,
+        metavar="PORT",
+        help="port of Serve's HTTP proxy, the same OpenAI-compatible API through Serve: the "
+        "second door (default: the HTTP port + 1)",
     )
     serve.add_argument(
         "--prompt-lookup",
@@ -86,6 +101,20 @@ def add_to(commands: Any) -> None:
         "--adaptive-draft",
         action=argparse.BooleanOptionalAction,
         help="choose each round's length and pipelining per request (default: the config's, on)",
+    )
+    serve.add_argument(
+        "--stream-interval-tokens",
+        type=int,
+        metavar="N",
+        help="let a stream's chunks out once N tokens have gathered; the first and last at "
+        "once (default: the config's, 0: every verifier step's)",
+    )
+    serve.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        metavar="MS",
+        help="let a stream's chunks out once MS milliseconds have passed since the last "
+        "(default: the config's, 0: none)",
     )
     serve.add_argument(
         "--draft-quantization",
@@ -113,7 +142,7 @@ def add_to(commands: Any) -> None:
 
 def _config(args: argparse.Namespace) -> TandemConfig:
     # Imported here: it pulls in torch, which `tandem generate --address` must not wait for.
-    from cluster.config import TandemConfig
+    from cluster.config import FrontConfig, TandemConfig
 
     config = TandemConfig.from_yaml(args.config) if args.config else TandemConfig()
     changes: dict[str, Any] = {}
@@ -130,8 +159,12 @@ def _config(args: argparse.Namespace) -> TandemConfig:
         changes["drafter"] = drafter
     if args.verifiers is not None:
         changes["verifier"] = dataclasses.replace(config.verifier, num_replicas=args.verifiers)
-    if args.port is not None:
-        changes["grpc_port"] = args.port
+    changes["front"] = FrontConfig(
+        grpc_port=_given(args.port, config.front.grpc_port),
+        http_port=_given(args.http_port, config.front.http_port),
+        host=local_cluster.LOOPBACK,
+    )
+    changes["proxy_grpc_port"] = _proxy_grpc_port(args, config, changes["front"])
     if args.prompt_lookup is not None:
         changes["prompt_lookup"] = dataclasses.replace(
             config.prompt_lookup, enabled=args.prompt_lookup
@@ -146,7 +179,52 @@ def _config(args: argparse.Namespace) -> TandemConfig:
         changes["draft_length"] = dataclasses.replace(
             config.draft_length, enabled=args.adaptive_draft
         )
-    return dataclasses.replace(config, **changes) if changes else config
+    interval = {
+        name: value
+        for name, value in (
+            ("stream_interval_tokens", args.stream_interval_tokens),
+            ("stream_interval_ms", args.stream_interval_ms),
+        )
+        if value is not None
+    }
+    if interval:
+        changes["api"] = dataclasses.replace(config.api, **interval)
+    return dataclasses.replace(config, **changes)
+
+
+def _port(text: str) -> int:
+    """A port flag's value: a TCP port number."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (1..65535)")
+    return port
+
+
+def _given(flag: int | None, configured: int | None) -> int | None:
+    return configured if flag is None else flag
+
+
+def _proxy_grpc_port(args: argparse.Namespace, config: TandemConfig, front: FrontConfig) -> int:
+    """Serve's gRPC proxy: `--proxy-port`, else the config's `proxy_grpc_port` where it sets one
+    of its own, else one above the routers' gRPC port (9001 by default)."""
+    from cluster.config import DEFAULT_PROXY_GRPC_PORT
+
+    if args.proxy_port is not None:
+        return int(args.proxy_port)
+    if config.proxy_grpc_port != DEFAULT_PROXY_GRPC_PORT or front.grpc_port is None:
+        return config.proxy_grpc_port
+    return front.grpc_port + 1
+
+
+def _proxy_http_port(args: argparse.Namespace, config: TandemConfig) -> int:
+    """Serve's HTTP proxy: `--proxy-http-port`, else one above the routers' HTTP port."""
+    if args.proxy_http_port is not None:
+        return int(args.proxy_http_port)
+    http_port = config.front.http_port
+    return DEFAULT_PROXY_HTTP_PORT if http_port is None else http_port + 1
 
 
 def _with_local_tenant(config: TandemConfig) -> TandemConfig:
@@ -177,11 +255,28 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _check_port_free(port: int, flag: str = "--port") -> None:
-    # As the servers bind it (SO_REUSEADDR): a port whose last server just stopped is free,
-    # its closed connections in TIME_WAIT notwithstanding; one a server listens on is not.
-    if not local_cluster.port_is_free(port):
-        raise InvalidArgumentError(f"port {port} is in use; choose another with {flag}")
+def _public_ports(config: TandemConfig, proxy_http_port: int) -> list[tuple[int, str]]:
+    """The public ports `config` serves on, each with the flag that sets it (`PORT_FLAGS`):
+    the routers' own (none where the config turns one off), then Serve's proxies."""
+    ports = (config.front.grpc_port, config.front.http_port, config.proxy_grpc_port,
+             proxy_http_port)  # fmt: skip
+    return [(port, flag) for port, flag in zip(ports, PORT_FLAGS, strict=True) if port]
+
+
+def _check_ports_free(ports: list[tuple[int, str]]) -> None:
+    """Every public port differs from the others and is free, else the error names the flag
+    that sets it. As the servers bind them (SO_REUSEADDR): a port whose last server just
+    stopped is free, its closed connections in TIME_WAIT notwithstanding; one a server listens
+    on is not."""
+    flags: dict[int, str] = {}
+    for port, flag in ports:
+        if port in flags:
+            raise InvalidArgumentError(
+                f"{flags[port]} and {flag} are both port {port}; give each its own"
+            )
+        flags[port] = flag
+        if not local_cluster.port_is_free(port):
+            raise InvalidArgumentError(f"port {port} is in use; choose another with {flag}")
 
 
 def _live_state() -> local_cluster.ClusterState | None:
@@ -193,25 +288,38 @@ def _live_state() -> local_cluster.ClusterState | None:
     return state
 
 
+def _kept_proxies(
+    config: TandemConfig, proxy_http_port: int, state: local_cluster.ClusterState
+) -> tuple[TandemConfig, int]:
+    """`config` and Serve's HTTP proxy port, with the proxies' ports of a running cluster:
+    Serve starts its proxies once per cluster, and they keep their ports."""
+    grpc_port = state.proxy_port or config.proxy_grpc_port
+    http_port = state.proxy_http_port or proxy_http_port
+    if (grpc_port, http_port) != (config.proxy_grpc_port, proxy_http_port):
+        _say(
+            f"the running cluster keeps Serve's proxies on ports {grpc_port} (gRPC) and "
+            f"{http_port} (HTTP); --proxy-port and --proxy-http-port apply to a new cluster"
+        )
+    return dataclasses.replace(config, proxy_grpc_port=grpc_port), http_port
+
+
 def serve_command(args: argparse.Namespace) -> int:
     config = _config(args)
     if config.cluster_secret is None:
         config = dataclasses.replace(config, cluster_secret=local_cluster.cluster_secret())
     config = _with_local_tenant(config)
+    proxy_http_port = _proxy_http_port(args, config)
     started = time.monotonic()
     state = _live_state()
     if state is None:
-        config = _with_front(config, args, args.http_port)
-        _check_port_free(config.grpc_port)
-        _check_port_free(args.http_port, "--http-port")
-        for port, flag in _front_ports(config):
-            _check_port_free(port, flag)
+        ports = _public_ports(config, proxy_http_port)
+        _check_ports_free(ports)
         # Ray's own servers get free ports too; not the ones this service is about to bind.
-        local_cluster.reserve_ports(
-            config.grpc_port, args.http_port, *(port for port, _ in _front_ports(config))
-        )
+        local_cluster.reserve_ports(*(port for port, _ in ports))
         _say(f"starting a local Ray cluster in {local_cluster.home()} ...")
         state = local_cluster.start_cluster(args.num_cpus)
+    else:
+        config, proxy_http_port = _kept_proxies(config, proxy_http_port, state)
     local_cluster.connect(state)
 
     from ray import serve
@@ -219,19 +327,17 @@ def serve_command(args: argparse.Namespace) -> int:
 
     from cluster.serve.app import GRPC_SERVICER_FUNCTIONS, build_app
 
-    http_port = state.http_port or args.http_port
-    if http_port != args.http_port:
-        _say(
-            f"the running cluster keeps its HTTP port {http_port} "
-            f"(--http-port {args.http_port} applies to a new cluster)"
-        )
-    config = _with_front(config, args, http_port)
+    # Serve's proxies: the second door (a Serve already running keeps its own, as recorded).
     serve.start(
         grpc_options=gRPCOptions(
-            port=config.grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)
+            port=config.proxy_grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)
         ),
-        http_options={"host": local_cluster.LOOPBACK, "port": http_port},
+        http_options={"host": local_cluster.LOOPBACK, "port": proxy_http_port},
     )
+    state = dataclasses.replace(
+        state, proxy_port=config.proxy_grpc_port, proxy_http_port=proxy_http_port
+    )
+    local_cluster.save_state(state)  # the proxies run now, whatever becomes of the deployment
     pair = config.pair()
     _say(
         f"deploying {_replicas(config.drafter)} drafter(s) [{pair.draft.source}"
@@ -244,23 +350,14 @@ def serve_command(args: argparse.Namespace) -> int:
     serve.run(build_app(config), name=config.app_name, route_prefix="/")
     state = dataclasses.replace(
         state,
-        grpc_port=config.grpc_port,
-        http_port=http_port,
+        grpc_port=config.front.grpc_port,
+        http_port=config.front.http_port,
         app_name=config.app_name,
-        direct_port=config.front.grpc_port,
-        direct_http_port=config.front.http_port,
     )
     local_cluster.save_state(state)
-    address = f"{local_cluster.LOOPBACK}:{config.grpc_port}"
     _say(f"ready in {time.monotonic() - started:.1f} s")
-    print(f"gRPC API on {address} (tandem.v1.Tandem)", flush=True)
-    print(f"OpenAI-compatible API on {http_address(http_port)}", flush=True)
-    if config.front.grpc_port is not None:
-        direct = f"{local_cluster.LOOPBACK}:{config.front.grpc_port}"
-        print(f"direct gRPC API on {direct} (the routers' own server)", flush=True)
-    if config.front.http_port is not None:
-        direct_http = http_address(config.front.http_port)
-        print(f"direct OpenAI-compatible API on {direct_http} (the routers' own)", flush=True)
+    for line in door_lines(state):
+        print(line, flush=True)
     if args.detach:
         return 0
     _say("press Ctrl-C to stop")
@@ -272,28 +369,27 @@ def serve_command(args: argparse.Namespace) -> int:
         return _shutdown(state)
 
 
-def _with_front(config: TandemConfig, args: argparse.Namespace, http_port: int) -> TandemConfig:
-    """`config` with its routers' own servers on loopback: at the flags' ports, else the
-    config's, else one above the proxy's (`--port` + 1, the HTTP port + 1); port 0: none."""
-    from cluster.config import FrontConfig
+def door_lines(state: local_cluster.ClusterState) -> list[str]:
+    """What `tandem serve` prints once the service is up: the default door first (the routers'
+    own servers: the gRPC API, then the OpenAI-compatible API's base URL), then the second
+    (Serve's proxies)."""
+    lines = []
+    if state.grpc_port:
+        lines.append(f"gRPC API on {grpc_address(state.grpc_port)} (tandem.v1.Tandem)")
+    if state.http_port:
+        lines.append(f"OpenAI-compatible API on {http_address(state.http_port)}")
+    proxies = [
+        *([f"gRPC {grpc_address(state.proxy_port)}"] if state.proxy_port else []),
+        *([f"HTTP {http_address(state.proxy_http_port)}"] if state.proxy_http_port else []),
+    ]
+    if proxies:
+        lines.append(f"through Serve's proxies: {', '.join(proxies)}")
+    return lines
 
-    def port(flag: int | None, configured: int | None, proxy_port: int) -> int | None:
-        chosen = flag if flag is not None else configured or proxy_port + 1
-        return chosen or None
 
-    front = FrontConfig(
-        grpc_port=port(args.direct_port, config.front.grpc_port, config.grpc_port),
-        http_port=port(args.direct_http_port, config.front.http_port, http_port),
-        host=local_cluster.LOOPBACK,
-    )
-    return dataclasses.replace(config, front=front)
-
-
-def _front_ports(config: TandemConfig) -> list[tuple[int, str]]:
-    """The routers' own ports, each with the flag that sets it."""
-    front = config.front
-    ports = [(front.grpc_port, "--direct-port"), (front.http_port, "--direct-http-port")]
-    return [(port, flag) for port, flag in ports if port is not None]
+def grpc_address(port: int | None) -> str:
+    """The gRPC API's address on this machine (what `--address` takes)."""
+    return f"{local_cluster.LOOPBACK}:{port}"
 
 
 def http_address(port: int | None) -> str:
@@ -319,6 +415,10 @@ def status_command(args: argparse.Namespace) -> int:
         return 0
     print(f"Tandem app {summary['app']!r}: {summary['status']}")
     print(f"  gRPC API on {summary['address']}; OpenAI-compatible API on {summary['http_address']}")
+    print(
+        f"  through Serve's proxies: gRPC {summary['proxy_address']}, "
+        f"HTTP {summary['proxy_http_address']}"
+    )
     for name, deployment in summary["deployments"].items():
         replicas = ", ".join(f"{n} {s}" for s, n in deployment["replicas"].items())
         print(f"  {name:<9} {deployment['status']:<10} {replicas}")
@@ -425,14 +525,12 @@ def _status(state: local_cluster.ClusterState) -> dict[str, Any]:
     endpoints = _metrics_endpoints()
     return {
         "app": app_name,
-        "address": f"{local_cluster.LOOPBACK}:{state.grpc_port}",
-        "http_address": http_address(state.http_port),
-        "direct_address": (
-            f"{local_cluster.LOOPBACK}:{state.direct_port}" if state.direct_port else None
-        ),
-        "direct_http_address": (
-            http_address(state.direct_http_port) if state.direct_http_port else None
-        ),
+        # The default door (the routers' own servers; Serve's proxies where the config turns
+        # one off), then the second (Serve's proxies).
+        "address": grpc_address(state.grpc_port or state.proxy_port),
+        "http_address": http_address(state.http_port or state.proxy_http_port),
+        "proxy_address": grpc_address(state.proxy_port),
+        "proxy_http_address": http_address(state.proxy_http_port),
         "status": _name(application.status),
         "deployments": {
             name: {

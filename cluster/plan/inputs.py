@@ -158,6 +158,27 @@ class HostCost:
         return self.cpu_ms_per_token + per_round / max(tokens_per_round, 1.0)
 
 
+@dataclass(frozen=True)
+class RouterCost:
+    """What a router replica (one Python process: its event loop reads the verifier's reports,
+    commits, streams) spends per token it serves, measured by process (`tandem loadtest`'s CPU
+    by role), and the share of a core one process can give. How many routers a verifier needs
+    is what keeps its device fed (`cluster.plan.model.router_load`)."""
+
+    cpu_ms_per_token: float
+    """The router's CPU a committed token, the target alone."""
+    cpu_ms_per_round: float = 0.0
+    """More a drafting round (its drafts and posts)."""
+    core_share: float = 0.8
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.cpu_ms_per_token < 0 or self.cpu_ms_per_round < 0:
+            raise InvalidArgumentError("router CPU figures must be >= 0")
+        if not 0.0 < self.core_share <= 1.0:
+            raise InvalidArgumentError(f"core_share must be in (0, 1], got {self.core_share}")
+
+
 Acceptance = Mapping[str, Mapping[str, float]]
 """category -> kind -> alpha."""
 
@@ -192,6 +213,8 @@ class PlanInputs:
     sampled_host: HostCost | None = None
     """The host term for sampled requests where it differs from greedy ones' (`host`): the
     simulated verifier spends about twice the CPU a token sampling (`tandem plan --sampled`)."""
+    router: RouterCost = field(default_factory=lambda: RouterCost(cpu_ms_per_token=0.3))
+    """A router replica's CPU per token: how many routers a verifier needs."""
 
     def __post_init__(self) -> None:
         if self.context_tokens < 0:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cluster.plan.inputs import TARGET_ALONE, DrafterCost, HostCost, PlanInputs
+from cluster.plan.inputs import TARGET_ALONE, DrafterCost, HostCost, PlanInputs, RouterCost
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.sim import expected_tokens, ideal_rates
 from cluster.runtime.sim_source import DeviceProfile
@@ -60,10 +60,17 @@ class Estimate:
     Distance), for drafts made on a device of their own; None elsewhere."""
     cpu_ms_per_token: float = 0.0
     """The host's CPU a generated token (`HostCost.cpu_ms`, plus a CPU drafter's lookups)."""
+    router_load: float = 0.0
+    """Router processes' worth of work to keep one verifier's device fed (`router_load`)."""
 
     @property
     def drafters_per_verifier(self) -> int:
         return math.ceil(self.drafter_load - 1e-9) if self.drafter_load > 0 else 0
+
+    @property
+    def routers_per_verifier(self) -> int:
+        """Router replicas (one Python process each) a verifier needs; at least one."""
+        return max(1, math.ceil(self.router_load - 1e-9))
 
 
 def draft_step_profile(cost: DrafterCost, k: int, target: DeviceProfile) -> DeviceProfile:
@@ -180,7 +187,23 @@ def estimate(
         drafter_load=load,
         capacity_factor=capacity,
         cpu_ms_per_token=cpu_s / MS,
+        router_load=router_load(inputs.router, device_rate, per_round if k else None),
     )
+
+
+def router_load(
+    cost: RouterCost, device_tokens_per_s: float, tokens_per_round: float | None
+) -> float:
+    """Router processes' worth of work to keep up with one verifier's device committing
+    `device_tokens_per_s` (its ideal, not what the host lets through: the routers must not be
+    what holds the device back): each committed token costs a router `cpu_ms_per_token`, each
+    drafting round (`tokens_per_round` tokens; None: the target alone) `cpu_ms_per_round`
+    more, and one router process has `core_share` of a core to give (its event loop is one
+    thread, and its gRPC threads take their share of the same interpreter)."""
+    per_token_ms = cost.cpu_ms_per_token
+    if tokens_per_round is not None:
+        per_token_ms += cost.cpu_ms_per_round / max(tokens_per_round, 1.0)
+    return device_tokens_per_s * per_token_ms * MS / cost.core_share
 
 
 def drafter_load(

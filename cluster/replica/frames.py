@@ -56,11 +56,16 @@ INTERNAL_ERROR_MESSAGE = "internal error; see the replica's log"
 class EntryHandler:
     """How a replica serves one kind of `FrameEntry` (the field set in its `call` oneof)."""
 
-    submit: Callable[[Any], Future[Any]]
+    submit: Callable[..., Future[Any]]
     """The entry's request message -> a future of the component's answer; may raise (a
     request that does not convert), which fails the entry alone."""
     answer: Callable[[Any], replica_pb2.FrameResult]
     """The component's answer as a `FrameResult` (its tag is set by the stream)."""
+    reported: Callable[[Any], replica_pb2.FrameResult] | None = None
+    """For an entry whose work reports on after its answer (a running verifier session's own
+    steps): how each report becomes a `FrameResult` under the entry's tag. `submit` is then
+    also given `report=`, the callback to report with (a value, or the error that ended
+    the reports); None: the entry is answered once."""
 
 
 class FrameCounters:
@@ -220,12 +225,38 @@ class FrameStream:
         given_up = _EntryGone(self.gone)
         with self._lock:
             self._given_up[entry.tag] = given_up
+        request = getattr(entry, kind)
         try:
             with call_scope(given_up):
-                future = handler.submit(getattr(entry, kind))
+                if handler.reported is None:
+                    future = handler.submit(request)
+                else:
+                    report = partial(self._report, entry.tag, handler.reported)
+                    future = handler.submit(request, report=report)
         except Exception as error:  # the entry alone fails; the stream goes on
             future = _failed(error)
         future.add_done_callback(partial(self._done, entry.tag, handler))
+
+    def _report(
+        self, tag: int, reported: Callable[[Any], replica_pb2.FrameResult], item: Any
+    ) -> None:
+        """A further result under entry `tag` (a running session's own step, or the error
+        that stopped it): sent with the step's frame, like an answer."""
+        if isinstance(item, BaseException):
+            result = replica_pb2.FrameResult(tag=tag, error=self._error(item))
+        else:
+            try:
+                result = reported(item)
+            except Exception as failure:
+                result = replica_pb2.FrameResult(error=self._error(failure))
+            result.tag = tag
+        with self._lock:
+            if self._ended:
+                return
+            self._outbox.append(result)
+            now = not self._engine.on_engine_thread  # else the step listener sends it
+        if now:
+            self.flush()
 
     def _done(self, tag: int, handler: EntryHandler | None, future: Future[Any]) -> None:
         """A future completed: put its result where the next send picks it up."""
@@ -255,13 +286,16 @@ class FrameStream:
             else:
                 result.tag = tag
                 return result
+        assert error is not None
+        return replica_pb2.FrameResult(tag=tag, error=self._error(error))
+
+    def _error(self, error: BaseException) -> replica_pb2.EntryError:
+        """An entry's failure as the router reads it (an unexpected one: INTERNAL, logged)."""
         if isinstance(error, TandemError):
             retry_after_s = getattr(error, "retry_after_s", None)
-            failure_message = entry_error(error.status, str(error), retry_after_s)
-        else:
-            logger.error("%s frame entry failed unexpectedly", self._name, exc_info=error)
-            failure_message = entry_error("INTERNAL", INTERNAL_ERROR_MESSAGE)
-        return replica_pb2.FrameResult(tag=tag, error=failure_message)
+            return entry_error(error.status, str(error), retry_after_s)
+        logger.error("%s frame entry failed unexpectedly", self._name, exc_info=error)
+        return entry_error("INTERNAL", INTERNAL_ERROR_MESSAGE)
 
     def _emit(self, results: list[replica_pb2.FrameResult]) -> None:
         """Send `results` as one frame (none: nothing), then the end once the router has

@@ -1,11 +1,12 @@
 """What the drafter's and the verifier's gRPC servicers share: the session RPCs, the Frames stream.
 
-`SessionServicer` serves OpenSession, CloseSession and Stats over a `SessionComponent`: each
-handler converts the request with `cluster.wire.convert`, calls the component under the
-servicer's `CallGuard` (errors become gRPC statuses; calls run concurrently, batched by the
-component's engine), and converts the result back. Each side's servicer (`drafter.servicer`,
-`verifier.servicer`) adds its own RPC (Draft, Verify) the same way, its kind of frame entry
-(`_entry_handlers`), and says how it registers on a server (`add_to_server`).
+`SessionServicer` serves Stats (under the servicer's `CallGuard`: errors become gRPC statuses)
+and the Frames stream, whose open and close entries it serves over a `SessionComponent`: each
+entry converted with `cluster.wire.requests`, submitted to the component (calls run
+concurrently, batched by the component's engine), its answer converted back. Each side's
+servicer (`drafter.servicer`, `verifier.servicer`) adds its own kinds of entry
+(`_entry_handlers`: draft and predraft, verify) and says how it registers on a server
+(`add_to_server`).
 
 `Frames` is the thin adapter over a `FrameStream` (`cluster.replica.frames`): the router's
 frames are read on a thread of their own and handed to the stream, and the stream's frames are
@@ -75,24 +76,6 @@ class SessionServicer(Generic[K]):
     def add_to_server(self, server: grpc.Server) -> None:
         """Register this servicer on `server` (what `start_server` takes as `add_servicer`)."""
         raise NotImplementedError
-
-    def OpenSession(
-        self, request: replica_pb2.OpenSessionRequest, context: grpc.ServicerContext
-    ) -> replica_pb2.OpenSessionResponse:
-        def call() -> replica_pb2.OpenSessionResponse:
-            length = self._submit_open(request).result()  # as a Frames entry is opened
-            return replica_pb2.OpenSessionResponse(committed_length=length)
-
-        return self._guard.run(context, "OpenSession", call)
-
-    def CloseSession(
-        self, request: replica_pb2.CloseSessionRequest, context: grpc.ServicerContext
-    ) -> replica_pb2.CloseSessionResponse:
-        def call() -> replica_pb2.CloseSessionResponse:
-            existed = self.component.close_session(requests.close_request_from_wire(request))
-            return replica_pb2.CloseSessionResponse(existed=existed)
-
-        return self._guard.run(context, "CloseSession", call)
 
     def Stats(
         self, request: replica_pb2.StatsRequest, context: grpc.ServicerContext

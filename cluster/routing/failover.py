@@ -3,7 +3,8 @@
 Replicas hold only soft state and the router holds every committed token, so when
 a replica fails a call (unreachable, or it no longer knows the session) the request moves on.
 A verifier is replaced by a spare of the pool, whose session is opened on the whole history
-(prompt and committed tokens) before the same block is verified again; so is one that refuses
+(prompt and committed tokens): tokens the lost one committed but never reported are generated
+again, and blocks posted to it are dropped (the router posts afresh); so is one that refuses
 the session for lack of KV memory, at open (its planned growth does not fit: sessions are
 opened planned for what is left of `max_tokens`) or mid-request; a drafter is replaced
 the same way, or, with no spare, the request goes on with the target alone; so it does, with no
@@ -14,29 +15,19 @@ rejection-rule output keeps its distribution (the spare's generator starts afres
 request is no longer repeatable across the failure). At most
 `MAX_FAILOVERS` per request, then the error goes to the caller.
 
-`Failover` does this for one router: it opens and verifies on a request's verifier, replaces
-a failed replica in the request's `Generation`, and closes sessions, best effort; a session
-left on a replica the request moved from is closed in the background, off the request's path.
+`Failover` does this for one router: it opens a request's verifier session, replaces a
+failed replica in the request's `Generation`, and closes sessions, best effort; a session left
+on a replica the request moved from is closed in the background, off the request's path.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from cluster.routing.generation import DrafterView, Generation
-from cluster.routing.ports import (
-    DrafterPort,
-    ReplicaPool,
-    VerifierPort,
-    begin_call,
-    close_steps,
-    open_steps,
-    verify_steps,
-)
-from cluster.routing.waits import Steps, finishing, run
-from cluster.runtime.draft_block import DraftBlock, Verdict
+from cluster.routing.ports import DrafterPort, ReplicaPool, VerifierPort
+from cluster.routing.waits import Started, Steps, finishing, run
 from cluster.runtime.errors import (
     ReplicaUnavailableError,
     ResourceExhaustedError,
@@ -47,8 +38,6 @@ from cluster.runtime.errors import (
 logger = logging.getLogger(__name__)
 
 
-MAX_BACKGROUND_CLOSES = 4
-"""Threads closing, in the background, the sessions of replicas a request failed over from."""
 MAX_FAILOVERS = 4
 """Replicas one request may replace (both sides together) before it fails."""
 LOST = (ReplicaUnavailableError, SessionNotFoundError)
@@ -66,37 +55,24 @@ deadline, checked first, ends the request."""
 
 
 class Failover:
-    """One router's failover: spares from `replicas`, a spare drafter's session opened on
-    `drafts` (the router's draft thread pool, so it opens while the request goes on), and
-    `drafter_degraded(cause)` called when a request's drafting stops for good."""
+    """One router's failover: spares from `replicas`, and `drafter_degraded(cause)` called
+    when a request's drafting stops for good."""
 
-    def __init__(
-        self,
-        replicas: ReplicaPool,
-        drafts: ThreadPoolExecutor,
-        drafter_degraded: Callable[[str], None],
-    ) -> None:
+    def __init__(self, replicas: ReplicaPool, drafter_degraded: Callable[[str], None]) -> None:
         self._replicas = replicas
-        self._drafts = drafts
         self._drafter_degraded = drafter_degraded
-        self._closer = ThreadPoolExecutor(MAX_BACKGROUND_CLOSES, thread_name_prefix="close-old")
-        """Closes sessions left on replicas a request failed over from, off its path."""
-
-    def close(self) -> None:
-        """Wait for the background closes to finish, and stop their threads."""
-        self._closer.shutdown(wait=True)
 
     def open_verifier(self, gen: Generation, resumed: bool = False) -> Steps[None]:
         """Open the request's session on its verifier, over the whole history (the prompt at
         first; after a failover, every committed token too), planned to grow by what is left
-        of `max_tokens`; fail over while that fails or the verifier has no room for it.
-        `resumed`: the request already ran on another verifier (a failover), so no plan may
-        refuse it: it would fail midway. Steps (`cluster.routing.waits`)."""
+        of `max_tokens`, running (`Generation.advance`) and reporting to `gen.events`; fail
+        over while that fails or the verifier has no room for it. `resumed`: the request
+        already ran on another verifier (a failover), so no plan may refuse it: it would fail
+        midway. Steps (`cluster.routing.waits`)."""
         while True:
             request = gen.request
             try:
-                yield from open_steps(
-                    gen.verifier,
+                yield from gen.verifier.open_session_steps(
                     gen.session_id,
                     gen.history,
                     request.sampling,
@@ -104,26 +80,23 @@ class Failover:
                     max_new_tokens=gen.remaining,
                     resumed=resumed,
                     constraint=gen.constraint,
+                    advance=gen.advance,
+                    events=gen.events if gen.advance is not None else None,
                 )
+                gen.heard_at = gen.now()
                 return
             except VERIFIER_MOVES as error:
                 self.replace(gen, "verifier", error)
 
-    def verify(self, gen: Generation, block: DraftBlock, defer_bonus: bool) -> Steps[Verdict]:
-        """Verify `block`; if the verifier fails, or its KV pool is full, verify it again on a
-        spare (with none, the error ends the request). Steps."""
-        while True:
-            try:
-                return (
-                    yield from verify_steps(
-                        gen.verifier, gen.session_id, block, defer_bonus=defer_bonus
-                    )
-                )
-            except VERIFIER_MOVES as error:
-                self.replace(gen, "verifier", error)
-                # A consumer that leaves meanwhile must find the spare's session open, or
-                # the close would miss it (`finishing`).
-                yield from finishing(self.open_verifier(gen, resumed=True))
+    def move_verifier(self, gen: Generation, error: Exception) -> Steps[None]:
+        """The request's verifier failed it with `error`: go on on a spare (re-raising
+        `error` when none may take it), opened on the history. Steps."""
+        if not isinstance(error, VERIFIER_MOVES):
+            raise error
+        self.replace(gen, "verifier", error)
+        # A consumer that leaves meanwhile must find the spare's session open, or the close
+        # would miss it (`finishing`).
+        yield from finishing(self.open_verifier(gen, resumed=True))
 
     def replace(self, gen: Generation, side: str, error: Exception) -> None:
         """Pin a spare of `side` in place of the replica that raised `error`; re-raise it when
@@ -145,7 +118,7 @@ class Failover:
             self._drafter_degraded(cause)
             run(self.close_drafter(gen))
             gen.drafter_port, gen.drafter_opening, gen.open_drafter = None, None, None
-            gen.drafter = DrafterView(base_length=gen.committed)
+            gen.drafter = DrafterView(agreed=gen.committed)
             return
         failed_id = gen.verifier_id if side == "verifier" else gen.drafter_id
         full = isinstance(error, ResourceExhaustedError)
@@ -163,7 +136,7 @@ class Failover:
         if failed_port is not None and not isinstance(error, SessionNotFoundError):
             # It may only have been slow or cut off: free the session it may still hold now
             # rather than at its idle TTL, without holding up the request.
-            self._closer.submit(self.close_quietly, side, failed_port, gen.session_id)
+            Started(self.closed_quietly(side, failed_port, gen.session_id))  # sent, not awaited
         spare = None
         if len(gen.failed) + len(gen.full) <= MAX_FAILOVERS:
             # A replica lost this request is never tried again; one that was full only when
@@ -176,25 +149,25 @@ class Failover:
             if spare is None:
                 raise error
             gen.verifier, gen.verifier_id = spare.port, spare.replica_id
+            gen.restart_verifier()
             return
         gen.drafter_opening, gen.open_drafter = None, None
-        gen.drafter = DrafterView(base_length=gen.committed)
+        gen.drafter = DrafterView(agreed=gen.committed)
         if spare is None:
             gen.drafter_port = None  # on with the target alone (and prompt lookup)
             return
         gen.drafter_port, gen.drafter_id = spare.port, spare.replica_id
         gen.stats.drafters.append(spare.replica_id)
         request = gen.request
-        gen.drafter_opening = begin_call(
-            self._drafts,
-            spare.port,
-            "open_session",
-            gen.session_id,
-            list(gen.history),
-            request.sampling,
-            request.seed,
-            max_new_tokens=gen.remaining,
-            constraint=gen.constraint,
+        gen.drafter_opening = Started(
+            spare.port.open_session_steps(
+                gen.session_id,
+                list(gen.history),
+                request.sampling,
+                request.seed,
+                max_new_tokens=gen.remaining,
+                constraint=gen.constraint,
+            )
         )
 
     @classmethod
@@ -216,11 +189,6 @@ class Failover:
         """Close a session, best effort: a replica that cannot be reached, is too busy to take
         the call or fails it drops the session itself after its time limit or TTL. Steps."""
         try:
-            yield from close_steps(port, session_id)
+            yield from port.close_session_steps(session_id)
         except Exception as error:
             logger.warning("could not close session %s on the %s: %s", session_id, side, error)
-
-    @classmethod
-    def close_quietly(cls, side: str, port: DrafterPort | VerifierPort, session_id: str) -> None:
-        """`closed_quietly`, blocking (the background closer's)."""
-        run(cls.closed_quietly(side, port, session_id))

@@ -3,10 +3,12 @@
 `FrameChannel` runs one long-lived bidirectional gRPC stream (`rpc Frames`,
 `protos/replica.proto`; docs/architecture.md, "Frame stream") over one `grpc.Channel` to one
 service (the drafter's or the verifier's). `submit(entry)` gives the entry a tag, queues it and
-returns a future of its answer. The stream's request iterator blocks until entries are pending,
-then yields ONE `RouterFrame` holding all of them (more only past `MAX_FRAME_BYTES`,
-`cluster.wire.frame_budget`): gRPC pulls the next frame only once the
-previous one is sent, so entries that arrive meanwhile leave together; batching comes from
+returns a future of its answer; `send(entry, deliver)` hands the answer to a callback instead,
+and with `stays` every later result under the entry's tag too (a running verifier session's
+own steps, reported under its open entry's tag) until `release(tag)`. The stream's request
+iterator blocks until entries are pending, then yields ONE `RouterFrame` holding all of them
+(more only past `MAX_FRAME_BYTES`, `cluster.wire.frame_budget`): gRPC pulls the next frame only
+once the previous one is sent, so entries that arrive meanwhile leave together; batching comes from
 load, never from a timer. A receiver thread reads the replica's `ReplicaFrame`s and resolves
 each future by its tag: the response message, or the `TandemError` its `EntryError` names
 (`cluster.wire.status.error_from_entry`). A caller that stops waiting (`forget`: its timeout
@@ -71,23 +73,42 @@ class FrameChannel:
         """Send `entry` (its `call` set; its tag is given here) with the next frame; a future of
         the answer's message (`OpenSessionResponse`, `DraftBlock`, `Verdict`,
         `CloseSessionResponse`) or of the error the replica or the stream failed it with."""
+        future: Future[Any] = Future()
+        self.send(entry, partial(_settle, future))
+        return future
+
+    def send(self, entry: replica_pb2.FrameEntry, deliver: Deliver, *, stays: bool = False) -> int:
+        """Send `entry` with the next frame and hand its answer to `deliver` (the message, or
+        the `TandemError` the replica or the stream failed it with), on the receiver thread;
+        with `stays`, every later result under its tag too, until `release(tag)` or the
+        stream's end (delivered as its error). Returns the entry's tag."""
         with self._lock:
             if self._closed:
-                return _failed(ReplicaUnavailableError(f"{self._replica}: the client is closed"))
+                deliver(ReplicaUnavailableError(f"{self._replica}: the client is closed"))
+                return 0
             if self._stream is None or self._stream.ended:
                 self._stream = _Stream(self._frames, self._replica, self._metadata)
-            entry.tag = next(self._tags)
-            return self._stream.submit(entry)
+            entry.tag = tag = next(self._tags)
+            stream = self._stream
+        stream.send(entry, deliver, stays)
+        return tag
 
-    def forget(self, future: Future[Any]) -> None:
-        """Stop waiting for `future` (its caller gave up): an answer to it is dropped, and the
-        replica is told to drop the entry's work if it has not run it yet (a `cancel` entry
-        in the next frame)."""
+    def release(self, tag: int) -> None:
+        """Deliver nothing more under `tag` (a running session its router closed)."""
+        with self._lock:
+            stream = self._stream
+        if stream is not None:
+            stream.release(tag)
+
+    def forget(self, tag: int) -> None:
+        """Stop waiting for entry `tag` (its caller gave up): an answer to it is dropped, and
+        the replica is told to drop the entry's work if it has not run it yet (a `cancel`
+        entry in the next frame)."""
         with self._lock:
             stream = self._stream
             cancel_tag = next(self._tags)
         if stream is not None:
-            stream.forget(future, cancel_tag)
+            stream.forget(tag, cancel_tag)
 
     def close(self) -> None:
         """End the stream (pending futures fail) and join its receiver; submits then fail."""
@@ -110,7 +131,8 @@ class _Stream:
         self._replica = replica
         self._condition = threading.Condition()
         self._queue: list[replica_pb2.FrameEntry] = []
-        self._pending: dict[int, Future[Any]] = {}
+        self._pending: dict[int, tuple[Deliver, bool]] = {}
+        """Per unanswered tag, where its answer goes and whether the tag stays for more."""
         self._ending = False
         self.ended = False
         """The call has ended: nothing more is answered (read under the channel's lock)."""
@@ -123,26 +145,27 @@ class _Stream:
         )
         self._receiver.start()
 
-    def submit(self, entry: replica_pb2.FrameEntry) -> Future[Any]:
-        future: Future[Any] = Future()
+    def send(self, entry: replica_pb2.FrameEntry, deliver: Deliver, stays: bool) -> None:
         with self._condition:
-            if self.ended:  # it ended as it opened (a refused secret): the same error
-                future.set_exception(self._failure())
-                return future
-            self._pending[entry.tag] = future
-            self._queue.append(entry)
-            self._condition.notify()
-        return future
+            ended = self.ended
+            if not ended:
+                self._pending[entry.tag] = (deliver, stays)
+                self._queue.append(entry)
+                self._condition.notify()
+        if ended:  # it ended as it opened (a refused secret): the same error
+            deliver(self._failure())
 
-    def forget(self, future: Future[Any], cancel_tag: int) -> None:
+    def release(self, tag: int) -> None:
         with self._condition:
-            for tag, waiting in list(self._pending.items()):
-                if waiting is future:
-                    del self._pending[tag]
-                    if not self.ended:  # never answered: `cancel_tag` only keeps tags unique
-                        cancel = replica_pb2.CancelEntry(tag=tag)
-                        self._queue.append(replica_pb2.FrameEntry(tag=cancel_tag, cancel=cancel))
-                        self._condition.notify()
+            self._pending.pop(tag, None)
+
+    def forget(self, tag: int, cancel_tag: int) -> None:
+        with self._condition:
+            if self._pending.pop(tag, None) is not None and not self.ended:
+                # Never answered: `cancel_tag` only keeps tags unique.
+                cancel = replica_pb2.CancelEntry(tag=tag)
+                self._queue.append(replica_pb2.FrameEntry(tag=cancel_tag, cancel=cancel))
+                self._condition.notify()
 
     def close(self) -> None:
         with self._condition:
@@ -186,29 +209,38 @@ class _Stream:
             self._failure = failure
             pending, self._pending = self._pending, {}
             self._condition.notify()
-        for future in pending.values():
-            future.set_exception(failure())  # one error each: raised in many threads
+        for deliver, _ in pending.values():
+            deliver(failure())  # one error each: raised in many threads
 
     def _resolve(self, result: replica_pb2.FrameResult) -> None:
         with self._condition:
-            future = self._pending.pop(result.tag, None)
-        if future is None:
-            return  # its caller gave up (`forget`)
+            waiting = self._pending.get(result.tag)
+            if waiting is None:
+                return  # its caller gave up (`forget`, `release`)
+            deliver, stays = waiting
+            if not stays:
+                del self._pending[result.tag]
         kind = result.WhichOneof("result")
         if kind == "error":
-            future.set_exception(error_from_entry(result.error, self._replica))
+            if stays:  # nothing more comes under it
+                with self._condition:
+                    self._pending.pop(result.tag, None)
+            deliver(error_from_entry(result.error, self._replica))
         elif kind is None:
-            future.set_exception(
-                ReplicaUnavailableError(f"{self._replica}: a frame result carried nothing")
-            )
+            deliver(ReplicaUnavailableError(f"{self._replica}: a frame result carried nothing"))
         else:
-            future.set_result(getattr(result, kind))
+            deliver(getattr(result, kind))
 
     def _gone_error(self) -> TandemError:
         return ReplicaUnavailableError(f"{self._replica}: the frame stream ended")
 
 
-def _failed(error: BaseException) -> Future[Any]:
-    future: Future[Any] = Future()
-    future.set_exception(error)
-    return future
+Deliver = Callable[[Any], None]
+"""Where an entry's answer goes: a response message, or the `TandemError` it failed with."""
+
+
+def _settle(future: Future[Any], answer: Any) -> None:
+    if isinstance(answer, TandemError):
+        future.set_exception(answer)
+    else:
+        future.set_result(answer)

@@ -12,6 +12,7 @@ incremental state rather than copying or re-reading it.
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -19,16 +20,19 @@ from dataclasses import dataclass, field
 
 from llguidance import LLTokenizer
 
-from cluster.routing.draft_length import DraftLength
+from cluster.routing.draft_length import DraftLength, Plan
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.ports import DrafterPort, Pinned
 from cluster.routing.request import GenerationRequest, SpeculationStats
+from cluster.routing.session_events import SessionEvents
 from cluster.routing.suffix_drafting import SuffixDrafting
 from cluster.routing.text import TextAssembler
-from cluster.routing.waits import Started, Steps
+from cluster.routing.waits import Pending, Started, Steps
+from cluster.runtime.advance import Advance
 from cluster.runtime.constraint import Constraint, TokenMatcher, tokenizer_size
-from cluster.runtime.draft_block import DraftBlock
+from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.errors import DeadlineExceededError, InvalidArgumentError
+from cluster.runtime.kv_cache import common_prefix_length
 from drafter.config import NgramConfig
 from drafter.ngram import PromptLookup
 
@@ -38,15 +42,49 @@ Decode = Callable[[Sequence[int]], str]
 
 @dataclass
 class DrafterView:
-    """What the drafter's session holds, as far as the router knows, and what it must be told
-    before its next draft."""
+    """What the drafter's session holds, as far as the router knows: the committed history up
+    to `agreed`, then `assumed` (blocks drafted ahead, taken as accepted)."""
 
-    base_length: int
-    """The drafter session's committed length."""
-    truncate_to: int | None = None
-    """Drop the session's tokens from here on first (a rejected block it assumed accepted)."""
-    behind: list[int] = field(default_factory=list)
-    """Tokens committed since, not yet sent to the drafter."""
+    agreed: int
+    """The drafter's session holds the history's first `agreed` tokens."""
+    assumed: list[int] = field(default_factory=list)
+    """What it holds after them: tokens not (yet) committed."""
+
+    @property
+    def length(self) -> int:
+        """The drafter session's committed length (a call's `base_length`)."""
+        return self.agreed + len(self.assumed)
+
+    def call(
+        self, history: Sequence[int], ahead: Sequence[int] = ()
+    ) -> tuple[int, int | None, list[int]]:
+        """What a call must send for the drafter's session to hold `history` then `ahead`:
+        (its base length, where to truncate it (None: nowhere), the tokens to append); the
+        view then holds that. O(tokens since the last call)."""
+        wanted = [*history[self.agreed :], *ahead]
+        kept = common_prefix_length(self.assumed, wanted)
+        base = self.length
+        truncate_to = self.agreed + kept if kept < len(self.assumed) else None
+        appended = wanted[kept:]
+        self.agreed, self.assumed = len(history), list(ahead)
+        return base, truncate_to, appended
+
+    def committed(self, history: Sequence[int]) -> tuple[int, int | None, list[int]]:
+        """`call` for a session that keeps only the committed `history` (a pre-draft)."""
+        return self.call(history)
+
+
+@dataclass(frozen=True)
+class Posted:
+    """A block sent to the verifier whose verdict has not come."""
+
+    block: DraftBlock
+    """As sent: its base, assumed and own tokens."""
+    draft: Draft
+    sent_at: float
+    """`time.perf_counter()` when sent."""
+    deferred: bool
+    """Its bonus token was asked to be deferred (a block is drafted ahead of it)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +96,9 @@ class Draft:
     """False for a looked-up or suffix block: the drafter's session never saw it."""
     by_suffix: bool = False
     """Proposed by the suffix drafter (`cluster.routing.suffix_drafting`)."""
+    ahead: bool = False
+    """Drafted (or looked up) ahead of a posted block, as if all of it were accepted
+    (pipelining): verified, a pipeline hit; dropped, a miss."""
 
 
 class Generation:
@@ -77,6 +118,7 @@ class Generation:
         *,
         constraint: Constraint | None = None,
         grammar_tokenizer: Callable[[], LLTokenizer] | None = None,
+        advance: Advance | None = None,
     ) -> None:
         """`clock`: what `request.deadline` is an instant of; `ngram`: prompt lookup's settings
         (None: no lookup); `constraint`: what the generated tokens must follow (its sessions
@@ -84,6 +126,9 @@ class Generation:
         against its grammar (None: no lookup under a grammar)."""
         self.request = request
         self.constraint = constraint
+        self.advance = advance
+        """Where its verifier session's output ends: the session runs (None: it advances by
+        the blocks the router posts only)."""
         self.lookup_matcher: TokenMatcher | None = None
         """Where prompt lookup's drafts are cut: the first token the constraint forbids."""
         if constraint is not None and ngram is not None:
@@ -115,7 +160,7 @@ class Generation:
         """Every committed token: what prompt lookup searches. Only `commit` changes it."""
         self.lookup = PromptLookup(ngram) if ngram is not None else None
         """Prompt lookup's index over `history`."""
-        self.drafter = DrafterView(base_length=len(self.history))
+        self.drafter = DrafterView(agreed=len(self.history))
         asks_suffix = constraint is None and request.suffix_index
         self.suffix = SuffixDrafting(
             pinned.suffix if asks_suffix else None, pinned.suffix_id, self.session_id
@@ -129,8 +174,23 @@ class Generation:
         """Opens the drafter's session when first needed (`ready_drafter`); None: it is open
         or opening already. Set while the gate holds the target alone at the request's start:
         until then, the session does not exist and nothing closes it."""
-        self.opening_round = False
-        """The coming round is the first and does not wait for the drafter."""
+        self.events = SessionEvents()
+        """What the verifier's running session reports (replaced with its session on a
+        failover)."""
+        self.posts: dict[int, Posted] = {}
+        """Blocks posted to the verifier whose verdicts have not come, by post id."""
+        self._post_ids = itertools.count(1)
+        self.drafting: Pending | None = None
+        """The draft call in flight (at most one), returning the `Draft` to post."""
+        self.plan = Plan(0, False)
+        """The plan of the block drafted last (its length, whether it pipelines)."""
+        self.predrafted: Pending | None = None
+        """Branches being pre-drafted for the outcomes of a posted block (`predraft_for`)."""
+        self.predraft_for: int | None = None
+        self.predraft_verdict: Verdict | None = None
+        """The verdict on that block, once in (the branch it hits is posted next)."""
+        self.heard_at = clock()
+        """When the verifier last reported (its session opened, or a step)."""
 
     def check_deadline(self) -> None:
         """Raise `DeadlineExceededError` once the request's deadline has passed."""
@@ -155,6 +215,20 @@ class Generation:
     def commit(self, tokens: Sequence[int]) -> None:
         """Append verified tokens to `history`."""
         self.history.extend(tokens)
+
+    def now(self) -> float:
+        """The clock the request's deadline is an instant of."""
+        return self._clock()
+
+    def next_post_id(self) -> int:
+        return next(self._post_ids)
+
+    def restart_verifier(self) -> None:
+        """Its verifier changes (a failover): nothing posted to the old one will be answered,
+        and a new session's events replace its."""
+        self.events.close()
+        self.events = SessionEvents()
+        self.posts.clear()
 
     def look_up(self, num_tokens: int, ahead: Sequence[int] = ()) -> DraftBlock | None:
         """The block prompt lookup proposes after `history` and then `ahead` (a block not yet
@@ -185,5 +259,10 @@ class Generation:
         return len(self.history)
 
     @property
+    def prompt_length(self) -> int:
+        return len(self.request.prompt_tokens)
+
+    @property
     def remaining(self) -> int:
-        return self.request.max_tokens - self.text.num_tokens
+        """Tokens the output may still get: `max_tokens` less those committed."""
+        return self.request.max_tokens - (len(self.history) - len(self.request.prompt_tokens))

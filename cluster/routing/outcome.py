@@ -1,50 +1,40 @@
-"""What a round's verdict changes besides the committed history: the drafter's view of the
-session, the draft to verify next, and the request's speculation counters.
+"""What a verdict on a posted block tells the request's counters and its plan.
 
-Pure bookkeeping over `Generation` and `SpeculationStats`, no I/O: the router calls both once
-per verify pass, after committing the verdict's tokens.
+Pure bookkeeping over `Generation` and `SpeculationStats`, no I/O: the router calls `record`
+once for every verdict on a block it posted (never for the steps the verifier took alone).
+A block's accepted tokens are the ones its session had already committed, the same (matched),
+and the verified ones after them. A dropped block (it came too late, or parted from the
+session) was never verified: it is not counted as drafted, and the plan learns nothing from
+it, as lockstep rounds never count a draft ahead that missed. A block drafted ahead of one not
+accepted whole is a pipeline miss, one verified after it a hit; one the router itself found
+stale is a miss too, counted where it drops it.
 """
 
 from __future__ import annotations
 
-from cluster.routing.generation import Draft, DrafterView, Generation
-from cluster.routing.request import SpeculationStats
-from cluster.runtime.draft_block import DraftBlock, Verdict
+from cluster.routing.generation import Generation, Posted
+from cluster.runtime.draft_block import Verdict
 
 
-def after_verdict(
-    gen: Generation, block: DraftBlock, verdict: Verdict, next_draft: Draft | None
-) -> Draft | None:
-    """Update the drafter's view; return the draft to verify next, if one is ready (a block
-    drafted ahead whose bet, all of `block` accepted, came true)."""
-    hit = next_draft is not None and verdict.bonus_deferred
-    if next_draft is None or not next_draft.by_drafter:
-        gen.drafter.behind.extend(verdict.tokens)
-        return next_draft if hit else None
-    next_base = next_draft.block.base_length
-    if hit:
-        gen.drafter = DrafterView(base_length=next_base)
-        return next_draft
-    # The drafter assumed all of `block`: keep what was accepted, then the correction.
-    gen.drafter = DrafterView(
-        base_length=next_base,
-        truncate_to=block.base_length + verdict.num_accepted,
-        behind=list(verdict.tokens[verdict.num_accepted :]),
-    )
-    return None
-
-
-def count_round(
-    stats: SpeculationStats, block: DraftBlock, verdict: Verdict, next_draft: Draft | None
-) -> None:
-    """Add one verify pass of `block` to the request's counters (a draft ahead: a pipeline
-    hit or miss)."""
-    stats.num_verify_passes += 1
-    stats.num_drafted += len(block.tokens)
-    stats.num_accepted += verdict.num_accepted
-    stats.record_block(len(block.tokens), verdict.num_accepted)
-    if next_draft is not None:
-        if verdict.bonus_deferred:
-            stats.pipeline_hits += 1
-        else:
+def record(gen: Generation, posted: Posted, verdict: Verdict) -> None:
+    """Count `verdict` on `posted` in the request's counters, and in its plan's acceptance
+    (model and lookup blocks) or its suffix drafter's record (suffix blocks)."""
+    block, stats = posted.block, gen.stats
+    if posted.draft.ahead:
+        if verdict.dropped:
             stats.pipeline_misses += 1
+        else:
+            stats.pipeline_hits += 1
+    if verdict.dropped:
+        return  # never verified: no draft to count, nothing learned of its acceptance
+    drafted = len(block.tokens)
+    accepted = verdict.num_matched + verdict.num_accepted
+    stats.num_drafted += drafted
+    stats.num_accepted += accepted
+    stats.record_block(drafted, accepted)
+    if posted.draft.by_suffix:  # priced apart: the model's acceptance is the plan's
+        gen.suffix.use.verified(accepted)
+        stats.suffix_drafted += drafted
+        stats.suffix_accepted += accepted
+    elif drafted > 0:
+        gen.lengths.observe(drafted, accepted)

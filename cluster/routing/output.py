@@ -17,14 +17,14 @@ from collections.abc import Sequence
 
 from cluster.routing.generation import Decode, Generation
 from cluster.routing.request import FinishReason, GenerationChunk, GenerationRequest
-from cluster.runtime.draft_block import Verdict
 from cluster.runtime.errors import InvalidArgumentError
 
 
-def emit(gen: Generation, verdict: Verdict, eos_token_ids: frozenset[int]) -> GenerationChunk:
-    """Commit the verdict's tokens to the output, applying end tokens and stop strings."""
+def emit(gen: Generation, tokens: Sequence[int], eos_token_ids: frozenset[int]) -> GenerationChunk:
+    """Put newly committed `tokens` in the output, applying end tokens and stop strings."""
     request = gen.request
-    new_tokens = list(verdict.tokens[: gen.remaining])
+    left = request.max_tokens - gen.text.num_tokens
+    new_tokens = list(tokens[:left])
     end = end_at(request, gen.text.num_tokens, new_tokens, eos_token_ids)
     text_tokens = new_tokens if end is None else new_tokens[:end]
     step = gen.text.add(text_tokens)
@@ -36,7 +36,7 @@ def emit(gen: Generation, verdict: Verdict, eos_token_ids: frozenset[int]) -> Ge
     else:
         if end is not None:
             finish = FinishReason.STOP
-        elif gen.remaining == 0:
+        elif gen.text.num_tokens >= request.max_tokens:
             finish = FinishReason.LENGTH
         tokens = new_tokens[: len(text_tokens) + (end is not None)]
         if finish is not None:

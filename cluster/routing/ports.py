@@ -1,29 +1,33 @@
 """The interfaces through which the router drives a drafter and a verifier.
 
-The plain `drafter.Drafter` and `verifier.Verifier` satisfy them directly (the in-process
-transport); the gRPC transport implements them with a client per replica. The router depends on
+Every call is steps (`cluster.routing.waits`): a generator that yields a `Wait` on a future
+wherever it waits for the replica, so that one driver runs any number of requests without a
+thread each. The gRPC clients implement these protocols over each replica's Frames stream
+(`cluster.routing.replica_client`); in one process, `cluster.local.InProcess` adapts the plain
+`Drafter`, `SuffixDrafter` and `Verifier` (their `submit_*` futures). The router depends on
 these protocols only, so the same router code runs in-process and distributed.
+
+A verifier session is *running* when opened with an `Advance` (`cluster.runtime.advance`): it
+advances on its own, and reports each step, and the verdict of every block the router posts
+(`post`), to the request's `SessionEvents` (`cluster.routing.session_events`).
 
 Deadlines: a pool hands each request ports bound to its deadline where it can (the gRPC
 clients' `bounded` views stop a call when the request's time runs out, and tell the replica
 how long the session may live); in-process ports are not interrupted, and the router itself
 checks the deadline before every round.
-
-Waiting: a port that can wait without a thread (the gRPC clients over frames) also has
-`<call>_steps` methods (`cluster.routing.waits`); `open_steps`, `draft_steps`, `verify_steps`
-and `close_steps` below give the steps of any port, calling a port without them directly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cluster.routing.waits import Started, Steps, answer, call_steps
+from cluster.routing.session_events import SessionEvents
+from cluster.routing.waits import Steps
+from cluster.runtime.advance import Advance
 from cluster.runtime.constraint import Constraint
-from cluster.runtime.draft_block import DraftBlock, Verdict
+from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.predraft import Branch, PreDraft
 from cluster.runtime.sampling import SamplingParams
 
@@ -32,7 +36,9 @@ if TYPE_CHECKING:
 
 
 class DrafterPort(Protocol):
-    def open_session(
+    """A drafter (a model's, or a suffix drafter) as the router calls it."""
+
+    def open_session_steps(
         self,
         session_id: str,
         prompt_tokens: Sequence[int],
@@ -42,37 +48,38 @@ class DrafterPort(Protocol):
         max_new_tokens: int | None = None,
         resumed: bool = False,
         constraint: Constraint | None = None,
-    ) -> int:
+        tenant: str = "",
+    ) -> Steps[int]:
         """Open a session; returns its committed length. `max_new_tokens`: how far it may grow
         past the prompt (admission plans for it; None: a block); `resumed`: the request already
         runs (a failover), so the plan does not refuse it; `constraint`: what its generated
-        tokens must follow (None: anything)."""
+        tokens must follow (None: anything); `tenant`: whose request it is (a suffix drafter
+        drafts from that tenant's text only)."""
         ...
 
-    def draft(
+    def draft_steps(
         self,
         session_id: str,
         base_length: int,
         appended_tokens: Sequence[int],
         num_tokens: int,
         truncate_to: int | None = None,
-    ) -> DraftBlock:
+    ) -> Steps[DraftBlock]:
         """Check the session is at `base_length`; drop its tokens from `truncate_to` on (a
         speculative block the verdict rejected); append `appended_tokens`; draft
         `num_tokens`."""
         ...
 
-    def close_session(self, session_id: str) -> bool:
+    def close_session_steps(self, session_id: str) -> Steps[bool]:
         """Free the session; True if it existed."""
         ...
 
 
 class PredraftPort(Protocol):
     """What a drafter port offers if it pre-drafts (outcome-keyed pre-drafting): optional, so
-    not part of `DrafterPort`; the router asks a port that has `predraft` (the in-process
-    `Drafter`, `GrpcDrafter`)."""
+    not part of `DrafterPort`; the router asks a port that has `predraft_steps`."""
 
-    def predraft(
+    def predraft_steps(
         self,
         session_id: str,
         base_length: int,
@@ -81,15 +88,18 @@ class PredraftPort(Protocol):
         branches: Sequence[Branch],
         num_tokens: int,
         truncate_to: int | None = None,
-    ) -> list[PreDraft]:
-        """Bring the session to its committed tokens as `draft` does, then draft `num_tokens`
-        after each of `branches`, likely outcomes of verifying `block`; the branches drafted
-        (some may be left out). The session keeps only its committed tokens."""
+    ) -> Steps[list[PreDraft]]:
+        """Bring the session to its committed tokens as `draft_steps` does, then draft
+        `num_tokens` after each of `branches`, likely outcomes of verifying `block`; the
+        branches drafted (some may be left out). The session keeps only its committed
+        tokens."""
         ...
 
 
 class VerifierPort(Protocol):
-    def open_session(
+    """A verifier as the router calls it."""
+
+    def open_session_steps(
         self,
         session_id: str,
         prompt_tokens: Sequence[int],
@@ -99,16 +109,27 @@ class VerifierPort(Protocol):
         max_new_tokens: int | None = None,
         resumed: bool = False,
         constraint: Constraint | None = None,
-    ) -> int:
-        """Open a session; returns its committed length. `max_new_tokens`: how far it may grow
-        past the prompt (admission plans for it; None: a block); `resumed`: the request already
-        runs (a failover), so the plan does not refuse it; `constraint`: what its generated
-        tokens must follow (None: anything)."""
+        advance: Advance | None = None,
+        events: SessionEvents | None = None,
+    ) -> Steps[int]:
+        """Open a session; returns its committed length (`DrafterPort.open_session_steps`).
+        With `advance`, the session runs: it advances on its own until its output ends, and
+        reports each of its own steps to `events`."""
         ...
 
-    def verify(self, session_id: str, block: DraftBlock, defer_bonus: bool = False) -> Verdict:
-        """Verify `block` and commit the emitted tokens; with `defer_bonus`, an all-accepted
-        block emits no bonus token and the next block is verified against the kept p."""
+    def post(
+        self,
+        session_id: str,
+        block: DraftBlock,
+        defer_bonus: bool,
+        events: SessionEvents,
+        post_id: int,
+    ) -> None:
+        """Send `block` to be verified from where the session stands when the verifier takes
+        it (dropped if the session no longer holds what it assumes); its verdict, or the error
+        it failed with, reaches `events` under `post_id`. With `defer_bonus`, a block whose
+        every token is accepted emits no bonus token and the next block is verified against
+        the kept p."""
         ...
 
     def reference(
@@ -122,60 +143,12 @@ class VerifierPort(Protocol):
         """Replay a finished greedy or seed-exact request through the plain target (no
         session, no drafts, no batching; waits while the replica serves calls): the target's
         own token and top-2 gap at each served position. `dtype`: "" the replica's weights,
-        "float32" a float32 copy of them."""
+        "float32" a float32 copy of them. Blocking (the audit's, off the hot path)."""
         ...
 
-    def close_session(self, session_id: str) -> bool:
+    def close_session_steps(self, session_id: str) -> Steps[bool]:
         """Free the session; True if it existed."""
         ...
-
-
-def open_steps(port: DrafterPort | VerifierPort, *args: Any, **kwargs: Any) -> Steps[int]:
-    """`port.open_session(...)` as steps."""
-    own = getattr(port, "open_session_steps", None)
-    if own is not None:
-        return own(*args, **kwargs)
-    return call_steps(lambda: port.open_session(*args, **kwargs))
-
-
-def draft_steps(port: DrafterPort, *args: Any, **kwargs: Any) -> Steps[DraftBlock]:
-    """`port.draft(...)` as steps."""
-    own = getattr(port, "draft_steps", None)
-    if own is not None:
-        return own(*args, **kwargs)
-    return call_steps(lambda: port.draft(*args, **kwargs))
-
-
-def verify_steps(port: VerifierPort, *args: Any, **kwargs: Any) -> Steps[Verdict]:
-    """`port.verify(...)` as steps."""
-    own = getattr(port, "verify_steps", None)
-    if own is not None:
-        return own(*args, **kwargs)
-    return call_steps(lambda: port.verify(*args, **kwargs))
-
-
-def close_steps(port: DrafterPort | VerifierPort, session_id: str) -> Steps[bool]:
-    """`port.close_session(session_id)` as steps."""
-    own = getattr(port, "close_session_steps", None)
-    if own is not None:
-        return own(session_id)
-    return call_steps(lambda: port.close_session(session_id))
-
-
-def has_steps(port: DrafterPort | VerifierPort | None) -> bool:
-    """Whether `port` waits without a thread (its calls' steps yield their waits; a port
-    without, or a gRPC client making unary calls, blocks until it is answered)."""
-    return bool(getattr(port, "waits_without_thread", False))
-
-
-def begin_call(
-    pool: Executor, port: DrafterPort | VerifierPort, call: str, *args: Any, **kwargs: Any
-) -> Started:
-    """`port.<call>(...)` begun now, to finish later (`Started.finish`): sent at once by a
-    port with steps; on a thread of `pool` for a port whose calls block (in process)."""
-    if has_steps(port):
-        return Started(getattr(port, f"{call}_steps")(*args, **kwargs))
-    return Started(answer(pool.submit(getattr(port, call), *args, **kwargs)))
 
 
 def _nothing() -> None:
@@ -251,13 +224,6 @@ class FixedReplicas:
         if not suffix or self.suffix is None:
             return Pinned(self.verifier, self.drafter)
         return Pinned(self.verifier, self.drafter, suffix=self.suffix, suffix_id="suffix")
-
-    @property
-    def waits_without_threads(self) -> bool:
-        """Whether every port waits without a thread (`has_steps`)."""
-        return all(
-            port is None or has_steps(port) for port in (self.verifier, self.drafter, self.suffix)
-        )
 
     def spare(
         self, side: str, avoid: frozenset[str], deadline: float | None = None

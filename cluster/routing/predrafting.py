@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cluster.routing.generation import Draft, Generation
-from cluster.routing.outcome import count_round
 from cluster.routing.predraft_budget import branch_odds
 from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.predraft import Branch, PreDraft
@@ -39,19 +38,17 @@ def choose_branches(alpha: float, k: int, fan_out: int) -> list[Branch]:
     ]
 
 
-def hit(
-    predrafts: Sequence[PreDraft], verdict: Verdict, committed: int, max_tokens: int
-) -> Draft | None:
-    """The branch `verdict` hits, as the draft to verify next (based at `committed`, the length
-    after the verdict, and at most `max_tokens` long); None on a miss."""
-    if not verdict.tokens:
+def hit(predrafts: Sequence[PreDraft], verdict: Verdict, max_tokens: int) -> Draft | None:
+    """The branch `verdict` hits, as the draft to verify next (based where the verdict left
+    its session, and at most `max_tokens` long); None on a miss."""
+    if not verdict.tokens or verdict.dropped:
         return None
-    token = verdict.tokens[-1]
+    token, accepted = verdict.tokens[-1], verdict.num_matched + verdict.num_accepted
     for branch in predrafts:
-        if branch.accepted == verdict.num_accepted and branch.token == token:
+        if branch.accepted == accepted and branch.token == token:
             probs = branch.draft_probs
             block = DraftBlock(
-                base_length=committed,
+                base_length=verdict.committed_length,
                 tokens=branch.tokens[:max_tokens],
                 draft_probs=None if probs is None else probs[:max_tokens],
             )
@@ -59,21 +56,14 @@ def hit(
     return None
 
 
-def predrafted(
-    gen: Generation, block: DraftBlock, verdict: Verdict, branches: Branches | None
-) -> Draft | None:
-    """A pre-drafted round's bookkeeping, after its verdict is committed: the counters (a hit
-    or a miss of the blocks drafted ahead), the drafter's view (it holds the committed tokens
-    up to the block, and now lacks the verdict's) and the draft to verify next, if the verdict
-    hit a branch. `branches`: None if the drafter failed meanwhile."""
-    count_round(gen.stats, block, verdict, None)
-    gen.drafter.behind.extend(verdict.tokens)
-    if branches is None:
-        return None
+def predrafted(gen: Generation, verdict: Verdict, branches: Branches) -> Draft | None:
+    """A pre-drafted round's bookkeeping, once both its verdict and its branches are in: the
+    counters (a hit or a miss of the blocks drafted ahead) and the draft to verify next, if
+    the verdict hit a branch."""
     # A branch was drafted as long as the block it follows allowed: cut it to what is left
-    # (the verdict is not emitted yet), less the target's own token after it.
-    left = gen.remaining - len(verdict.tokens)
-    draft = hit(branches.drafted, verdict, gen.committed, max(0, left - 1))
+    # after the verdict, less the target's own token after it.
+    left = gen.request.max_tokens - (verdict.committed_length - gen.prompt_length)
+    draft = hit(branches.drafted, verdict, max(0, left - 1))
     if branches.drafted:
         gen.lengths.observe_predraft_outcome(draft is not None, branches.odds)
     if draft is None:

@@ -5,30 +5,32 @@ router runs unchanged over replicas in other processes (docs/architecture.md, in
 gRPC to the pinned replica, no Serve hop). Each wraps one `grpc.Channel`, given or opened from a
 "host:port" address, and converts values with `cluster.wire.convert`.
 
-Frames (the default, `frames=True`): OpenSession, Draft, Predraft, Verify and CloseSession
-travel as entries of one long-lived Frames stream per client (`cluster.routing.frame_channel.
-FrameChannel`), shared by every `bounded` view of it, so a router sends one frame per replica
-for whatever its sessions have pending, not one call per session (docs/architecture.md, "Frame
-stream"). A client is kept per replica address (`cluster.routing.directory`), so one router
-process holds one stream per replica and service. The semantics below are the same either way;
-`frames=False` makes one unary call per operation (for comparison). Stats and Reference are
-unary always. A drafter's q rows are kept as received (`convert.WireRows`) and sent on to the
-verifier as bytes: the router never decodes q.
+Every session call (open, draft, predraft, verify, close) is an entry of one long-lived Frames
+stream per client (`cluster.routing.frame_channel.FrameChannel`), shared by every `bounded`
+view of it, so a router sends one frame per replica for whatever its sessions have pending, not
+one call per session (docs/architecture.md, "Frame stream"), and each call is steps
+(`cluster.routing.waits`) that wait on its entry's answer without a thread. A client is kept per
+replica address (`cluster.routing.directory`), so one router process holds one stream per
+replica and service. A verifier session opened with an `Advance` runs: the client hands every
+later result under its open entry's tag (its own steps) to the request's `SessionEvents`, and
+the verdicts of the blocks `post` sends there too. Stats and Reference are unary calls. A
+drafter's q rows are kept as received (`convert.WireRows`) and sent on to the verifier as
+bytes: the router never decodes q.
 
 Errors: a failed call (or frame entry) raises the `TandemError` subclass the replica raised
-(matched by status code, with the replica's message; `cluster.wire.status.error_from_rpc`), so
-callers handle a remote replica as they would a local one. Codes with no class of their own
-(UNAVAILABLE, INTERNAL, ...) raise `ReplicaUnavailableError`. Every call has an optional timeout,
-`timeout_s`: the client's default, or the one passed to the call; a call that outlasts it
-raises `ReplicaUnavailableError` too (the replica is too slow: fail over). Every call carries the
-cluster's shared secret when the client has one (replicas refuse calls without it:
+(matched by status code, with the replica's message; `cluster.wire.status.error_from_entry`),
+so callers handle a remote replica as they would a local one. Codes with no class of their own
+(UNAVAILABLE, INTERNAL, ...) raise `ReplicaUnavailableError`. Every call has an optional
+timeout, `timeout_s`: the client's default, or the one passed to the call; a call that outlasts
+it raises `ReplicaUnavailableError` too (the replica is too slow: fail over). Every call carries
+the cluster's shared secret when the client has one (replicas refuse calls without it:
 UNAUTHENTICATED, raised as `ClusterSecretError`).
 
 Deadlines: `bounded(deadline)` gives one request's view of a client, sharing its channel. Its
 calls wait no longer than the request has left, raise `DeadlineExceededError` without calling
-once nothing is left (or when the time runs out during the call), and its `open_session` sends
-the time left (`time_limit_ms`), so the replica drops the session itself even if the router
-dies. Closing a session ignores the deadline: freeing it after the deadline is the point.
+once nothing is left (or when the time runs out during the call), and its `open_session_steps`
+sends the time left (`time_limit_ms`), so the replica drops the session itself even if the
+router dies. Closing a session ignores the deadline: freeing it after the deadline is the point.
 """
 
 from __future__ import annotations
@@ -37,17 +39,20 @@ import copy
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from types import TracebackType
 from typing import Any, Self
 
 import grpc
 
 from cluster.routing.frame_channel import FrameChannel
-from cluster.routing.waits import Steps, Wait, run
+from cluster.routing.session_events import SessionEvents
+from cluster.routing.waits import Steps, Wait
+from cluster.runtime.advance import Advance
 from cluster.runtime.audit import Replay
 from cluster.runtime.constraint import Constraint
-from cluster.runtime.draft_block import DraftBlock, Verdict
-from cluster.runtime.errors import DeadlineExceededError, ReplicaUnavailableError
+from cluster.runtime.draft_block import DraftBlock
+from cluster.runtime.errors import DeadlineExceededError, ReplicaUnavailableError, TandemError
 from cluster.runtime.predraft import Branch, PreDraft
 from cluster.runtime.sampling import SamplingParams
 from cluster.runtime.session import ReplicaStats
@@ -80,13 +85,10 @@ class _ReplicaClient:
         target: grpc.Channel | str,
         timeout_s: float | None = NO_TIMEOUT,
         secret: str | None = None,
-        *,
-        frames: bool = True,
     ) -> None:
         """`target`: an open channel (still the caller's to close) or a "host:port" address
         (its channel is opened here and closed by `close`). `secret`: the cluster's shared
-        secret, sent with every call. `frames`: the session calls travel over the client's
-        Frames stream (False: one unary call each)."""
+        secret, sent with every call."""
         if isinstance(target, str):
             self._channel = grpc.insecure_channel(target, options=list(MESSAGE_SIZE_OPTIONS))
             self._owns_channel = True
@@ -98,20 +100,14 @@ class _ReplicaClient:
         self.timeout_s = timeout_s
         self._metadata = ((SECRET_METADATA_KEY, secret),) if secret is not None else None
         self._stub = self._stub_class(self._channel)
-        self._frames = (
-            FrameChannel(self._channel, self._service, self._replica, self._metadata)
-            if frames
-            else None
-        )
-        """The Frames stream every view of this client shares (None: unary calls)."""
+        self._frames = FrameChannel(self._channel, self._service, self._replica, self._metadata)
+        """The Frames stream every view of this client shares."""
         self._owns_frames = True
+        self._running: dict[str, int] = {}
+        """Per running session (a verifier's), the tag its reports come under; shared by every
+        view of this client."""
         self._deadline: float | None = None
         """The request's `time.monotonic()` deadline, on a view made by `bounded`."""
-
-    @property
-    def waits_without_thread(self) -> bool:
-        """Whether its calls' steps wait without a thread (on frames; unary calls block)."""
-        return self._frames is not None
 
     def bounded(self, deadline: float | None) -> Self:
         """This client as seen by one request that must end by `deadline` (a
@@ -171,29 +167,28 @@ class _ReplicaClient:
             raise error_from_rpc(error, self._replica, timed_out) from error
 
     def _send(
-        self,
-        call: str,
-        request: Any,
-        method: Callable[..., Any],
-        timeout_s: float | None,
-        bounded: bool = True,
+        self, call: str, request: Any, timeout_s: float | None, bounded: bool = True
     ) -> Steps[Any]:
-        """`request` as a frame entry whose `call` field is `call` (or, without frames, by
-        `method` on the stub, blocking); steps returning the answer's message. The same waits
-        and errors as `_call`: at most min(timeout, the time left), then
-        `DeadlineExceededError` once the request's time is up, else `ReplicaUnavailableError`
-        (the replica was too slow)."""
-        if self._frames is None:
-            return self._call(method, request, timeout_s, bounded)
+        """`request` as a frame entry whose `call` field is `call`; steps returning the
+        answer's message. The same waits and errors as `_call`: at most min(timeout, the time
+        left), then `DeadlineExceededError` once the request's time is up, else
+        `ReplicaUnavailableError` (the replica was too slow)."""
         own_timeout_s = self.timeout_s if timeout_s is None else timeout_s
         left = self._time_left() if bounded else None
+        future: Future[Any] = Future()
+        tag = self._frames.send(replica_pb2.FrameEntry(**{call: request}), partial(_settle, future))
+        return (yield from self._answer(future, tag, own_timeout_s, left))
+
+    def _answer(
+        self, future: Future[Any], tag: int, own_timeout_s: float | None, left: float | None
+    ) -> Steps[Any]:
+        """Wait for entry `tag`'s `future`, at most min(`own_timeout_s`, `left`)."""
         wait_s = min((t for t in (own_timeout_s, left) if t is not None), default=None)
-        future: Future[Any] = self._frames.submit(replica_pb2.FrameEntry(**{call: request}))
         if not future.done():
             yield Wait(future, wait_s)
         if future.done():
             return future.result()
-        self._frames.forget(future)
+        self._frames.forget(tag)
         out_of_time = self._deadline is not None and time.monotonic() >= self._deadline
         if left is not None and out_of_time:
             raise DeadlineExceededError(
@@ -202,10 +197,6 @@ class _ReplicaClient:
         raise ReplicaUnavailableError(
             f"{self._replica}: DEADLINE_EXCEEDED: no answer within {wait_s:g} s"
         )
-
-    def open_session(self, *args: Any, **kwargs: Any) -> int:
-        """Open a session; returns its committed length (`open_session_steps`, blocking)."""
-        return run(self.open_session_steps(*args, **kwargs))
 
     def open_session_steps(
         self,
@@ -234,13 +225,9 @@ class _ReplicaClient:
             tenant=tenant,
         )
         response: replica_pb2.OpenSessionResponse = yield from self._send(
-            "open", request, self._stub.OpenSession, timeout_s
+            "open", request, timeout_s
         )
         return response.committed_length
-
-    def close_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
-        """Free the session; True if it existed (`close_session_steps`, blocking)."""
-        return run(self.close_session_steps(session_id, timeout_s=timeout_s))
 
     def close_session_steps(
         self, session_id: str, *, timeout_s: float | None = None
@@ -249,7 +236,7 @@ class _ReplicaClient:
         request = requests.close_request_to_wire(session_id)
         # Not bounded: a session is freed even after its request's deadline.
         response: replica_pb2.CloseSessionResponse = yield from self._send(
-            "close", request, self._stub.CloseSession, timeout_s, bounded=False
+            "close", request, timeout_s, bounded=False
         )
         return response.existed
 
@@ -262,7 +249,7 @@ class _ReplicaClient:
     def close(self) -> None:
         """End this client's Frames stream (a view's close leaves it to the client) and close
         the channel if this client opened it; a channel passed in stays open."""
-        if self._frames is not None and self._owns_frames:
+        if self._owns_frames:
             self._frames.close()
         if self._owns_channel:
             self._channel.close()
@@ -286,10 +273,6 @@ class GrpcDrafter(_ReplicaClient):
     _service = "tandem.v1.Drafter"
     _stub_class = replica_pb2_grpc.DrafterStub
 
-    def draft(self, *args: Any, **kwargs: Any) -> DraftBlock:
-        """See `DrafterPort.draft` (`draft_steps`, blocking)."""
-        return run(self.draft_steps(*args, **kwargs))
-
     def draft_steps(
         self,
         session_id: str,
@@ -305,12 +288,8 @@ class GrpcDrafter(_ReplicaClient):
         request = requests.draft_request_to_wire(
             session_id, base_length, appended_tokens, num_tokens, truncate_to
         )
-        block = yield from self._send("draft", request, self._stub.Draft, timeout_s)
+        block = yield from self._send("draft", request, timeout_s)
         return convert.block_from_wire(block, lazy_rows=True)
-
-    def predraft(self, *args: Any, **kwargs: Any) -> list[PreDraft]:
-        """See `DrafterPort.predraft` (`predraft_steps`, blocking)."""
-        return run(self.predraft_steps(*args, **kwargs))
 
     def predraft_steps(
         self,
@@ -329,7 +308,7 @@ class GrpcDrafter(_ReplicaClient):
         request = requests.predraft_request_to_wire(
             session_id, base_length, appended_tokens, block, branches, num_tokens, truncate_to
         )
-        response = yield from self._send("predraft", request, self._stub.Predraft, timeout_s)
+        response = yield from self._send("predraft", request, timeout_s)
         return convert.predrafts_from_wire(response, lazy_rows=True)
 
 
@@ -340,22 +319,87 @@ class GrpcVerifier(_ReplicaClient):
     _service = "tandem.v1.Verifier"
     _stub_class = replica_pb2_grpc.VerifierStub
 
-    def verify(self, *args: Any, **kwargs: Any) -> Verdict:
-        """See `VerifierPort.verify` (`verify_steps`, blocking)."""
-        return run(self.verify_steps(*args, **kwargs))
+    def open_session_steps(  # type: ignore[override]
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+        *,
+        max_new_tokens: int | None = None,
+        resumed: bool = False,
+        constraint: Constraint | None = None,
+        advance: Advance | None = None,
+        events: SessionEvents | None = None,
+        timeout_s: float | None = None,
+    ) -> Steps[int]:
+        """See `VerifierPort.open_session_steps`: with `advance`, every later result under the
+        open entry's tag (the session's own steps, or the error that stopped it) goes to
+        `events`, until the session is closed."""
+        if advance is None:
+            return (
+                yield from super().open_session_steps(
+                    session_id,
+                    prompt_tokens,
+                    sampling,
+                    seed,
+                    max_new_tokens=max_new_tokens,
+                    resumed=resumed,
+                    constraint=constraint,
+                    timeout_s=timeout_s,
+                )
+            )
+        assert events is not None, "a running session reports to its events"
+        request = requests.open_request_to_wire(
+            session_id,
+            prompt_tokens,
+            sampling,
+            seed,
+            max_new_tokens=max_new_tokens,
+            resumed=resumed,
+            constraint=constraint,
+            time_left_s=self._time_left(),
+            advance=advance,
+        )
+        own_timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        left = self._time_left()
+        opened: Future[Any] = Future()
+        tag = self._frames.send(
+            replica_pb2.FrameEntry(open=request), _Running(opened, events), stays=True
+        )
+        self._running[session_id] = tag
+        response: replica_pb2.OpenSessionResponse = yield from self._answer(
+            opened, tag, own_timeout_s, left
+        )
+        return response.committed_length
 
-    def verify_steps(
+    def post(
         self,
         session_id: str,
         block: DraftBlock,
-        defer_bonus: bool = False,
-        *,
-        timeout_s: float | None = None,
-    ) -> Steps[Verdict]:
-        """See `VerifierPort.verify`; steps. A drafter's q rows are sent on as received."""
+        defer_bonus: bool,
+        events: SessionEvents,
+        post_id: int,
+    ) -> None:
+        """See `VerifierPort.post`. A drafter's q rows are sent on as received; on a view with
+        no time left, nothing is sent and `DeadlineExceededError` is the post's answer."""
+        try:
+            self._time_left()
+        except DeadlineExceededError as error:
+            events.push(post_id, error)
+            return
         request = requests.verify_request_to_wire(session_id, block, defer_bonus)
-        verdict = yield from self._send("verify", request, self._stub.Verify, timeout_s)
-        return convert.verdict_from_wire(verdict)
+        self._frames.send(replica_pb2.FrameEntry(verify=request), partial(_posted, events, post_id))
+
+    def close_session_steps(
+        self, session_id: str, *, timeout_s: float | None = None
+    ) -> Steps[bool]:
+        """Free the session; steps returning True if it existed. A running session's reports
+        stop being read first."""
+        tag = self._running.pop(session_id, None)
+        if tag is not None:
+            self._frames.release(tag)
+        return (yield from super().close_session_steps(session_id, timeout_s=timeout_s))
 
     def reference(
         self,
@@ -388,3 +432,39 @@ class GrpcVerifier(_ReplicaClient):
                 f"gaps and {len(served_gaps)} served gaps"
             )
         return Replay(tokens, gaps, response.dtype, served_gaps)
+
+
+def _settle(future: Future[Any], answer: Any) -> None:
+    """An entry's answer into its future: the message, or the error it failed with."""
+    if isinstance(answer, TandemError):
+        future.set_exception(answer)
+    else:
+        future.set_result(answer)
+
+
+class _Running:
+    """Where a running session's open entry delivers: its answer to `opened`, then each of the
+    session's own steps (or the error that stopped it) to `events`."""
+
+    __slots__ = ("_events", "_opened")
+
+    def __init__(self, opened: Future[Any], events: SessionEvents) -> None:
+        self._opened = opened
+        self._events = events
+
+    def __call__(self, answer: Any) -> None:
+        if not self._opened.done():
+            _settle(self._opened, answer)  # an open that failed reports nothing further
+            return
+        if isinstance(answer, TandemError):
+            self._events.report(answer)
+        else:
+            self._events.report(convert.verdict_from_wire(answer))
+
+
+def _posted(events: SessionEvents, post_id: int, answer: Any) -> None:
+    """A posted block's verdict, or the error it failed with, into the request's events."""
+    if isinstance(answer, TandemError):
+        events.push(post_id, answer)
+    else:
+        events.push(post_id, convert.verdict_from_wire(answer))

@@ -1,59 +1,39 @@
-"""The router: owns a request's committed tokens and runs the draft/verify loop.
+"""The router: owns a request's committed tokens and runs its loop over a drafter and a verifier.
 
 The router is the single source of truth for a request's token history (docs/architecture.md):
-replicas hold only caches of it. Per round it asks the drafter for a block of `k` tokens based on
-the committed length, sends the block to the verifier, commits the verdict's tokens, and streams
-them. `k` never exceeds what is left of `max_tokens` minus the one token a verify pass may add
-itself, so no verified work is thrown away at the end, and no pass, nor a block drafted ahead,
-ever needs more context than the prompt plus `max_tokens`: a request within the verifier's
-context limit (the service refuses any other) never meets it. With `draft_tokens = 0` the
-drafter is never called: each round verifies an empty block, which is plain target decoding
-through the same path.
+replicas hold only caches of it. It pins each request to a verifier and a drafter, opens a
+session on each, and runs the request's loop (`cluster.routing.rounds`): the verifier's session
+runs (it advances on its own, in every verifier step, and reports each step), and the router
+reads what it committed, streams it, and posts draft blocks for it to verify while speculation
+pays. So the device never waits on the router: the router's work for a session (text, stop
+strings, the plan, metrics, streaming) runs beside the verifier's steps, never between them.
+No block, nor one drafted ahead, ever needs more context than the prompt plus `max_tokens`: a
+request within the verifier's context limit (the service refuses any other) never meets it.
+With `draft_tokens = 0` the drafter is never called: the verifier's session runs alone, plain
+target decoding through the same path.
 
-Pipelining (docs/architecture.md): while the verifier checks block i, the drafter already drafts
-block i+1 as if all of block i were accepted. The verify call asks the verifier to defer its bonus
-token in that case, so block i+1 continues exactly the committed sequence and is sent at once
-(a pipeline hit); its first token is checked against the kept target distribution. If the
-verdict rejected part of block i, block i+1 is discarded (a miss) and the drafter's next call
-truncates the rejected tail before appending the correction.
-
-Adaptive draft length (optional, `draft_length`): each request's block length, and whether the
-round is pipelined, are re-chosen every pass, up to its draft_tokens, from its observed
-acceptance and the measured draft and verify times, priced with the batch each replica reports
-(`cluster.routing.draft_length`); it falls to serial rounds when drafts ahead would mostly be
-wasted, and to 0, the target alone, when speculation does not pay (at high load too).
-
-The first token comes from the target alone: the drafter reads the prompt in the background
-while the verifier does (while the speculation gate holds the target alone, only once a round
-may speculate), and the opening round verifies what prompt lookup proposes (often
-nothing) without waiting for it. Time to first token is then the target's own, not a prefill
-on each side plus a whole speculative round.
-
-Prompt lookup (optional, `ngram`): the router holds the whole token history, so before asking
-the drafter for a block it looks for the history's last few tokens earlier in the history and,
-when they recur, proposes what followed them (`drafter.ngram`): no model, no network hop. The
-drafter model drafts only when lookup finds nothing. A looked-up block never reaches the
-drafter, so the drafter's view simply gains its committed tokens like any others. Each request
-keeps an index of its history (`drafter.ngram.PromptLookup`), so a lookup, like the rest of a
-round's bookkeeping (`cluster.routing.generation`), costs O(new tokens), not O(history).
+Speculation (`cluster.routing.rounds`): the suffix drafter, prompt lookup (`drafter.ngram`: the
+router holds the history, so copying text that recurs needs no model and no network hop) or
+the draft model proposes a block; the adaptive plan (`cluster.routing.draft_length`) chooses
+its length and whether the next is drafted while it is verified (pipelining), or pre-drafted
+for its likeliest outcomes; the speculation gate (`cluster.routing.speculation_gate`) measures
+whether speculating pays for all this router's requests at once and holds the target alone
+where it does not. The first tokens come from the target alone (the verifier's session starts
+at once; the drafter reads the prompt meanwhile).
 
 Failover (`cluster.routing.failover`): a request whose replica fails it moves to a spare, on
 its whole history, or, for a drafter with none, goes on with the target alone.
 
 Deadlines: a request with a `deadline` is checked against it before its sessions open and
-before every round; past it, `DeadlineExceededError` ends the request and its sessions are
-closed like any other's, freeing their KV caches. The pool's ports are bound to the deadline
-too (over gRPC a call stops when the time runs out, and each replica is told how long the
-session may live, so it drops the session itself should the router die). A deadline is the
+whenever its loop wakes; past it, `DeadlineExceededError` ends the request and its sessions
+are closed like any other's, freeing their KV caches. The pool's ports are bound to the
+deadline too (over gRPC a call stops when the time runs out, and each replica is told how long
+the session may live, so it drops the session itself should the router die). A deadline is the
 caller's limit, not a replica failure: it never fails over.
 
 Audit: `reference` replays a finished request through the plain target on a verifier of the
 pool (`VerifierPort.reference`), for the service's audit (`cluster.api.audit`).
 
-Metrics (`cluster.metrics`): the time of every drafter call and of every verify pass after the
-opening one (the times the adaptive plan measures) go to two histograms.
-
-The calls that fetch a round's blocks (now, ahead, pre-drafted) are `cluster.routing.draft_calls`.
 The router depends only on the `DrafterPort` and `VerifierPort` protocols, so it runs the
 same in-process and across the network.
 """
@@ -62,27 +42,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from llguidance import LLTokenizer
 
 from cluster.metrics import TandemMetrics
 from cluster.routing.draft_calls import DraftCalls
-from cluster.routing.draft_length import DraftLength, Plan
 from cluster.routing.draft_length_config import DraftLengthConfig
-from cluster.routing.failover import DRAFTER_FAILED, Failover
-from cluster.routing.generation import Decode, Draft, Generation
-from cluster.routing.outcome import after_verdict, count_round
-from cluster.routing.output import decode_for, emit
-from cluster.routing.ports import (
-    DrafterPort,
-    FixedReplicas,
-    ReplicaPool,
-    VerifierPort,
-    begin_call,
-)
-from cluster.routing.predrafting import predrafted
+from cluster.routing.failover import Failover
+from cluster.routing.generation import Decode, Generation
+from cluster.routing.output import decode_for
+from cluster.routing.ports import DrafterPort, FixedReplicas, ReplicaPool, VerifierPort
 from cluster.routing.request import (
     FinishReason,
     GenerationChunk,
@@ -90,25 +60,15 @@ from cluster.routing.request import (
     GenerationResult,
     SpeculationStats,
 )
+from cluster.routing.rounds import Rounds
 from cluster.routing.speculation_gate import GateConfig, SpeculationGate
-from cluster.routing.waits import (
-    Started,
-    Steps,
-    Wait,
-    blocking,
-    finishing,
-    quietly,
-    run,
-)
+from cluster.routing.waits import Started, Steps, Wait, blocking, finishing, run
+from cluster.runtime.advance import Advance
 from cluster.runtime.errors import DeadlineExceededError
 from drafter.config import NgramConfig
 
 if TYPE_CHECKING:
     from cluster.runtime.audit import Replay
-
-
-MAX_CONCURRENT_DRAFTS = 64
-"""Drafts running ahead at once, across all requests of one router."""
 
 
 class RouterOptions(TypedDict, total=False):
@@ -133,6 +93,11 @@ class RouterOptions(TypedDict, total=False):
     grammar_tokenizer: Callable[[], LLTokenizer] | None
     """llguidance's view of the target's tokenizer, for cutting prompt lookup's drafts at the
     first token a request's grammar forbids; None: no prompt lookup for such requests."""
+    verifier_advances: bool
+    """The verifier's sessions run (advance on their own, in every step); False: each advances
+    only by the blocks the router posts, one round at a time (an empty block for the target's
+    own token), the first round waiting for the drafter (tests of how drafted tokens decide
+    the first tokens)."""
 
 
 class Router:
@@ -179,8 +144,10 @@ class Router:
         metrics: TandemMetrics | None = None,
         decode_special: Decode | None = None,
         grammar_tokenizer: Callable[[], LLTokenizer] | None = None,
+        verifier_advances: bool = True,
     ) -> None:
         """The one construction path; its keywords are the `RouterOptions` and their defaults."""
+        self.verifier_advances = verifier_advances
         self._grammar_tokenizer = grammar_tokenizer
         self._replicas = replicas
         self._clock = clock
@@ -194,27 +161,33 @@ class Router:
         """Prompt lookup settings; None: every block comes from the drafter."""
         self.draft_length = draft_length or DraftLengthConfig()
         gated = self.draft_length.enabled and self.draft_length.speculation_gate
-        self.gate = SpeculationGate(GateConfig(enabled=gated), self._clock)
+        gate = SpeculationGate(GateConfig(enabled=gated), self._clock)
+        predraft_gate = SpeculationGate(GateConfig(enabled=gated), self._clock)
+        # Lambdas, not bound methods: `metrics` may be replaced after construction.
+        self._failover = Failover(replicas, lambda cause: self.metrics.drafter_degraded(cause))
+        self._rounds = Rounds(
+            gate,
+            predraft_gate,
+            DraftCalls(self._failover, lambda: self.metrics),
+            self._failover,
+            lambda: self.metrics,
+            eos_token_ids,
+        )
+
+    @property
+    def gate(self) -> SpeculationGate:
         """Whether speculation pays for all this router's requests at once, measured."""
-        self.predraft_gate = SpeculationGate(GateConfig(enabled=gated), self._clock)
+        return self._rounds.gate
+
+    @property
+    def predraft_gate(self) -> SpeculationGate:
         """Whether pre-drafting pays for all this router's requests that may pre-draft, against
         the same requests' rounds without it, measured the same way."""
-        self._recent_lengths: DraftLength | None = None
-        """The estimates of the request that last timed a verify pass: where a new request's
-        plan starts (`DraftLength.inherit`)."""
-        self.first_token_alone = True
-        """The opening round verifies only what prompt lookup proposes while the drafter reads
-        the prompt; False: it waits for the drafter (tests of the first tokens' sampling)."""
-        self._pool = ThreadPoolExecutor(MAX_CONCURRENT_DRAFTS, thread_name_prefix="draft-ahead")
-        # A lambda, not the bound method: `metrics` may be replaced after construction.
-        self._failover = Failover(
-            replicas, self._pool, lambda cause: self.metrics.drafter_degraded(cause)
-        )
-        self._drafts = DraftCalls(self._pool, self._failover, lambda: self.metrics)
+        return self._rounds.predraft_gate
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self._failover.close()
+        """Nothing of its own runs once its requests have ended (kept for callers that close
+        what they build)."""
 
     def generate(
         self, request: GenerationRequest, pipelined: bool | None = None
@@ -261,12 +234,6 @@ class Router:
         """`stream` as steps (`cluster.routing.waits`): the chunks, with a `Wait` wherever the
         request waits for a replica, so that one driver runs any number of requests."""
         return self._run(request, stats if stats is not None else SpeculationStats(), pipelined)
-
-    @property
-    def waits_without_threads(self) -> bool:
-        """Whether `steps` never block (every replica answers on frames), so that one event
-        loop may drive any number of requests; else each must run on a thread of its own."""
-        return bool(getattr(self._replicas, "waits_without_threads", False))
 
     def reference(
         self,
@@ -318,9 +285,11 @@ class Router:
                 self.ngram,
                 constraint=request.constraint(self._eos_token_ids),
                 grammar_tokenizer=self._grammar_tokenizer,
+                advance=self._advance(request),
             )
-            if self._recent_lengths is not None:  # price the first rounds with today's load
-                gen.lengths.inherit(self._recent_lengths)
+            recent = self._rounds.recent
+            if recent is not None:  # price the first rounds with today's load
+                gen.lengths.inherit(recent.lengths)
             gen.lengths.max_fan_out = self._max_fan_out(gen)
             if gen.lengths.max_fan_out > 0:
                 self.predraft_gate.request_started()
@@ -330,11 +299,24 @@ class Router:
             for release in releases:
                 release()
 
+    def _advance(self, request: GenerationRequest) -> Advance | None:
+        """Where the request's verifier session stops advancing on its own: its end tokens
+        (as `cluster.routing.output.end_at` counts them) and `max_tokens`; None when sessions
+        do not run."""
+        if not self.verifier_advances:
+            return None
+        eos = frozenset() if request.ignore_eos else self._eos_token_ids
+        prompt = len(request.prompt_tokens)
+        return Advance(
+            max_length=prompt + request.max_tokens,
+            end_token_ids=eos | frozenset(request.stop_token_ids),
+            ends_from=prompt + request.min_tokens,
+        )
+
     def _session(self, gen: Generation) -> Iterator[GenerationChunk | Wait]:
         request = gen.request
         prompt = request.prompt_tokens
         port = gen.drafter_port
-        gen.opening_round = self.first_token_alone
         gen.check_deadline()
         if port is not None:
             # The drafter reads the prompt in the background; while the gate holds the target
@@ -343,16 +325,15 @@ class Router:
             max_new_tokens = gen.remaining  # as at the start, however late it opens
 
             def open_drafter() -> Started:
-                return begin_call(
-                    self._pool,
-                    port,
-                    "open_session",
-                    gen.session_id,
-                    prompt,
-                    request.sampling,
-                    request.seed,
-                    max_new_tokens=max_new_tokens,
-                    constraint=gen.constraint,
+                return Started(
+                    port.open_session_steps(
+                        gen.session_id,
+                        prompt,
+                        request.sampling,
+                        request.seed,
+                        max_new_tokens=max_new_tokens,
+                        constraint=gen.constraint,
+                    )
                 )
 
             if self.gate.holds_target():
@@ -374,7 +355,7 @@ class Router:
             raise
         closing = self._close_sessions(gen)
         try:
-            yield from self._loop(gen)
+            yield from self._rounds.run(gen)
         except GeneratorExit:  # the consumer left: no more waits may be yielded
             run(closing)
             raise
@@ -385,96 +366,10 @@ class Router:
 
     def _close_sessions(self, gen: Generation) -> Steps[None]:
         """Close the request's sessions on both sides, best effort."""
+        gen.events.close()
         yield from self._failover.closed_quietly("verifier", gen.verifier, gen.session_id)
         yield from self._failover.close_drafter(gen)
-        yield from gen.suffix.close(self._pool)
-
-    def _loop(self, gen: Generation) -> Iterator[GenerationChunk | Wait]:
-        draft: Draft | None = None  # a block drafted ahead that is still valid
-        ahead: Started | None = None
-        try:
-            while True:
-                gen.check_deadline()
-                remaining = gen.remaining
-                # Where the router measured the target alone faster, the plan is not priced
-                # at all (pricing costs router CPU each round).
-                speculating = self.gate.speculate()
-                plan = gen.lengths.next_plan() if speculating else Plan(0, False)
-                if plan.fan_out > 0 and not self.predraft_gate.speculate():
-                    plan = Plan(plan.k, plan.pipelined)  # measured faster without pre-drafting
-                opening = gen.opening_round
-                gen.opening_round = False
-                if draft is None:
-                    # The suffix drafter is asked even where the plan gives the model drafter no
-                    # block (its own asking is priced apart), not while the gate holds the target.
-                    draft = yield from self._drafts.now(
-                        gen, min(plan.k, remaining - 1), by_drafter=not opening,
-                        suffix=speculating and not opening,
-                    )  # fmt: skip
-                block = draft.block
-                # If all of `block` is accepted (bonus deferred), `remaining - k` tokens are
-                # left and the next block must leave room for one more of the target's own.
-                next_k = min(plan.k, remaining - len(block.tokens) - 1)
-                predrafting = False
-                # After a suffix block the round is serial: the next asks the suffix drafter
-                # again, where text that recurs goes on recurring.
-                by_suffix = draft.by_suffix
-                ahead_ok = not opening and not by_suffix and len(block.tokens) > 0
-                if plan.pipelined and ahead_ok and next_k > 0:
-                    ahead = yield from self._drafts.predraft(gen, block, next_k, plan.fan_out)
-                    predrafting = ahead is not None
-                    if ahead is None:
-                        ahead = yield from self._drafts.ahead(gen, block, next_k)
-                # A looked-up block ahead is ready at once: the verify pass then runs alone.
-                overlapped = ahead is not None and not ahead.done()
-                started = time.perf_counter()
-                verdict = yield from self._failover.verify(
-                    gen, block, defer_bonus=ahead is not None and not predrafting
-                )
-                if not opening:  # the opening pass runs beside the drafter's prefill
-                    verify_s = time.perf_counter() - started
-                    gen.lengths.observe_verify(verify_s, overlapped, verdict.load)
-                    self._recent_lengths = gen.lengths
-                    self.metrics.verified(verify_s)
-                if by_suffix:  # priced apart: the model's acceptance is the plan's
-                    gen.suffix.use.verified(verdict.num_accepted)
-                    gen.stats.suffix_drafted += len(block.tokens)
-                    gen.stats.suffix_accepted += verdict.num_accepted
-                else:
-                    gen.lengths.observe(len(block.tokens), verdict.num_accepted)
-                lost: Exception | None = None
-                try:
-                    next_draft = (yield from ahead.finish()) if ahead is not None else None
-                except DRAFTER_FAILED as error:  # the drafter failed while drafting ahead
-                    next_draft, lost = None, error
-                ahead = None
-                gen.commit(verdict.tokens)
-                if gen.request.draft_tokens > 0:
-                    self.gate.committed(len(verdict.tokens))
-                if gen.lengths.max_fan_out > 0:
-                    self.predraft_gate.committed(len(verdict.tokens))
-                assert gen.committed == verdict.committed_length, "verifier and router disagree"
-                if predrafting:  # the branch the verdict hit, if any, is verified next
-                    draft = predrafted(gen, block, verdict, next_draft)
-                else:
-                    count_round(gen.stats, block, verdict, next_draft)
-                    draft = after_verdict(gen, block, verdict, next_draft)
-                if lost is not None:
-                    self._failover.replace(gen, "drafter", lost)
-
-                chunk = emit(gen, verdict, self._eos_token_ids)
-                yield chunk
-                if chunk.finish_reason is not None:
-                    return
-        except GeneratorExit:
-            # Let a draft in flight finish before the sessions are closed under it.
-            if ahead is not None:
-                run(quietly(ahead.finish()))
-            raise
-        except BaseException:
-            if ahead is not None:
-                yield from finishing(quietly(ahead.finish()))
-            raise
+        yield from gen.suffix.close()
 
     def _max_fan_out(self, gen: Generation) -> int:
         """The widest fan-out `gen` may pre-draft: the request's, else the router's; 0 where
@@ -482,6 +377,6 @@ class Router:
         step by step, which branches do not follow): the plan then never prices one."""
         asked = gen.request.predraft_fan_out
         port = gen.drafter_port
-        if port is None or not hasattr(port, "predraft") or gen.constraint is not None:
+        if port is None or not hasattr(port, "predraft_steps") or gen.constraint is not None:
             return 0
         return self.predraft_fan_out if asked is None else asked

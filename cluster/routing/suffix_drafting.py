@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-from cluster.routing.ports import DrafterPort, begin_call
+from cluster.routing.ports import DrafterPort
 from cluster.routing.request import GenerationRequest
 from cluster.routing.waits import Steps, quietly
 from cluster.runtime.draft_block import DraftBlock
@@ -92,7 +91,6 @@ class SuffixDrafting:
 
     def propose(
         self,
-        pool: Executor,
         request: GenerationRequest,
         history: Sequence[int],
         num_tokens: int,
@@ -108,10 +106,7 @@ class SuffixDrafting:
         try:
             if self.sent is None:
                 self.open_sent = True
-                opening = begin_call(
-                    pool,
-                    port,
-                    "open_session",
+                self.sent = yield from port.open_session_steps(
                     self.session_id,
                     tuple(history),
                     request.sampling,
@@ -119,28 +114,27 @@ class SuffixDrafting:
                     max_new_tokens=request.max_tokens,
                     tenant=request.tenant,
                 )
-                self.sent = yield from opening.finish()
-            appended = history[self.sent :]
-            drafting = begin_call(
-                pool, port, "draft", self.session_id, self.sent, appended, num_tokens
+            sent = len(history)
+            appended = history[self.sent : sent]
+            block: DraftBlock = yield from port.draft_steps(
+                self.session_id, self.sent, appended, num_tokens
             )
-            block: DraftBlock = yield from drafting.finish()
         except DeadlineExceededError:
             raise
         except TandemError as error:
             # Output never depends on it: go on without, and close what it holds.
             logger.warning("suffix drafter %s dropped for a request: %s", self.replica_id, error)
-            yield from self.close(pool)
+            yield from self.close()
             return None
-        self.sent = len(history)
+        self.sent = sent
         worth = len(block.tokens) >= shortest
         self.use.proposed(len(block.tokens) if worth else 0)
         return block if block.tokens and worth else None
 
-    def close(self, pool: Executor) -> Steps[None]:
+    def close(self) -> Steps[None]:
         """Close its session, if an open was sent (a consumer that leaves while it is in flight
         still closes it: over a Frames stream the close follows the open); best effort."""
         port, self.port = self.port, None
         if port is None or not self.open_sent:
             return
-        yield from quietly(begin_call(pool, port, "close_session", self.session_id).finish())
+        yield from quietly(port.close_session_steps(self.session_id))

@@ -17,8 +17,11 @@ that yielded it reads the future next and decides (a timeout is its own to raise
 receive a value from the driver, so a generator of steps is run with `next` alone, and
 `yield from` composes them. A stream of steps yields its output (chunks) between its waits.
 
-`Started` begins steps at once and finishes them later (a draft sent ahead while a block is
-verified). `done_steps` and `answer` make steps of values and futures that need no thread.
+`Started` begins steps at once and finishes them later. `Pending` runs steps beside a
+request's own loop: the loop waits on whichever comes first (`first_done`) of its own events
+and the pending steps' current wait, and `poll`s them forward once theirs is over (a draft in
+flight while the request goes on reading its verifier's steps). `done_steps` and `answer` make
+steps of values and futures that need no thread.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 T = TypeVar("T")
 Steps = Generator["Wait", None, T]
@@ -53,17 +58,14 @@ class Wait:
         """Wait on the running event loop (the future's thread wakes the loop, not a thread of
         the request's own); a timeout leaves the future running for the step to deal with.
         Lighter than `asyncio.wrap_future` with `asyncio.wait`: one loop future, one callback
-        and, with a timeout, one timer."""
+        and, with a timeout, one timer; futures done together on another thread (a frame's
+        answers) wake the loop once (`LoopWaker`)."""
         if self.future.done():
             return
         loop = asyncio.get_running_loop()
         woken: asyncio.Future[None] = loop.create_future()
-
-        def answered(_: Future[Any]) -> None:  # on the thread that completed the future
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
-                loop.call_soon_threadsafe(_wake, woken)
-
-        self.future.add_done_callback(answered)
+        waker = LoopWaker.of(loop)
+        self.future.add_done_callback(lambda _: waker.wake(woken))
         if self.timeout_s is None:
             await woken
             return
@@ -72,6 +74,49 @@ class Wait:
             await woken
         finally:
             timer.cancel()
+
+
+class LoopWaker:
+    """Wakes loop futures from other threads in batches: the first wake since the loop last
+    ran its batch asks the loop to run one (`call_soon_threadsafe`: a write to its wakeup
+    pipe), and the wakes that follow before it runs join that batch. A frame that answers 64
+    sessions then costs one wakeup of the loop, not 64."""
+
+    _by_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker]] = (
+        weakref.WeakKeyDictionary()
+    )
+    _made: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._due: list[asyncio.Future[None]] = []
+        self._asked = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> LoopWaker:
+        """The waker of `loop` (made once)."""
+        waker = cls._by_loop.get(loop)
+        if waker is None:
+            with cls._made:
+                waker = cls._by_loop.setdefault(loop, cls(loop))
+        return waker
+
+    def wake(self, woken: asyncio.Future[None]) -> None:
+        """Set `woken` on the loop, soon (any thread)."""
+        with self._lock:
+            self._due.append(woken)
+            if self._asked:
+                return
+            self._asked = True
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+            self._loop.call_soon_threadsafe(self._run)
+
+    def _run(self) -> None:
+        with self._lock:
+            due, self._due, self._asked = self._due, [], False
+        for woken in due:
+            _wake(woken)
 
 
 def _wake(woken: asyncio.Future[None]) -> None:
@@ -243,3 +288,87 @@ class Started:
             return self._result
         yield self._first
         return (yield from self._steps)
+
+
+def first_done(futures: list[Future[Any]]) -> Future[Any]:
+    """A future done as soon as any of `futures` is (the one given, if there is only one)."""
+    if len(futures) == 1:
+        return futures[0]
+    either: Future[Any] = Future()
+
+    def done(_: Future[Any]) -> None:
+        if not either.done():
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                either.set_result(None)
+
+    for future in futures:
+        future.add_done_callback(done)
+    return either
+
+
+class Pending:
+    """Steps run beside a request's loop (see the module docstring): begun at once, up to their
+    first wait; `poll` resumes them whenever the wait they stopped at is over (its future done,
+    or its timeout passed, which the steps then handle themselves), until they return."""
+
+    def __init__(self, steps: Steps[Any], clock: Callable[[], float] = time.monotonic) -> None:
+        self._steps = steps
+        self._clock = clock
+        self._wait: Wait | None = None
+        self._until: float | None = None
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self.done = False
+        self._resume()
+
+    @property
+    def future(self) -> Future[Any] | None:
+        """What the steps wait for now (None once they have returned)."""
+        return None if self._wait is None else self._wait.future
+
+    @property
+    def until(self) -> float | None:
+        """When the wait they stopped at times out (None: never, or no wait)."""
+        return self._until
+
+    def poll(self) -> bool:
+        """Resume the steps if their wait is over; whether they have returned."""
+        if self.done or self._wait is None:
+            return self.done
+        over = self._until is not None and self._clock() >= self._until
+        if self._wait.future.done() or over:
+            self._resume()
+        return self.done
+
+    def result(self) -> Any:
+        """What the steps returned (or raise what they raised); only once `done`."""
+        assert self.done
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def close(self) -> None:
+        """Give the steps up (closing the generator)."""
+        self._steps.close()
+        self._wait = None
+
+    def _resume(self) -> None:
+        while True:
+            try:
+                wait = next(self._steps)
+            except StopIteration as stop:
+                self._finish(stop.value, None)
+                return
+            except Exception as error:  # raised again by `result`, on the request's path
+                self._finish(None, error)
+                return
+            if not wait.future.done():
+                self._wait = wait
+                timeout = wait.timeout_s
+                self._until = None if timeout is None else self._clock() + timeout
+                return
+
+    def _finish(self, result: Any, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self._wait, self._until = None, None
+        self.done = True

@@ -21,14 +21,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 from llguidance import LLTokenizer
 
 from cluster.runtime.constraint import GRAMMAR_TOKENIZERS, Constraint, TokenMatcher
 from cluster.runtime.engine import Engine, Forward, Preempted, Task
-from cluster.runtime.limits import MAX_BLOCK_TOKENS, SessionLimits
+from cluster.runtime.limits import (
+    DEFAULT_MAX_STEP_SEQUENCES,
+    DEFAULT_MAX_STEP_TOKENS,
+    MAX_BLOCK_TOKENS,
+    SessionLimits,
+)
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.runner import ModelRunner, build_runner
 from cluster.runtime.sampling import SamplingParams
@@ -47,6 +52,17 @@ def submitted(submit: Callable[[], Future[R]]) -> Future[R]:
         failed: Future[R] = Future()
         failed.set_exception(error)
         return failed
+
+
+def _budget(configured: int | None, runner: ModelRunner, name: str) -> int:
+    """A step budget: the config's, else the device's own (a simulated GPU's profile), else
+    the default for the host's cores."""
+    if configured is not None:
+        return configured
+    own: int | None = getattr(runner, name, None)
+    if own is not None:
+        return own
+    return DEFAULT_MAX_STEP_TOKENS if name == "max_step_tokens" else DEFAULT_MAX_STEP_SEQUENCES
 
 
 class SessionComponent(Generic[C]):
@@ -69,8 +85,8 @@ class SessionComponent(Generic[C]):
         self._runner = runner
         self._engine = Engine(
             runner,
-            max_step_tokens=config.max_step_tokens,
-            max_step_sequences=config.max_step_sequences,
+            max_step_tokens=_budget(config.max_step_tokens, runner, "max_step_tokens"),
+            max_step_sequences=_budget(config.max_step_sequences, runner, "max_step_sequences"),
             gather_share=config.gather_share,
             name=f"{type(self).__name__.lower()}-engine",
         )
@@ -144,8 +160,11 @@ class SessionComponent(Generic[C]):
         max_new_tokens: int | None = None,
         resumed: bool = False,
         constraint: Constraint | None = None,
+        on_open: Callable[[str, ReplicaSession], None] | None = None,
     ) -> Future[int]:
-        """`open_session` without waiting: a future of the committed length."""
+        """`open_session` without waiting: a future of the committed length. `on_open(id,
+        session)`: called on the engine thread once the session is open and prefilled (how a
+        side sets up what it keeps beside it)."""
 
         def submit() -> Future[int]:
             matcher = self._matcher(constraint, prompt_tokens)
@@ -158,6 +177,7 @@ class SessionComponent(Generic[C]):
                 max_new_tokens,
                 resumed,
                 (constraint is not None and constraint.active, matcher),
+                on_open,
             )
             return self._engine.submit(task, key=session_id)
 
@@ -186,6 +206,7 @@ class SessionComponent(Generic[C]):
         max_new_tokens: int | None,
         resumed: bool,
         constrained: tuple[bool, TokenMatcher | None],
+        on_open: Callable[[str, ReplicaSession], None] | None = None,
     ) -> Task[int]:
         own_sampling, own_seed = self._session_sampling(sampling, seed)
         session = self._sessions.open(
@@ -205,6 +226,8 @@ class SessionComponent(Generic[C]):
         except BaseException:
             self._sessions.remove(session_id)
             raise
+        if on_open is not None:
+            on_open(session_id, session)
         return session.committed_length
 
     def _headroom_tokens(self) -> int:
@@ -218,15 +241,26 @@ class SessionComponent(Generic[C]):
         in the engine's next steps; returns the logits at the last `num_logits` of them
         (float32 `[num_logits, vocab]`; None when nothing had to run). Preemptible: if the
         engine frees the session's blocks meanwhile, the work is planned again (recomputed)."""
+        logits: torch.Tensor | None = yield from self._run(session, num_logits, upto, False)
+        return logits
+
+    def _argmaxes(self, session: ReplicaSession, num_logits: int) -> Task[list[int] | None]:
+        """`_forward` for a greedy choice: each of those rows' argmax (None when nothing had
+        to run); `InvalidArgumentError` when a row has no finite maximum."""
+        best: list[int] | None = yield from self._run(session, num_logits, None, True)
+        return best
+
+    def _run(
+        self, session: ReplicaSession, num_logits: int, upto: int | None, greedy: bool
+    ) -> Task[Any]:
         while True:
             work = session.kv.work(num_logits, upto)
             if work is None:
                 return None
             try:
-                logits: torch.Tensor = yield Forward(work, preemptible=True)
+                return (yield Forward(work, preemptible=True, greedy=greedy))
             except Preempted:
                 continue  # its blocks went to an older session: recompute what the KV lost
-            return logits
 
     def _session_sampling(self, sampling: SamplingParams, seed: int) -> tuple[SamplingParams, int]:
         """The sampling settings and seed a new session keeps: the request's, unless a side

@@ -46,6 +46,11 @@ class DraftBlock:
     the router passes on to the verifier as bytes, never decoded."""
     load: StepLoad | None = None
     """The drafter's load when it drafted this block (None: not reported)."""
+    assumed: tuple[int, ...] = ()
+    """Tokens between `base_length` and the block's first token that the block takes as
+    committed: a block drafted ahead of blocks not yet verified. The verifier verifies it only
+    if its session then holds them (and any of the block's own tokens it has committed since)
+    exactly; otherwise it drops the block (`Verdict.dropped`)."""
 
     def __post_init__(self) -> None:
         if self.draft_probs is not None and len(self.draft_probs) != len(self.tokens):
@@ -71,3 +76,11 @@ class Verdict:
     against it (pipelining: a block drafted ahead stays valid)."""
     load: StepLoad | None = None
     """The verifier's load when it verified this block (None: not reported)."""
+    num_matched: int = 0
+    """The block's first tokens that its session had already committed, the same, by the time
+    it was verified (the session advanced on its own meanwhile): they count as accepted, and
+    `num_accepted` counts the verified ones after them."""
+    dropped: bool = False
+    """The block was not verified: its session had committed other tokens than it assumed,
+    or all of its own. Nothing was committed; `num_matched` says how many of its tokens
+    agreed before it parted from the session."""

@@ -33,6 +33,13 @@ its next step (a task waiting on a preemptible Forward gets `Preempted` and plan
 full pool delays requests instead of failing them. Counted: `preemptions`, `recomputed_tokens`,
 `refusals`.
 
+Running sessions (`keep_running`): a session that advances on its own (a verifier's session
+generating with nothing else to do) registers a maker of its next task. Before every step, each
+running key with no task active or queued gets one (`_fill_running`), so every running session
+with a next input is in every step, whatever its caller does between steps; a maker that
+returns None has nothing more to do (it unregisters itself: `stop_running`). The engine counts
+how many running sessions each step carried against how many were registered (`occupancy`).
+
 Step listeners (`add_step_listener`): the engine thread calls each once at the end of every
 loop iteration in which some task finished (after the step's forward pass and its Batched
 handlers), so a caller that collects results as their futures complete (a future's
@@ -65,6 +72,7 @@ from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import CancelledError, InvalidArgumentError, ResourceExhaustedError
 from cluster.runtime.limits import DEFAULT_MAX_STEP_SEQUENCES, DEFAULT_MAX_STEP_TOKENS, GATHER_SHARE
 from cluster.runtime.runner import ModelRunner, PoolExhaustedError, SequenceWork
+from cluster.runtime.sampling import greedy_tokens, row_argmax
 from cluster.runtime.scheduler import Scheduler, remaining
 from cluster.runtime.task import Batched, Forward, Preempted, Running, Task
 
@@ -84,6 +92,8 @@ R = TypeVar("R")
 
 RETRY_AFTER_S = 1.0
 """Retry hint sent with a refusal for lack of KV blocks."""
+MAX_INSTANT_TASKS = 4
+"""Tasks of a running key started in a row when each ends without a step."""
 ROOM_WAIT_S = 0.01
 """How long a step that could run nothing waits for a call before it looks again."""
 
@@ -138,6 +148,12 @@ class Engine:
         """Tokens run again to rebuild KV that preemptions freed."""
         self.refusals = 0
         """Tasks failed because their work could not fit in the whole KV pool."""
+        self._running: dict[str, Callable[[], Task[Any] | None]] = {}
+        """Per running key, the maker of its next task (`keep_running`); engine thread."""
+        self.running_sessions = 0
+        """Running sessions registered, summed over the steps since start."""
+        self.running_stepped = 0
+        """Of those, the ones each step carried (`occupancy` is the ratio)."""
         self._to_recompute: dict[str, int] = {}
         """Per preempted sequence, the freed tokens not yet run again."""
         self._step_listeners: tuple[Callable[[], None], ...] = ()
@@ -161,14 +177,15 @@ class Engine:
         the key back after it; a later task of the key is a new session's."""
         if closes and key is None:
             raise InvalidArgumentError("only a keyed task can close its key")
-        running = Running(task, key, Future(), self._clock(), closes=closes, gone=caller_gone())
+        future: Future[R] = Future()
+        running = Running(task, key, future, self._clock(), closes=closes, gone=caller_gone())
         with self._condition:
             if self._stopped:
                 task.close()
                 raise RuntimeError("the engine has stopped")
             self._inbox.append(running)
             self._condition.notify()
-        return running.future
+        return future
 
     def run(self, task: Task[R], key: str | None = None, *, closes: bool = False) -> R:
         """Run `task` and return its result (blocking the calling thread, not the engine);
@@ -202,6 +219,21 @@ class Engine:
         """Stop calling `listener` (no error if it was not added)."""
         with self._condition:
             self._step_listeners = tuple(fn for fn in self._step_listeners if fn != listener)
+
+    def keep_running(self, key: str, make: Callable[[], Task[Any] | None]) -> None:
+        """From now on, whenever `key` has no task active or queued before a step, start
+        `make()` for it (engine thread only: a task of `key` calls this). `make` returns None
+        once the session has nothing more to do, and then unregisters it (`stop_running`)."""
+        assert self.on_engine_thread, "keep_running is called from a task"
+        self._running[key] = make
+
+    def stop_running(self, key: str) -> None:
+        """`key` no longer advances on its own (engine thread only; unknown keys: nothing)."""
+        self._running.pop(key, None)
+
+    def is_running(self, key: str) -> bool:
+        """Whether `key` advances on its own (engine thread: exact)."""
+        return key in self._running
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the loop; tasks not finished fail with RuntimeError."""
@@ -264,6 +296,8 @@ class Engine:
             preemptions=self.preemptions,
             recomputed_tokens=self.recomputed_tokens,
             refusals=self.refusals,
+            running_sessions=self.running_sessions,
+            running_stepped=self.running_stepped,
         )
 
     def calibrate(self, token_counts: Sequence[int] = (1, 16, 64), repeats: int = 2) -> None:
@@ -301,9 +335,12 @@ class Engine:
                 for running in arrived:
                     self._admit(running)
                 self._run_keyless()
+                self._fill_running()
                 if self._has_forward():
                     self._gather()
+                    self._fill_running()
                     self._step()
+                self._fill_running()
                 self._notify_listeners()
         except BaseException:  # never die silently: fail every caller instead
             logger.exception("engine loop failed")
@@ -354,6 +391,27 @@ class Engine:
                 self._admit(running)
                 expected.discard(running.key)
             self._run_keyless()
+
+    def _fill_running(self) -> None:
+        """Start the next task of every running key that has none (`keep_running`). A task
+        that ends without a step (a deferred token emitted, a stale block dropped) is followed
+        by the next at once, up to `MAX_INSTANT_TASKS` in a row."""
+        if not self._running:
+            return
+        now = self._clock()
+        for key in list(self._running):
+            for _ in range(MAX_INSTANT_TASKS):
+                if key in self._active or key in self._queued:
+                    break
+                make = self._running.get(key)
+                task = make() if make is not None else None
+                if task is None:
+                    self._running.pop(key, None)
+                    break
+                running = Running(task, key, None, now)
+                running.waited = True  # no caller queued it
+                self._active[key] = running
+                self._advance(running, None, None)
 
     def _has_forward(self) -> bool:
         return any(isinstance(r.waiting, Forward) for r in self._active.values())
@@ -425,10 +483,14 @@ class Engine:
         self._finished_any = True
         if self._in_step:
             self._count_busy()  # before the caller can return and read `busy_s`
-        if failure is None:
-            running.future.set_result(result)
+        future = running.future
+        if future is None:  # a running session's own step: it reports itself
+            if failure is not None:
+                logger.error("a running session's step failed", exc_info=failure)
+        elif failure is None:
+            future.set_result(result)
         else:
-            running.future.set_exception(failure)
+            future.set_exception(failure)
         if not keyed or running.key is None:
             return
         del self._active[running.key]
@@ -538,6 +600,9 @@ class Engine:
                 running.waited = True
                 self._queue_wait_s = smooth(self._queue_wait_s, started - running.submitted_at)
         tokens = sum(len(c.tokens) for c in chunks)
+        if self._running:
+            self.running_sessions += len(self._running)
+            self.running_stepped += sum(r.key in self._running for r in batch)
         if self._to_recompute:
             self._count_recomputed(chunks)
         forward_started = self._clock()
@@ -553,18 +618,28 @@ class Engine:
         self.forward_s += finished - forward_started
         elapsed = finished - started
         self._record(len(batch), tokens, elapsed)
-        rows = logits.split([len(c.logits_at) for c in chunks])
-        resumed: list[tuple[Running, torch.Tensor]] = []
-        for running, chunk, chunk_rows in zip(batch, chunks, rows, strict=True):
+        sizes = [len(c.logits_at) for c in chunks]
+        rows = logits.split(sizes)
+        # Greedy tasks get ids: every row's argmax in one call for the step.
+        greedy = any(isinstance(r.waiting, Forward) and r.waiting.greedy for r in batch)
+        best, finite = row_argmax(logits) if greedy else ([], [])
+        resumed: list[tuple[Running, Any, BaseException | None]] = []
+        start = 0
+        for running, chunk, chunk_rows, size in zip(batch, chunks, rows, sizes, strict=True):
             running.done_tokens += len(chunk.tokens)
-            running.rows.append(chunk_rows)
-            if remaining(running) == 0:
-                gathered = running.rows[0] if len(running.rows) == 1 else torch.cat(running.rows)
-                running.rows = []
-                resumed.append((running, gathered))
-        for running, gathered in resumed:
+            waiting = running.waiting
+            assert isinstance(waiting, Forward)
+            if remaining(running) == 0 and not running.rows and waiting.greedy:
+                ok = all(finite[start : start + size])
+                resumed.append((running, best[start : start + size], None if ok else _not_finite()))
+            else:
+                running.rows.append(chunk_rows)
+                if remaining(running) == 0:
+                    resumed.append(_gathered(running))
+            start += size
+        for running, value, thrown in resumed:
             running.waiting = None
-            self._advance(running, gathered, None)
+            self._advance(running, value, thrown)
         self._serve_batched()
 
     def _serve_batched(self) -> None:
@@ -611,13 +686,30 @@ class Engine:
         self._active.clear()
         self._queued.clear()
         self._keyless.clear()
+        self._running.clear()
         for running in pending:
-            if not running.future.done():
+            if running.future is not None and not running.future.done():
                 running.future.set_exception(error)
                 self._finished_any = True
             running.task.close()
         if threading.current_thread() is self._thread:
             self._notify_listeners()
+
+
+def _not_finite() -> InvalidArgumentError:
+    return InvalidArgumentError("a greedy row has NaN, +inf or no max")
+
+
+def _gathered(running: Running) -> tuple[Running, Any, BaseException | None]:
+    """A task's rows of a Forward run over several steps (chunked), as it asked for them."""
+    gathered = running.rows[0] if len(running.rows) == 1 else torch.cat(running.rows)
+    running.rows = []
+    if not running.waiting.greedy:  # type: ignore[union-attr]
+        return running, gathered, None
+    try:
+        return running, greedy_tokens(gathered), None
+    except InvalidArgumentError as error:
+        return running, None, error
 
 
 def _one(results: list[Any]) -> tuple[Any, BaseException | None]:

@@ -59,6 +59,18 @@ class EngineStats:
     """Calls refused for lack of KV memory (since start): sessions refused at admission, and
     work that could not fit in the whole pool."""
 
+    running_sessions: int = 0
+    """Sessions advancing on their own (`Engine.keep_running`), summed over steps."""
+    running_stepped: int = 0
+    """Of those, the ones each step carried, summed over steps: `occupancy` is the ratio."""
+
+    @property
+    def occupancy(self) -> float | None:
+        """The share of running sessions the steps carried (None: no step had any)."""
+        if self.running_sessions == 0:
+            return None
+        return self.running_stepped / self.running_sessions
+
     @property
     def kv_blocks_free(self) -> int:
         return self.kv_blocks_total - self.kv_blocks_used

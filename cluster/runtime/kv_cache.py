@@ -15,6 +15,9 @@ from collections.abc import Sequence
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.runner import ModelRunner, SequenceWork
 
+SHORT_PREFIX = 16
+"""Sequences up to this long are compared token by token (`common_prefix_length`)."""
+
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences.
@@ -23,8 +26,13 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     instead of stepping through tokens in Python: one comparison in the usual case, where one
     sequence extends the other, and a binary search over prefix lengths otherwise.
     """
-    a, b = list(a), list(b)  # a list never equals a tuple: compare like with like
     n = min(len(a), len(b))
+    if n <= SHORT_PREFIX:  # a block's worth: a plain loop beats making lists
+        i = 0
+        while i < n and a[i] == b[i]:
+            i += 1
+        return i
+    a, b = list(a), list(b)  # a list never equals a tuple: compare like with like
     if a[:n] == b[:n]:
         return n
     low, high = 0, n  # a[:low] == b[:low] and a[:high] != b[:high]
@@ -101,7 +109,8 @@ class SequenceKV:
 
     def drop_tentative(self) -> None:
         """Forget the tentative tail (its cached positions too)."""
-        self._replace_tail(self._committed, ())
+        if len(self._tokens) > self._committed:
+            self._replace_tail(self._committed, ())
 
     def _replace_tail(self, start: int, tokens: Sequence[int]) -> None:
         if not 0 <= start <= len(self._tokens):

@@ -61,10 +61,12 @@ class SessionLimits:
     they do not, the engine preempts the newest sessions and recomputes them later."""
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
     """Tokens per KV block (rollback frees whole blocks)."""
-    max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
-    """Tokens one batched forward pass takes at most (long prompts are prefilled in chunks)."""
-    max_step_sequences: int = DEFAULT_MAX_STEP_SEQUENCES
-    """Sessions one batched forward pass takes at most."""
+    max_step_tokens: int | None = None
+    """Tokens one batched forward pass takes at most (long prompts are prefilled in chunks);
+    None: the device's own budget (a simulated GPU's profile's), else DEFAULT_MAX_STEP_TOKENS."""
+    max_step_sequences: int | None = None
+    """Sessions one batched forward pass takes at most; None: as for `max_step_tokens`
+    (DEFAULT_MAX_STEP_SEQUENCES)."""
     gather_share: float = GATHER_SHARE
     """A step waits for sessions about to come back (their next call due within this share of
     the step's predicted time) at most that long, so that they share it; 0: never waits."""
@@ -80,8 +82,9 @@ class SessionLimits:
 
     def __post_init__(self) -> None:
         for name in self._counts:
-            if getattr(self, name) < 1:
-                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 1:  # None: a budget left to the device
+                raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
         if not self.session_ttl_s > 0:
             raise InvalidArgumentError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
         if self.kv_cache_bytes < 0:

@@ -145,6 +145,18 @@ def greedy_tokens(rows: Tensor) -> list[int]:  # rows: [n, vocab]
     return tokens
 
 
+def row_argmax(rows: Tensor) -> tuple[list[int], list[bool]]:  # rows: [n, vocab]
+    """Each row's argmax as an int, and whether that row's maximum is finite: `greedy_tokens`
+    for rows of several callers at once (each checks its own rows)."""
+    if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() == 2:
+        values = rows.detach().numpy()
+        best = values.argmax(axis=1)
+        finite = np.isfinite(values[np.arange(len(best)), best])
+        return best.tolist(), finite.tolist()
+    best_t = rows.argmax(dim=-1)
+    return best_t.tolist(), torch.isfinite(rows.gather(1, best_t[:, None]))[:, 0].tolist()
+
+
 def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:  # logits: [n, vocab]
     """Return the float32 distribution `[n, vocab]` each row's token is actually drawn from.
 

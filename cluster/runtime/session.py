@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.runtime.advance import Advance
 from cluster.runtime.constraint import TokenMatcher
+from cluster.runtime.draft_block import Verdict
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import (
     DeadlineExceededError,
@@ -68,6 +70,12 @@ class ReplicaSession:
     matcher: TokenMatcher | None = None
     """Where the session stands in that constraint; None when unconstrained, or on a drafter
     that cannot follow it (which then drafts nothing)."""
+    advance: Advance | None = None
+    """Verifier only: where the session stops advancing on its own (`cluster.runtime.advance`);
+    None: it advances only by the blocks it is sent (not running, or finished)."""
+    sink: Callable[[Verdict | Exception], None] | None = None
+    """Verifier only: where a running session's own steps report (their verdicts, or the error
+    that stopped it), on the engine thread, in order with the answers to its calls."""
     planned_blocks: int = 0
     """KV blocks its admission planned for: the prompt and its growth (`SessionTable.open`)."""
     last_used: float = 0.0
@@ -296,6 +304,16 @@ class SessionTable:
     @staticmethod
     def _expired(session: ReplicaSession, now: float) -> bool:
         return session.expires_at is not None and now >= session.expires_at
+
+    def find(self, session_id: str) -> ReplicaSession | None:
+        """The session if it is open and within its time limit (an expired one is dropped),
+        else None; it is not marked as used."""
+        session = self._sessions.get(session_id)
+        if session is not None and self._expired(session, self._clock()):
+            self._drop(session_id)
+            self.num_expired += 1
+            return None
+        return session
 
     def get_at(self, session_id: str, base_length: int) -> ReplicaSession:
         """The session, provided its committed length is `base_length` (invariant 3)."""

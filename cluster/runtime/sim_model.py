@@ -91,8 +91,8 @@ class SimCausalLM(PreTrainedModel, GenerationMixin):
         # One-wide stand-ins: shapes (vocabulary, device, dtype) are read from them.
         self.embed = torch.nn.Embedding(config.vocab_size, 1)
         self.head = torch.nn.Linear(1, config.vocab_size, bias=False)
-        self.table: torch.Tensor
-        self.register_buffer("table", tail_table(config.vocab_size, config.sim_seed), False)
+        # On the host whatever the device: rows are built there (`sim_logits`), then moved.
+        self._table = tail_table(config.vocab_size, config.sim_seed)
         # Read once: a transformers config's attribute access is slow for a per-step path.
         self._seed = int(config.sim_seed)
         self._alpha = float(config.alpha) if config.role == "draft" else None
@@ -123,8 +123,11 @@ class SimCausalLM(PreTrainedModel, GenerationMixin):
     def rows(
         self, previous: Sequence[int], current: Sequence[int], positions: Sequence[int]
     ) -> torch.Tensor:
-        """float32 [n, vocab] next-token logits (see `sim_logits`)."""
-        return sim_logits(self.table, self._seed, previous, current, positions, self._alpha)
+        """[n, vocab] next-token logits (see `sim_logits`) on the model's device, in its dtype
+        (float32 on the CPU, as the sim presets load it: no copy)."""
+        logits = sim_logits(self._table, self._seed, previous, current, positions, self._alpha)
+        weight = self.head.weight
+        return logits.to(device=weight.device, dtype=weight.dtype)
 
     def forward(self, input_ids: torch.Tensor, **_: Any) -> CausalLMOutput:
         """Logits at every position of `input_ids` [batch, length], with no cache and no
@@ -176,6 +179,9 @@ class SimModelRunner(BlockAccountedRunner):
         self._sleep, self._clock = sleep, clock
         self.device_s = 0.0
         """Modelled seconds of every step so far."""
+        self.max_step_tokens = self.profile.max_step_tokens
+        self.max_step_sequences = self.profile.max_step_sequences
+        """The device's own step budget (a replica's config may set its own)."""
 
     def modelled_s(self, batch: Sequence[SequenceWork]) -> float:
         """The modelled time of a step over `batch`, before it runs."""

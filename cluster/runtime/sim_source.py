@@ -25,7 +25,8 @@ END_OF_TEXT_ID = NUM_BYTES
 FIRST_WORD_ID = NUM_BYTES + 1
 FAVOURED = (4.0, 3.0, 2.0)
 """Logits of a row's three favoured tokens over a N(-8, 1) background: at a vocabulary of
-32,000 the first holds about 0.55 of the mass, as a peaked language model's top token does."""
+32,000 the first holds about 0.55 of the mass, as a peaked language model's top token does
+(about 0.65 at 4,096, where the background holds less)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,11 @@ class DeviceProfile:
     per_token_s: float
     per_context_s: float
     source: str = ""
+    max_step_tokens: int = 2048
+    max_step_sequences: int = 256
+    """What one pass on such a device carries at most by default (a replica's config may set
+    its own): a GPU engine's batch budget (vLLM's default max_num_batched_tokens is 2,048 for
+    online serving and max_num_seqs 256), not a CPU's."""
 
     def step_s(self, tokens: int, attended: int) -> float:
         """Seconds for a pass over `tokens` new tokens whose sequences read `attended` KV
@@ -64,6 +70,30 @@ PROFILES: dict[str, DeviceProfile] = {
         per_token_s=1.0e-5,
         per_context_s=2.0e-8,
         source="A10G 600 GB/s; ~1 GB bf16 weights of a 0.5B model per pass",
+    ),
+    # Llama-3.1-70B, FP8 weights and FP8 KV cache, one H200 SXM (4.8 TB/s, 1,979 dense FP8
+    # TFLOP/s): estimates from the hardware's figures, not a measurement. The weights (70.6
+    # GB) are read once a pass: 14.7 ms at the peak bandwidth, ~16 ms at the ~90% of it
+    # decode reaches, launches included (CUDA graphs). A token costs 141 GFLOP: 0.13 ms at
+    # ~1,100 TFLOP/s achieved (about half the peak, as `h100-8b` assumes of bf16). Attention
+    # reads 160 KiB of FP8 K/V a token (80 layers x 8 KV heads x 128 x 2 x 1 byte; twice that
+    # in bf16) at 4.8 TB/s. For comparison, NVIDIA's NIM benchmarks publish an ITL of 18.6-18.9
+    # ms for Llama-3.3-70B FP8 at concurrency 1 on two H100s (TP2, all-reduces included).
+    "h200-70b": DeviceProfile(
+        base_s=16.0e-3,
+        per_token_s=1.3e-4,
+        per_context_s=3.4e-8,
+        source="estimate: 70.6 GB FP8 weights at H200 4.8 TB/s; 141 GFLOP a token",
+    ),
+    # Llama-3.2-1B (the 70B's tokenizer), bf16, one H100 SXM: 2.5 GB of weights a pass, 0.74
+    # ms at 3.35 TB/s, plus launch overhead for its 16 layers (half the 8B's 1.5 ms beyond its
+    # weight reads): ~1.5 ms at batch 1, an estimate. 2.5 GFLOP a token at ~550 TFLOP/s;
+    # 32 KiB of bf16 K/V a token (16 layers x 8 KV heads x 64 x 2 x 2 bytes) at 3.35 TB/s.
+    "h100-1b": DeviceProfile(
+        base_s=1.5e-3,
+        per_token_s=5.0e-6,
+        per_context_s=1.0e-8,
+        source="estimate: 2.5 GB bf16 weights of a 1B model at H100 3.35 TB/s",
     ),
     # No modelled time at all: every millisecond measured is the system's own.
     "instant": DeviceProfile(0.0, 0.0, 0.0, source="none: measures the system alone"),

@@ -4,7 +4,10 @@ A *task* is a generator that holds one call's logic (`cluster.runtime.engine`). 
 what it needs next and is resumed with the answer:
 
 - `Forward(work)`: logits for a `SequenceWork`; resumed with the rows (float32
-  `[len(logits_at), vocab]`), or with the runner's error thrown in.
+  `[len(logits_at), vocab]`), or with the runner's error thrown in. With `greedy`, resumed
+  with each row's argmax instead (a list of ints, taken for the whole step in one call, as a
+  GPU would leave only the chosen ids to the host), or `InvalidArgumentError` thrown in when a
+  row's maximum is not finite.
   A Forward marked `preemptible` may instead be answered with `Preempted` thrown in: the
   engine freed the sequence's KV blocks to let an older session run, and the task plans its
   work again (the whole sequence, recomputed).
@@ -43,6 +46,8 @@ class Forward:
     preemptible: bool = False
     """The task takes `Preempted` thrown in while it waits, and then yields its work again as
     planned from the KV left (none); otherwise the engine never frees its blocks under it."""
+    greedy: bool = False
+    """Resume with each row's argmax (ints), not the rows."""
 
 
 class Preempted(Exception):
@@ -89,7 +94,8 @@ class Running:
 
     task: Task[Any]
     key: str | None
-    future: Future[Any]
+    future: Future[Any] | None
+    """Its result's (None: nobody waits for it, a running session's own step)."""
     submitted_at: float
     waiting: Forward | Batched | None = None
     """What the task yielded last (None: not started)."""

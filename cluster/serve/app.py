@@ -8,6 +8,12 @@ and `ray_actor_options`, so the two sides can land on different node types and s
 cluster/serve/autoscaling.py. The deployments are thin shells over plain classes; `serve.deployment`
 is applied here, from outside. `app_builder` is the import path for Serve config files (`serve
 deploy`).
+
+The public APIs have two doors. The default: the Router replicas' own gRPC and HTTP servers
+(`config.front`, on by default: 9000 and 8000; `cluster.serve.front`), which the ingress starts.
+The second: Serve's proxies, which whoever starts Serve sets up (`tandem serve`; a Serve config's
+`grpc_options`, on `config.proxy_grpc_port`, with `GRPC_SERVICER_FUNCTIONS`, and
+`http_options`).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ GRPC_SERVICER_FUNCTIONS = (
     "protos.generate_pb2_grpc.add_TandemServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 )
-"""What Serve's gRPC proxy must serve: the public API and the standard health service."""
+"""What Serve's gRPC proxy (the second door) must serve: the public API and the standard
+health service."""
 HEALTH_CHECK_PERIOD_S = 5.0
 GRACEFUL_SHUTDOWN_S = DEREGISTER_TIMEOUT_S + DRAIN_TIMEOUT_S + SHUTDOWN_GRACE_S + 3.0
 """How long Serve lets a stopping replica take: to leave the registry, let its sessions end

@@ -8,86 +8,33 @@ import each other's helpers (the ingress builds the HTTP face; nothing imports b
 - `deadline_of`: the deadline a caller states in `x-tandem-deadline-ms` (gRPC metadata or HTTP
   headers alike: pairs of name and value), as an instant of the local clock; the ingress's
   docstring says how it is honoured.
-- `stream_in_thread`: a blocking generator (a Tandem stream) bridged to the event loop, with
-  what a lagging reader has pending merged. One thread of the pool runs the generator to its
-  end, handing each item to the event loop (`loop.call_soon_threadsafe`, no
-  thread hop per item); each time the reader asks for the next item it gets everything pending
-  merged by `merge` (`cluster.api.response.coalesce` for Tandem chunks: tokens and text
-  concatenated, a finish reason ends a merge), as vLLM's per-request output collector does. So
-  a client that reads slower than tokens are committed gets fewer, larger chunks, and each
-  chunk that crosses Serve's proxy (about 1 ms of CPU each) carries as many tokens as are
-  ready; the generator never waits for the reader. An error is raised to the reader after the
-  items before it. Closing the async iterator (a cancelled call, a client gone) closes the
-  generator on its thread, after the step in flight, also when the thread had not started
-  yet (it then closes it without a step): either way the request's sessions are freed.
-- `stream_on_loop`: the same for a Tandem stream as steps (`cluster.routing.waits`) over
-  replicas that answer on frames: a task of the event loop runs them, awaiting each wait, so
-  no thread is held per request (`TandemService.waits_without_threads` says which applies).
+- `stream_on_loop` (`stream_merged`): a Tandem stream as steps (`cluster.routing.waits`) on the
+  event loop, with what a lagging reader has pending merged. A task of the loop runs the steps,
+  awaiting each wait, so no thread is held per request; each time the reader asks for the next
+  item it gets everything pending merged by `merge` (`cluster.api.response.coalesce` for
+  Tandem chunks: tokens and text concatenated, a finish reason ends a merge), as vLLM's
+  per-request output collector does. So a client that reads slower than tokens are committed
+  gets fewer, larger chunks, and each chunk that crosses Serve's proxy (about 1 ms of CPU
+  each) carries as many tokens as are ready; the steps never wait for the reader. An error is
+  raised to the reader after the items before it. Closing the async iterator (a cancelled
+  call, a client gone) cancels the task, which closes the steps: the request's sessions are
+  freed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from cluster.api.client import DEADLINE_METADATA_KEY
-from cluster.routing.waits import Wait, blocking, drive
+from cluster.routing.waits import Wait, drive
 from cluster.runtime.errors import InvalidArgumentError
 
 T = TypeVar("T")
 _ITEM, _END, _ERROR = "item", "end", "error"
-
-
-async def stream_in_thread(
-    items: Generator[T, None, None],
-    threads: ThreadPoolExecutor,
-    merge: Callable[[list[T]], list[T]],
-) -> AsyncGenerator[T, None]:
-    """Yield what the blocking generator `items` yields, run to its end on one thread of
-    `threads`, each time merging everything pending with `merge` (it gets the items in order
-    and returns them merged, in order); closing this closes `items` there, after the step in
-    flight. An error of a step is raised after the items before it."""
-    loop = asyncio.get_running_loop()
-    pending: list[tuple[str, Any]] = []  # (kind, item or error); touched on the loop only
-    arrived = asyncio.Event()
-    leaving = threading.Event()
-
-    def deliver(kind: str, value: Any) -> None:
-        pending.append((kind, value))
-        arrived.set()
-
-    def send(kind: str, value: Any) -> bool:
-        try:
-            loop.call_soon_threadsafe(deliver, kind, value)
-            return True
-        except RuntimeError:  # the event loop has closed: nobody is reading any more
-            return False
-
-    def produce() -> None:
-        try:
-            while not leaving.is_set():
-                try:
-                    item = next(items)
-                except StopIteration:
-                    send(_END, None)
-                    return
-                if not send(_ITEM, item):
-                    return
-        except Exception as error:
-            send(_ERROR, error)
-        finally:
-            items.close()
-
-    threads.submit(produce)
-    try:
-        async for item in _merged(pending, arrived, merge):
-            yield item
-    finally:
-        leaving.set()
 
 
 async def stream_on_loop(
@@ -127,14 +74,11 @@ def stream_merged(
     steps: Iterator[T | Wait],
     threads: ThreadPoolExecutor,
     merge: Callable[[list[T]], list[T]],
-    waits_without_threads: bool,
 ) -> AsyncGenerator[T, None]:
-    """A Tandem stream's steps, merged for a lagging reader: on the loop when their waits need
-    no thread (`stream_on_loop`, the request's set-up on `threads`), else blocking on a thread
-    of `threads` (`stream_in_thread`)."""
-    if waits_without_threads:
-        return stream_on_loop(steps, merge, threads)
-    return stream_in_thread(blocking(steps), threads, merge)
+    """A Tandem stream's steps, merged for a lagging reader: on the loop (`stream_on_loop`),
+    the request's set-up (its first step: validation, tokenization, its sessions' opening) on
+    `threads`."""
+    return stream_on_loop(steps, merge, threads)
 
 
 async def _merged(

@@ -5,7 +5,9 @@ Through Serve's proxies every streamed chunk crosses two processes: the router r
 it into Ray's object store and the proxy, in another process, reads it back and writes it to
 the client; measured at 64 streams on `sim-h100-8b`, that is about a third of Tandem's CPU per
 generated token (docs/benchmarks.md). `RouterFront` serves the same two APIs from the router
-replica itself, as the drafter and verifier replicas already serve theirs:
+replica itself, as the drafter and verifier replicas already serve theirs. It is the default door
+(on unless the config sets its ports to null): what `tandem serve` prints first (`--port`,
+`--http-port`) and what the KubeRay `tandem` Service selects; Serve's proxies are the second.
 
 - gRPC (`config.grpc_port`): `tandem.v1.Tandem` on the replica's `TandemService`, the
   standard health service and reflection, on a `grpc.aio` server with an event loop of its
@@ -20,7 +22,7 @@ replica itself, as the drafter and verifier replicas already serve theirs:
 Both bind with SO_REUSEPORT, so every router replica on a node binds the same two ports and the
 kernel spreads new connections over them: on Kubernetes a Service over the router pods' ports
 reaches every router replica. Serve still places, scales and health-checks the replicas (the
-front lives and dies with its replica: `close` stops both servers), and the Serve proxy's entry
+front lives and dies with its replica: `close` stops both servers), and the Serve proxies' entry
 keeps working beside it. A port already held by anything that did not set SO_REUSEPORT fails
 the replica's start with the address in the error.
 """

@@ -76,8 +76,7 @@ class AsyncTandemServicer(generate_pb2_grpc.TandemServicer):
             # Made in the first step, so that validating and tokenizing run off the loop.
             yield from self._api.chunk_steps(request, caller)
 
-        waits = self._service.waits_without_threads
-        return stream_merged(steps(), self._threads, coalesce, waits)
+        return stream_merged(steps(), self._threads, coalesce)
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext

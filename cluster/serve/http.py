@@ -190,8 +190,7 @@ class OpenAIHttp:
     async def _stream(self, route: Route, body: object, caller: Caller) -> Response:
         opening = self._threads.submit(self._openai.open_stream, route, body, caller)
         steps, bodies = await asyncio.wrap_future(opening)
-        waits = self._openai.waits_without_threads
-        chunks = stream_merged(steps, self._threads, coalesce, waits)
+        chunks = stream_merged(steps, self._threads, coalesce)
         try:
             # An error raised here is answered as a whole response; `chunks` closed itself.
             first = await anext(chunks)

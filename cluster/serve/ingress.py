@@ -213,8 +213,7 @@ class RouterIngress:
     ) -> AsyncIterator[generate_pb2.GenerateChunk]:
         try:
             steps = self._api.chunk_steps(request, _caller(grpc_context, timed=True))
-            waits = self._api.service.waits_without_threads
-            merged = stream_merged(steps, self._threads, coalesce, waits)
+            merged = stream_merged(steps, self._threads, coalesce)
             # Closed however the call ends (`async for` left by an exception does not close).
             async with contextlib.aclosing(merged) as chunks:
                 async for chunk in chunks:

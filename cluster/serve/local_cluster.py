@@ -2,8 +2,9 @@
 
 State lives under `TANDEM_HOME` (default /tmp/tandem): the Ray temp dir and `cluster.json`,
 which records the cluster's address, whether Tandem started it, and the ports it serves on
-(the public API's; the metrics agent's, `metrics_port`, whose `/metrics` page Prometheus
-scrapes for Tandem's metrics, `cluster.metrics`, beside Ray's own).
+(the public APIs', at both doors: the routers' own servers, then Serve's proxies; the metrics
+agent's, `metrics_port`, whose `/metrics` page Prometheus scrapes for Tandem's metrics,
+`cluster.metrics`, beside Ray's own).
 Separate homes never collide, so tests and a user's cluster can run side by side.
 
 The cluster is started with `ray start --head` bound to 127.0.0.1 so that it outlives the
@@ -58,19 +59,42 @@ class ClusterState:
     temp_dir: str
     started_by_tandem: bool
     grpc_port: int | None = None
+    """The public gRPC API, the default door: the router replicas' own server
+    (`cluster.serve.front`); None: none."""
     http_port: int | None = None
+    """The OpenAI-compatible API, the default door: the router replicas' own server; None:
+    none."""
     app_name: str | None = None
-    direct_port: int | None = None
-    """The router replicas' own gRPC server (`cluster.serve.front`); None: none."""
-    direct_http_port: int | None = None
-    """The router replicas' own OpenAI-compatible server; None: none."""
+    proxy_port: int | None = None
+    """Serve's gRPC proxy: the same gRPC API, the second door."""
+    proxy_http_port: int | None = None
+    """Serve's HTTP proxy: the same OpenAI-compatible API, the second door. Serve starts it
+    once per cluster: a cluster keeps the port it was first served on."""
     metrics_port: int | None = None
     """Where the head node's metrics agent serves Prometheus (`/metrics`); None: unknown (a
     cluster Tandem did not start, or one started before Tandem recorded it)."""
 
     def serves_grpc_on(self, port: str | int) -> bool:
-        """`port` is this service's gRPC API: Serve's proxy or the routers' own server."""
-        return str(port) in {str(p) for p in (self.grpc_port, self.direct_port) if p}
+        """`port` is this service's gRPC API: the routers' own server or Serve's proxy."""
+        return str(port) in {str(p) for p in (self.grpc_port, self.proxy_port) if p}
+
+
+_OLD_DOORS = ("direct_port", "direct_http_port")
+"""What `cluster.json` named the routers' own servers when Serve's proxies were the first door
+(`grpc_port`, `http_port`)."""
+
+
+def _state_of(record: dict[str, Any]) -> ClusterState:
+    """A `cluster.json` record as a state; one written before the routers' own servers became
+    the default door is read with its ports in their new places."""
+    if any(key in record for key in _OLD_DOORS):
+        record = {key: value for key, value in record.items() if key not in _OLD_DOORS} | {
+            "grpc_port": record.get("direct_port"),
+            "http_port": record.get("direct_http_port"),
+            "proxy_port": record.get("grpc_port"),
+            "proxy_http_port": record.get("http_port"),
+        }
+    return ClusterState(**record)
 
 
 def home() -> Path:
@@ -83,7 +107,7 @@ def _state_path() -> Path:
 
 def load_state() -> ClusterState | None:
     try:
-        return ClusterState(**json.loads(_state_path().read_text()))
+        return _state_of(dict(json.loads(_state_path().read_text())))
     except FileNotFoundError:
         return None
     except (ValueError, TypeError) as error:
@@ -103,8 +127,7 @@ WORKER_NICENESS = "0"
 """Niceness of the cluster's worker processes (Ray's default is 15). The replicas are the
 workload: at 15, any of Ray's own daemons that wakes up takes a core from a model forward at
 once, and with two or more intra-op threads the other threads then wait for the straggler at
-every operator. Measured on 2 cores (`python -m cluster.tools.bench.profile`, qwen-coder, two
-intra-op
+every operator. Measured on 2 cores (the round profiler of that time, qwen-coder, two intra-op
 threads per replica): the target alone 1056 ms/token at 15, 766 at 0."""
 
 
@@ -338,7 +361,7 @@ def live_replicas() -> list[dict[str, Any]]:
 
 def replica_addresses() -> dict[str, str]:
     """The internal gRPC address of one replica per side (`drafter`, `verifier`): what
-    the measuring tools (`cluster.tools.bench.profile`, `cluster.tools.bench.overhead`) drive
+    the measuring tools (`cluster.tools.bench.overhead`) drive
     directly."""
     addresses = {r["side"]: r["address"] for r in live_replicas()}
     missing = {"drafter", "verifier"} - addresses.keys()
@@ -396,9 +419,10 @@ def stop_cluster(state: ClusterState) -> int:
 
 
 def cluster_ports(state: ClusterState) -> list[int]:
-    """The ports a cluster of `state` listened on: its GCS, the public APIs, the metrics."""
+    """The ports a cluster of `state` listened on: its GCS, the public APIs (both doors), the
+    metrics."""
     ports = [
-        state.grpc_port, state.http_port, state.direct_port, state.direct_http_port,
+        state.grpc_port, state.http_port, state.proxy_port, state.proxy_http_port,
         state.metrics_port,
     ]  # fmt: skip
     _, _, gcs_port = state.address.rpartition(":")

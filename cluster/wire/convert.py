@@ -320,6 +320,8 @@ def block_to_wire(block: DraftBlock) -> replica_pb2.DraftBlock:
         token_ids=token_ids_to_wire(block.tokens, "block.tokens"),
         draft_probs=draft_probs_to_wire(block.draft_probs),
     )
+    if block.assumed:
+        message.assumed_token_ids.extend(token_ids_to_wire(block.assumed, "block.assumed"))
     if block.load is not None:
         message.load.CopyFrom(load_to_wire(block.load))
     return message
@@ -339,6 +341,7 @@ def block_from_wire(message: replica_pb2.DraftBlock, *, lazy_rows: bool = False)
         tokens=tokens,
         draft_probs=draft_probs_from_wire(message.draft_probs, len(tokens), "block", lazy_rows),
         load=load_from_wire(message.load) if message.HasField("load") else None,
+        assumed=tuple(message.assumed_token_ids),
     )
 
 
@@ -398,6 +401,8 @@ def verdict_to_wire(verdict: Verdict) -> replica_pb2.Verdict:
         token_ids=verdict.tokens,
         committed_length=verdict.committed_length,
         bonus_deferred=verdict.bonus_deferred,
+        num_matched=verdict.num_matched,
+        dropped=verdict.dropped,
     )
     if verdict.load is not None:
         message.load.CopyFrom(load_to_wire(verdict.load))
@@ -412,6 +417,8 @@ def verdict_from_wire(message: replica_pb2.Verdict) -> Verdict:
         committed_length=message.committed_length,
         bonus_deferred=message.bonus_deferred,
         load=load_from_wire(message.load) if message.HasField("load") else None,
+        num_matched=message.num_matched,
+        dropped=message.dropped,
     )
 
 
@@ -440,6 +447,8 @@ def engine_stats_to_wire(engine: EngineStats) -> replica_pb2.EngineStats:
         preemptions=uint_to_wire(engine.preemptions, "engine.preemptions"),
         recomputed_tokens=uint_to_wire(engine.recomputed_tokens, "engine.recomputed_tokens"),
         refusals=uint_to_wire(engine.refusals, "engine.refusals"),
+        running_sessions=uint_to_wire(engine.running_sessions, "engine.running_sessions"),
+        running_stepped=uint_to_wire(engine.running_stepped, "engine.running_stepped"),
     )
 
 
@@ -466,6 +475,8 @@ def engine_stats_from_wire(message: replica_pb2.EngineStats) -> EngineStats:
         preemptions=message.preemptions,
         recomputed_tokens=message.recomputed_tokens,
         refusals=message.refusals,
+        running_sessions=message.running_sessions,
+        running_stepped=message.running_stepped,
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cluster.runtime.advance import Advance
 from cluster.runtime.constraint import Constraint
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.predraft import Branch
@@ -56,6 +57,8 @@ class OpenCall:
     constraint: Constraint | None
     tenant: str = ""
     """Whose request it is (a suffix drafter's scope); "" when unset."""
+    advance: Advance | None = None
+    """A verifier's running session: where its output ends (None: not running)."""
 
 
 @dataclass(frozen=True)
@@ -104,9 +107,11 @@ def open_request_to_wire(
     constraint: Constraint | None = None,
     time_left_s: float | None = None,
     tenant: str = "",
+    advance: Advance | None = None,
 ) -> replica_pb2.OpenSessionRequest:
     """`time_left_s`: the request's time left, sent as `time_limit_ms` (None: unset);
-    `tenant`: whose request it is (read by a suffix drafter only)."""
+    `tenant`: whose request it is (read by a suffix drafter only); `advance`: a verifier
+    session that runs (None: unset)."""
     request = replica_pb2.OpenSessionRequest(
         session_id=session_id,
         prompt_token_ids=token_ids_to_wire(prompt_tokens, "prompt_tokens"),
@@ -120,6 +125,12 @@ def open_request_to_wire(
         request.max_new_tokens = uint_to_wire(max_new_tokens, "max_new_tokens", MAX_UINT32)
     if time_left_s is not None:
         request.time_limit_ms = time_limit_to_wire(time_left_s)
+    if advance is not None:
+        request.advance.max_length = uint_to_wire(advance.max_length, "advance.max_length")
+        request.advance.end_token_ids.extend(
+            token_ids_to_wire(sorted(advance.end_token_ids), "advance.end_token_ids")
+        )
+        request.advance.ends_from = uint_to_wire(advance.ends_from, "advance.ends_from")
     return request
 
 
@@ -134,6 +145,19 @@ def open_request_from_wire(request: replica_pb2.OpenSessionRequest) -> OpenCall:
         resumed=request.resumed,
         constraint=constraint_from_wire(request),
         tenant=request.tenant,
+        advance=advance_from_wire(request),
+    )
+
+
+def advance_from_wire(request: replica_pb2.OpenSessionRequest) -> Advance | None:
+    """The open's `advance`, None when unset; INVALID_ARGUMENT for one that cannot be."""
+    if not request.HasField("advance"):
+        return None
+    message = request.advance
+    return Advance(
+        max_length=message.max_length,
+        end_token_ids=frozenset(message.end_token_ids),
+        ends_from=message.ends_from,
     )
 
 

@@ -32,7 +32,8 @@ from cluster.runtime.sampling import logits_to_probs, to_dense
 from drafter.drafter import draft_sampling
 from verifier.batch_layout import Batch
 from verifier.batch_rejection import BatchSession, SessionOutcome, batch_rejection_sample
-from verifier.verifier import Verifier, _Acceptance
+from verifier.step_outcomes import Acceptance
+from verifier.verifier import Verifier
 
 
 def residual_not_renormalised(
@@ -90,7 +91,7 @@ class BonusFromDraftVerifier(Verifier):
             self._bonus_q[id(session.generator)] = logits_to_probs(logits, sampling)
         return (yield from super()._verify(session_id, block, defer_bonus))
 
-    def _accept(self, batch: list[_Acceptance]) -> list[SessionOutcome | Exception]:
+    def _accept(self, batch: list[Acceptance]) -> list[SessionOutcome | Exception]:
         swapped = []
         for item in batch:
             q = self._bonus_q.pop(id(item.session.generator), None)

@@ -3,8 +3,10 @@
 `service`: `tandem serve --preset tiny --drafters 2 --verifiers 2 --detach` (with the default
 CPU-only suffix drafter) in its own TANDEM_HOME and on free ports, with a config that names its
 tenants (`TENANT_KEYS`: `main`, whose key the command line gets through $TANDEM_API_KEY,
-`small`, with tight limits, and `private`, kept out of the suffix index), its OpenAI-compatible
-HTTP API at `http_url`; stopped by `tandem shutdown` at the end.
+`small`, with tight limits, and `private`, kept out of the suffix index); stopped by `tandem
+shutdown` at the end. Its two doors: the default, the router replicas' own servers, at `address`
+(gRPC) and `http_url` (the OpenAI-compatible API's base URL); the second, Serve's proxies, at
+`proxy_address` and `proxy_http_url`.
 """
 
 from __future__ import annotations
@@ -54,28 +56,31 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
     ]
     config.write_text(yaml.safe_dump({"auth": {"tenants": tenants}}))
     port, http_port = free_port(), free_port()
-    direct_port, direct_http_port = free_port(), free_port()
+    proxy_port, proxy_http_port = free_port(), free_port()
     started = time.monotonic()
     serve = subprocess.run(
         # Fixed rounds (no adaptive plan, no lookup): the tests count blocks and pipeline hits.
         [TANDEM, "serve", "--preset", "tiny", "--drafters", "2", "--verifiers", "2",
          "--no-adaptive-draft", "--no-prompt-lookup", "--port", str(port), "--detach",
-         "--http-port", str(http_port), "--direct-port", str(direct_port),
-         "--direct-http-port", str(direct_http_port), "--config", str(config)],
+         "--http-port", str(http_port), "--proxy-port", str(proxy_port),
+         "--proxy-http-port", str(proxy_http_port), "--config", str(config)],
         env=env, capture_output=True, text=True, timeout=SERVE_TIMEOUT_S, check=False,
     )  # fmt: skip
     cold_start_s = time.monotonic() - started
     try:
         assert serve.returncode == 0, serve.stderr[-3000:]
+        # The default door: the router replicas' own servers (cluster.serve.front).
         address = f"127.0.0.1:{port}"
         http_url = f"http://127.0.0.1:{http_port}/v1"  # the OpenAI-compatible API's base URL
-        assert f"gRPC API on {address}" in serve.stdout
-        assert f"OpenAI-compatible API on {http_url}" in serve.stdout
-        # The same two APIs on the router replicas' own servers (cluster.serve.front).
-        direct_address = f"127.0.0.1:{direct_port}"
-        direct_http_url = f"http://127.0.0.1:{direct_http_port}/v1"
-        assert f"direct gRPC API on {direct_address}" in serve.stdout
-        assert f"direct OpenAI-compatible API on {direct_http_url}" in serve.stdout
+        # The second door: the same two APIs through Serve's proxies.
+        proxy_address = f"127.0.0.1:{proxy_port}"
+        proxy_http_url = f"http://127.0.0.1:{proxy_http_port}/v1"
+        doors = [  # printed in this order: the default door first
+            f"gRPC API on {address} (tandem.v1.Tandem)",
+            f"OpenAI-compatible API on {http_url}",
+            f"through Serve's proxies: gRPC {proxy_address}, HTTP {proxy_http_url}",
+        ]
+        assert "\n".join(doors) in serve.stdout, serve.stdout
         status = subprocess.run(
             [TANDEM, "status", "--json"], env=env, capture_output=True, text=True,
             timeout=120, check=True,
@@ -83,8 +88,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
         yield {
             "address": address,
             "http_url": http_url,
-            "direct_address": direct_address,
-            "direct_http_url": direct_http_url,
+            "proxy_address": proxy_address,
+            "proxy_http_url": proxy_http_url,
             "env": env,
             "home": home,
             "status": json.loads(status.stdout),

@@ -105,24 +105,34 @@ class LocalNodes:
         return str(self._cluster.address)
 
     def deploy(self, config: TandemConfig) -> None:
-        """Run Tandem's application on the cluster, as `tandem serve` does, proxies on the head."""
+        """Run Tandem's application on the cluster, as `tandem serve` does, proxies on the head
+        (and the routers' own servers wherever the routers run, if `config.front` has ports)."""
         from ray import serve
         from ray.serve.config import gRPCOptions
 
         from cluster.serve.app import GRPC_SERVICER_FUNCTIONS, build_app
 
+        proxy_http_port = local_cluster.free_port()
         serve.start(
             proxy_location="HeadOnly",
             grpc_options=gRPCOptions(
-                port=config.grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)
+                port=config.proxy_grpc_port,
+                grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS),
             ),
-            http_options={"host": local_cluster.LOOPBACK, "port": local_cluster.free_port()},
+            http_options={"host": local_cluster.LOOPBACK, "port": proxy_http_port},
         )
         serve.run(build_app(config), name=config.app_name, route_prefix="/")
         state = local_cluster.load_state()
         assert state is not None
         local_cluster.save_state(
-            dataclasses.replace(state, grpc_port=config.grpc_port, app_name=config.app_name)
+            dataclasses.replace(
+                state,
+                grpc_port=config.front.grpc_port,
+                http_port=config.front.http_port,
+                proxy_port=config.proxy_grpc_port,
+                proxy_http_port=proxy_http_port,
+                app_name=config.app_name,
+            )
         )
 
     def replicas(self, side: str | None = None) -> list[dict[str, Any]]:

@@ -52,7 +52,7 @@ def test_placement_configs_parse(name: str) -> None:
 def test_nested_values_and_actor_options() -> None:
     config = TandemConfig.from_dict(
         {
-            "grpc_port": 9100,
+            "proxy_grpc_port": 9100,
             "api": {"default_draft_tokens": 6},
             "verifier": {"num_gpus": 1, "accelerator_type": "H100", "resources": {"big": 1}},
             "drafter_limits": {"top_k": 16},
@@ -85,7 +85,8 @@ def test_nested_values_and_actor_options() -> None:
         ({"verifier_limits": {"gather_share": 2}}, r"^verifier_limits: gather_share must be in"),
         ({"prompt_lookup": {"enabled": "no"}}, r"^prompt_lookup\.enabled must be true or false"),
         ({"models": {"preset": "huge"}}, r"^models: unknown preset 'huge'"),
-        ({"grpc_port": 70000}, r"^grpc_port must be in 1\.\.65535"),
+        ({"proxy_grpc_port": 70000}, r"^proxy_grpc_port must be in 1\.\.65535"),
+        ({"front": {"http_port": 0}}, r"^front: front\.http_port must be in 1\.\.65535"),
         ({"api": 3}, r"^api must be a mapping, got 3"),
         ({"prompt_lookup": {"min_ngram": 0}}, r"^prompt_lookup: .*min_ngram"),
         ({"drafter": {"cpus": [0, -1]}}, r"^drafter: cpus must be CPU ids"),
@@ -101,10 +102,10 @@ def test_bad_configs_name_the_path(data: object, message: str) -> None:
 
 def test_every_problem_is_reported_at_once_and_survives_pickling() -> None:
     with pytest.raises(ConfigError) as caught:
-        TandemConfig.from_dict({"grpc_port": "x", "router": {"replicas": 2}, "api": []})
+        TandemConfig.from_dict({"proxy_grpc_port": "x", "router": {"replicas": 2}, "api": []})
     problems = caught.value.problems
     assert sorted(problem.split()[0] for problem in problems) == [
-        "api", "grpc_port", "router.replicas:",
+        "api", "proxy_grpc_port", "router.replicas:",
     ]  # fmt: skip
     copy = pickle.loads(pickle.dumps(caught.value))  # how Ray Serve hands an error back
     assert copy.problems == problems and str(copy) == str(caught.value)
@@ -151,7 +152,12 @@ def test_the_schema_is_json_with_every_top_level_key(capsys: pytest.CaptureFixtu
     assert isinstance(properties, dict)
     assert set(properties) == {f.name for f in dataclasses.fields(TandemConfig)}
     assert schema["additionalProperties"] is False
-    assert properties["grpc_port"]["description"].startswith("Port of Serve's gRPC proxy")
+    assert properties["proxy_grpc_port"]["description"].startswith("Port of Serve's gRPC proxy")
+    assert properties["front"]["default"] == {
+        "grpc_port": 9000,
+        "http_port": 8000,
+        "host": "0.0.0.0",
+    }
     # A field declared by a base class keeps its docstring (pydantic alone would drop it).
     limits = schema["$defs"]["VerifierConfig"]["properties"]
     assert limits["max_sessions"]["description"].startswith("Sessions held at once")
@@ -165,8 +171,10 @@ def test_the_schema_validates_the_examples_and_rejects_typos(
     validator = jsonschema.Draft202012Validator(_schema_from_cli(capsys))
     for name in ("tandem.yaml", "placement/one-core-each.yaml"):
         validator.validate(yaml.safe_load((DEPLOY / name).read_text()))
-    errors = list(validator.iter_errors({"verifier": {"max_sesions": 2}, "grpc_port": "x"}))
-    assert sorted(list(error.absolute_path) for error in errors) == [["grpc_port"], ["verifier"]]
+    errors = list(validator.iter_errors({"verifier": {"max_sesions": 2}, "proxy_grpc_port": "x"}))
+    assert sorted(list(error.absolute_path) for error in errors) == [
+        ["proxy_grpc_port"], ["verifier"],
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
-"""The Kubernetes deployment, checked without Kubernetes or Docker: the RayService manifest
-(deploy/kuberay/rayservice.yaml), the local Serve config (deploy/serve-local.yaml) and the
-Dockerfile every pod runs.
+"""The Kubernetes deployment, checked without Kubernetes or Docker: the RayService manifest and
+its public Service (deploy/kuberay/rayservice.yaml), the local Serve config
+(deploy/serve-local.yaml) and the Dockerfile every pod runs.
 
 Each check uses the parser the real system runs, where one is importable: Ray's
 `ServeDeploySchema` (what `serve deploy` and KubeRay's operator hand to Serve), Serve's
@@ -36,13 +36,18 @@ from cluster.serve.app import GRPC_SERVICER_FUNCTIONS, app_builder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RAYSERVICE = REPO_ROOT / "deploy" / "kuberay" / "rayservice.yaml"
-DIRECT = REPO_ROOT / "deploy" / "kuberay" / "direct.yaml"
 SERVE_LOCAL = REPO_ROOT / "deploy" / "serve-local.yaml"
 NODES = REPO_ROOT / "deploy" / "placement" / "nodes.yaml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
 GRPC_PORT = 9000
+"""The public gRPC API at the default door: the router replicas' own server."""
 HTTP_PORT = 8000
+"""The OpenAI-compatible API at the default door."""
+PROXY_GRPC_PORT = 9001
+"""The same gRPC API through Serve's proxy: the second door."""
+PROXY_HTTP_PORT = 8001
+"""The same OpenAI-compatible API through Serve's HTTP proxy (which KubeRay also probes)."""
 SIDES = ("router", "drafter", "verifier", "suffix")
 DEPLOYMENTS = {
     "router": "Router", "drafter": "Drafter", "verifier": "Verifier", "suffix": "SuffixDrafter",
@@ -74,10 +79,22 @@ AUTOSCALER_OPTIONS_FIELDS = {
 DEPRECATED_THRESHOLDS = {"serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"}
 
 
+def manifest_documents() -> list[dict[str, Any]]:
+    """The manifest's objects: the RayService, then the default door's Service (secrets are
+    created apart: see the file's header)."""
+    documents = [dict(d) for d in yaml.safe_load_all(RAYSERVICE.read_text()) if d]
+    assert [(d["apiVersion"], d["kind"]) for d in documents] == [
+        ("ray.io/v1", "RayService"), ("v1", "Service"),
+    ], "the RayService and its public Service; secrets are created apart"  # fmt: skip
+    return documents
+
+
 def load_rayservice() -> dict[str, Any]:
-    documents = [d for d in yaml.safe_load_all(RAYSERVICE.read_text()) if d]
-    assert len(documents) == 1, "secrets are created apart (see the file's header)"
-    return dict(documents[0])
+    return manifest_documents()[0]
+
+
+def public_service() -> dict[str, Any]:
+    return manifest_documents()[1]
 
 
 def serve_config(rayservice: dict[str, Any]) -> dict[str, Any]:
@@ -108,8 +125,8 @@ def test_serve_configs_pass_serves_schema_and_build_a_usable_tandem_config(sourc
         else yaml.safe_load(SERVE_LOCAL.read_text())
     )
     schema = ServeDeploySchema.model_validate(data)
-    assert schema.grpc_options.port == GRPC_PORT
-    assert schema.http_options.port == HTTP_PORT  # the OpenAI-compatible API
+    assert schema.grpc_options.port == PROXY_GRPC_PORT  # Serve's proxies: the second door
+    assert schema.http_options.port == PROXY_HTTP_PORT  # the OpenAI-compatible API
     assert schema.grpc_options.grpc_servicer_functions == list(GRPC_SERVICER_FUNCTIONS)
     app = the_app(data)
     assert app["import_path"] == "cluster.serve.app:app_builder" and callable(app_builder)
@@ -117,7 +134,9 @@ def test_serve_configs_pass_serves_schema_and_build_a_usable_tandem_config(sourc
     config = TandemConfig.from_dict(app["args"])
     config.auth.check_usable()  # what build_app does first: someone can call the service
     assert config.app_name == app["name"], "the registry is named after the Serve app"
-    assert config.grpc_port == schema.grpc_options.port
+    assert config.proxy_grpc_port == schema.grpc_options.port
+    # The default door: the routers' own servers, on the ports the proxies leave free.
+    assert (config.front.grpc_port, config.front.http_port) == (GRPC_PORT, HTTP_PORT)
     assert set(DEPLOYMENTS.values()) >= {d["name"] for d in app.get("deployments", [])}
 
 
@@ -270,33 +289,46 @@ def test_the_local_node_types_are_the_rayservices() -> None:
     assert set(local.router.resources) == {HEAD_NODE_RESOURCE_NAME}
 
 
-def test_the_grpc_and_http_apis_are_a_service_on_ports_9000_and_8000() -> None:
+def container_ports(pod: Mapping[str, Any]) -> dict[str, int]:
+    """A pod's first container's ports by name."""
+    return {p["name"]: p["containerPort"] for p in pod["containers"][0]["ports"]}
+
+
+def test_serves_proxies_are_the_second_door_on_ports_9001_and_8001() -> None:
     spec = load_rayservice()["spec"]
+    assert spec["serveService"]["metadata"]["name"] == "tandem-proxy"
     ports = spec["serveService"]["spec"]["ports"]
     assert [(p["port"], p["targetPort"]) for p in ports] == [
-        (GRPC_PORT, GRPC_PORT),
-        (HTTP_PORT, HTTP_PORT),
+        (PROXY_GRPC_PORT, PROXY_GRPC_PORT),
+        (PROXY_HTTP_PORT, PROXY_HTTP_PORT),
     ]
     assert serve_config(load_rayservice())["http_options"]["host"] == "0.0.0.0"
     for pod in pod_specs(load_rayservice()):
-        assert {GRPC_PORT, HTTP_PORT} <= {p["containerPort"] for p in pod["containers"][0]["ports"]}
+        named = container_ports(pod)
+        # KubeRay probes a worker's proxy (/-/healthz) on the container port named `serve`.
+        assert named["serve"] == PROXY_HTTP_PORT and named["grpc-proxy"] == PROXY_GRPC_PORT
 
 
-def test_the_routers_own_servers_are_a_service_over_the_router_pods() -> None:
+def test_the_default_door_is_a_service_over_the_router_pods_own_servers() -> None:
     rayservice = load_rayservice()
     front = TandemConfig.from_dict(the_app(serve_config(rayservice))["args"]).front
-    assert front.grpc_port is not None and front.http_port is not None
+    assert (front.grpc_port, front.http_port) == (GRPC_PORT, HTTP_PORT)
     assert front.host == "0.0.0.0"  # the pod's interfaces, where the Service reaches it
     router = groups(rayservice)["router"]
-    named = {
-        p["name"]: p["containerPort"] for p in router["template"]["spec"]["containers"][0]["ports"]
-    }
-    assert named["grpc-direct"] == front.grpc_port and named["http-direct"] == front.http_port
-    (service,) = [d for d in yaml.safe_load_all(DIRECT.read_text()) if d]
-    assert service["kind"] == "Service"
-    assert service["spec"]["selector"]["ray.io/group"] == router["groupName"]
+    named = container_ports(router["template"]["spec"])
+    assert named["grpc"] == front.grpc_port and named["http"] == front.http_port
+    for name, group in groups(rayservice).items():  # only the router pods serve them
+        if name != "router":
+            assert {"grpc", "http"}.isdisjoint(container_ports(group["template"]["spec"]))
+    service = public_service()
+    assert service["metadata"]["name"] == "tandem"
+    assert service["spec"]["selector"] == {
+        "ray.io/group": router["groupName"], "ray.io/node-type": "worker",
+    }  # fmt: skip
     ports = {p["targetPort"]: p["port"] for p in service["spec"]["ports"]}
-    assert ports == {"grpc-direct": front.grpc_port, "http-direct": front.http_port}
+    assert ports == {"grpc": front.grpc_port, "http": front.http_port}
+    protocols = {p["name"]: p["appProtocol"] for p in service["spec"]["ports"]}
+    assert protocols == {"grpc": "kubernetes.io/h2c", "http": "http"}
 
 
 def test_ray_token_auth_gcs_fault_tolerance_and_the_ray_version() -> None:

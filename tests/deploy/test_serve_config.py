@@ -1,13 +1,14 @@
 """deploy/serve-local.yaml, deployed the way deploy/README.md says: `ray start --head` with Ray
 token authentication, then `serve deploy` (Serve's own CLI, through the dashboard's REST API)
-with the token, then generation through Serve's gRPC proxy and through the OpenAI-compatible API
-on its HTTP proxy.
+with the token, then generation through both doors: the router replicas' own servers (the
+file's `args.front`, the default door) and Serve's proxies (its `grpc_options` and
+`http_options`), each with its gRPC API and its OpenAI-compatible API.
 
 The cluster is this test's own: its own TANDEM_HOME (Ray temp dir and token, as
 `cluster.serve.local_cluster` keeps them), free ports for everything Ray would otherwise put on a
-fixed one (GCS, dashboard, dashboard agent, client server) and for Serve's proxies (the config
-is copied with its ports rewritten), so it runs beside the session's `tandem serve` cluster
-(tests/cluster/conftest.py). It is stopped by signalling exactly its own processes.
+fixed one (GCS, dashboard, dashboard agent, client server) and for the public APIs' four
+ports (the config is copied with its ports rewritten), so it runs beside the session's `tandem
+serve` cluster (tests/cluster/conftest.py). It is stopped by signalling exactly its own processes.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ DEPLOY_TIMEOUT_S = 240
 CLI_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 10
 MAX_TOKENS = 24
+INDEXED_WITHIN_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -115,11 +117,12 @@ def test_serve_deploy_of_the_local_config_serves_exactly_the_target_output(
     ray_head: RayHead, tmp_path: Path
 ) -> None:
     config = yaml.safe_load(SERVE_LOCAL.read_text())
-    grpc_port = free_port()
-    config["grpc_options"]["port"] = grpc_port
-    http_port = config["http_options"]["port"] = free_port()
     (app,) = config["applications"]
-    app["args"]["grpc_port"] = grpc_port
+    # Serve's proxies (the second door) and the routers' own servers (the default door).
+    proxy_port = config["grpc_options"]["port"] = app["args"]["proxy_grpc_port"] = free_port()
+    proxy_http_port = config["http_options"]["port"] = free_port()
+    grpc_port = app["args"]["front"]["grpc_port"] = free_port()
+    http_port = app["args"]["front"]["http_port"] = free_port()
     copy = tmp_path / "serve-local.yaml"
     copy.write_text(yaml.safe_dump(config))
 
@@ -132,26 +135,39 @@ def test_serve_deploy_of_the_local_config_serves_exactly_the_target_output(
         speculative = client.generate(CODE_PROMPT, max_tokens=MAX_TOKENS)
         target_only = client.generate(CODE_PROMPT, max_tokens=MAX_TOKENS, draft_tokens=0)
         # The file turns the CPU-only suffix drafter on: the same prompt again is drafted from
-        # the first answer, held in the (anonymous) tenant's index, and stays exact.
-        again = client.generate(CODE_PROMPT, max_tokens=MAX_TOKENS, pipelined=False)
-    assert again.tokens == target_only.tokens and again.suffix_accepted > 0
+        # the first answer, held in the (anonymous) tenant's index, and stays exact. An answer
+        # enters the index only through a suffix session, which a request opens once the router
+        # knows the suffix replica (from the registry, a moment after Serve reports it running)
+        # and which closes as the client gets the answer: asked again until drafted from it.
+        deadline = time.monotonic() + INDEXED_WITHIN_S
+        while True:
+            again = client.generate(CODE_PROMPT, max_tokens=MAX_TOKENS, pipelined=False)
+            assert again.tokens == target_only.tokens
+            if again.suffix_accepted > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert again.suffix_accepted > 0, f"not drafted from the index in {INDEXED_WITHIN_S} s"
     # Greedy decoding is lossless: the tiny pair, fp32, same numerics on both paths.
     assert speculative.tokens == target_only.tokens
     assert len(speculative.tokens) == MAX_TOKENS and target_only.num_drafted == 0
     # The file's drafter is the target's own int4 copy: it drafted (not only the suffix drafter).
     assert speculative.num_drafted - speculative.suffix_drafted > 0
-    # The OpenAI-compatible API on Serve's HTTP proxy, at the base URL the file promises.
+    # The second door: the same API through Serve's gRPC proxy.
+    with TandemClient(f"{LOOPBACK}:{proxy_port}", timeout_s=120) as client:
+        assert client.generate(CODE_PROMPT, max_tokens=MAX_TOKENS).tokens == target_only.tokens
+    # The OpenAI-compatible API at both doors, at the base URLs the file promises.
     body = {"model": "tiny", "prompt": CODE_PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback
-    completion = direct.open(
-        urllib.request.Request(
-            f"http://{LOOPBACK}:{http_port}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        ),
-        timeout=120,
-    )
-    assert json.load(completion)["choices"][0]["text"] == target_only.text
+    for port in (http_port, proxy_http_port):
+        completion = direct.open(
+            urllib.request.Request(
+                f"http://{LOOPBACK}:{port}/v1/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            ),
+            timeout=120,
+        )
+        assert json.load(completion)["choices"][0]["text"] == target_only.text, port
 
 
 def wait_until_running(head: RayHead, app_name: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The drafter's gRPC servicer with chaos on: a share of Draft calls answered INTERNAL on purpose
+"""The drafter's gRPC servicer with chaos on: a share of draft entries answered INTERNAL on purpose
 (`DrafterConfig.error_fraction`, for `tandem soak`), drawn from the servicer's own generator."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import random
 import pytest
 
 from cluster.routing.replica_client import GrpcDrafter
+from cluster.routing.waits import run
 from cluster.runtime.errors import InvalidArgumentError, ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
@@ -21,22 +22,22 @@ CALLS = 40
 
 
 def drafts_failed(drafter: Drafter, error_fraction: float, seed: int) -> list[bool]:
-    """Per Draft call of `CALLS` on one session, whether it failed on purpose."""
+    """Per draft entry of `CALLS` on one session, whether it failed on purpose."""
     servicer = DrafterServicer(drafter, error_fraction, random.Random(seed))
     server, port = serve_replica(servicer)
     failed = []
     try:
         with GrpcDrafter(f"127.0.0.1:{port}", timeout_s=30) as client:
-            client.open_session("s", PROMPT, SamplingParams(), seed=0)
+            run(client.open_session_steps("s", PROMPT, SamplingParams(), seed=0))
             for _ in range(CALLS):
                 try:
                     # Drafts are tentative: the session stays at the prompt's length.
-                    client.draft("s", len(PROMPT), (), 2)
+                    run(client.draft_steps("s", len(PROMPT), (), 2))
                     failed.append(False)
                 except ReplicaUnavailableError as error:
                     assert "INTERNAL" in str(error) and "on purpose" in str(error)
                     failed.append(True)
-            assert client.close_session("s")  # the session calls are never failed
+            assert run(client.close_session_steps("s"))  # the session calls are never failed
     finally:
         server.stop(None)
     return failed

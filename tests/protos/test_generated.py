@@ -182,6 +182,36 @@ def test_pipelining_fields_round_trip() -> None:
     assert not replica_pb2.Verdict().bonus_deferred
 
 
+def test_running_session_fields_round_trip() -> None:
+    # A running session's open carries where its output ends; a block drafted ahead carries
+    # the tokens it assumes; a verdict tells tokens already committed (matched) and a dropped
+    # block apart; the engine counts its running sessions.
+    opening = _round_trip(
+        replica_pb2.OpenSessionRequest(
+            session_id="s-1",
+            advance=replica_pb2.Advance(max_length=60, end_token_ids=[0, 2], ends_from=21),
+        )
+    )
+    assert opening.HasField("advance")
+    assert (opening.advance.max_length, list(opening.advance.end_token_ids)) == (60, [0, 2])
+    assert opening.advance.ends_from == 21
+    assert not replica_pb2.OpenSessionRequest().HasField("advance")  # unset: lockstep
+
+    block = _round_trip(
+        replica_pb2.DraftBlock(base_length=17, token_ids=[42], assumed_token_ids=[5, 6])
+    )
+    assert list(block.assumed_token_ids) == [5, 6]
+
+    verdict = _round_trip(
+        replica_pb2.Verdict(base_length=17, num_matched=2, num_accepted=1, dropped=False)
+    )
+    assert (verdict.num_matched, verdict.num_accepted, verdict.dropped) == (2, 1, False)
+    assert _round_trip(replica_pb2.Verdict(base_length=17, dropped=True)).dropped
+
+    stats = _round_trip(replica_pb2.EngineStats(running_sessions=12, running_stepped=9))
+    assert (stats.running_sessions, stats.running_stepped) == (12, 9)
+
+
 def _method_names(descriptor_file: FileDescriptor, service: str) -> list[str]:
     return [m.name for m in descriptor_file.services_by_name[service].methods]
 
@@ -194,22 +224,9 @@ def test_services_have_expected_methods() -> None:
         "GetUsage",
         "Audit",
     ]
-    assert _method_names(replica_pb2.DESCRIPTOR, "Drafter") == [
-        "OpenSession",
-        "Draft",
-        "Predraft",
-        "CloseSession",
-        "Stats",
-        "Frames",
-    ]
-    assert _method_names(replica_pb2.DESCRIPTOR, "Verifier") == [
-        "OpenSession",
-        "Verify",
-        "CloseSession",
-        "Stats",
-        "Reference",
-        "Frames",
-    ]
+    # Every session call travels on the Frames stream: no unary session RPCs are left.
+    assert _method_names(replica_pb2.DESCRIPTOR, "Drafter") == ["Stats", "Frames"]
+    assert _method_names(replica_pb2.DESCRIPTOR, "Verifier") == ["Stats", "Reference", "Frames"]
     stream = generate_pb2.DESCRIPTOR.services_by_name["Tandem"].methods_by_name["GenerateStream"]
     assert stream.server_streaming and not stream.client_streaming
     for side in ("Drafter", "Verifier"):

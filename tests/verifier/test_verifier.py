@@ -86,14 +86,19 @@ def test_wrong_token_is_replaced_and_the_rest_dropped(
     assert list(follow.tokens) == expected[2:3]
 
 
-def test_stale_and_future_blocks_are_refused(verifier: Verifier) -> None:
+def test_future_blocks_are_refused_and_stale_ones_dropped(verifier: Verifier) -> None:
+    """Invariant 3: a block based past the session's committed length is refused; one based
+    before it is verified only from where the session stands, if the session holds what the
+    block would put there, and is otherwise dropped, committing nothing."""
     verifier.open_session("s", PROMPT, GREEDY, seed=0)
-    for base in (len(PROMPT) - 1, len(PROMPT) + 1):
-        with pytest.raises(StaleBaseError, match="committed length 14"):
-            verifier.verify("s", DraftBlock(base, (1, 2)))
-    verifier.verify("s", DraftBlock(len(PROMPT), (1, 2)))
-    with pytest.raises(StaleBaseError):
-        verifier.verify("s", DraftBlock(len(PROMPT), (1, 2)))  # replayed: now stale
+    with pytest.raises(StaleBaseError, match="committed length 14"):
+        verifier.verify("s", DraftBlock(len(PROMPT) + 1, (1, 2)))
+    dropped = verifier.verify("s", DraftBlock(len(PROMPT) - 1, (1, 2)))
+    assert dropped.dropped and dropped.tokens == () and dropped.committed_length == len(PROMPT)
+    first = verifier.verify("s", DraftBlock(len(PROMPT), (1, 2)))
+    assert not first.dropped
+    replayed = verifier.verify("s", DraftBlock(len(PROMPT), (1, 2)))  # now stale
+    assert replayed.dropped and replayed.committed_length == first.committed_length
 
 
 def test_sessions_open_close_and_limits(verifier: Verifier) -> None:

@@ -112,7 +112,7 @@ def settings(pairs: list[str]) -> dict[str, Any]:
 
 
 def run(args: Any, say: Callable[[str], None]) -> dict[str, Any]:
-    from cluster.local import build_local, text_decoder
+    from cluster.local import InProcess, build_local, text_decoder
     from cluster.presets import resolve_pair
     from cluster.routing.draft_length_config import DraftLengthConfig
     from cluster.routing.request import GenerationRequest
@@ -137,8 +137,9 @@ def run(args: Any, say: Callable[[str], None]) -> dict[str, Any]:
     def router(drafter: Any, suffix: bool, changes: dict[str, Any] | None = None) -> Router:
         config = SuffixConfig(**{**args.suffix_settings, **(changes or {})})
         made = Router(
-            local.verifier, drafter, text_decoder(target.tokenizer), target.eos_token_ids,
-            suffix=SuffixDrafter(config) if suffix else None,
+            InProcess(local.verifier), InProcess(drafter) if drafter is not None else None,
+            text_decoder(target.tokenizer), target.eos_token_ids,
+            suffix=InProcess(SuffixDrafter(config)) if suffix else None,
             ngram=NgramConfig(enabled=True), draft_length=DraftLengthConfig(enabled=True),
         )  # fmt: skip
         routers.append(made)

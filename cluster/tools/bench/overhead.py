@@ -31,6 +31,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cluster.routing.ports import DrafterPort, VerifierPort
+from cluster.routing.session_events import SessionEvents
+from cluster.routing.waits import answer, run
 from cluster.runtime.sampling import SamplingParams
 from cluster.serve import local_cluster
 from cluster.tools.cleanup import signals_raise
@@ -59,21 +61,27 @@ def _summary(values_s: Sequence[float]) -> dict[str, float]:
 def _session_rounds(
     drafter: DrafterPort, verifier: VerifierPort, rounds: int, draft_tokens: int
 ) -> list[float]:
-    """Block times (s) of one greedy session of `rounds` draft/verify rounds."""
+    """Block times (s) of one greedy session of `rounds` draft/verify rounds, one at a time
+    (the verifier's session does not advance on its own)."""
     session = uuid.uuid4().hex
-    verifier.open_session(session, PROMPT, GREEDY, 0)
-    drafter.open_session(session, PROMPT, GREEDY, 0)
+    run(verifier.open_session_steps(session, PROMPT, GREEDY, 0))
+    run(drafter.open_session_steps(session, PROMPT, GREEDY, 0))
     base, behind, times = len(PROMPT), list[int](), list[float]()
+    events = SessionEvents()
     try:
-        for _ in range(rounds):
+        for post_id in range(rounds):
             start = time.perf_counter()
-            block = drafter.draft(session, base, behind, draft_tokens)
-            verdict = verifier.verify(session, block)
+            block = run(drafter.draft_steps(session, base, behind, draft_tokens))
+            verifier.post(session, block, False, events, post_id)
+            run(answer(events.ready()))
+            verdict = events.take()[0].item
+            if isinstance(verdict, Exception):
+                raise verdict
             times.append(time.perf_counter() - start)
             base, behind = block.base_length, list(verdict.tokens)
     finally:
-        drafter.close_session(session)
-        verifier.close_session(session)
+        run(drafter.close_session_steps(session))
+        run(verifier.close_session_steps(session))
     return times
 
 
@@ -144,7 +152,7 @@ def measure(
         for side in SIDES
     }
     placement["tool_node_id"] = ray.get_runtime_context().get_node_id()
-    from cluster.local import build_local
+    from cluster.local import InProcess, build_local
     from cluster.presets import resolve_pair
     from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 
@@ -163,7 +171,9 @@ def measure(
     ):
         for i in range(sessions + 1):
             r = _session_rounds(remote_drafter, remote_verifier, rounds, draft_tokens)
-            lo = _session_rounds(local.drafter, local.verifier, rounds, draft_tokens)
+            lo = _session_rounds(
+                InProcess(local.drafter), InProcess(local.verifier), rounds, draft_tokens
+            )
             for _ in range(rounds):
                 start = time.perf_counter()
                 remote_drafter.stats()

@@ -1,4 +1,5 @@
-"""Frames and entries between routers and replicas over a window, per generated token.
+"""Frames and entries between routers and replicas over a window, per generated token, and how
+full the verifier's steps were.
 
 Each replica counts what its Frames streams carried since it started (`ReplicaStats`:
 `frames_received`, `entries_received`, `frames_sent`, `results_sent`) and the steps its
@@ -9,8 +10,13 @@ results per frame sent (how many sessions one engine step answered at once). A r
 appeared during the window counts from 0; one that went is left out of the second reading, so
 its frames are not counted (a killed replica's last frames are lost with it).
 
-A replica that serves no Frames stream (an older version, or routers with `frames=False`)
-reports 0 frames: its calls were unary, one RPC an entry.
+A replica that serves no Frames stream (an older version) reports 0 frames.
+
+Step occupancy (`occupancy`, per side): of the sessions running on a replica at each engine step
+(advancing on their own: `Engine.keep_running`), the share the step carried, summed over the
+window's steps (`EngineStats.running_stepped` over `running_sessions`); beside it the mean
+number running (`running_per_step`) and carried (`stepped_per_step`) per step. 1.0 means every
+running session was in every step: the device never waited on the router.
 """
 
 from __future__ import annotations
@@ -21,7 +27,17 @@ from typing import Any
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.runtime.errors import TandemError
 
-COUNTERS = ("frames_received", "entries_received", "frames_sent", "results_sent", "steps")
+COUNTERS = (
+    "frames_received",
+    "entries_received",
+    "frames_sent",
+    "results_sent",
+    "steps",
+    "running_sessions",
+    "running_stepped",
+)
+ENGINE_COUNTERS = ("steps", "running_sessions", "running_stepped")
+"""Of `COUNTERS`, those the replica's engine keeps (`EngineStats`)."""
 SIDES = ("drafter", "verifier")
 STATS_TIMEOUT_S = 5.0
 
@@ -38,14 +54,16 @@ def read_traffic(replicas: Callable[[], Sequence[dict[str, Any]]], secret: str |
             continue
         client_class = GrpcVerifier if side == "verifier" else GrpcDrafter
         try:
-            with client_class(
-                entry["address"], timeout_s=STATS_TIMEOUT_S, secret=secret, frames=False
-            ) as client:
+            with client_class(entry["address"], timeout_s=STATS_TIMEOUT_S, secret=secret) as client:
                 stats = client.stats()
         except TandemError:
             continue
-        counters = {name: int(getattr(stats, name, 0)) for name in COUNTERS[:-1]}
-        counters["steps"] = stats.engine.steps if stats.engine is not None else 0
+        counters = {
+            name: int(getattr(stats, name, 0)) for name in COUNTERS if name not in ENGINE_COUNTERS
+        }
+        engine = stats.engine
+        for name in ENGINE_COUNTERS:
+            counters[name] = int(getattr(engine, name)) if engine is not None else 0
         reading[str(entry["replica_id"])] = {"side": SIDES.index(side), **counters}
     return reading
 
@@ -67,9 +85,12 @@ def traffic_per_token(
         figures: dict[str, float | None] = {
             f"{name}_per_token": (grown[name] / tokens if tokens else None) for name in COUNTERS
         }
-        sent = grown["frames_sent"]
+        sent, steps, running = grown["frames_sent"], grown["steps"], grown["running_sessions"]
         figures["results_per_frame"] = grown["results_sent"] / sent if sent else None
-        figures["frames_sent_per_step"] = sent / grown["steps"] if grown["steps"] else None
+        figures["frames_sent_per_step"] = sent / steps if steps else None
+        figures["occupancy"] = grown["running_stepped"] / running if running else None
+        figures["running_per_step"] = running / steps if steps else None
+        figures["stepped_per_step"] = grown["running_stepped"] / steps if steps else None
         out[side] = figures
     return out
 
@@ -81,5 +102,9 @@ def traffic_line(per_token: Mapping[str, Mapping[str, float | None]]) -> str:
         received, sent = figures["frames_received_per_token"], figures["frames_sent_per_token"]
         if received is None or sent is None:
             continue
-        parts.append(f"{side} frames/token in {received:.3f} out {sent:.3f}")
+        part = f"{side} frames/token in {received:.3f} out {sent:.3f}"
+        occupancy, running = figures.get("occupancy"), figures.get("running_per_step")
+        if occupancy is not None and running is not None:
+            part += f", step occupancy {occupancy:.3f} of {running:.1f} running"
+        parts.append(part)
     return "; ".join(parts) if parts else "no replica traffic read"

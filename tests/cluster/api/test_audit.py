@@ -18,6 +18,7 @@ from cluster.api.tenants import Tenants
 from cluster.cli.main import main
 from cluster.local import LocalTandem
 from cluster.routing.request import GenerationRequest
+from cluster.routing.router import Router
 from cluster.runtime.audit import (
     NEAR_TIE_GAP,
     AuditReport,
@@ -111,16 +112,12 @@ def test_summary_table_and_json() -> None:
 # ---------------------------------------------------------------------- statistical mode
 
 
-def seed_exact_samples(
-    tandem: LocalTandem, monkeypatch: pytest.MonkeyPatch
-) -> list[tuple[int, ...]]:
-    """First two tokens of NUM_SAMPLES seed-exact requests through the router, drafting from the
-    first token on (the seeds make independent exact draws)."""
-    monkeypatch.setattr(tandem.router, "first_token_alone", False)
+def seed_exact_samples(router: Router) -> list[tuple[int, ...]]:
+    """First two tokens of NUM_SAMPLES seed-exact requests through `router`, a lockstep one
+    (`verifier_advances` off), so that drafted tokens decide both, the first round waiting
+    for the drafter (the seeds make independent exact draws)."""
     return [
-        tandem.router.generate(
-            GenerationRequest(PROMPT, 3, SAMPLED, seed=seed, draft_tokens=2)
-        ).tokens[:2]
+        router.generate(GenerationRequest(PROMPT, 3, SAMPLED, seed=seed, draft_tokens=2)).tokens[:2]
         for seed in range(NUM_SAMPLES)
     ]
 
@@ -142,15 +139,11 @@ def draft_samples(draft: LoadedModel) -> list[tuple[int, int]]:
     ]
 
 
-def test_router_samples_follow_the_target(
-    local_tandem: LocalTandem, tiny_target: LoadedModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_router_samples_follow_the_target(lockstep: Router, tiny_target: LoadedModel) -> None:
     """The seeds are fixed, so this is deterministic; under a correct sampler the p-value is
     (asymptotically) uniform, so a correct pipeline fails it for a given set of seeds with
     probability ALPHA."""
-    test = first_two_test(
-        tiny_target, PROMPT, SAMPLED, seed_exact_samples(local_tandem, monkeypatch)
-    )
+    test = first_two_test(tiny_target, PROMPT, SAMPLED, seed_exact_samples(lockstep))
     assert test.passed(ALPHA), test
     assert test.num_samples == sum(test.observed) == NUM_SAMPLES and test.impossible == 0
     assert sum(test.expected) == pytest.approx(NUM_SAMPLES)

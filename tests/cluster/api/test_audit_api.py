@@ -37,7 +37,7 @@ from cluster.api.service import TandemService
 from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import Tenants
 from cluster.config import TandemConfig
-from cluster.local import LocalTandem, text_decoder
+from cluster.local import LocalTandem, local_router, text_decoder
 from cluster.metrics import (
     AUDIT_CHECKED,
     AUDIT_DROPPED,
@@ -104,10 +104,14 @@ def service(local_tandem: LocalTandem, sink: MemorySink) -> Iterator[TandemServi
 
 @pytest.fixture(scope="module")
 def faulty_router(local_tandem: LocalTandem) -> Iterator[Router]:
-    """A router over the shared drafter and a verifier that accepts every drafted token."""
+    """A router over the shared drafter and a verifier that accepts every drafted token, in
+    lockstep (`verifier_advances` off): every token goes through a drafted block, so drafted
+    tokens decide the output (with running sessions, the tiny drafter's blocks mostly come
+    after the verifier took those tokens alone, and the fault would rarely show)."""
     verifier = Verifier(local_tandem.target, VerifierConfig(fault=ACCEPT_ALL))
-    decode = text_decoder(local_tandem.tokenizer)
-    router = Router(verifier, local_tandem.drafter, decode, local_tandem.target.eos_token_ids)
+    router = local_router(
+        verifier, local_tandem.drafter, local_tandem.target, verifier_advances=False
+    )
     yield router
     router.close()
     verifier.close()

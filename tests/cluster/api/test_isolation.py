@@ -3,7 +3,7 @@ another's request), per-request permission, quotas with when to retry, the route
 queue, and usage counters that match what was generated.
 
 The service runs the tiny pair in-process behind a real gRPC server; its verifier waits a little
-per pass so that a long request is still running when the test acts on it.
+per step (a slower device) so that a long request is still running when the test acts on it.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from cluster.api.client import TandemClient, TandemClientError
 from cluster.api.service import TandemService
 from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import AuthConfig, TenantConfig, Tenants, hash_api_key, new_api_key
-from cluster.local import LocalTandem, text_decoder
+from cluster.local import InProcess, LocalTandem, local_router, text_decoder
 from cluster.routing.router import Router
-from cluster.runtime.draft_block import DraftBlock, Verdict
 from drafter.config import SuffixConfig
 from drafter.suffix import SuffixDrafter
 from protos import generate_pb2
 from tests.cluster.grpc_front import serve_local
+from tests.cluster.routing.fake_ports import Answer, Wrapper
 from tests.conftest import CODE_PROMPT
 from tests.polling import wait_until
 from verifier.verifier import Verifier
@@ -38,35 +38,34 @@ SERVICES: dict[str, TandemService] = {}
 """The service behind each address `serve` yields: tests that must see its queue look here."""
 
 
-class SlowVerifier:
-    """The tiny verifier, `delay_s` slower per verify pass."""
+class SlowVerifier(Wrapper):
+    """The tiny verifier as a port, `delay_s` slower per step: each answer of its sessions (a
+    posted block's verdict, or a step a running session took alone) waits that long on the
+    thread that answered, the verifier's engine thread, before the router hears it."""
 
     def __init__(self, verifier: Verifier, delay_s: float) -> None:
-        self._verifier = verifier
+        super().__init__(verifier)
         self._delay_s = delay_s
 
-    def open_session(self, *args: Any, **kwargs: Any) -> int:
-        return self._verifier.open_session(*args, **kwargs)
-
-    def verify(self, session_id: str, block: DraftBlock, defer_bonus: bool = False) -> Verdict:
+    def hand(self, session_id: str, post_id: int | None, answer: Answer) -> Answer | None:
         time.sleep(self._delay_s)
-        return self._verifier.verify(session_id, block, defer_bonus)
-
-    def close_session(self, session_id: str) -> bool:
-        return self._verifier.close_session(session_id)
+        return answer
 
 
 def tenant(name: str, **limits: Any) -> TenantConfig:
     return TenantConfig(name, hash_api_key(KEYS[name]), **limits)
 
 
-def serve(local_tandem: LocalTandem, config: ServiceConfig) -> Iterator[str]:
+def serve(
+    local_tandem: LocalTandem, config: ServiceConfig, verifier_advances: bool = True
+) -> Iterator[str]:
     # No end-of-sequence ids: a long request runs its full length.
     router = Router(
         SlowVerifier(local_tandem.verifier, 0.01),
-        local_tandem.drafter,
+        InProcess(local_tandem.drafter),
         text_decoder(local_tandem.tokenizer),
         frozenset(),
+        verifier_advances=verifier_advances,
     )
     auth = AuthConfig(
         tenants=(
@@ -88,6 +87,14 @@ def serve(local_tandem: LocalTandem, config: ServiceConfig) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def address(local_tandem: LocalTandem) -> Iterator[str]:
     yield from serve(local_tandem, ServiceConfig())
+
+
+@pytest.fixture(scope="module")
+def lockstep_address(local_tandem: LocalTandem) -> Iterator[str]:
+    """The same service with a lockstep router (`verifier_advances` off): every round posts a
+    drafted block, so a speculative request always drafts (with running sessions the tiny
+    drafter's blocks may all come after the verifier took those tokens alone)."""
+    yield from serve(local_tandem, ServiceConfig(), verifier_advances=False)
 
 
 def client(address: str, name: str | None) -> TandemClient:
@@ -156,8 +163,8 @@ def test_a_tenant_cancels_its_own_request(address: str, local_tandem: LocalTande
     assert sessions(local_tandem) == (0, 0)
 
 
-def test_usage_counts_match_what_each_tenant_got(address: str) -> None:
-    with client(address, "bob") as bob, client(address, "alice") as alice:
+def test_usage_counts_match_what_each_tenant_got(lockstep_address: str) -> None:
+    with client(lockstep_address, "bob") as bob, client(lockstep_address, "alice") as alice:
         before, alice_before = bob.usage(), alice.usage()
         results = [bob.generate(p, max_tokens=12, draft_tokens=3) for p in ("x", CODE_PROMPT)]
         after = bob.usage()
@@ -249,10 +256,9 @@ def test_a_tenant_may_keep_its_text_out_of_the_suffix_index(local_tandem: LocalT
     """`suffix_index: false` in a tenant's config reaches its requests through the API: the
     suffix drafter opens sessions for alice (by her name), never for the private tenant."""
     suffix = OpenedFor()
-    target = local_tandem.target
-    router = Router(
-        local_tandem.verifier, local_tandem.drafter, text_decoder(target.tokenizer),
-        target.eos_token_ids, suffix=suffix, pipelined=False,
+    router = local_router(
+        local_tandem.verifier, local_tandem.drafter, local_tandem.target, suffix=suffix,
+        pipelined=False,
     )  # fmt: skip
     KEYS.setdefault("private", new_api_key())
     auth = AuthConfig(tenants=(tenant("alice"), tenant("private", suffix_index=False)))

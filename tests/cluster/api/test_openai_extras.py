@@ -21,7 +21,7 @@ from cluster.api.response import ApiChunk
 from cluster.api.service import TandemService
 from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import Tenants
-from cluster.local import LocalTandem
+from cluster.local import InProcess, LocalTandem, text_decoder
 from cluster.routing.request import FinishReason, GenerationRequest
 from cluster.routing.router import Router
 from cluster.routing.text import TextAssembler
@@ -287,10 +287,10 @@ def test_which_end_token_ends_the_output(local_tandem: LocalTandem) -> None:
 def test_a_router_without_decode_special_refuses_skip_special_tokens_false(
     local_tandem: LocalTandem,
 ) -> None:
-    router = Router(
-        local_tandem.verifier,
-        local_tandem.drafter,
-        local_tandem.router._decode,
+    router = Router(  # not `local_router`: that one gives the router its decode_special
+        InProcess(local_tandem.verifier),
+        InProcess(local_tandem.drafter),
+        text_decoder(local_tandem.tokenizer),
         local_tandem.target.eos_token_ids,
     )
     request = GenerationRequest(encode(local_tandem, "x"), 4, skip_special_tokens=False)

@@ -37,6 +37,7 @@ from cluster.api.tenants import (
 )
 from cluster.config import ModelsConfig
 from cluster.local import LocalTandem
+from cluster.routing.router import Router
 from cluster.runtime import tiny
 from cluster.runtime.errors import (
     ClusterSecretError,
@@ -60,14 +61,15 @@ DROP = object()
 """A field value meaning "leave the field out"."""
 
 
+CONFIG = ServiceConfig(default_draft_tokens=4, default_pipelined=False, max_tokens_limit=LIMIT)
+
+
 @pytest.fixture(scope="module")
 def service(local_tandem: LocalTandem) -> TandemService:
-    # Not pipelined by default: the same request then drafts the same blocks every time.
-    config = ServiceConfig(default_draft_tokens=4, default_pipelined=False, max_tokens_limit=LIMIT)
     return TandemService(
         local_tandem.router,
         local_tandem.tokenizer,
-        config,
+        CONFIG,
         tenants=Tenants.unauthenticated(),
         max_context_tokens=CONTEXT,
     )
@@ -76,6 +78,26 @@ def service(local_tandem: LocalTandem) -> TandemService:
 @pytest.fixture(scope="module")
 def openai(service: TandemService) -> OpenAIService:
     return OpenAIService(service, MODEL)
+
+
+@pytest.fixture(scope="module")
+def lockstep_service(local_tandem: LocalTandem, lockstep: Router) -> TandemService:
+    """The same service over the lockstep router (`verifier_advances` off), where the
+    speculation counters are the same for the same request every time: not pipelined by
+    default, every token through a drafted block. (With running sessions, whether a drafted
+    block decides anything is timing.)"""
+    return TandemService(
+        lockstep,
+        local_tandem.tokenizer,
+        CONFIG,
+        tenants=Tenants.unauthenticated(),
+        max_context_tokens=CONTEXT,
+    )
+
+
+@pytest.fixture(scope="module")
+def lockstep_openai(lockstep_service: TandemService) -> OpenAIService:
+    return OpenAIService(lockstep_service, MODEL)
 
 
 def body(route: Route, **fields: Any) -> dict[str, Any]:
@@ -193,8 +215,9 @@ def test_fields_at_their_neutral_value_are_accepted(openai: OpenAIService) -> No
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_stream_concatenates_to_the_unary_response(
-    openai: OpenAIService, local_tandem: LocalTandem, route: Route, include_usage: bool
+    lockstep_openai: OpenAIService, local_tandem: LocalTandem, route: Route, include_usage: bool
 ) -> None:
+    openai = lockstep_openai  # the usage chunk's counters equal the unary response's
     unary = openai.complete(route, body(route))
     options = {"stream_options": {"include_usage": True}} if include_usage else {}
     chunks = list(openai.stream(route, body(route, stream=True, **options)))
@@ -223,8 +246,9 @@ def test_stream_concatenates_to_the_unary_response(
 
 
 def test_usage_speculation_matches_the_tandem_counters(
-    openai: OpenAIService, service: TandemService
+    lockstep_openai: OpenAIService, lockstep_service: TandemService
 ) -> None:
+    openai, service = lockstep_openai, lockstep_service  # counters the same every time
     expected = GrpcApi(service).generate(tandem_request("completions", max_tokens=30))
     usage = openai.complete("completions", body("completions", max_tokens=30))["usage"]
     stats = expected.speculation

@@ -170,3 +170,16 @@ def test_off_path_cpu_loads_the_cores_but_not_the_round() -> None:
     assert closed_loop_rate(10_000, 0.004, 0.002, 2.0, 0.5) == pytest.approx(1_000, rel=1e-3)
     shares = [closed_loop_rate(16, 0.004, 0.002, 2.0, s) for s in (1.0, 0.6, 0.2)]
     assert shares == sorted(shares)
+
+
+def test_routers_per_verifier_keep_its_device_fed() -> None:
+    """A router process gives 0.8 of a core: at 0.3 ms a token, 2,667 tokens/s each; a device
+    committing 8,000 tokens/s needs 3.75 routers' worth (4), a drafting round's 1 ms over its
+    4 tokens adds 0.25 ms a token."""
+    from cluster.plan.inputs import RouterCost
+    from cluster.plan.model import router_load
+
+    cost = RouterCost(cpu_ms_per_token=0.3, cpu_ms_per_round=1.0, core_share=0.8)
+    assert router_load(cost, 8000.0, None) == pytest.approx(3.0)
+    assert router_load(cost, 8000.0, 4.0) == pytest.approx(8000 * 0.55e-3 / 0.8)
+    assert router_load(cost, 0.0, None) == 0.0

@@ -13,12 +13,14 @@ from cluster.local import LocalTandem, text_decoder
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
+from cluster.routing.waits import run
 from cluster.runtime.errors import ClusterSecretError, InvalidArgumentError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from drafter.drafter import Drafter
+from protos import replica_pb2
 from tests.conftest import encode
-from tests.replicas import serve_drafter, serve_verifier
+from tests.replicas import RawStream, frame, serve_drafter, serve_verifier
 from verifier.verifier import Verifier
 
 SECRET = "0123456789abcdef" * 2
@@ -43,7 +45,7 @@ def test_calls_without_the_secret_are_refused(guarded: tuple[str, str], secret: 
     ):
         with client:
             with pytest.raises(ClusterSecretError, match="x-tandem-cluster-secret") as caught:
-                client.open_session("intruder", [1, 2, 3], SamplingParams(), 0)
+                run(client.open_session_steps("intruder", [1, 2, 3], SamplingParams(), 0))
             assert "wrong-secret" not in str(caught.value)  # never echoed
             with pytest.raises(ClusterSecretError):
                 client.stats()
@@ -51,14 +53,37 @@ def test_calls_without_the_secret_are_refused(guarded: tuple[str, str], secret: 
         assert drafter.stats().num_sessions == 0  # nothing was opened
 
 
+@pytest.mark.parametrize("method", ["Stats", "Reference"])
 def test_a_garbage_payload_without_the_secret_is_refused_before_it_is_parsed(
-    guarded: tuple[str, str],
+    guarded: tuple[str, str], method: str
 ) -> None:
-    with grpc.insecure_channel(guarded[0]) as channel:
-        draft = channel.unary_unary("/tandem.v1.Drafter/Draft")
+    # Parsed, the payload would be INVALID_ARGUMENT (or, for Stats, served): UNAUTHENTICATED
+    # says the secret was checked first.
+    address = guarded[1] if method == "Reference" else guarded[0]
+    service = "Verifier" if method == "Reference" else "Drafter"
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(f"/tandem.v1.{service}/{method}")
         with pytest.raises(grpc.RpcError) as caught:
-            draft(b"\xff\x00 not a protobuf", timeout=10.0)
+            call(b"\xff\x00 not a protobuf", timeout=10.0)
     assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("side", [0, 1], ids=["drafter", "verifier"])
+def test_a_frames_stream_without_the_secret_is_refused_before_a_frame_is_parsed(
+    guarded: tuple[str, str], side: int
+) -> None:
+    # Every session call travels on the Frames stream: without the secret, the whole stream is
+    # refused, whether its frames are garbage or well-formed entries.
+    service = ("Drafter", "Verifier")[side]
+    with RawStream(guarded[side], service, serialize=lambda raw: raw) as garbage:
+        garbage.send(b"\xff\x00 not a protobuf")
+        assert garbage.status()[0] == grpc.StatusCode.UNAUTHENTICATED
+    with RawStream(guarded[side], service) as stream:
+        opening = replica_pb2.OpenSessionRequest(session_id="intruder", prompt_token_ids=[1])
+        stream.send(frame(stream.entry("open", opening)))
+        code, details = stream.status()
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "x-tandem-cluster-secret" in details
+    assert stream.unread() == []  # no entry was answered
 
 
 def test_a_router_that_carries_the_secret_generates_exactly(

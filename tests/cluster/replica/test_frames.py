@@ -1,24 +1,29 @@
 """Frames streams against a real verifier server on the tiny target: bad frames end only their
-own stream (or only their entry) and the replica goes on serving; one frame per engine step
-under 32 concurrent sessions; a replica stopped mid-run fails every pending call promptly.
+own stream (or only their entry) and the replica goes on serving; a running session's own
+steps come back under its open entry's tag, one per engine step, as the target's greedy
+tokens, beside the verdicts of blocks posted to it; one frame per engine step under 32
+concurrent sessions; a replica stopped mid-run fails every pending call promptly.
 
-Raw streams (`RawStream`) send what a broken or hostile router would; `GrpcVerifier` is the
-router's own client. Each bad-frame test ends by serving another session on a fresh stream.
+Raw streams (`tests.replicas.RawStream`) send what a broken or hostile router would;
+`GrpcVerifier` is the router's own client. Each bad-frame test ends by serving another session
+on a fresh stream.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from cluster.routing.replica_client import GrpcVerifier
+from cluster.routing.waits import run
+from cluster.runtime.advance import Advance
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel
@@ -26,15 +31,12 @@ from cluster.runtime.sampling import SamplingParams
 from cluster.wire import requests
 from cluster.wire.metadata import MAX_MESSAGE_BYTES, SECRET_METADATA_KEY
 from protos import replica_pb2
-from tests.replicas import serve_verifier
+from tests.replicas import WAIT_S, RawStream, answer, frame, serve_verifier, verify
 from verifier.verifier import Verifier
 
 SECRET = "frames-secret-0123456789abcdef01"
 AUTH = ((SECRET_METADATA_KEY, SECRET),)
-METHOD = "/tandem.v1.Verifier/Frames"
 GREEDY = SamplingParams()
-WAIT_S = 30.0
-"""Upper bound on waits that end as soon as the replica answers; never reached when it works."""
 
 
 @dataclass
@@ -51,54 +53,6 @@ def served(tiny_target: LoadedModel) -> Iterator[Served]:
     yield Served(verifier, server, f"127.0.0.1:{port}")
     server.stop(None)
     verifier.close()
-
-
-class RawStream:
-    """One Frames call driven by hand: `send` frames (or raw bytes), read the replica's."""
-
-    def __init__(
-        self,
-        address: str,
-        metadata: Any = AUTH,
-        serialize: Callable[[Any], bytes] = replica_pb2.RouterFrame.SerializeToString,
-    ) -> None:
-        self._channel = grpc.insecure_channel(address)
-        self._outgoing: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        call = self._channel.stream_stream(
-            METHOD,
-            request_serializer=serialize,
-            response_deserializer=replica_pb2.ReplicaFrame.FromString,
-        )
-        self.responses = call(iter(self._outgoing.get, None), metadata=metadata, timeout=WAIT_S)
-
-    def send(self, frame: Any) -> None:
-        self._outgoing.put(frame)
-
-    def results(self, count: int) -> dict[int, replica_pb2.FrameResult]:
-        """The next `count` results, by tag."""
-        got: dict[int, replica_pb2.FrameResult] = {}
-        while len(got) < count:
-            for result in next(self.responses).results:
-                got[result.tag] = result
-        return got
-
-    def status(self) -> tuple[grpc.StatusCode, str]:
-        """How the call ended (reading whatever frames come before)."""
-        try:
-            for _ in self.responses:
-                pass
-        except grpc.RpcError as error:
-            return error.code(), error.details() or ""
-        return grpc.StatusCode.OK, ""
-
-    def close(self) -> None:
-        self._outgoing.put(None)
-        self.responses.cancel()
-        self._channel.close()
-
-
-def frame(*entries: replica_pb2.FrameEntry, version: int = requests.FRAME_VERSION) -> Any:
-    return replica_pb2.RouterFrame(version=version, entries=entries)
 
 
 def open_entry(tag: int, session_id: str) -> replica_pb2.FrameEntry:
@@ -118,7 +72,7 @@ def close_entry(tag: int, session_id: str) -> replica_pb2.FrameEntry:
 
 def assert_serves(served: Served, session_id: str) -> None:
     """Another session's entries on a fresh stream: open, verify, close, all answered."""
-    stream = RawStream(served.address)
+    stream = RawStream(served.address, metadata=AUTH)
     try:
         stream.send(frame(open_entry(1, session_id)))
         assert stream.results(1)[1].opened.committed_length == 3
@@ -132,7 +86,7 @@ def assert_serves(served: Served, session_id: str) -> None:
 
 
 def test_entries_fail_alone_and_the_stream_goes_on(served: Served) -> None:
-    stream = RawStream(served.address)
+    stream = RawStream(served.address, metadata=AUTH)
     try:
         stream.send(frame(open_entry(1, "a"), verify_entry(2, "nobody", 3), open_entry(3, "b")))
         first = stream.results(3)
@@ -161,7 +115,7 @@ def test_entries_fail_alone_and_the_stream_goes_on(served: Served) -> None:
 
 
 def test_entries_of_one_session_run_in_their_order(served: Served) -> None:
-    stream = RawStream(served.address)
+    stream = RawStream(served.address, metadata=AUTH)
     try:
         # Open, three verifies on the lengths each leaves, and the close, in one frame.
         entries = [open_entry(1, "ordered")]
@@ -172,6 +126,104 @@ def test_entries_of_one_session_run_in_their_order(served: Served) -> None:
         assert results[5].closed.existed
     finally:
         stream.close()
+
+
+RUN_PROMPT = tuple(b"def add(a, b):")
+RUN_TOKENS = 24
+
+
+def greedy_continuation(model: LoadedModel, prompt: tuple[int, ...], count: int) -> list[int]:
+    """The target's own greedy tokens after `prompt`: one full forward pass each."""
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(count):
+            tokens.append(int(model.model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def test_a_running_session_reports_its_steps_under_its_open_entry(
+    served: Served, tiny_target: LoadedModel
+) -> None:
+    """An open entry with `advance` is answered `opened`, then the session's own steps come
+    under the same tag, one verdict per engine step (one token each, as the target alone picks
+    it) until max_length; blocks posted to it meanwhile are answered under their own tags,
+    verified from where the session then stands, or dropped."""
+    expected = greedy_continuation(tiny_target, RUN_PROMPT, RUN_TOKENS)
+    start, max_length = len(RUN_PROMPT), len(RUN_PROMPT) + RUN_TOKENS
+    opening = requests.open_request_to_wire(
+        "running", RUN_PROMPT, GREEDY, 0, advance=Advance(max_length)
+    )
+    # A right block from the prompt on (its first tokens may be held by the time it runs),
+    # and one that assumes a token the session never takes (always dropped).
+    right = DraftBlock(start, tuple(expected[:4]))
+    wrong = DraftBlock(start, (expected[1],), assumed=((expected[0] + 1) % 256,))
+    steps_before = served.verifier.stats().engine
+    stream = RawStream(served.address, metadata=AUTH)
+    try:
+        stream.send(
+            frame(
+                replica_pb2.FrameEntry(tag=1, open=opening),
+                replica_pb2.FrameEntry(
+                    tag=2, verify=requests.verify_request_to_wire("running", right)
+                ),
+                replica_pb2.FrameEntry(
+                    tag=3, verify=requests.verify_request_to_wire("running", wrong)
+                ),
+            )
+        )
+        assert answer(stream.result(1), "opened").committed_length == start
+        reports: list[replica_pb2.Verdict] = []
+        posted: dict[int, replica_pb2.Verdict] = {}
+        while len(posted) < 2 or not reports or reports[-1].committed_length < max_length:
+            [(tag, result)] = stream.results(1).items()
+            verdict = answer(result, "verdict")
+            if tag == 1:
+                reports.append(verdict)
+            else:
+                assert tag in (2, 3) and tag not in posted, result
+                posted[tag] = verdict
+        stream.send(frame(close_entry(4, "running")))
+        assert answer(stream.result(4), "closed").existed
+        stream.half_close()
+        assert stream.status() == (grpc.StatusCode.OK, "")
+        assert stream.unread() == []  # nothing more under its tag once it reached max_length
+    finally:
+        stream.close()
+    steps_after = served.verifier.stats().engine
+    # Each own step: one token, the target's, committed where the session stood.
+    for verdict in reports:
+        assert len(verdict.token_ids) == 1 and verdict.num_accepted == 0
+        assert verdict.committed_length == verdict.base_length + 1
+        assert not verdict.dropped and verdict.num_matched == 0
+    assert reports[-1].committed_length == max_length
+    # One per engine step: no frame carries two of the session's own steps, and there were
+    # at least as many steps as reports.
+    for sent in stream.frames:
+        assert sum(r.tag == 1 and r.HasField("verdict") for r in sent.results) <= 1
+    assert steps_before is not None and steps_after is not None
+    assert steps_after.steps - steps_before.steps >= len(reports)
+    # The wrong block was dropped, committing nothing; the right one was verified from where
+    # the session stood (the tokens it already held count as matched), or dropped if the
+    # session already held all of it.
+    assert posted[3].dropped and list(posted[3].token_ids) == []
+    checked = posted[2]
+    print(f"right block: dropped {checked.dropped}, matched {checked.num_matched}")
+    if not checked.dropped:
+        held = checked.base_length - start
+        assert checked.num_matched == held and checked.num_accepted == len(right.tokens) - held
+        assert checked.committed_length == checked.base_length + len(checked.token_ids)
+    # Together, the session's steps and the verified block hold the target's greedy output
+    # exactly once each, in order, from the prompt to max_length.
+    verified = sorted(
+        (v for v in [*reports, *posted.values()] if not v.dropped), key=lambda v: v.base_length
+    )
+    at, tokens = start, []
+    for verdict in verified:
+        assert verdict.base_length == at, [(v.base_length, v.committed_length) for v in verified]
+        at = verdict.committed_length
+        tokens.extend(verdict.token_ids)
+    assert at == max_length and tokens == expected
+    assert served.verifier.stats().num_sessions == 0
 
 
 def bad_bytes() -> bytes:
@@ -195,7 +247,7 @@ def bad_bytes() -> bytes:
 def test_a_bad_frame_ends_only_its_stream(
     served: Served, payload: bytes, code: grpc.StatusCode, details: str
 ) -> None:
-    stream = RawStream(served.address, serialize=lambda raw: raw)
+    stream = RawStream(served.address, metadata=AUTH, serialize=lambda raw: raw)
     try:
         stream.send(payload)
         got_code, got_details = stream.status()
@@ -233,14 +285,14 @@ def test_32_sessions_get_at_most_two_frames_per_engine_step(served: Served) -> N
     def session(index: int) -> None:
         session_id = f"load-{index}"
         try:
-            length = client.open_session(session_id, [1, 2, 3, index % 200], GREEDY, 0)
+            length = run(client.open_session_steps(session_id, [1, 2, 3, index % 200], GREEDY, 0))
             opened.wait(WAIT_S)
             go.wait(WAIT_S)  # once the counters before the rounds are read
             for _ in range(ROUNDS):
-                length = client.verify(session_id, DraftBlock(length, ())).committed_length
+                length = verify(client, session_id, DraftBlock(length, ())).committed_length
             rounds_done.wait(WAIT_S)
             counted.wait(WAIT_S)  # once the counters after the rounds are read
-            client.close_session(session_id)
+            run(client.close_session_steps(session_id))
         except BaseException as error:
             errors.append(error)
             raise
@@ -282,11 +334,11 @@ def test_a_replica_stopped_mid_run_fails_every_pending_call_promptly(
 
     def session(index: int) -> None:
         session_id = f"doomed-{index}"
-        length = client.open_session(session_id, [4, 5, 6], GREEDY, 0)
+        length = run(client.open_session_steps(session_id, [4, 5, 6], GREEDY, 0))
         running.wait(WAIT_S)
         try:
             while True:  # rounds until the replica goes
-                length = client.verify(session_id, DraftBlock(length, ())).committed_length
+                length = verify(client, session_id, DraftBlock(length, ())).committed_length
         except BaseException as error:
             outcomes.append((error, time.monotonic()))
 
@@ -328,7 +380,7 @@ def test_a_cancelled_entry_is_dropped_before_it_runs_and_never_answered_itself(
     served: Served,
 ) -> None:
     engine = served.verifier.engine
-    stream = RawStream(served.address)
+    stream = RawStream(served.address, metadata=AUTH)
     stats = GrpcVerifier(served.address, timeout_s=WAIT_S, secret=SECRET)
     try:
         stream.send(frame(open_entry(1, "cancelled")))
@@ -359,16 +411,17 @@ def test_a_cancelled_entry_is_dropped_before_it_runs_and_never_answered_itself(
 
 
 def test_a_call_the_router_stops_waiting_for_is_cancelled_on_the_replica(served: Served) -> None:
+    # A block is posted (fire and forget: nobody times it out), so the call given up here is
+    # an open: the client stops waiting after its timeout and cancels the entry.
     engine = served.verifier.engine
     client = GrpcVerifier(served.address, timeout_s=WAIT_S, secret=SECRET)
     try:
-        assert client.open_session("given-up", [1, 2, 3], GREEDY, 0) == 3
         abandoned = engine.abandoned
         received = client.stats().entries_received
         held = HeldEngine(served)
         with pytest.raises(ReplicaUnavailableError, match="no answer within"):
-            client.verify("given-up", DraftBlock(3, ()), timeout_s=0.2)
-        # The router's next frame carries the cancel: once the replica has read it (the verify
+            run(client.open_session_steps("given-up", [1, 2, 3], GREEDY, 0, timeout_s=0.2))
+        # The router's next frame carries the cancel: once the replica has read it (the open
         # and the cancel: two entries), the engine may go on.
         deadline = time.monotonic() + WAIT_S
         while client.stats().entries_received < received + 2:
@@ -379,7 +432,10 @@ def test_a_call_the_router_stops_waiting_for_is_cancelled_on_the_replica(served:
         while engine.abandoned == abandoned:  # the cancel arrives with the router's next frame
             assert time.monotonic() < deadline, "the replica ran the call nobody waited for"
             time.sleep(0.01)
-        assert client.verify("given-up", DraftBlock(3, ())).committed_length == 4
-        client.close_session("given-up")
+        # The open never ran: nothing is held under the name, which opens afresh and serves.
+        assert served.verifier.stats().num_sessions == 0
+        assert run(client.open_session_steps("given-up", [1, 2, 3], GREEDY, 0)) == 3
+        assert verify(client, "given-up", DraftBlock(3, ())).committed_length == 4
+        assert run(client.close_session_steps("given-up"))
     finally:
         client.close()

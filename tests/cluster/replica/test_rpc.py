@@ -1,7 +1,10 @@
 """The replica servicers over real loopback gRPC: status codes, call handling, the server.
 
-Requests are sent with the raw generated stubs, so these tests see exactly what any client
-would: the status code and details on the wire.
+Every session call is an entry of a Frames stream (`rpc Frames`): these tests drive one stream
+per replica by hand (`tests.replicas.RawStream`), so they see exactly what any router would:
+each entry's answer, or its `EntryError` (the status name and details a unary call would have
+failed with) while the stream goes on. Stats is a unary call, sent with the generated stubs:
+its status code and details on the wire.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ from typing import Any, NoReturn
 import grpc
 import pytest
 
+from cluster.replica import frames
 from cluster.replica.rpc import INTERNAL_ERROR_MESSAGE, CallGuard, start_server
 from cluster.runtime import errors
 from cluster.runtime.call_scope import caller_gone
 from cluster.runtime.models import LoadedModel
 from drafter.drafter import Drafter
 from protos import replica_pb2, replica_pb2_grpc, sampling_pb2
-from tests.replicas import serve_drafter, serve_verifier
+from tests.replicas import RawStream, answer, refusal, serve_drafter, serve_verifier
 from tests.wire_messages import raw_sparse
 from verifier.config import VerifierConfig
 from verifier.verifier import Verifier
@@ -37,6 +41,9 @@ class Replicas:
     verifier: Verifier
     drafter_stub: Any
     verifier_stub: Any
+    drafter_frames: RawStream
+    """One Frames stream to the drafter, kept open for the module (as a router keeps it)."""
+    verifier_frames: RawStream
 
 
 @pytest.fixture(scope="module")
@@ -46,173 +53,192 @@ def replicas(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> Iterator[Repl
     verifier_server, verifier_port = serve_verifier(verifier)
     drafter_channel = grpc.insecure_channel(f"127.0.0.1:{drafter_port}")
     verifier_channel = grpc.insecure_channel(f"127.0.0.1:{verifier_port}")
+    drafter_frames = RawStream(drafter_channel, "Drafter")
+    verifier_frames = RawStream(verifier_channel, "Verifier")
     yield Replicas(
         drafter,
         verifier,
         replica_pb2_grpc.DrafterStub(drafter_channel),
         replica_pb2_grpc.VerifierStub(verifier_channel),
+        drafter_frames,
+        verifier_frames,
     )
+    drafter_frames.close()
+    verifier_frames.close()
     drafter_channel.close()
     verifier_channel.close()
     drafter_server.stop(None)
     verifier_server.stop(None)
 
 
+def open_request(session_id: str, **fields: Any) -> replica_pb2.OpenSessionRequest:
+    return replica_pb2.OpenSessionRequest(
+        session_id=session_id, prompt_token_ids=PROMPT, sampling=GREEDY, **fields
+    )
+
+
+def close_request(session_id: str) -> replica_pb2.CloseSessionRequest:
+    return replica_pb2.CloseSessionRequest(session_id=session_id)
+
+
 @pytest.fixture
 def session(replicas: Replicas, request: pytest.FixtureRequest) -> Iterator[str]:
     """A greedy session open on both replicas, closed afterwards."""
     session_id = request.node.name
-    open_request = replica_pb2.OpenSessionRequest(
-        session_id=session_id, prompt_token_ids=PROMPT, sampling=GREEDY, seed=1
-    )
-    replicas.drafter_stub.OpenSession(open_request)
-    replicas.verifier_stub.OpenSession(open_request)
+    for stream in (replicas.drafter_frames, replicas.verifier_frames):
+        opened = answer(stream.call("open", open_request(session_id, seed=1)), "opened")
+        assert opened.committed_length == len(PROMPT)
     yield session_id
-    replicas.drafter_stub.CloseSession(replica_pb2.CloseSessionRequest(session_id=session_id))
-    replicas.verifier_stub.CloseSession(replica_pb2.CloseSessionRequest(session_id=session_id))
+    for stream in (replicas.drafter_frames, replicas.verifier_frames):
+        answer(stream.call("close", close_request(session_id)), "closed")
 
 
-def rpc_error(method: Any, request: Any) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as caught:
-        method(request)
-    return caught.value
+def draft(replicas: Replicas, **fields: Any) -> replica_pb2.FrameResult:
+    return replicas.drafter_frames.call("draft", replica_pb2.DraftRequest(**fields))
+
+
+def verify(replicas: Replicas, session_id: str, block: Any) -> replica_pb2.FrameResult:
+    request = replica_pb2.VerifyRequest(session_id=session_id, block=block)
+    return replicas.verifier_frames.call("verify", request)
 
 
 # --- happy path -------------------------------------------------------------------------------
 
 
 def test_draft_and_verify_round(replicas: Replicas, session: str) -> None:
-    block = replicas.drafter_stub.Draft(
-        replica_pb2.DraftRequest(session_id=session, base_length=len(PROMPT), num_tokens=4)
+    block = answer(
+        draft(replicas, session_id=session, base_length=len(PROMPT), num_tokens=4), "block"
     )
     assert block.base_length == len(PROMPT) and len(block.token_ids) == 4
     assert not block.draft_probs  # greedy: q is one-hot, nothing sent
-    verdict = replicas.verifier_stub.Verify(
-        replica_pb2.VerifyRequest(session_id=session, block=block)
-    )
+    verdict = answer(verify(replicas, session, block), "verdict")
     assert verdict.base_length == len(PROMPT)
     assert verdict.committed_length == len(PROMPT) + verdict.num_accepted + 1
     assert (
         list(verdict.token_ids[: verdict.num_accepted])
         == list(block.token_ids)[: verdict.num_accepted]
     )
+    assert not verdict.dropped and verdict.num_matched == 0  # based where the session stood
     stats = replicas.verifier_stub.Stats(replica_pb2.StatsRequest())
     assert stats.num_sessions == 1 and stats.num_cached_tokens > 0
     # Each side's engine reports its load with the call it served, and its figures in Stats.
     assert block.HasField("load") and block.load.batch_sequences >= 1
     assert verdict.HasField("load") and verdict.load.batch_tokens >= 1
     assert stats.HasField("engine") and stats.engine.steps >= 1
+    # The entries came over the stream, and its frames are counted.
+    assert stats.frames_received >= 1 and stats.entries_received >= 2
+    assert stats.results_sent >= 2 and stats.frames_sent >= 1
 
 
 def test_close_reports_whether_the_session_existed(replicas: Replicas, session: str) -> None:
-    close = replica_pb2.CloseSessionRequest(session_id=session)
-    assert replicas.verifier_stub.CloseSession(close).existed
-    assert not replicas.verifier_stub.CloseSession(close).existed
+    stream = replicas.verifier_frames
+    assert answer(stream.call("close", close_request(session)), "closed").existed
+    assert not answer(stream.call("close", close_request(session)), "closed").existed
 
 
 # --- status codes -----------------------------------------------------------------------------
 
 
 def test_stale_base_is_failed_precondition(replicas: Replicas, session: str) -> None:
-    error = rpc_error(
-        replicas.drafter_stub.Draft,
-        replica_pb2.DraftRequest(session_id=session, base_length=3, num_tokens=2),
-    )
-    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert error.details() == (
+    status, message = refusal(draft(replicas, session_id=session, base_length=3, num_tokens=2))
+    assert status == "FAILED_PRECONDITION"
+    assert message == (
         f"session {session!r} has committed length {len(PROMPT)}, "
         "but the request is based on length 3"
     )
-    error = rpc_error(
-        replicas.verifier_stub.Verify,
-        replica_pb2.VerifyRequest(session_id=session, block=replica_pb2.DraftBlock(base_length=3)),
+    # A verifier refuses a block based past its session. (A block based before it is no
+    # longer an error: it is verified from where the session stands, or dropped; below.)
+    ahead = len(PROMPT) + 3
+    status, message = refusal(verify(replicas, session, replica_pb2.DraftBlock(base_length=ahead)))
+    assert status == "FAILED_PRECONDITION"
+    assert message == (
+        f"session {session!r} has committed length {len(PROMPT)}, "
+        f"but the block is based on length {ahead}"
     )
-    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_block_based_before_the_session_is_dropped_when_it_parts_from_it(
+    replicas: Replicas, session: str
+) -> None:
+    # An empty block based at 3 asks for the target's token at 3; the session already holds
+    # the prompt's token there: the block is dropped, nothing committed.
+    verdict = answer(verify(replicas, session, replica_pb2.DraftBlock(base_length=3)), "verdict")
+    assert verdict.dropped and list(verdict.token_ids) == []
+    assert verdict.committed_length == len(PROMPT)
+    # A block that drafted the prompt's own tokens from 3 on, then one more, is verified from
+    # where the session stands: its tokens the session holds count as matched.
+    held = PROMPT[3:]
+    block = replica_pb2.DraftBlock(base_length=3, token_ids=[*held, 65])
+    verdict = answer(verify(replicas, session, block), "verdict")
+    assert not verdict.dropped and verdict.num_matched == len(held)
+    assert verdict.base_length == len(PROMPT)
+    assert verdict.committed_length == len(PROMPT) + verdict.num_accepted + 1
 
 
 def test_unknown_session_is_not_found(replicas: Replicas) -> None:
-    error = rpc_error(
-        replicas.verifier_stub.Verify,
-        replica_pb2.VerifyRequest(session_id="nobody", block=replica_pb2.DraftBlock()),
-    )
-    assert error.code() == grpc.StatusCode.NOT_FOUND
-    assert error.details() == (
+    status, message = refusal(verify(replicas, "nobody", replica_pb2.DraftBlock()))
+    assert status == "NOT_FOUND"
+    assert message == (
         "no open session 'nobody' "
         "(closed, evicted after idling or past its deadline, or never opened)"
     )
-    error = rpc_error(
-        replicas.drafter_stub.Draft,
-        replica_pb2.DraftRequest(session_id="nobody", base_length=1, num_tokens=1),
-    )
-    assert error.code() == grpc.StatusCode.NOT_FOUND
+    status, _ = refusal(draft(replicas, session_id="nobody", base_length=1, num_tokens=1))
+    assert status == "NOT_FOUND"
 
 
 def test_out_of_vocab_token_is_invalid_argument(replicas: Replicas, session: str) -> None:
     vocab = replicas.verifier.vocab_size
-    error = rpc_error(
-        replicas.verifier_stub.Verify,
-        replica_pb2.VerifyRequest(
-            session_id=session,
-            block=replica_pb2.DraftBlock(base_length=len(PROMPT), token_ids=[65, vocab]),
-        ),
-    )
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert error.details() == (
-        f"block.tokens[1] = {vocab} is outside the vocabulary (0..{vocab - 1})"
-    )
+    block = replica_pb2.DraftBlock(base_length=len(PROMPT), token_ids=[65, vocab])
+    status, message = refusal(verify(replicas, session, block))
+    assert status == "INVALID_ARGUMENT"
+    assert message == f"block.tokens[1] = {vocab} is outside the vocabulary (0..{vocab - 1})"
 
 
 def test_duplicate_and_too_many_sessions(replicas: Replicas, session: str) -> None:
-    def open_session(session_id: str) -> Any:
-        return replicas.verifier_stub.OpenSession(
-            replica_pb2.OpenSessionRequest(
-                session_id=session_id, prompt_token_ids=PROMPT, sampling=GREEDY
-            )
-        )
+    stream = replicas.verifier_frames
 
-    with pytest.raises(grpc.RpcError) as caught:
-        open_session(session)
-    assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    def open_session(session_id: str) -> replica_pb2.FrameResult:
+        return stream.call("open", open_request(session_id))
+
+    assert refusal(open_session(session))[0] == "ALREADY_EXISTS"
     extra = [f"{session}-{i}" for i in range(3)]  # the verifier holds at most 4 sessions
     for session_id in extra:
-        assert open_session(session_id).committed_length == len(PROMPT)
-    with pytest.raises(grpc.RpcError) as caught:
-        open_session("one-too-many")
-    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert answer(open_session(session_id), "opened").committed_length == len(PROMPT)
+    assert refusal(open_session("one-too-many"))[0] == "RESOURCE_EXHAUSTED"
     for session_id in extra:
-        replicas.verifier_stub.CloseSession(replica_pb2.CloseSessionRequest(session_id=session_id))
+        answer(stream.call("close", close_request(session_id)), "closed")
 
 
 # Garbage a misbehaving client could send: each field out of what it may hold.
-GARBAGE_DRAFTS: dict[str, tuple[dict[str, Any], grpc.StatusCode, str]] = {
+GARBAGE_DRAFTS: dict[str, tuple[dict[str, Any], str, str]] = {
     "empty session id": (
         dict(session_id="", base_length=len(PROMPT), num_tokens=1),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_ARGUMENT",
         "session_id must not be empty",
     ),
     "negative appended token": (
         dict(base_length=len(PROMPT), appended_token_ids=[5, -7], num_tokens=1),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_ARGUMENT",
         "appended_tokens[1] = -7 is outside the vocabulary",
     ),
     "huge base length": (
         dict(base_length=2**64 - 1, num_tokens=1),
-        grpc.StatusCode.FAILED_PRECONDITION,
+        "FAILED_PRECONDITION",
         "based on length 18446744073709551615",
     ),
     "huge num_tokens": (
         dict(base_length=len(PROMPT), num_tokens=2**32 - 1),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_ARGUMENT",
         "num_tokens must be in 1..32, got 4294967295",
     ),
     "zero num_tokens": (
         dict(base_length=len(PROMPT)),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_ARGUMENT",
         "num_tokens must be in 1..32, got 0",
     ),
     "huge truncate_to": (
         dict(base_length=len(PROMPT), num_tokens=1, truncate_to=2**64 - 1),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_ARGUMENT",
         "truncate_to must be in",
     ),
 }
@@ -223,9 +249,8 @@ def test_garbage_draft_request_gets_a_precise_code(
     replicas: Replicas, session: str, case: str
 ) -> None:
     fields, code, details = GARBAGE_DRAFTS[case]
-    request = replica_pb2.DraftRequest(**{"session_id": session, **fields})
-    error = rpc_error(replicas.drafter_stub.Draft, request)
-    assert (error.code(), details in error.details()) == (code, True), error.details()
+    status, message = refusal(draft(replicas, **{"session_id": session, **fields}))
+    assert (status, details in message) == (code, True), message
 
 
 GARBAGE_BLOCKS = {
@@ -258,11 +283,9 @@ GARBAGE_BLOCKS = {
 def test_garbage_block_is_invalid_argument(replicas: Replicas, session: str, case: str) -> None:
     block, details = GARBAGE_BLOCKS[case]
     block.base_length = len(PROMPT)
-    error = rpc_error(
-        replicas.verifier_stub.Verify, replica_pb2.VerifyRequest(session_id=session, block=block)
-    )
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert details in error.details()
+    status, message = refusal(verify(replicas, session, block))
+    assert status == "INVALID_ARGUMENT"
+    assert details in message
 
 
 @pytest.mark.parametrize(
@@ -275,12 +298,12 @@ def test_garbage_block_is_invalid_argument(replicas: Replicas, session: str, cas
 def test_garbage_sampling_is_invalid_argument(
     replicas: Replicas, sampling: sampling_pb2.SamplingParams, details: str
 ) -> None:
-    error = rpc_error(
-        replicas.drafter_stub.OpenSession,
-        replica_pb2.OpenSessionRequest(session_id="s", prompt_token_ids=[1], sampling=sampling),
+    request = replica_pb2.OpenSessionRequest(
+        session_id="s", prompt_token_ids=[1], sampling=sampling
     )
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert details in error.details()
+    status, message = refusal(replicas.drafter_frames.call("open", request))
+    assert status == "INVALID_ARGUMENT"
+    assert details in message
 
 
 def test_unexpected_exception_is_internal_without_traceback(
@@ -292,17 +315,40 @@ def test_unexpected_exception_is_internal_without_traceback(
     def broken_draft(*args: object, **kwargs: object) -> NoReturn:
         raise RuntimeError("secret detail from deep inside")
 
-    monkeypatch.setattr(replicas.drafter, "draft", broken_draft)
-    with caplog.at_level(logging.ERROR, logger="cluster.replica.rpc"):
-        error = rpc_error(
-            replicas.drafter_stub.Draft,
-            replica_pb2.DraftRequest(session_id=session, base_length=len(PROMPT), num_tokens=1),
-        )
-    assert error.code() == grpc.StatusCode.INTERNAL
-    assert error.details() == INTERNAL_ERROR_MESSAGE
+    # `submit_draft`: what a draft entry goes through.
+    monkeypatch.setattr(replicas.drafter, "submit_draft", broken_draft)
+    with caplog.at_level(logging.ERROR, logger="cluster.replica.frames"):
+        result = draft(replicas, session_id=session, base_length=len(PROMPT), num_tokens=1)
+    assert refusal(result) == ("INTERNAL", frames.INTERNAL_ERROR_MESSAGE)
     # The traceback is in the replica's log, and only there.
+    [record] = [r for r in caplog.records if r.name == "cluster.replica.frames"]
+    assert record.getMessage() == "Drafter frame entry failed unexpectedly"
+    assert record.exc_info is not None and "secret detail" in str(record.exc_info[1])
+    # The entry failed alone: the stream and the session carry on.
+    monkeypatch.undo()
+    block = answer(
+        draft(replicas, session_id=session, base_length=len(PROMPT), num_tokens=1), "block"
+    )
+    assert block.base_length == len(PROMPT)
+
+
+def test_an_unexpected_exception_in_stats_is_internal_without_traceback(
+    replicas: Replicas, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Stats stays a unary call under the servicer's `CallGuard`.
+    def broken_stats() -> NoReturn:
+        raise RuntimeError("secret detail from deep inside")
+
+    monkeypatch.setattr(replicas.drafter, "stats", broken_stats)
+    with (
+        caplog.at_level(logging.ERROR, logger="cluster.replica.rpc"),
+        pytest.raises(grpc.RpcError) as caught,
+    ):
+        replicas.drafter_stub.Stats(replica_pb2.StatsRequest())
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert caught.value.details() == INTERNAL_ERROR_MESSAGE
     [record] = [r for r in caplog.records if r.name == "cluster.replica.rpc"]
-    assert record.getMessage() == "Drafter.Draft failed unexpectedly"
+    assert record.getMessage() == "Drafter.Stats failed unexpectedly"
     assert record.exc_info is not None and "secret detail" in str(record.exc_info[1])
 
 

@@ -7,26 +7,29 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from cluster.routing.waits import Steps, answer
+from cluster.routing.waits import Steps, answer, run
+from tests.cluster.routing.fake_ports import Wrapper
 
 
-class OpensOnSteps:
-    """The in-process verifier, its sessions opened as steps that wait until `released` (an
-    open in flight on a replica that answers on frames)."""
+class OpensOnSteps(Wrapper):
+    """An in-process component as a port (`fake_ports.Wrapper`) whose sessions open only once
+    `released` is set (an open in flight on a replica that answers on frames, or a prefill
+    still running): the open's steps wait on a future that a thread of its own settles.
+    With `error`, the open then fails with it instead. `opening`: the opens' futures."""
 
-    def __init__(self, verifier: Any) -> None:
-        self._verifier = verifier
+    def __init__(self, component: Any, error: Exception | None = None) -> None:
+        super().__init__(component)
         self.released = threading.Event()
+        self._error = error
         self._pool = ThreadPoolExecutor(1)
         self.opening: list[Future[int]] = []
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._verifier, name)
-
     def open_session_steps(self, *args: Any, **kwargs: Any) -> Steps[int]:
         def open_once_released() -> int:
-            self.released.wait(10)
-            return self._verifier.open_session(*args, **kwargs)
+            assert self.released.wait(30), "never released"
+            if self._error is not None:
+                raise self._error
+            return run(super(OpensOnSteps, self).open_session_steps(*args, **kwargs))
 
         opening = self._pool.submit(open_once_released)
         self.opening.append(opening)

@@ -7,9 +7,11 @@ the same with the text-only answer left out, so that the random tiny target's co
 choice goes through a call's name and JSON arguments. The prompt is the tiny chat template's
 rendering of a question with the two tools. The reference is `reference_generate`
 (`cluster.tools.baselines.hf_reference`): Hugging Face `generate` over the target with
-llguidance's own matcher masking each step. Block lengths 1..8, serial and pipelined rounds,
-as tests/cluster/routing/test_structured_outputs.py checks the other grammars; and seed-exact
-sampling (temperature 1), whose output is the reference's draw whatever was drafted.
+llguidance's own matcher masking each step. Block lengths 1..8, serial and pipelined rounds, on
+the default router (verifier sessions run) and a lockstep one (every token through a posted
+block), as tests/cluster/routing/test_structured_outputs.py checks the other grammars; and
+seed-exact sampling (temperature 1), whose output is the reference's draw whatever was
+drafted.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ import jsonschema
 import pytest
 
 from cluster.api.tool_format_hermes import HermesFormat
-from cluster.local import LocalTandem, text_decoder
+from cluster.local import LocalTandem
 from cluster.routing.request import GenerationRequest
-from cluster.routing.router import Router
-from cluster.runtime.constraint import Grammar, grammar_tokenizer_of
+from cluster.runtime.constraint import Grammar
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from tests.cluster.api.test_openai_auto_tools import ASK, SCHEMAS, TOOLS
+from tests.cluster.routing.lockstep_routers import Routers, router_pair
 from tests.cluster.routing.test_structured_outputs import (
     MODES,
     Reference,
@@ -38,7 +40,8 @@ from tests.cluster.routing.test_structured_outputs import (
 from tests.cluster.tool_seams import ForcedHermes
 
 RUNS: list[Run] = [(k, *mode) for k in range(1, 9) for mode in MODES]
-"""Every block length 1..8, serial and pipelined."""
+"""Every block length 1..8, in each round mode (serial lockstep, pipelined on the default
+router, pipelined lockstep)."""
 FUNCTIONS = [tool["function"] for tool in TOOLS]
 GRAMMARS = {
     "text or calls": (Grammar("lark", HermesFormat().grammar(FUNCTIONS, True)), 48),
@@ -48,22 +51,17 @@ GRAMMARS = {
 
 
 @pytest.fixture(scope="module")
-def router(local_tandem: LocalTandem) -> Iterator[Router]:
-    target = local_tandem.target
-    built = Router(
-        local_tandem.verifier,
-        local_tandem.drafter,
-        text_decoder(local_tandem.tokenizer),
-        target.eos_token_ids,
-        grammar_tokenizer=grammar_tokenizer_of(target.tokenizer, target.eos_token_ids),
-    )
+def router(local_tandem: LocalTandem) -> Iterator[Routers]:
+    """The default router and a lockstep one over the session's tandem (both with the
+    target's grammar tokenizer)."""
+    built = router_pair(local_tandem.verifier, local_tandem.drafter, local_tandem.target)
     yield built
     built.close()
 
 
 @pytest.mark.parametrize("name", sorted(GRAMMARS))
 def test_greedy_output_under_the_auto_grammar_equals_the_target_alone(
-    name: str, router: Router, local_tandem: LocalTandem, tiny_target: LoadedModel
+    name: str, router: Routers, local_tandem: LocalTandem, tiny_target: LoadedModel
 ) -> None:
     grammar, max_tokens = GRAMMARS[name]
     text = local_tandem.tokenizer.apply_chat_template(
@@ -92,10 +90,10 @@ def test_greedy_output_under_the_auto_grammar_equals_the_target_alone(
 
 
 def test_seed_exact_output_under_the_auto_grammar_equals_the_reference(
-    router: Router, local_tandem: LocalTandem, tiny_target: LoadedModel
+    router: Routers, local_tandem: LocalTandem, tiny_target: LoadedModel
 ) -> None:
     sampling = SamplingParams(temperature=1.0, seed_exact=True)
-    runs: list[Run] = [(1, False, False), (3, True, True), (8, True, False), (5, False, True)]
+    runs: list[Run] = [(1, False, True), (3, True, False), (8, True, True), (5, False, False)]
     text = local_tandem.tokenizer.apply_chat_template(
         ASK, tools=TOOLS, add_generation_prompt=True, tokenize=False
     )

@@ -1,7 +1,9 @@
 """The context limit: a request whose prompt plus max_tokens cannot fit the verifier's context
 is INVALID_ARGUMENT before anything runs, naming the limit; one that exactly fits completes,
 exactly as the target alone would; a drafter with a smaller context stops drafting when full
-instead of failing the request."""
+instead of failing the request. Output is checked on routers whose verifier sessions run (the
+default) and on lockstep ones (`verifier_advances` off), where drafted tokens decide every
+position, so that the drafting the tests count happens."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from cluster.api.request_reader import check_context
 from cluster.api.service import TandemService
 from cluster.api.status import status_of
 from cluster.api.tenants import Tenants
-from cluster.local import LocalTandem
+from cluster.local import InProcess, LocalTandem
 from cluster.routing.request import FinishReason, GenerationRequest
 from cluster.routing.router import Router
 from cluster.runtime.errors import InvalidArgumentError
@@ -28,6 +30,8 @@ from drafter.config import DrafterConfig
 from drafter.drafter import Drafter
 from protos import generate_pb2
 from tests.cluster.conftest import TANDEM, TENANT_KEYS, live_replicas, replica_sessions
+from tests.cluster.routing.fake_ports import Wrapper
+from tests.cluster.routing.lockstep_routers import HeldVerifier
 from tests.conftest import CODE_PROMPT, encode
 from verifier.config import VerifierConfig
 from verifier.verifier import Verifier
@@ -36,24 +40,18 @@ LIMIT = 64
 """A small context for the end-to-end fits, so that each runs in a moment."""
 
 
-class Counting:
-    """A replica that counts the sessions opened on it."""
-
-    def __init__(self, component: Any) -> None:
-        self._component = component
-        self.opened = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._component, name)
-
-    def open_session(self, *args: Any, **kwargs: Any) -> int:
-        self.opened += 1
-        return int(self._component.open_session(*args, **kwargs))
-
-
-def _router(tandem: LocalTandem, verifier: Any, drafter: Any, pipelined: bool) -> Router:
+def _router(
+    tandem: LocalTandem, verifier: Any, drafter: Any, pipelined: bool, advances: bool = True
+) -> Router:
+    """A router over `verifier` and `drafter` (ports, or plain components); lockstep unless
+    `advances`, its verifier then holding a block whose bonus is deferred until the block
+    drafted ahead of it is posted (`HeldVerifier`), so that blocks ahead are verified ahead."""
     decode, eos = tandem.router._decode, tandem.router._eos_token_ids
-    return Router(verifier, drafter, decode, eos, pipelined=pipelined)
+    if isinstance(verifier, Verifier):
+        verifier = InProcess(verifier) if advances else HeldVerifier(verifier)
+    if isinstance(drafter, Drafter):
+        drafter = InProcess(drafter)
+    return Router(verifier, drafter, decode, eos, pipelined=pipelined, verifier_advances=advances)
 
 
 def _service(router: Router, tandem: LocalTandem, max_context_tokens: int) -> TandemService:
@@ -93,7 +91,8 @@ def test_the_message_names_the_limit_and_what_would_fit() -> None:
 def test_a_request_past_the_limit_is_refused_before_any_session_opens(
     local_tandem: LocalTandem,
 ) -> None:
-    verifier, drafter = Counting(local_tandem.verifier), Counting(local_tandem.drafter)
+    # Ports that count the sessions opened on them.
+    verifier, drafter = Wrapper(local_tandem.verifier), Wrapper(local_tandem.drafter)
     limit = local_tandem.verifier.config.max_context_tokens
     assert limit == 4096  # the default the acceptance check names
     service = _service(_router(local_tandem, verifier, drafter, True), local_tandem, limit)
@@ -108,7 +107,7 @@ def test_a_request_past_the_limit_is_refused_before_any_session_opens(
         code, message = status_of(error.value)
         assert code == grpc.StatusCode.INVALID_ARGUMENT
         assert "context limit of 4096 tokens" in message and "at most 3796" in message
-    assert verifier.opened == drafter.opened == 0
+    assert verifier.calls["open"] == drafter.calls["open"] == 0
     usage = GrpcApi(service).usage()
     assert (usage.requests, usage.prompt_tokens, usage.generated_tokens) == (0, 0, 0)
 
@@ -140,6 +139,7 @@ def test_a_request_filling_the_default_context_exactly_completes_like_the_target
     assert local_tandem.verifier.stats().num_sessions == 0
 
 
+@pytest.mark.parametrize("advances", [False, True], ids=["lockstep", "running"])
 @pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
 @pytest.mark.parametrize("draft_tokens", [1, 4, 7])
 def test_a_request_that_exactly_fits_never_meets_the_limit(
@@ -148,10 +148,11 @@ def test_a_request_that_exactly_fits_never_meets_the_limit(
     tiny_draft: LoadedModel,
     pipelined: bool,
     draft_tokens: int,
+    advances: bool,
 ) -> None:
     verifier = Verifier(tiny_target, VerifierConfig(max_context_tokens=LIMIT))
     drafter = Drafter(tiny_draft, DrafterConfig(max_context_tokens=LIMIT))
-    router = _router(local_tandem, verifier, drafter, pipelined)
+    router = _router(local_tandem, verifier, drafter, pipelined, advances)
     prompt = encode(local_tandem, CODE_PROMPT)
     max_tokens = LIMIT - len(prompt)
     try:
@@ -165,12 +166,14 @@ def test_a_request_that_exactly_fits_never_meets_the_limit(
     assert tuple(response.token_ids) == _target_alone(local_tandem, prompt, max_tokens)
     assert len(response.token_ids) == max_tokens  # the tiny target says no EOS this early
     assert response.finish_reason == generate_pb2.FINISH_REASON_LENGTH
-    assert response.speculation.num_drafted > 0
-    if pipelined:
-        assert response.speculation.pipeline_hits > 0
+    if not advances:  # drafted blocks, and blocks drafted ahead, were verified up to the end
+        assert response.speculation.num_drafted > 0
+        if pipelined:
+            assert response.speculation.pipeline_hits > 0
     assert verifier.stats().num_sessions == drafter.stats().num_sessions == 0
 
 
+@pytest.mark.parametrize("advances", [False, True], ids=["lockstep", "running"])
 @pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
 @pytest.mark.parametrize(
     "drafter_limit", [40, 8], ids=["fills-mid-generation", "shorter-than-the-prompt"]
@@ -181,10 +184,11 @@ def test_a_drafter_with_a_smaller_context_stops_drafting_instead_of_failing(
     tiny_draft: LoadedModel,
     pipelined: bool,
     drafter_limit: int,
+    advances: bool,
 ) -> None:
     verifier = Verifier(tiny_target, VerifierConfig(max_context_tokens=LIMIT))
     drafter = Drafter(tiny_draft, DrafterConfig(max_context_tokens=drafter_limit))
-    router = _router(local_tandem, verifier, drafter, pipelined)
+    router = _router(local_tandem, verifier, drafter, pipelined, advances)
     prompt = encode(local_tandem, CODE_PROMPT)
     max_tokens = LIMIT - len(prompt)
     assert len(prompt) < drafter_limit < LIMIT or drafter_limit < len(prompt)
@@ -194,11 +198,12 @@ def test_a_drafter_with_a_smaller_context_stops_drafting_instead_of_failing(
         router.close()
     assert result.tokens == _target_alone(local_tandem, prompt, max_tokens)
     assert result.finish_reason == FinishReason.LENGTH
-    # It drafted while the drafter had room, and never a token past its context.
-    if drafter_limit > len(prompt):
-        assert result.stats.num_drafted > 0
-    else:
+    # It drafted while the drafter had room (counted where every drafted block is verified),
+    # and never a token past its context.
+    if drafter_limit <= len(prompt):
         assert result.stats.num_drafted == 0
+    elif not advances:
+        assert result.stats.num_drafted > 0
     assert verifier.stats().num_sessions == drafter.stats().num_sessions == 0
 
 

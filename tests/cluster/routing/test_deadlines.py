@@ -1,6 +1,8 @@
 """Request deadlines: the router stops a request past its deadline and frees both sessions;
 over gRPC, bounded clients stop calls when the time runs out, never call with none left, and
-tell replicas the time left, so a replica drops the session on its own."""
+tell replicas the time left, so a replica drops the session on its own. The clients' calls are
+steps (`cluster.routing.waits`), run here to their end with `run`; a verifier's block is
+posted, its verdict (or the error) pushed to the request's events."""
 
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ from typing import Any
 
 import pytest
 
-from cluster.local import LocalTandem
+from cluster.local import LocalTandem, local_router
 from cluster.routing.directory import RegistryPool
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
+from cluster.routing.session_events import SessionEvents
+from cluster.routing.waits import run
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import DeadlineExceededError, ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel
@@ -65,11 +69,10 @@ def test_a_deadline_passing_mid_generation_stops_the_request_and_frees_both_sess
     local_tandem: LocalTandem, pipelined: bool
 ) -> None:
     clock = Clock()
-    router = Router(
+    router = local_router(
         local_tandem.verifier,
         local_tandem.drafter,
-        local_tandem.router._decode,
-        local_tandem.router._eos_token_ids,
+        local_tandem.target,
         pipelined=pipelined,
         clock=clock,
     )
@@ -79,7 +82,7 @@ def test_a_deadline_passing_mid_generation_stops_the_request_and_frees_both_sess
     try:
         stream = router.stream(request)
         first = next(stream)
-        second = next(stream)  # a round with the drafter too
+        second = next(stream)  # the drafter's session opened meanwhile
         assert first.tokens and second.tokens
         assert local_tandem.verifier.stats().num_sessions == 1
         clock.now = 10.0
@@ -132,7 +135,7 @@ def served(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> Iterator[Served
 
 def _spy_open(monkeypatch: pytest.MonkeyPatch, component: Any) -> list[float | None]:
     """Record the `time_limit_s` of every session the component opens (`submit_open`, which
-    both a Frames entry and the unary call go through)."""
+    a Frames entry's open goes through)."""
     limits: list[float | None] = []
     submit_open = component.submit_open
 
@@ -159,9 +162,9 @@ def test_a_bounded_client_sends_the_time_left_and_the_replica_drops_the_session_
 ) -> None:
     component, client = served.side(side)
     limits = _spy_open(monkeypatch, component)
-    client.open_session("plain", PROMPT, GREEDY, 0)
+    run(client.open_session_steps("plain", PROMPT, GREEDY, 0))
     assert client.bounded(None) is client
-    client.bounded(time.monotonic() + 2.0).open_session("bounded", PROMPT, GREEDY, 0)
+    run(client.bounded(time.monotonic() + 2.0).open_session_steps("bounded", PROMPT, GREEDY, 0))
     plain_limit, bounded_limit = limits
     assert plain_limit is None
     assert bounded_limit is not None and 0 < bounded_limit <= 2.0
@@ -169,7 +172,8 @@ def test_a_bounded_client_sends_the_time_left_and_the_replica_drops_the_session_
     # The router never closes it: the replica's own sweep drops it once its time is up.
     assert _wait_for(lambda: component.evict_idle() == 1)
     assert component.stats().num_sessions == 1
-    assert client.close_session("plain") and not client.close_session("bounded")
+    assert run(client.close_session_steps("plain"))
+    assert not run(client.close_session_steps("bounded"))
 
 
 def test_a_bounded_client_with_no_time_left_never_calls_the_replica(
@@ -190,37 +194,44 @@ def test_a_bounded_client_with_no_time_left_never_calls_the_replica(
                 monkeypatch.setattr(component, method, lambda *a, m=method, **k: calls.append(m))
     late = served.verifier_client.bounded(time.monotonic() - 0.001)
     with pytest.raises(DeadlineExceededError, match="deadline passed before its call"):
-        late.open_session("s", PROMPT, GREEDY, 0)
+        run(late.open_session_steps("s", PROMPT, GREEDY, 0))
     with pytest.raises(DeadlineExceededError):
-        late.verify("s", DraftBlock(base_length=4, tokens=()))
-    with pytest.raises(DeadlineExceededError):
-        served.drafter_client.bounded(time.monotonic() - 0.001).draft("s", 4, [], 1)
+        run(served.drafter_client.bounded(time.monotonic() - 0.001).draft_steps("s", 4, [], 1))
+    # A post is fire and forget: the error is its answer, in the request's events.
+    events = SessionEvents()
+    late.post("s", DraftBlock(base_length=4, tokens=()), False, events, 1)
+    assert events.ready().result(timeout=WAIT_S) is None
+    [posted] = events.take()
     assert calls == []
+    assert posted.post_id == 1 and isinstance(posted.item, DeadlineExceededError)
 
 
 def test_closing_a_session_ignores_the_deadline(served: Served) -> None:
     client = served.verifier_client
-    client.open_session("late", PROMPT, GREEDY, 0)
-    assert client.bounded(time.monotonic() - 1.0).close_session("late")  # freed all the same
+    run(client.open_session_steps("late", PROMPT, GREEDY, 0))
+    late = client.bounded(time.monotonic() - 1.0)
+    assert run(late.close_session_steps("late"))  # freed all the same
     _assert_nothing_held(served.verifier)
 
 
 def test_a_call_outlasting_the_deadline_raises_deadline_exceeded_not_unavailable(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def slow_verify(*args: Any, **kwargs: Any) -> Future[None]:
-        slow: Future[None] = Future()
-        threading.Timer(0.5, slow.set_result, (None,)).start()
+    # An open, the verifier's call whose answer the router waits for (a block's verdict comes
+    # as an event, whatever the deadline: the router checks that itself).
+    def slow_open(*args: Any, **kwargs: Any) -> Future[int]:
+        slow: Future[int] = Future()
+        threading.Timer(0.5, slow.set_result, (len(PROMPT),)).start()
         return slow
 
-    monkeypatch.setattr(served.verifier, "submit_verify", slow_verify)
+    monkeypatch.setattr(served.verifier, "submit_open", slow_open)
     client = served.verifier_client
-    block = DraftBlock(base_length=4, tokens=())
     with pytest.raises(DeadlineExceededError, match="deadline passed while waiting"):
-        client.bounded(time.monotonic() + 0.1).verify("s", block)
+        run(client.bounded(time.monotonic() + 0.1).open_session_steps("s", PROMPT, GREEDY, 0))
     # The client's own timeout running out still means a replica too slow: fail over.
+    bounded = client.bounded(time.monotonic() + WAIT_S)
     with pytest.raises(ReplicaUnavailableError, match="DEADLINE_EXCEEDED"):
-        client.bounded(time.monotonic() + WAIT_S).verify("s", block, timeout_s=0.1)
+        run(bounded.open_session_steps("s", PROMPT, GREEDY, 0, timeout_s=0.1))
 
 
 def test_a_replica_refusing_an_expired_session_raises_deadline_exceeded(
@@ -231,7 +242,8 @@ def test_a_replica_refusing_an_expired_session_raises_deadline_exceeded(
 
     monkeypatch.setattr(served.drafter, "submit_draft", expired)
     with pytest.raises(DeadlineExceededError, match=r"^session 's' passed its deadline$"):
-        served.drafter_client.draft("s", 4, [], 1)  # the client has no deadline of its own
+        # The client has no deadline of its own.
+        run(served.drafter_client.draft_steps("s", 4, [], 1))
 
 
 def test_the_registry_pool_pins_clients_bound_to_the_request_deadline() -> None:
@@ -249,7 +261,7 @@ def test_the_registry_pool_pins_clients_bound_to_the_request_deadline() -> None:
         # Raised by the clients before any call (nothing listens at these addresses).
         for port in (pinned.verifier, pinned.drafter, spare.port):
             with pytest.raises(DeadlineExceededError):
-                port.open_session("s", PROMPT, GREEDY, 0)
+                run(port.open_session_steps("s", PROMPT, GREEDY, 0))
     finally:
         pool.close()
 

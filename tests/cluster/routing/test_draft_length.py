@@ -7,11 +7,13 @@ import dataclasses
 import itertools
 import random
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
-from cluster.local import LocalTandem, text_decoder
+from cluster.local import InProcess, LocalTandem, text_decoder
+from cluster.routing.draft_calls import DraftCalls
 from cluster.routing.draft_length import (
     DraftLength,
     Plan,
@@ -24,8 +26,11 @@ from cluster.routing.draft_length import (
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
+from cluster.routing.session_events import SessionEvents
+from cluster.routing.waits import Steps, answer, done_steps
 from cluster.runtime.draft_block import DraftBlock, StepLoad, Verdict
 from cluster.runtime.errors import InvalidArgumentError
+from tests.cluster.routing.lockstep_routers import held_lockstep_router
 from tests.conftest import CODE_PROMPT
 
 ON = DraftLengthConfig(enabled=True)
@@ -159,22 +164,27 @@ def test_plan_follows_the_request_until_measured() -> None:
     assert lengths.next_plan().pipelined is False
 
 
-class SlowDrafter:
-    """The real drafter, made slower than a verify pass per drafted token."""
+class SlowDrafter(InProcess):
+    """The real drafter as a port, made slower than a verify pass per drafted token (the
+    delay runs on a thread of its own, as a remote drafter's would: the router's loop goes on
+    reading its verifier meanwhile)."""
 
     def __init__(self, tandem: LocalTandem, delay_s: float) -> None:
-        self.drafter = tandem.drafter
+        super().__init__(tandem.drafter)
         self.delay_s = delay_s
+        self._pool = ThreadPoolExecutor(2)
 
-    def open_session(self, *args: Any, **kwargs: Any) -> int:
-        return self.drafter.open_session(*args, **kwargs)
+    def draft_steps(self, *args: Any) -> Steps[DraftBlock]:
+        num_tokens = args[3]
 
-    def draft(self, session_id: str, base: int, appended: Any, num_tokens: int, *rest: Any) -> Any:
-        time.sleep(self.delay_s * num_tokens)
-        return self.drafter.draft(session_id, base, appended, num_tokens, *rest)
+        def slow_draft() -> DraftBlock:
+            time.sleep(self.delay_s * num_tokens)
+            return self.component.draft(*args)
 
-    def close_session(self, session_id: str) -> bool:
-        return self.drafter.close_session(session_id)
+        return (yield from answer(self._pool.submit(slow_draft)))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
@@ -187,15 +197,20 @@ def test_router_stops_drafting_when_drafts_cost_more_than_they_save(
     decode = text_decoder(local_tandem.tokenizer)
     eos = local_tandem.target.eos_token_ids
     # A tiny-model verify pass takes a few ms; 50 ms per drafted token can never pay.
+    # Lockstep routers (`verifier_advances` off): every token waits for its round's block, so
+    # a fixed-length router drafts every round, and the counts below compare rounds. (With
+    # running sessions the verifier takes the tokens alone while a slow draft is in flight.)
     slow = SlowDrafter(local_tandem, delay_s=0.05)
-    adaptive = Router(local_tandem.verifier, slow, decode, eos, draft_length=ON)
-    fixed = Router(local_tandem.verifier, slow, decode, eos)
+    verifier = InProcess(local_tandem.verifier)
+    adaptive = Router(verifier, slow, decode, eos, draft_length=ON, verifier_advances=False)
+    fixed = Router(verifier, slow, decode, eos, verifier_advances=False)
     try:
         result = adaptive.generate(request, pipelined=pipelined)
         baseline = fixed.generate(request, pipelined=pipelined)
     finally:
         adaptive.close()
         fixed.close()
+        slow.close()
     assert result.tokens == expected == baseline.tokens
     # Most passes ran the target alone; only the first block and the odd probe drafted.
     assert result.stats.num_drafted < baseline.stats.num_drafted / 3
@@ -206,19 +221,43 @@ def test_router_follows_the_plan_round_by_round(
     local_tandem: LocalTandem, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rounds alternate between pipelined and serial plans: only the pipelined ones draft
-    ahead, and the output stays the target's."""
+    ahead, and the output stays the target's.
+
+    On a lockstep router whose verifier holds a pipelined block until the block drafted ahead
+    of it is posted (`lockstep_routers`), so that blocks ahead are verified ahead (hits and
+    misses). A plan is drawn for each block drafted now; a block drafted ahead goes on the
+    plan of the block it follows (and a hit's successor on it too), so the check is that
+    every block drafted ahead was drafted while the plan last drawn pipelines."""
     prompt = tuple(local_tandem.tokenizer.encode(CODE_PROMPT, add_special_tokens=False))
     expected = local_tandem.router.generate(GenerationRequest(prompt, 40, draft_tokens=0)).tokens
     plans = [Plan(3, True), Plan(3, False), Plan(2, False)]
     calls = iter(range(10_000))
-    monkeypatch.setattr(DraftLength, "next_plan", lambda self: plans[next(calls) % 3])
-    result = local_tandem.router.generate(GenerationRequest(prompt, 40, draft_tokens=3))
+    drawn: list[Plan] = []
+
+    def next_plan(self: DraftLength) -> Plan:
+        drawn.append(plans[next(calls) % 3])
+        return drawn[-1]
+
+    ahead_under: list[Plan] = []
+    draft_ahead = DraftCalls.ahead
+
+    def ahead(self: DraftCalls, gen: Any, block: DraftBlock, num_tokens: int) -> Any:
+        ahead_under.append(drawn[-1])
+        return draft_ahead(self, gen, block, num_tokens)
+
+    monkeypatch.setattr(DraftLength, "next_plan", next_plan)
+    monkeypatch.setattr(DraftCalls, "ahead", ahead)
+    router = held_lockstep_router(local_tandem.verifier, local_tandem.drafter, local_tandem.target)
+    request = GenerationRequest(prompt, 40, draft_tokens=3)
+    result = router.generate(request)
     assert result.tokens == expected
     stats = result.stats
-    ahead = stats.pipeline_hits + stats.pipeline_misses
-    assert 0 < ahead < stats.num_verify_passes
-    # A plan is drawn once per round; one round in three drafted ahead.
-    assert ahead <= stats.num_verify_passes // 3 + 1
+    ahead_blocks = stats.pipeline_hits + stats.pipeline_misses
+    assert 0 < ahead_blocks < stats.num_verify_passes
+    assert ahead_under and all(plan.pipelined for plan in ahead_under), ahead_under
+    assert any(not plan.pipelined for plan in drawn)  # serial rounds were drawn, and ran
+    # The default router (running sessions) follows the same plans: still the target's output.
+    assert local_tandem.router.generate(request).tokens == expected
 
 
 # Load (a batching replica): the verify pass priced with the batch it runs in.
@@ -380,52 +419,68 @@ def test_unusable_loads_are_ignored() -> None:
 
 
 class OracleDrafter:
-    """Drafts the target's own continuation, so every drafted token is accepted."""
+    """Drafts the target's own continuation, so every drafted token is accepted (a port whose
+    calls wait for nothing)."""
 
     def __init__(self, sequence: tuple[int, ...]) -> None:
         self.sequence = sequence
         """The prompt, then the target's output."""
         self.lengths: dict[str, int] = {}
 
-    def open_session(self, session_id: str, prompt_tokens: Any, *rest: Any, **kw: Any) -> int:
+    def open_session_steps(
+        self, session_id: str, prompt_tokens: Any, *rest: Any, **kw: Any
+    ) -> Steps[int]:
         self.lengths[session_id] = len(prompt_tokens)
-        return len(prompt_tokens)
+        return (yield from done_steps(len(prompt_tokens)))
 
-    def draft(
+    def draft_steps(
         self,
         session_id: str,
         base_length: int,
         appended: Any,
         num_tokens: int,
         truncate_to: int | None = None,
-    ) -> DraftBlock:
+    ) -> Steps[DraftBlock]:
         assert self.lengths[session_id] == base_length
         length = (base_length if truncate_to is None else truncate_to) + len(appended)
         self.lengths[session_id] = length
-        return DraftBlock(length, tuple(self.sequence[length : length + num_tokens]))
+        block = DraftBlock(length, tuple(self.sequence[length : length + num_tokens]))
+        return (yield from done_steps(block))
 
-    def close_session(self, session_id: str) -> bool:
-        return self.lengths.pop(session_id, None) is not None
+    def close_session_steps(self, session_id: str) -> Steps[bool]:
+        return (yield from done_steps(self.lengths.pop(session_id, None) is not None))
 
 
-class LoadedVerifier:
-    """The real verifier, reporting that each pass ran in a batch of `batch` sessions that
-    each verified a block like it, on a curve of 1 ms a step and 1 ms a token."""
+class LoadedVerifier(InProcess):
+    """The real verifier as a port, reporting that each block's pass ran in a batch of `batch`
+    sessions that each verified a block like it, on a curve of 1 ms a step and 1 ms a
+    token."""
 
     def __init__(self, tandem: LocalTandem, batch: int) -> None:
-        self.verifier = tandem.verifier
+        super().__init__(tandem.verifier)
         self.batch = batch
 
-    def open_session(self, *args: Any, **kwargs: Any) -> int:
-        return self.verifier.open_session(*args, **kwargs)
-
-    def verify(self, session_id: str, block: DraftBlock, defer_bonus: bool = False) -> Verdict:
-        verdict = self.verifier.verify(session_id, block, defer_bonus)
+    def post(
+        self,
+        session_id: str,
+        block: DraftBlock,
+        defer_bonus: bool,
+        events: SessionEvents,
+        post_id: int,
+    ) -> None:
+        verifying = self.component.submit_verify(session_id, block, defer_bonus)
+        loaded: Future[Verdict] = Future()
         load = StepLoad(self.batch, self.batch * (len(block.tokens) + 1), 0.001, 0.001)
-        return dataclasses.replace(verdict, load=load)
 
-    def close_session(self, session_id: str) -> bool:
-        return self.verifier.close_session(session_id)
+        def verified(done: Future[Verdict]) -> None:
+            error = done.exception()
+            if error is not None:
+                loaded.set_exception(error)
+            else:
+                loaded.set_result(dataclasses.replace(done.result(), load=load))
+
+        verifying.add_done_callback(verified)
+        events.answer(post_id, loaded)
 
 
 def test_router_prices_blocks_with_the_verifiers_batch(local_tandem: LocalTandem) -> None:
@@ -441,7 +496,9 @@ def test_router_prices_blocks_with_the_verifiers_batch(local_tandem: LocalTandem
     for batch in (1, 4096):
         verifier = LoadedVerifier(local_tandem, batch)
         drafter = OracleDrafter(prompt + expected)
-        router = Router(verifier, drafter, decode, eos, draft_length=ON)
+        # Lockstep: every token is verified in a posted block, whose verdict reports the load
+        # (a running session's steps alone report the engine's own, not this batch).
+        router = Router(verifier, drafter, decode, eos, draft_length=ON, verifier_advances=False)
         try:
             results[batch] = router.generate(request, pipelined=False)
         finally:

@@ -1,5 +1,9 @@
 """A replica that dies mid-generation loses nothing: the router fails over to a spare (or, for
-a drafter with no spare, to the target alone) and greedy output stays exactly the target's."""
+a drafter with no spare, to the target alone) and greedy output stays exactly the target's.
+
+A verifier fails a request through its session's reports (`tests/cluster/routing/fake_ports`):
+the error comes in place of a verdict, whether of a block the router posted or of a step the
+running session took alone, and the router moves the request on from there."""
 
 from __future__ import annotations
 
@@ -8,11 +12,12 @@ from typing import Any
 
 import pytest
 
-from cluster.local import LocalTandem
+from cluster.local import InProcess, LocalTandem
 from cluster.routing.ports import Pinned, Spare
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
-from cluster.routing.waits import Wait
+from cluster.routing.waits import Steps, Wait
+from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import (
     DeadlineExceededError,
     ReplicaUnavailableError,
@@ -23,6 +28,7 @@ from cluster.runtime.errors import (
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from drafter.drafter import Drafter
+from tests.cluster.routing.fake_ports import Dying, Refusing, Wrapper
 from tests.cluster.routing.stepping import OpensOnSteps
 from tests.conftest import encode
 from verifier.config import VerifierConfig
@@ -31,54 +37,19 @@ from verifier.verifier import Verifier
 MAX_TOKENS = 24
 
 
-class Dying:
-    """A replica that answers `calls` calls, then is gone (its process killed): every later
-    call raises ReplicaUnavailableError, as the gRPC client does for an unreachable replica."""
-
-    def __init__(self, component: Any, calls: int) -> None:
-        self._component = component
-        self._calls_left = calls
-        self.refused = 0
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._component, name)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if self._calls_left <= 0:
-                self.refused += 1
-                raise ReplicaUnavailableError(f"{name}: UNAVAILABLE: the replica is gone")
-            self._calls_left -= 1
-            return method(*args, **kwargs)
-
-        return call
-
-
-class Refusing:
-    """A verifier that answers `calls` verify calls, then refuses each later one with `error`;
-    its other calls go through."""
-
-    def __init__(self, verifier: Verifier, calls: int, error: TandemError) -> None:
-        self._verifier = verifier
-        self._calls_left = calls
-        self._error = error
-        self.refused = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._verifier, name)
-
-    def verify(self, *args: Any, **kwargs: Any) -> Any:
-        if self._calls_left <= 0:
-            self.refused += 1
-            raise self._error
-        self._calls_left -= 1
-        return self._verifier.verify(*args, **kwargs)
+def _port(replica: Any) -> Any:
+    """`replica` as a port: a plain component wrapped in `InProcess`; a port as it is."""
+    return InProcess(replica) if isinstance(replica, (Verifier, Drafter)) else replica
 
 
 class Pool:
-    """A first replica of each side, and spares in order."""
+    """A first replica of each side, and spares in order (ports, or plain components)."""
 
     def __init__(self, verifiers: list[Any], drafters: list[Any]) -> None:
-        self._replicas = {"verifier": verifiers, "drafter": drafters}
+        self._replicas = {
+            "verifier": [_port(v) for v in verifiers],
+            "drafter": [_port(d) for d in drafters],
+        }
         self.spares_given: list[str] = []
 
     def pin(
@@ -233,7 +204,7 @@ def test_a_verifier_whose_kv_pool_is_full_hands_the_request_to_a_spare_exactly(
 ) -> None:
     spare_verifier, _ = spares
     full = ResourceExhaustedError("the KV pool cannot hold this work", retry_after_s=0.5)
-    first = Refusing(Verifier(tiny_target), calls=2, error=full)
+    first = Refusing(Verifier(tiny_target), answers=2, error=full)
     pool = Pool([first, spare_verifier], [local_tandem.drafter])
     router = _router(local_tandem, pool, pipelined=True)
     prompt, expected = _expected(target_only)
@@ -277,7 +248,7 @@ def test_a_spare_whose_plan_is_full_still_takes_a_request_that_fails_over_midway
 ) -> None:
     # The spare's plan is full: it would refuse a new request, but this one already runs.
     spare = _fully_planned(local_tandem, tiny_target)
-    first = Refusing(Verifier(tiny_target), calls=2, error=ReplicaUnavailableError("gone"))
+    first = Refusing(Verifier(tiny_target), answers=2, error=ReplicaUnavailableError("gone"))
     pool = Pool([first, spare], [local_tandem.drafter])
     router = _router(local_tandem, pool, pipelined=True)
     prompt, expected = _expected(target_only)
@@ -300,7 +271,7 @@ def test_a_verifier_that_was_full_takes_the_request_back_when_its_spare_is_lost(
     # verifier-0 has no room at open: the request goes to verifier-1, which is then lost.
     # With verifier-0 the only one left, the request goes back there, admitted as resumed.
     full = _fully_planned(local_tandem, tiny_target)
-    lost = Refusing(Verifier(tiny_target), calls=2, error=ReplicaUnavailableError("gone"))
+    lost = Refusing(Verifier(tiny_target), answers=2, error=ReplicaUnavailableError("gone"))
     pool = Pool([full, lost], [local_tandem.drafter])
     router = _router(local_tandem, pool, pipelined=True)
     prompt, expected = _expected(target_only)
@@ -325,7 +296,7 @@ def test_a_deadline_or_a_full_replica_with_no_spare_ends_the_request(
     error: TandemError,
 ) -> None:
     spare_verifier, _ = spares
-    first = Refusing(Verifier(tiny_target), calls=2, error=error)
+    first = Refusing(Verifier(tiny_target), answers=2, error=error)
     # A deadline never fails over; a full verifier does, but here has no spare to go to.
     full = isinstance(error, ResourceExhaustedError)
     pool = Pool([first] if full else [first, spare_verifier], [local_tandem.drafter])
@@ -346,7 +317,7 @@ def test_a_session_lost_past_the_deadline_is_not_failed_over(
 ) -> None:
     # The replica dropped the session because its time was up: the call finds it gone, and
     # the deadline has passed by the time the router hears of it.
-    first = Refusing(Verifier(tiny_target), calls=2, error=SessionNotFoundError("no session"))
+    first = Refusing(Verifier(tiny_target), answers=2, error=SessionNotFoundError("no session"))
     pool = Pool([first, spares[0]], [local_tandem.drafter])
     decode, eos = local_tandem.router._decode, local_tandem.router._eos_token_ids
     router = Router.over_pool(pool, decode, eos, clock=lambda: 100.0 if first.refused else 0.0)
@@ -361,27 +332,22 @@ def test_a_session_lost_past_the_deadline_is_not_failed_over(
     assert first.stats().num_sessions == local_tandem.drafter.stats().num_sessions == 0
 
 
-class CutOff:
-    """A replica whose `calls`-th call on the request's path is cut off (a per-call timeout, a
-    dropped connection) while the replica itself lives on and still holds the session."""
+CUT_OFF = ReplicaUnavailableError("DEADLINE_EXCEEDED: the call timed out")
 
-    def __init__(self, component: Any, method: str, calls: int) -> None:
-        self.component = component
-        self._method = method
-        self._calls_left = calls
 
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.component, name)
-        if name != self._method:
-            return method
+class DraftCutOff(Wrapper):
+    """A drafter whose `calls`-th draft call is cut off (a per-call timeout, a dropped
+    connection) while the replica itself lives on and still holds the session."""
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self._calls_left -= 1
-            if self._calls_left == 0:
-                raise ReplicaUnavailableError(f"{name}: DEADLINE_EXCEEDED: the call timed out")
-            return method(*args, **kwargs)
+    def __init__(self, drafter: Drafter, calls: int) -> None:
+        super().__init__(drafter)
+        self._cut_at = calls
 
-        return call
+    def draft_steps(self, *args: Any) -> Steps[DraftBlock]:
+        if self.calls["draft"] + 1 == self._cut_at:
+            self.calls["draft"] += 1
+            raise CUT_OFF
+        return (yield from super().draft_steps(*args))
 
 
 @pytest.mark.parametrize("side", ["verifier", "drafter"])
@@ -394,11 +360,13 @@ def test_a_replica_failed_over_from_has_its_session_closed(
     side: str,
 ) -> None:
     spare_verifier, spare_drafter = spares
+    first: Wrapper
     if side == "verifier":
-        first = CutOff(Verifier(tiny_target), "verify", calls=3)
+        # Its session's third report is cut off: the replica still holds the session.
+        first = Refusing(Verifier(tiny_target), answers=2, error=CUT_OFF)
         pool = Pool([first, spare_verifier], [local_tandem.drafter])
     else:
-        first = CutOff(Drafter(tiny_draft), "draft", calls=3)
+        first = DraftCutOff(Drafter(tiny_draft), calls=3)
         pool = Pool([local_tandem.verifier], [first, spare_drafter])
     router = _router(local_tandem, pool, pipelined=False)
     prompt, expected = _expected(target_only)
@@ -406,7 +374,7 @@ def test_a_replica_failed_over_from_has_its_session_closed(
         request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=3)
         assert router.generate(request).tokens == expected
     finally:
-        router.close()  # waits for the background closes
+        router.close()
     # The cut-off replica still lives: the router closed the session it left there, rather
     # than leaving its KV blocks held until the idle TTL.
     assert first.component.stats().num_sessions == 0
@@ -418,7 +386,7 @@ def test_a_consumer_that_leaves_while_a_spare_verifier_opens_leaves_no_session(
 ) -> None:
     """The first verifier is lost after the first round; the request's steps are left while
     its spare opens the session over the history: that open ends, then it is closed."""
-    lost = Dying(Verifier(tiny_target), calls=2)  # the open and one verify pass
+    lost = Dying(Verifier(tiny_target), calls=2)  # the open and one report of its session
     spare = OpensOnSteps(Verifier(tiny_target))
     router = _router(local_tandem, Pool([lost, spare], [local_tandem.drafter]), pipelined=False)
     try:

@@ -4,17 +4,24 @@ For a fixed prompt we compute the target's exact joint distribution of the first
 tokens, P(t1, t2) = p(t1 | prompt) * p(t2 | prompt, t1), with the request's temperature and
 top-p applied (the distributions actually sampled from). Then we run the in-process router,
 drafter and verifier once per seed and compare the observed (t1, t2) pairs with P by Pearson's
-chi-square test.
+chi-square test. The router is a lockstep one (`verifier_advances` off): every token, the
+first included, is decided by a posted block, drafted or (where the plan drafts none) empty;
+where a verifier session runs, in-process the tiny verifier mostly takes the tokens alone
+before the tiny drafter's blocks arrive, and drafted tokens would rarely decide t1 or t2. Its
+verifier holds a pipelined block until the block drafted ahead of it is posted
+(`tests.cluster.routing.lockstep_routers`), so that pipelined cases verify blocks ahead, as a
+verifier slower than its drafter does.
 
-Bound and false-failure odds: the seeds are fixed, so each test is deterministic; the question
-is how likely it is that a correct sampler fails for this one set of seeds. Under a correct
-sampler the chi-square p-value is (asymptotically) uniform on [0, 1], so it falls below
-ALPHA = 1e-4 with probability 1e-4. Cells whose expected count is below 5 are pooled into one
-cell, which keeps the chi-square approximation sound. Power: the negative control below runs the
-same statistic on pairs drawn from the draft model alone (what a pipeline that emitted drafts
-unchecked would produce) and needs the p-value far below ALPHA, so the test can fail; and
-`test_negative_controls.py` drives verifiers with a deliberately broken acceptance rule through
-the same router and helpers, and each must fail it.
+Bound and false-failure odds: the seeds are fixed; which path a pipelined block takes (verified
+ahead, or rebased after its predecessor's verdict) may depend on timing, and every path is
+exact, so the question is how likely it is that a correct sampler fails for one set of seeds.
+Under a correct sampler the chi-square p-value is (asymptotically) uniform on [0, 1], so it
+falls below ALPHA = 1e-4 with probability 1e-4. Cells whose expected count is below 5 are
+pooled into one cell, which keeps the chi-square approximation sound. Power: the negative
+control below runs the same statistic on pairs drawn from the draft model alone (what a
+pipeline that emitted drafts unchecked would produce) and needs the p-value far below ALPHA,
+so the test can fail; and `test_negative_controls.py` drives verifiers with a deliberately
+broken acceptance rule through the same (lockstep) router and helpers, and each must fail it.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams, logits_to_probs
+from tests.cluster.routing.lockstep_routers import held_lockstep_router
 
 ALPHA = 1e-4
 NUM_SEEDS = 2000
@@ -146,13 +154,15 @@ def test_first_two_tokens_follow_the_target(
     draft_tokens: int,
     max_tokens: int,
     pipelined: bool,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The first token must come through the draft path too, not from the target alone.
-    monkeypatch.setattr(local_tandem.router, "first_token_alone", False)
-    counts, tally = sample_first_two(
-        local_tandem.router, tiny_target.vocab_size, sampling, draft_tokens, max_tokens, pipelined
-    )
+    router = held_lockstep_router(local_tandem.verifier, local_tandem.drafter, local_tandem.target)
+    try:
+        counts, tally = sample_first_two(
+            router, tiny_target.vocab_size, sampling, draft_tokens, max_tokens, pipelined
+        )
+    finally:
+        router.close()
     assert 0 < tally.accepted < tally.drafted  # both acceptance and rejection paths were taken
     assert (tally.pipeline_hits > 0) == pipelined
     assert chi_square_p_value(counts, joint_first_two(tiny_target, sampling)) > ALPHA
@@ -174,14 +184,18 @@ def test_a_trimmed_draft_vocabulary_keeps_sampling_exact(
     draft_tokens: int,
     max_tokens: int,
     pipelined: bool,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The draft scores only its kept ids (q is zero elsewhere); tokens outside them still come
     from the target, as residual draws or bonus tokens, and the pairs follow the target."""
-    monkeypatch.setattr(trimmed_tandem.router, "first_token_alone", False)
-    counts, tally = sample_first_two(
-        trimmed_tandem.router, tiny_target.vocab_size, sampling, draft_tokens, max_tokens, pipelined
+    router = held_lockstep_router(
+        trimmed_tandem.verifier, trimmed_tandem.drafter, trimmed_tandem.target
     )
+    try:
+        counts, tally = sample_first_two(
+            router, tiny_target.vocab_size, sampling, draft_tokens, max_tokens, pipelined
+        )
+    finally:
+        router.close()
     assert 0 < tally.accepted < tally.drafted
     kept = trimmed_tandem.draft.model.get_output_embeddings().kept
     outside = torch.ones(tiny_target.vocab_size, dtype=torch.bool)

@@ -1,10 +1,11 @@
 """Negative controls: the lossless-sampling test passes the real verifier and fails broken ones.
 
 A statistical test that passes is evidence only if it fails when the thing it checks is wrong.
-Here the pipeline of `test_lossless_sampling` (router, drafter, verifier, in process; 2,000
-seeded requests; its chi-square test at ALPHA = 1e-4) runs three times at the settings of its
-`temperature-k1-bonus` case (temperature 1, one draft token per block, two tokens), once with
-the real verifier and once with each bug of `tests.cluster.broken_verifiers`:
+Here the pipeline of `test_lossless_sampling` (a lockstep router, drafter, verifier, in
+process; 2,000 seeded requests; its chi-square test at ALPHA = 1e-4) runs three times at the
+settings of its `temperature-k1-bonus` case (temperature 1, one draft token per block, two
+tokens), once with the real verifier and once with each bug of
+`tests.cluster.broken_verifiers`:
 
 - residual not renormalised: a rejected draft token is replaced by a token drawn from the
   unnormalised residual max(0, p - q), or else kept. t1 then follows r p1 + (1 - r) q1 with
@@ -36,8 +37,8 @@ import torch
 from scipy import stats
 from torch import Tensor
 
-import verifier.verifier
-from cluster.local import LocalTandem, text_decoder
+import verifier.step_outcomes
+from cluster.local import LocalTandem, local_router
 from cluster.routing.router import Router
 from cluster.runtime.sampling import SamplingParams
 from drafter.drafter import draft_sampling
@@ -94,20 +95,23 @@ def miss_probability(broken: Tensor, target: Tensor, num_samples: int) -> float:
 def serial_router(
     kind: str, tandem: LocalTandem, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Router]:
-    """A router over the shared drafter and a fresh verifier of `kind` on the tiny target."""
+    """A lockstep router (`verifier_advances` off: every token, the first included, decided by
+    a posted block) over the shared drafter and a fresh verifier of `kind` on the tiny
+    target, in serial rounds."""
     candidate: Verifier
     if kind == "bonus-from-q":
         candidate = BonusFromDraftVerifier(tandem.target, tandem.draft, tandem.drafter.config.top_k)
     else:
         if kind == "residual-not-renormalised":
-            # The verifier accepts a step's blocks by this module-level name: the only change.
+            # The verifier accepts a step's blocks by this module-level name (its step's
+            # outcomes, `verifier.step_outcomes`): the only change.
             monkeypatch.setattr(
-                verifier.verifier, "batch_rejection_sample", residual_not_renormalised
+                verifier.step_outcomes, "batch_rejection_sample", residual_not_renormalised
             )
         candidate = Verifier(tandem.target)
-    decode = text_decoder(tandem.tokenizer)
-    router = Router(candidate, tandem.drafter, decode, tandem.target.eos_token_ids, pipelined=False)
-    router.first_token_alone = False  # the first token goes through the draft path too
+    router = local_router(
+        candidate, tandem.drafter, tandem.target, pipelined=False, verifier_advances=False
+    )
     try:
         yield router
     finally:

@@ -17,9 +17,9 @@ from cluster.routing.predraft_budget import (
 )
 from cluster.routing.predrafting import choose_branches
 from cluster.routing.request import GenerationRequest
-from cluster.routing.router import Router
 from cluster.runtime.draft_block import StepLoad
 from cluster.runtime.predraft import MAX_FAN_OUT, accept_odds
+from tests.cluster.routing.lockstep_routers import held_lockstep_router
 from tests.conftest import MAX_TOKENS, encode
 
 ON = DraftLengthConfig(enabled=True)
@@ -162,11 +162,15 @@ def test_a_drafter_loaded_meanwhile_narrows_the_fan_out_through_its_branches_loa
 def test_the_routers_predraft_gate_turns_pre_drafting_off_and_keeps_output_exact(
     local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
 ) -> None:
-    """Where the router measured rounds without pre-drafting faster, no round pre-drafts."""
-    router = Router(
-        local_tandem.verifier, local_tandem.drafter, local_tandem.router._decode,
-        local_tandem.router._eos_token_ids, predraft_fan_out=4,
-    )  # fmt: skip
+    """Where the router measured rounds without pre-drafting faster, no round pre-drafts.
+
+    A lockstep router (`verifier_advances` off), its verifier holding a pipelined block until
+    the block drafted ahead of it is posted (`lockstep_routers`): every token is decided by a
+    posted block, so that branches are verified (hits) with the gate open, and blocks are
+    verified ahead (pipeline hits and misses) with it shut."""
+    router = held_lockstep_router(
+        local_tandem.verifier, local_tandem.drafter, local_tandem.target, predraft_fan_out=4
+    )
     try:
         prompt, expected = next(iter(target_only.items()))
         request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=4)

@@ -43,26 +43,25 @@ from tests.exact_cells import chi_square_p_value
 _right_hit = cluster.routing.predrafting.hit
 
 
-def _first_branch(
-    predrafts: Sequence[PreDraft], verdict: Verdict, committed: int, max_tokens: int
-) -> Draft | None:
+def _first_branch(predrafts: Sequence[PreDraft], verdict: Verdict, max_tokens: int) -> Draft | None:
     """A wrong cache: the first branch, whatever outcome the verdict names."""
-    if not predrafts or not verdict.tokens:
+    if not predrafts or not verdict.tokens or verdict.dropped:
         return None
     first = predrafts[0]
     probs = None if first.draft_probs is None else tuple(first.draft_probs[:max_tokens])
-    block = DraftBlock(committed, first.tokens[:max_tokens], draft_probs=probs)
+    block = DraftBlock(verdict.committed_length, first.tokens[:max_tokens], draft_probs=probs)
     return Draft(block, by_drafter=False)
 
 
 def _another_branchs_q(
-    predrafts: Sequence[PreDraft], verdict: Verdict, committed: int, max_tokens: int
+    predrafts: Sequence[PreDraft], verdict: Verdict, max_tokens: int
 ) -> Draft | None:
     """A wrong cache: the right branch's tokens, with the q's of the branch after it."""
-    draft = _right_hit(predrafts, verdict, committed, max_tokens)
+    draft = _right_hit(predrafts, verdict, max_tokens)
     if draft is None or len(predrafts) < 2:
         return draft
-    block, outcome = draft.block, (verdict.num_accepted, verdict.tokens[-1])
+    accepted = verdict.num_matched + verdict.num_accepted
+    block, outcome = draft.block, (accepted, verdict.tokens[-1])
     index = next(i for i, b in enumerate(predrafts) if (b.accepted, b.token) == outcome)
     other = predrafts[(index + 1) % len(predrafts)].draft_probs
     assert other is not None

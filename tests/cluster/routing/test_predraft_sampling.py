@@ -2,11 +2,12 @@
 Saguaro-style drafting.
 
 Each test runs NUM_REQUESTS seeded requests for PROMPT through the in-process router over the
-tiny pair with pre-drafting on (`predraft_fan_out` >= 2, small blocks, pipelined) and the
-opening round through the drafter too (`first_token_alone` off), so the first verify pass
-already has branches drafted beside it: its verdict often hits one (the test asserts hits
-happen), and that branch's sampled block is verified next. A hit proposes the second or third
-token, so the statistic is the joint distribution of the first NUM_TOKENS tokens.
+tiny pair with pre-drafting on (`predraft_fan_out` >= 2, small blocks, pipelined) in lockstep
+(`verifier_advances` off: every token through a posted block, the opening round through the
+drafter too), so the first verify pass already has branches drafted beside it: its verdict
+often hits one (the test asserts hits happen), and that branch's sampled block is verified
+next. A hit proposes the second or third token, so the statistic is the joint distribution of
+the first NUM_TOKENS tokens.
 
 Statistic (the repository's exact-cells method, as `tests/cluster/serve/test_service_lossless.py`):
 the exact P(t1, t2, t3) = p(t1 | prompt) p(t2 | prompt, t1) p(t3 | prompt, t1, t2) from the
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from cluster.local import LocalTandem
+from cluster.local import LocalTandem, local_router
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.runtime.models import LoadedModel
@@ -58,14 +59,13 @@ class Tally:
 
 
 def predrafting_router(tandem: LocalTandem, drafter: Drafter | None, fan_out: int) -> Router:
-    """A router over `tandem`'s verifier and `drafter` (default: `tandem`'s) that pre-drafts
-    `fan_out` branches and drafts the opening round too."""
-    router = Router(
-        tandem.verifier, drafter or tandem.drafter, tandem.router._decode,
-        tandem.router._eos_token_ids, predraft_fan_out=fan_out,
+    """A lockstep router (`verifier_advances` off) over `tandem`'s verifier and `drafter`
+    (default: `tandem`'s) that pre-drafts `fan_out` branches and drafts the opening round too:
+    every token a test looks at is decided by a posted block."""
+    return local_router(
+        tandem.verifier, drafter or tandem.drafter, tandem.target, predraft_fan_out=fan_out,
+        verifier_advances=False,
     )  # fmt: skip
-    router.first_token_alone = False
-    return router
 
 
 def sample_first_tokens(

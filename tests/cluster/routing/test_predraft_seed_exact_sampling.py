@@ -6,16 +6,21 @@ same with pre-drafting as without. The branches are drafted seed-exact (`drafter
 each one's token is a guess of the target's noisy draw, and its block the drafter's own
 seed-exact draft after it. The tests run seeded requests through the in-process router with
 `predraft_fan_out` F and without pre-drafting, at several block lengths k and F, and need the
-same tokens and some hits.
+same tokens and some hits. The hits come from a lockstep router (`verifier_advances` off: every
+token through a posted block, so that the verdicts the branches were drafted for decide what
+comes next); the same requests through a router whose verifier sessions run (the default
+path, where in-process the verifier mostly takes the tokens alone) give the same tokens again.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import pytest
 
-from cluster.local import LocalTandem
+from cluster.local import LocalTandem, local_router
 from cluster.routing.request import GenerationRequest, GenerationResult
-from cluster.routing.router import Router
 from cluster.runtime.sampling import SamplingParams
 from tests.conftest import CODE_PROMPT, PROMPTS, encode
 
@@ -30,12 +35,14 @@ def seeded_run(
     sampling: SamplingParams,
     draft_tokens: int,
     prompts: tuple[str, ...] = (CODE_PROMPT, PROMPTS[2]),
+    lockstep: bool = True,
 ) -> list[GenerationResult]:
     """One pipelined request per prompt and seed through a router that pre-drafts `fan_out`
-    branches (0: it drafts ahead as if the whole block were accepted)."""
-    router = Router(
-        tandem.verifier, tandem.drafter, tandem.router._decode, tandem.router._eos_token_ids,
-        predraft_fan_out=fan_out,
+    branches (0: it drafts ahead as if the whole block were accepted); a lockstep one
+    (`verifier_advances` off) unless `lockstep` is False."""
+    router = local_router(
+        tandem.verifier, tandem.drafter, tandem.target, predraft_fan_out=fan_out,
+        verifier_advances=not lockstep,
     )  # fmt: skip
     try:
         requests = [
@@ -58,8 +65,26 @@ def test_seed_exact_output_is_the_same_with_predrafting(
     plain = seeded_run(local_tandem, 0, SEED_EXACT, draft_tokens)
     predrafted = seeded_run(local_tandem, fan_out, SEED_EXACT, draft_tokens)
     assert [r.tokens for r in predrafted] == [r.tokens for r in plain]
+    # The default router (running sessions) gives each seed the same tokens, pre-drafting
+    # or not.
+    running = seeded_run(local_tandem, fan_out, SEED_EXACT, draft_tokens, lockstep=False)
+    assert [r.tokens for r in running] == [r.tokens for r in plain]
     assert all(r.stats.predraft_hits == r.stats.predraft_misses == 0 for r in plain)
     assert sum(r.stats.predraft_hits for r in predrafted) > 0
     # The seeds differ in output: the equality is not the same text every time.
     assert len({r.tokens for r in plain}) == len(plain)
-    assert local_tandem.drafter._runner.sequences() == ()  # every branch's fork released
+    # Every branch's fork is released. A request no longer waits for branches still being
+    # drafted when it ends (the drafter finishes them on its own): their forks go once those
+    # tasks end, soon after.
+    runner = local_tandem.drafter._runner
+    assert eventually(lambda: runner.sequences() == ()), runner.sequences()
+
+
+def eventually(condition: Callable[[], bool], within_s: float = 30.0) -> bool:
+    """Whether `condition` holds, now or before `within_s` has passed (polled)."""
+    until = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() >= until:
+            return False
+        time.sleep(0.01)
+    return True

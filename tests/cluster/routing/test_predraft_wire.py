@@ -1,10 +1,12 @@
 """Outcome-keyed pre-drafting over the replicas' gRPC data plane.
 
 Real loopback servers (a drafter and a verifier over the tiny pair) and a router driving them
-through `GrpcDrafter` / `GrpcVerifier`, over Frames and over unary calls: greedy output with
+through `GrpcDrafter` / `GrpcVerifier` over their Frames streams: greedy output with
 pre-drafting on is the target's alone and branches really are drafted, a stream closed midway
-leaves nothing on the drafter, and a bad pre-draft entry fails alone. The codec's round trips
-are tests/cluster/wire/test_frame_codec.py's.
+leaves nothing on the drafter, and a bad pre-draft entry fails alone. The routers run in
+lockstep (`verifier_advances` off): with running verifier sessions the tiny drafter's blocks
+mostly come after the verifier took their tokens alone, so pre-drafted branches would rarely
+be verified. The codec's round trips are tests/cluster/wire/test_frame_codec.py's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from cluster.routing.ports import PredraftPort
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.routing.router import Router
+from cluster.routing.waits import run
 from cluster.runtime.errors import InvalidArgumentError, ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.predraft import Branch
@@ -58,13 +61,10 @@ def replicas(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> Iterator[Repl
     verifier_server.stop(None)
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["frames", "unary"])
-def clients(
-    replicas: Replicas, request: pytest.FixtureRequest
-) -> Iterator[tuple[GrpcDrafter, GrpcVerifier]]:
-    frames: bool = request.param
-    drafter = GrpcDrafter(replicas.drafter_address, timeout_s=30.0, frames=frames)
-    verifier = GrpcVerifier(replicas.verifier_address, timeout_s=30.0, frames=frames)
+@pytest.fixture(scope="module")
+def clients(replicas: Replicas) -> Iterator[tuple[GrpcDrafter, GrpcVerifier]]:
+    drafter = GrpcDrafter(replicas.drafter_address, timeout_s=30.0)
+    verifier = GrpcVerifier(replicas.verifier_address, timeout_s=30.0)
     yield drafter, verifier
     drafter.close()
     verifier.close()
@@ -76,7 +76,7 @@ def predrafting_router(
     drafter, verifier = clients
     return Router(
         verifier, drafter, text_decoder(tiny_target.tokenizer), tiny_target.eos_token_ids,
-        pipelined=True, predraft_fan_out=fan_out,
+        pipelined=True, predraft_fan_out=fan_out, verifier_advances=False,
     )  # fmt: skip
 
 
@@ -157,13 +157,13 @@ def test_a_bounded_client_predrafts_as_the_drafter_itself_does(
     view: PredraftPort = drafter.bounded(time.monotonic() + 30)
     branches = [Branch(0, 0), Branch(2, 0), Branch(1, 1)]
     for session_id in ("over-grpc", "in-process"):
-        drafter.open_session(session_id, [1, 2, 3], GREEDY, seed=0)
+        run(drafter.open_session_steps(session_id, [1, 2, 3], GREEDY, seed=0))
     try:
-        got = view.predraft("over-grpc", 3, [4], [5, 6], branches, 3)
+        got = run(view.predraft_steps("over-grpc", 3, [4], [5, 6], branches, 3))
         want = replicas.drafter.predraft("in-process", 3, [4], [5, 6], branches, 3)
     finally:
         for session_id in ("over-grpc", "in-process"):
-            drafter.close_session(session_id)
+            run(drafter.close_session_steps(session_id))
     # The same branches; each carries its drafter's load at the time (not compared).
     assert all(b.load is not None for b in got)
     unloaded = [dataclasses.replace(b, load=None) for b in got]
@@ -177,14 +177,14 @@ def test_a_bad_predraft_is_invalid_argument(
     replicas: Replicas, clients: tuple[GrpcDrafter, GrpcVerifier]
 ) -> None:
     drafter = clients[0]
-    drafter.open_session("bad-branch", [1, 2, 3], GREEDY, seed=0)
+    run(drafter.open_session_steps("bad-branch", [1, 2, 3], GREEDY, seed=0))
     try:
         with pytest.raises(InvalidArgumentError, match=r"0 <= accepted <= 2"):
-            drafter.predraft("bad-branch", 3, [], [5, 6], [Branch(3, 0)], 2)
-        # The session and, over frames, the stream carry on.
-        assert drafter.draft("bad-branch", 3, [], 2).base_length == 3
+            run(drafter.predraft_steps("bad-branch", 3, [], [5, 6], [Branch(3, 0)], 2))
+        # The session and the stream carry on.
+        assert run(drafter.draft_steps("bad-branch", 3, [], 2)).base_length == 3
     finally:
-        drafter.close_session("bad-branch")
+        run(drafter.close_session_steps("bad-branch"))
 
 
 def test_a_bad_predraft_entry_fails_alone_in_its_frame(replicas: Replicas) -> None:
@@ -223,15 +223,16 @@ def test_a_bad_predraft_entry_fails_alone_in_its_frame(replicas: Replicas) -> No
     wait_for_no_branch(replicas.drafter)
 
 
-@pytest.mark.parametrize("frames", [True, False], ids=["frames", "unary"])
-def test_chaos_fails_predrafts_as_it_fails_drafts(replicas: Replicas, frames: bool) -> None:
+def test_chaos_fails_predrafts_as_it_fails_drafts(replicas: Replicas) -> None:
     # Soak tests' faulty drafter (`error_fraction`): a pre-draft fails INTERNAL like a draft.
     server, port = serve_replica(DrafterServicer(replicas.drafter, error_fraction=1.0))
     try:
-        with GrpcDrafter(f"127.0.0.1:{port}", timeout_s=30.0, frames=frames) as drafter:
-            drafter.open_session("chaos", [1, 2, 3], GREEDY, seed=0)
+        with GrpcDrafter(f"127.0.0.1:{port}", timeout_s=30.0) as drafter:
+            run(drafter.open_session_steps("chaos", [1, 2, 3], GREEDY, seed=0))
             with pytest.raises(ReplicaUnavailableError, match="Predraft failed on purpose"):
-                drafter.predraft("chaos", 3, [], [5], [Branch(0, 0)], 2)
-            assert drafter.close_session("chaos")
+                run(drafter.predraft_steps("chaos", 3, [], [5], [Branch(0, 0)], 2))
+            with pytest.raises(ReplicaUnavailableError, match="Draft failed on purpose"):
+                run(drafter.draft_steps("chaos", 3, [], 2))
+            assert run(drafter.close_session_steps("chaos"))
     finally:
         server.stop(None)

@@ -1,5 +1,9 @@
 """Prompt lookup in the router: greedy stays exact with lookup alone or beside the draft model,
-looked-up blocks replace drafter calls, and sampling stays distributed as the target's."""
+looked-up blocks replace drafter calls, and sampling stays distributed as the target's.
+
+Output is checked on routers whose verifier sessions run (the default) and on lockstep ones
+(`verifier_advances` off), where looked-up and drafted blocks decide every position: what is
+counted (tokens accepted, draft calls against verify passes) is counted there."""
 
 from __future__ import annotations
 
@@ -10,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.local import LocalTandem, text_decoder
+from cluster.local import InProcess, LocalTandem, text_decoder
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams, logits_to_probs
 from drafter.config import NgramConfig
-from drafter.drafter import Drafter
+from tests.cluster.routing.fake_ports import Wrapper
 from tests.cluster.routing.test_lossless_sampling import (
     ALPHA,
     CONCURRENT_REQUESTS,
@@ -27,29 +31,17 @@ from tests.conftest import MAX_TOKENS, encode
 LOOKUP = NgramConfig(enabled=True, max_ngram=4, min_ngram=2)
 
 
-class CountingDrafter:
-    """The real drafter, counting the draft calls that reach it."""
-
-    def __init__(self, drafter: Drafter) -> None:
-        self.drafter = drafter
-        self.num_drafts = 0
-
-    def open_session(self, *args: Any, **kwargs: Any) -> int:
-        return self.drafter.open_session(*args, **kwargs)
-
-    def draft(self, *args: Any) -> Any:
-        self.num_drafts += 1
-        return self.drafter.draft(*args)
-
-    def close_session(self, session_id: str) -> bool:
-        return self.drafter.close_session(session_id)
-
-
-def router(tandem: LocalTandem, drafter: Any) -> Router:
+def router(tandem: LocalTandem, drafter: Any, advances: bool = True) -> Router:
+    """A router with prompt lookup over the tandem's verifier and `drafter` (a port, or None:
+    lookup alone); lockstep unless `advances`."""
     decode = text_decoder(tandem.tokenizer)
-    return Router(tandem.verifier, drafter, decode, tandem.target.eos_token_ids, ngram=LOOKUP)
+    return Router(
+        InProcess(tandem.verifier), drafter, decode, tandem.target.eos_token_ids, ngram=LOOKUP,
+        verifier_advances=advances,
+    )  # fmt: skip
 
 
+@pytest.mark.parametrize("advances", [False, True], ids=["lockstep", "running"])
 @pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
 @pytest.mark.parametrize("draft_tokens", [1, 3, 6])
 @pytest.mark.parametrize("with_model", [True, False], ids=["lookup+model", "lookup-only"])
@@ -59,9 +51,10 @@ def test_greedy_with_lookup_is_lossless(
     draft_tokens: int,
     pipelined: bool,
     with_model: bool,
+    advances: bool,
 ) -> None:
-    counting = CountingDrafter(local_tandem.drafter)
-    lookup = router(local_tandem, counting if with_model else None)
+    counting = Wrapper(local_tandem.drafter)  # counts the draft calls that reach the drafter
+    lookup = router(local_tandem, counting if with_model else None, advances)
     passes = accepted = 0
     try:
         for prompt, expected in target_only.items():
@@ -74,10 +67,11 @@ def test_greedy_with_lookup_is_lossless(
             accepted += result.stats.num_accepted
     finally:
         lookup.close()
-    assert accepted > 0  # looked-up tokens were accepted
-    if with_model:
-        # Every pass whose block was looked up skipped the drafter.
-        assert 0 < counting.num_drafts < passes
+    if not advances:
+        assert accepted > 0  # looked-up tokens were accepted
+        if with_model:
+            # Every pass whose block was looked up skipped the drafter.
+            assert 0 < counting.calls["draft"] < passes
     assert local_tandem.drafter.stats().num_sessions == 0
     assert local_tandem.verifier.stats().num_sessions == 0
 
@@ -104,15 +98,18 @@ def recurring_prompt(model: LoadedModel) -> tuple[int, ...]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("advances", [False, True], ids=["lockstep", "running"])
 def test_sampled_lookup_follows_the_target(
-    local_tandem: LocalTandem, tiny_target: LoadedModel
+    local_tandem: LocalTandem, tiny_target: LoadedModel, advances: bool
 ) -> None:
     """A looked-up block is deterministic (q one-hot). The prompt ends with a recurring
-    "x = " so the first block is always looked up; chi-square bound as in
-    test_lossless_sampling (a correct sampler fails with probability ALPHA)."""
+    "x = " so the first block is always looked up: a lockstep router verifies it first; one
+    whose session runs posts it as the session starts, and the verifier verifies it from where
+    the session then stands (or drops it). Chi-square bound as in test_lossless_sampling (a
+    correct sampler fails with probability ALPHA)."""
     prompt = recurring_prompt(tiny_target)
     sampling = SamplingParams(temperature=1.0)
-    lookup = router(local_tandem, None)
+    lookup = router(local_tandem, None, advances)
     counts = torch.zeros(tiny_target.vocab_size, tiny_target.vocab_size)
     drafted = accepted = 0
     requests = [
@@ -128,6 +125,7 @@ def test_sampled_lookup_follows_the_target(
             accepted += result.stats.num_accepted
     finally:
         lookup.close()
-    assert 0 < accepted < drafted
+    if not advances:  # every first block is verified
+        assert 0 < accepted < drafted
     joint = joint_first_two(tiny_target, prompt, sampling)
     assert chi_square_p_value(counts, joint) > ALPHA

@@ -1,7 +1,10 @@
 """The router over gRPC replicas: same output as in-process, and errors mapped back to classes.
 
 Two real loopback servers (a drafter and a verifier over the tiny pair) and the router driving
-them through `GrpcDrafter` / `GrpcVerifier`; the reference is the in-process router.
+them through `GrpcDrafter` / `GrpcVerifier`; the reference is the in-process router. Output is
+compared on the default router (running verifier sessions); what depends on which drafted
+tokens decided (speculation statistics, sampled tokens under the rejection rule) is compared
+between lockstep routers (`verifier_advances` off), where it does not depend on timing.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from cluster.routing.ports import DrafterPort, VerifierPort
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
-from cluster.routing.waits import drive
+from cluster.routing.waits import drive, run
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import (
     InvalidArgumentError,
@@ -36,7 +39,7 @@ from cluster.runtime.sampling import SamplingParams
 from drafter.drafter import Drafter
 from tests.conftest import MAX_TOKENS as REFERENCE_TOKENS
 from tests.conftest import PROMPTS
-from tests.replicas import serve_drafter, serve_verifier
+from tests.replicas import serve_drafter, serve_verifier, verify
 from verifier.verifier import Verifier
 
 MAX_TOKENS = 40
@@ -48,6 +51,8 @@ class Remote:
     """A router over two gRPC replicas, the clients it uses, and the components served."""
 
     router: Router
+    lockstep: Router
+    """A router over the same clients whose verifier sessions do not run."""
     drafter: GrpcDrafter
     verifier: GrpcVerifier
     drafter_component: Drafter
@@ -71,7 +76,16 @@ def remote(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> Iterator[Remote
         text_decoder(tiny_target.tokenizer),
         tiny_target.eos_token_ids,
     )
-    yield Remote(router, drafter, verifier, drafter_component, drafter_address)
+    lockstep = Router(
+        verifier,
+        drafter,
+        text_decoder(tiny_target.tokenizer),
+        tiny_target.eos_token_ids,
+        verifier_advances=False,
+    )
+    yield Remote(router, lockstep, drafter, verifier, drafter_component, drafter_address)
+    router.close()
+    lockstep.close()
     drafter.close()
     verifier.close()
     drafter_server.stop(None)
@@ -84,7 +98,7 @@ def encode(tandem: LocalTandem, text: str) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("draft_tokens", range(9))
 def test_greedy_over_grpc_equals_in_process(
-    remote: Remote, local_tandem: LocalTandem, draft_tokens: int
+    remote: Remote, local_tandem: LocalTandem, lockstep: Router, draft_tokens: int
 ) -> None:
     for prompt in PROMPTS:
         request = GenerationRequest(
@@ -97,7 +111,15 @@ def test_greedy_over_grpc_equals_in_process(
             want.text,
             want.finish_reason,
         ), prompt
-        assert got.stats == want.stats
+        # With running sessions the statistics depend on how fast each side answered (which
+        # blocks came before the verifier took their tokens alone), and with pipelining on
+        # whether a block drafted ahead came before its predecessor's verdict; in lockstep and
+        # unpipelined every round is decided by its drafted block alone, so the statistics
+        # must match the in-process router's exactly.
+        got_lockstep = remote.lockstep.generate(request, pipelined=False)
+        want_lockstep = lockstep.generate(request, pipelined=False)
+        assert got_lockstep.tokens == want.tokens, prompt
+        assert got_lockstep.stats == want_lockstep.stats, prompt
     assert remote.verifier.stats().num_sessions == 0
     assert remote.drafter.stats().num_sessions == 0
 
@@ -124,11 +146,29 @@ def test_stats_over_grpc_carry_the_engine_figures(remote: Remote) -> None:
     ],
 )
 def test_seeded_sampling_over_grpc_equals_in_process(
-    remote: Remote, local_tandem: LocalTandem, sampling: SamplingParams
+    remote: Remote, local_tandem: LocalTandem, lockstep: Router, sampling: SamplingParams
 ) -> None:
     # Sparse q crosses the wire bit for bit, and 0.8 / 0.9 (not float32-exact) arrive rounded
     # to float32, which the float32 sampling code uses anyway: the same seed gives the same
-    # tokens.
+    # tokens. Under the rejection rule the tokens depend on which drafts were verified, so
+    # both sides run in lockstep and unpipelined (with running sessions, or a block drafted
+    # ahead, that depends on timing).
+    for seed, prompt in enumerate(PROMPTS[:4]):
+        request = GenerationRequest(
+            encode(local_tandem, prompt), MAX_TOKENS, sampling, seed=seed, draft_tokens=4
+        )
+        got = remote.lockstep.generate(request, pipelined=False)
+        assert got.tokens == lockstep.generate(request, pipelined=False).tokens
+        assert got.stats.num_drafted > 0  # drafts were verified over the wire
+
+
+def test_seed_exact_sampling_over_grpc_equals_in_process_with_running_sessions(
+    remote: Remote, local_tandem: LocalTandem
+) -> None:
+    # Seed-exact draws are a function of the seed and the position alone, so whichever blocks
+    # the running sessions verified and whichever tokens they took alone, the output is the
+    # same on both routers.
+    sampling = SamplingParams(temperature=0.8, top_k=40, seed_exact=True)
     for seed, prompt in enumerate(PROMPTS[:4]):
         request = GenerationRequest(
             encode(local_tandem, prompt), MAX_TOKENS, sampling, seed=seed, draft_tokens=4
@@ -144,49 +184,57 @@ def test_seeded_sampling_over_grpc_equals_in_process(
 @pytest.fixture
 def session(remote: Remote, request: pytest.FixtureRequest) -> Iterator[str]:
     session_id = request.node.name
-    remote.drafter.open_session(session_id, [1, 2, 3], GREEDY, seed=0)
-    remote.verifier.open_session(session_id, [1, 2, 3], GREEDY, seed=0)
+    run(remote.drafter.open_session_steps(session_id, [1, 2, 3], GREEDY, seed=0))
+    run(remote.verifier.open_session_steps(session_id, [1, 2, 3], GREEDY, seed=0))
     yield session_id
-    remote.drafter.close_session(session_id)
-    remote.verifier.close_session(session_id)
+    run(remote.drafter.close_session_steps(session_id))
+    run(remote.verifier.close_session_steps(session_id))
 
 
 def test_stale_base_raises_stale_base_error(remote: Remote, session: str) -> None:
     with pytest.raises(StaleBaseError, match=r"has committed length 3, but .* based on length 5"):
-        remote.drafter.draft(session, 5, [], 2)
-    with pytest.raises(StaleBaseError):
-        remote.verifier.verify(session, DraftBlock(base_length=2, tokens=()))
+        run(remote.drafter.draft_steps(session, 5, [], 2))
+    # A verifier refuses a block based past its session (its verdict event is the error).
+    with pytest.raises(StaleBaseError, match=r"has committed length 3, but .* based on length 5"):
+        verify(remote.verifier, session, DraftBlock(base_length=5, tokens=()))
+
+
+def test_a_block_based_before_the_session_comes_back_dropped(remote: Remote, session: str) -> None:
+    # No longer an error: a block based before the session's length is verified from where it
+    # stands when it holds what the block assumes, and dropped otherwise (nothing committed).
+    verdict = verify(remote.verifier, session, DraftBlock(base_length=2, tokens=()))
+    assert verdict.dropped and verdict.tokens == () and verdict.committed_length == 3
 
 
 def test_unknown_session_raises_session_not_found(remote: Remote) -> None:
     with pytest.raises(SessionNotFoundError, match=r"^no open session 'nobody' \(closed, evicted"):
-        remote.verifier.verify("nobody", DraftBlock(base_length=1, tokens=()))
-    assert remote.drafter.close_session("nobody") is False
+        verify(remote.verifier, "nobody", DraftBlock(base_length=1, tokens=()))
+    assert run(remote.drafter.close_session_steps("nobody")) is False
 
 
 def test_invalid_arguments_raise_invalid_argument_error(remote: Remote, session: str) -> None:
     with pytest.raises(InvalidArgumentError, match=r"block.tokens\[0\] = 999 is outside"):
-        remote.verifier.verify(session, DraftBlock(base_length=3, tokens=(999,)))
+        verify(remote.verifier, session, DraftBlock(base_length=3, tokens=(999,)))
     with pytest.raises(InvalidArgumentError, match=re.escape("truncate_to must be in 1..3")):
-        remote.drafter.draft(session, 3, [], 1, truncate_to=0)
+        run(remote.drafter.draft_steps(session, 3, [], 1, truncate_to=0))
     # Values the wire cannot hold are refused by the client before anything is sent.
     with pytest.raises(InvalidArgumentError, match=re.escape("base_length must be in 0..")):
-        remote.drafter.draft(session, -1, [], 1)
+        run(remote.drafter.draft_steps(session, -1, [], 1))
     with pytest.raises(InvalidArgumentError, match=r"prompt_tokens\[1\] = -4"):
-        remote.verifier.open_session("other", [1, -4], GREEDY, seed=0)
+        run(remote.verifier.open_session_steps("other", [1, -4], GREEDY, seed=0))
 
 
 def test_duplicate_session_raises_session_exists(remote: Remote, session: str) -> None:
     with pytest.raises(SessionExistsError, match="already open"):
-        remote.verifier.open_session(session, [1], GREEDY, seed=0)
+        run(remote.verifier.open_session_steps(session, [1], GREEDY, seed=0))
 
 
 def test_truncate_to_drops_a_rejected_speculative_tail(remote: Remote, session: str) -> None:
     # The drafter assumed block [a, b] accepted (length 5); the verdict kept none and committed
     # one token instead: truncate to 3, append it, and draft on from length 4.
-    ahead = remote.drafter.draft(session, 3, [7, 8], 1)
+    ahead = run(remote.drafter.draft_steps(session, 3, [7, 8], 1))
     assert ahead.base_length == 5
-    block = remote.drafter.draft(session, 5, [9], 2, truncate_to=3)
+    block = run(remote.drafter.draft_steps(session, 5, [9], 2, truncate_to=3))
     assert block.base_length == 4
 
 
@@ -216,10 +264,10 @@ def test_internal_error_raises_replica_unavailable_with_the_generic_message(
     def broken_draft(*args: object, **kwargs: object) -> None:
         raise ZeroDivisionError("hidden")
 
-    # `submit_draft`: what both a Frames entry and the unary call go through.
+    # `submit_draft`: what a draft entry goes through.
     monkeypatch.setattr(remote.drafter_component, "submit_draft", broken_draft)
     with pytest.raises(ReplicaUnavailableError) as caught:
-        remote.drafter.draft(session, 3, [], 1)
+        run(remote.drafter.draft_steps(session, 3, [], 1))
     assert str(caught.value) == (
         f"drafter at {remote.drafter_address}: INTERNAL: internal error; see the replica's log"
     )

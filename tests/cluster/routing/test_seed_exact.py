@@ -8,9 +8,12 @@ a logits processor applying the same noise, with no drafter, engine, batching or
 Here the in-process router's output must equal it token for token under every drafter kind (the
 tiny draft model, its int8 and int8-dynamic quantizations, its trimmed vocabulary, prompt
 lookup alone or before the model, the adaptive block length, no drafter at all), every block
-length 0..8, serial and pipelined rounds, the first token drafted or verified alone, a request
-alone and among 16 concurrent ones that share the engines' steps, and across a failover to a
-spare replica or to the target alone.
+length 0..8, serial and pipelined rounds, on the default router (its verifier sessions run: they
+take the target's own tokens whenever no block is there, so that in-process drafted tokens
+rarely decide anything) and on a lockstep one (`verifier_advances` off: every token, the first
+included, through a posted block, a pipelined block's successor verified ahead of its verdict:
+`tests.cluster.routing.lockstep_routers`), a request alone and among 16 concurrent ones that share
+the engines' steps, and across a failover to a spare replica or to the target alone.
 
 Exact equality has no statistical bound to choose: a single differing token fails. It is not
 vacuous: each case asserts that drafts were made and that some were accepted and some rejected
@@ -19,12 +22,14 @@ rejection rule, given the same request, gives other tokens, and other tokens aga
 block length changes: equality across drafters is what seed-exact adds.
 
 The un-slow cases cover two sampling settings at block lengths 0, 1, 4 and 8 in three round
-modes (about a minute on a busy 2-core box, all tests of the file); the slow sweep adds every
-other block length, two more settings and another seed.
+modes (serial and pipelined lockstep, pipelined on the default router; about two minutes on a
+busy 2-core box, all tests of the file); the slow sweep adds every other block length, two
+more settings and another seed.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,7 +38,7 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.local import LocalTandem, text_decoder
+from cluster.local import LocalTandem, local_router
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.request import GenerationRequest, GenerationResult
 from cluster.routing.router import Router
@@ -43,7 +48,9 @@ from cluster.runtime.sampling import SamplingParams, logits_to_probs
 from cluster.tools.baselines.hf_reference import reference_generate
 from drafter.config import NgramConfig
 from drafter.drafter import Drafter
-from tests.cluster.routing.test_failover import Dying, Pool
+from tests.cluster.routing.fake_ports import Dying
+from tests.cluster.routing.lockstep_routers import Routers, held_lockstep_router, router_pair
+from tests.cluster.routing.test_failover import Pool
 from tests.conftest import CODE_PROMPT, PROMPTS, encode
 from verifier.verifier import Verifier
 
@@ -60,14 +67,16 @@ SLOW_SAMPLINGS = {
     "t0.8-top-k20-top-p0.8": SamplingParams(temperature=0.8, top_k=20, top_p=0.8, seed_exact=True),
 }
 Run = tuple[int, bool, bool]
-"""(draft_tokens, pipelined, first_token_alone) of one generation."""
+"""(draft_tokens, pipelined, lockstep) of one generation: `lockstep` on the kind's lockstep
+router, else on its default one (verifier sessions run)."""
 RUNS: list[Run] = [
-    (0, False, True),
-    *((k, pipelined, alone) for k in (1, 4, 8) for pipelined, alone in
-      [(False, False), (True, True), (True, False)]),
+    (0, False, False),
+    *((k, pipelined, lockstep) for k in (1, 4, 8) for pipelined, lockstep in
+      [(False, True), (True, False), (True, True)]),
 ]  # fmt: skip
 """The un-slow runs of each case: no drafts, then short, middling and the longest blocks, in
-serial rounds (the first token drafted too) and pipelined ones (drafted, or verified alone)."""
+serial lockstep rounds (the first token drafted too), pipelined ones on the default router
+(the first tokens the target's alone) and pipelined lockstep ones."""
 KINDS = ["draft", "int8", "int8-dynamic", "trimmed", "lookup", "lookup+draft", "adaptive", "none"]
 """Drafter kinds: what proposes a request's blocks (`routers`)."""
 LOOKUP_KINDS = ("lookup", "lookup+draft")
@@ -110,26 +119,25 @@ def quantized_drafters() -> Iterator[dict[str, Drafter]]:
 @pytest.fixture(scope="module")
 def routers(
     local_tandem: LocalTandem, trimmed_tandem: LocalTandem, quantized_drafters: dict[str, Drafter]
-) -> Iterator[dict[str, Router]]:
-    """A router of each drafter kind, over the session's target verifier (the trimmed draft's
-    over its own pair's)."""
-    verifier, drafter = local_tandem.verifier, local_tandem.drafter
-    decode, eos = text_decoder(local_tandem.tokenizer), local_tandem.target.eos_token_ids
+) -> Iterator[dict[str, Routers]]:
+    """The routers of each drafter kind, over the session's target verifier (the trimmed
+    draft's over its own pair's)."""
+    verifier, drafter, target = local_tandem.verifier, local_tandem.drafter, local_tandem.target
     built = {
-        "draft": Router(verifier, drafter, decode, eos),
-        "int8": Router(verifier, quantized_drafters["int8"], decode, eos),
-        "int8-dynamic": Router(verifier, quantized_drafters["int8-dynamic"], decode, eos),
-        "trimmed": Router(trimmed_tandem.verifier, trimmed_tandem.drafter, decode, eos),
-        "lookup": Router(verifier, None, decode, eos, ngram=LOOKUP),
-        "lookup+draft": Router(verifier, drafter, decode, eos, ngram=LOOKUP),
-        "adaptive": Router(
-            verifier, drafter, decode, eos, draft_length=DraftLengthConfig(enabled=True)
+        "draft": router_pair(verifier, drafter, target),
+        "int8": router_pair(verifier, quantized_drafters["int8"], target),
+        "int8-dynamic": router_pair(verifier, quantized_drafters["int8-dynamic"], target),
+        "trimmed": router_pair(trimmed_tandem.verifier, trimmed_tandem.drafter, target),
+        "lookup": router_pair(verifier, None, target, ngram=LOOKUP),
+        "lookup+draft": router_pair(verifier, drafter, target, ngram=LOOKUP),
+        "adaptive": router_pair(
+            verifier, drafter, target, draft_length=DraftLengthConfig(enabled=True)
         ),
-        "none": Router(verifier, None, decode, eos),
+        "none": router_pair(verifier, None, target),
     }
     yield built
-    for router in built.values():
-        router.close()
+    for pair in built.values():
+        pair.close()
 
 
 @dataclass
@@ -145,31 +153,30 @@ def first_difference(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 
 def check_equal_to_reference(
-    router: Router,
+    routers: Routers,
     reference: Reference,
     prompt: tuple[int, ...],
     sampling: SamplingParams,
     seeds: tuple[int, ...],
     runs: list[Run],
 ) -> Tally:
-    """Generate each of `runs` for each seed through `router`; fail naming each run whose
+    """Generate each of `runs` for each seed through `routers`; fail naming each run whose
     tokens differ from the reference (and where). Returns the summed speculation counters."""
     tally = Tally()
     mismatches = []
     for seed in seeds:
         expected = reference(prompt, sampling, seed, MAX_TOKENS)
-        for k, pipelined, alone in runs:
-            router.first_token_alone = alone
+        for k, pipelined, lockstep in runs:
             request = GenerationRequest(prompt, MAX_TOKENS, sampling, seed=seed, draft_tokens=k)
-            result = router.generate(request, pipelined=pipelined)
+            result = routers(lockstep).generate(request, pipelined=pipelined)
             if result.tokens != expected:
                 at = first_difference(result.tokens, expected)
-                mismatches.append(f"seed={seed} k={k} pipelined={pipelined} alone={alone}: {at}")
+                mode = "lockstep" if lockstep else "running"
+                mismatches.append(f"seed={seed} k={k} pipelined={pipelined} {mode}: {at}")
             tally.drafted += result.stats.num_drafted
             tally.accepted += result.stats.num_accepted
             tally.pipeline_hits += result.stats.pipeline_hits
             tally.runs += 1
-    router.first_token_alone = True
     assert not mismatches, "differs from reference_generate at token: " + "; ".join(mismatches)
     return tally
 
@@ -190,8 +197,9 @@ def recurring_prompt(tiny_target: LoadedModel) -> tuple[int, ...]:
 
 def assert_speculated(kind: str, tally: Tally) -> None:
     """Drafts were made (by lookup alone for `lookup`), some accepted and some rejected, and
-    a drafter model drafted ahead in pipelined rounds. The adaptive plan picks block lengths
-    (0 included) from measured latencies, so whether it drafted is not asserted."""
+    a drafter model drafted ahead in pipelined rounds (the lockstep runs see to all of it). The
+    adaptive plan picks block lengths (0 included) from measured latencies, so whether it
+    drafted is not asserted."""
     if kind == "none":
         assert tally.drafted == 0
         return
@@ -205,7 +213,7 @@ def assert_speculated(kind: str, tally: Tally) -> None:
 @pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
 @pytest.mark.parametrize("kind", KINDS)
 def test_seeded_output_equals_hugging_face_generate(
-    routers: dict[str, Router],
+    routers: dict[str, Routers],
     reference: Reference,
     local_tandem: LocalTandem,
     recurring_prompt: tuple[int, ...],
@@ -223,18 +231,19 @@ def test_seeded_output_equals_hugging_face_generate(
 @pytest.mark.parametrize("sampling_name", list(SLOW_SAMPLINGS))
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_block_length_seed_and_setting_equals_hugging_face_generate(
-    routers: dict[str, Router],
+    routers: dict[str, Routers],
     reference: Reference,
     local_tandem: LocalTandem,
     recurring_prompt: tuple[int, ...],
     kind: str,
     sampling_name: str,
 ) -> None:
-    """Block lengths 0..8, serial with the first token drafted and pipelined with it alone,
-    another seed, two more settings."""
+    """Block lengths 0..8 in the three round modes of RUNS, another seed, two more
+    settings."""
     prompt = recurring_prompt if kind in LOOKUP_KINDS else encode(local_tandem, CODE_PROMPT)
     lengths = range(9) if kind != "none" else (0, 4)
-    runs = [(k, pipelined, pipelined) for k in lengths for pipelined in (False, True)]
+    modes = [(False, True), (True, False), (True, True)]
+    runs = [(k, pipelined, lockstep) for k in lengths for pipelined, lockstep in modes]
     tally = check_equal_to_reference(
         routers[kind], reference, prompt, SLOW_SAMPLINGS[sampling_name], (1,), runs
     )
@@ -242,7 +251,7 @@ def test_every_block_length_seed_and_setting_equals_hugging_face_generate(
 
 
 def test_every_prompt_and_the_largest_seed_equal_hugging_face_generate(
-    routers: dict[str, Router], reference: Reference, local_tandem: LocalTandem
+    routers: dict[str, Routers], reference: Reference, local_tandem: LocalTandem
 ) -> None:
     for i, text in enumerate(PROMPTS):
         sampling = list(SAMPLINGS.values())[i % 2]
@@ -252,7 +261,7 @@ def test_every_prompt_and_the_largest_seed_equal_hugging_face_generate(
             encode(local_tandem, text),
             sampling,
             seeds=(2**64 - 1 - i,),
-            runs=[(3, i % 2 == 0, False)],
+            runs=[(3, i % 2 == 0, lockstep) for lockstep in (True, False)],
         )
 
 
@@ -293,12 +302,13 @@ def test_sixteen_concurrent_requests_sharing_steps_each_equal_the_reference(
     reference: Reference,
 ) -> None:
     """16 seeded requests (8 prompts, 2 settings, block lengths 0..8, serial and pipelined)
-    at once through one router over fresh replicas: each equals its reference and what it gets
-    alone. The fresh replicas' engine figures show that the steps were shared."""
+    at once through a lockstep router over fresh replicas (drafted tokens decide: some are
+    accepted), then at once through the default one over the same replicas: each equals its
+    reference and what it gets alone. The fresh replicas' engine figures show that the steps
+    were shared."""
     verifier, drafter = Verifier(tiny_target), Drafter(tiny_draft)
-    router = Router(
-        verifier, drafter, text_decoder(local_tandem.tokenizer), tiny_target.eos_token_ids
-    )
+    router = held_lockstep_router(verifier, drafter, tiny_target)
+    running = local_router(verifier, drafter, tiny_target)
     samplings = list(SAMPLINGS.values())
     requests = [
         (
@@ -317,16 +327,20 @@ def test_sixteen_concurrent_requests_sharing_steps_each_equal_the_reference(
         together = run_concurrently(router, requests)
         verifier_batch = verifier.stats().engine
         drafter_batch = drafter.stats().engine
+        together_running = run_concurrently(running, requests)
         alone = [router.generate(request, pipelined=p) for request, p in requests]
     finally:
         router.close()
+        running.close()
         verifier.close()
         drafter.close()
     assert verifier_batch is not None and drafter_batch is not None
     assert verifier_batch.max_batch_sequences > 1 and drafter_batch.max_batch_sequences > 1
-    for (request, _), batched, single in zip(requests, together, alone, strict=True):
+    results = zip(requests, together, together_running, alone, strict=True)
+    for (request, _), batched, batched_running, single in results:
         expected = reference(request.prompt_tokens, request.sampling, request.seed, MAX_TOKENS)
         assert batched.tokens == expected == single.tokens, request.seed
+        assert batched_running.tokens == expected, request.seed
     assert sum(r.stats.num_accepted for r in together) > 0
 
 
@@ -341,17 +355,23 @@ def spares(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> Iterator[tuple[
     drafter.close()
 
 
-def over_pool(local_tandem: LocalTandem, pool: Pool, pipelined: bool) -> Router:
-    router = Router.over_pool(
+def over_pool(local_tandem: LocalTandem, pool: Pool, pipelined: bool, lockstep: bool) -> Router:
+    """A router over `pool`: a lockstep one (every token through a posted block, the first
+    included), or the default one (verifier sessions run)."""
+    return Router.over_pool(
         pool,
-        text_decoder(local_tandem.tokenizer),
+        local_tandem.router._decode,
         local_tandem.target.eos_token_ids,
         pipelined=pipelined,
+        verifier_advances=not lockstep,
     )
-    router.first_token_alone = False
-    return router
 
 
+MODES = pytest.mark.parametrize("lockstep", [True, False], ids=["lockstep", "running"])
+"""A failover test on a lockstep router and on the default one."""
+
+
+@MODES
 @pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
 @pytest.mark.parametrize("calls", [1, 4])
 @pytest.mark.parametrize("side", ["verifier", "drafter"])
@@ -364,9 +384,11 @@ def test_a_request_that_fails_over_mid_stream_still_equals_the_reference(
     side: str,
     calls: int,
     pipelined: bool,
+    lockstep: bool,
 ) -> None:
-    """The replica dies after `calls` calls; the spare takes the session over from the
-    router's committed tokens, and its draws at the next positions are the same noise's."""
+    """The replica dies after `calls` calls (its sessions' answers counted as calls); the
+    spare takes the session over from the router's committed tokens, and its draws at the
+    next positions are the same noise's."""
     spare_verifier, spare_drafter = spares
     component: Verifier | Drafter = (
         Verifier(tiny_target) if side == "verifier" else Drafter(tiny_draft)
@@ -374,7 +396,7 @@ def test_a_request_that_fails_over_mid_stream_still_equals_the_reference(
     first = Dying(component, calls)
     verifiers = [first, spare_verifier] if side == "verifier" else [local_tandem.verifier]
     drafters = [first, spare_drafter] if side == "drafter" else [local_tandem.drafter]
-    router = over_pool(local_tandem, Pool(verifiers, drafters), pipelined)
+    router = over_pool(local_tandem, Pool(verifiers, drafters), pipelined, lockstep)
     prompt, sampling = encode(local_tandem, CODE_PROMPT), SAMPLINGS["t1-top-p0.9"]
     try:
         request = GenerationRequest(prompt, MAX_TOKENS, sampling, seed=5 + calls, draft_tokens=3)
@@ -384,17 +406,24 @@ def test_a_request_that_fails_over_mid_stream_still_equals_the_reference(
         component.close()
     assert first.refused > 0  # it died while the request ran
     assert result.tokens == reference(prompt, sampling, 5 + calls, MAX_TOKENS)
-    assert result.stats.num_accepted > 0
+    if lockstep:  # drafted tokens decided some positions (in-process, running sessions
+        assert result.stats.num_accepted > 0  # mostly take them alone before a block comes)
 
 
+@MODES
 @pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
 def test_a_request_whose_drafter_is_lost_for_good_equals_the_reference(
-    local_tandem: LocalTandem, tiny_draft: LoadedModel, reference: Reference, pipelined: bool
+    local_tandem: LocalTandem,
+    tiny_draft: LoadedModel,
+    reference: Reference,
+    pipelined: bool,
+    lockstep: bool,
 ) -> None:
     """No spare drafter: the request goes on with the target alone, mid-stream."""
     component = Drafter(tiny_draft)
     drafter = Dying(component, calls=3)
-    router = over_pool(local_tandem, Pool([local_tandem.verifier], [drafter]), pipelined)
+    pool = Pool([local_tandem.verifier], [drafter])
+    router = over_pool(local_tandem, pool, pipelined, lockstep)
     prompt, sampling = encode(local_tandem, CODE_PROMPT), SAMPLINGS["t0.7"]
     try:
         request = GenerationRequest(prompt, MAX_TOKENS, sampling, seed=21, draft_tokens=4)
@@ -402,7 +431,9 @@ def test_a_request_whose_drafter_is_lost_for_good_equals_the_reference(
     finally:
         router.close()
         component.close()
-    assert drafter.refused > 0 and result.stats.num_accepted > 0
+    assert drafter.refused > 0
+    if lockstep:  # its blocks decided some positions before it was lost
+        assert result.stats.num_accepted > 0
     assert result.stats.num_verify_passes > MAX_TOKENS // 2  # mostly the target alone
     assert result.tokens == reference(prompt, sampling, 21, MAX_TOKENS)
 
@@ -411,20 +442,21 @@ def test_a_request_whose_drafter_is_lost_for_good_equals_the_reference(
 
 
 def test_greedy_requests_are_unaffected_by_the_rule(
-    routers: dict[str, Router],
+    routers: dict[str, Routers],
     local_tandem: LocalTandem,
     target_only: dict[str, tuple[int, ...]],
     tiny_target: LoadedModel,
 ) -> None:
-    """`seed_exact` on a greedy request changes nothing: argmax needs no noise."""
-    router = routers["draft"]
+    """`seed_exact` on a greedy request changes nothing: argmax needs no noise (on the default
+    router and on a lockstep one)."""
     for prompt in PROMPTS[:4]:
         tokens = encode(local_tandem, prompt)
         expected = target_only[prompt]  # greedy target-only output, 40 tokens
-        for seed_exact in (False, True):
+        for seed_exact, lockstep in itertools.product((False, True), (False, True)):
             greedy = SamplingParams(seed_exact=seed_exact)
             request = GenerationRequest(tokens, len(expected), greedy, seed=9, draft_tokens=4)
-            assert router.generate(request).tokens == expected, (prompt, seed_exact)
+            result = routers["draft"](lockstep).generate(request)
+            assert result.tokens == expected, (prompt, seed_exact, lockstep)
         greedy = SamplingParams(seed_exact=True)
         ref = reference_generate(
             tiny_target, tokens, len(expected), greedy, 9, sorted(tiny_target.eos_token_ids)
@@ -434,11 +466,12 @@ def test_greedy_requests_are_unaffected_by_the_rule(
 
 
 def test_the_rejection_rule_gives_other_tokens_that_depend_on_the_block_length(
-    routers: dict[str, Router], local_tandem: LocalTandem, reference: Reference
+    routers: dict[str, Routers], local_tandem: LocalTandem, reference: Reference
 ) -> None:
     """Sanity: the same seeded request under rejection sampling is another (exact) sample, and
-    its tokens change with the block length alone; seed-exact's do not (the tests above)."""
-    router = routers["draft"]
+    its tokens change with the block length alone; seed-exact's do not (the tests above). On
+    the lockstep router, where drafted tokens decide every position."""
+    router = routers["draft"].lockstep
     prompt = encode(local_tandem, CODE_PROMPT)
     seed_exact = SAMPLINGS["t1-top-p0.9"]
     rejection = SamplingParams(temperature=1.0, top_p=0.9)

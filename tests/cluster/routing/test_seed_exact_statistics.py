@@ -4,8 +4,9 @@ As in `test_lossless_sampling`: for PROMPT, the target's exact joint distributio
 two generated tokens, P(t1, t2) = p(t1 | prompt) p(t2 | prompt, t1) (temperature and top-p
 applied), against the pairs the in-process router emits over NUM_SEEDS = 2,000 seeded requests,
 by Pearson's chi-square with cells expected fewer than 5 times pooled. Here every request
-follows the seed-exact rule (`SamplingParams.seed_exact`), with the first token drafted too
-(`first_token_alone` off) and drafts both accepted and rejected.
+follows the seed-exact rule (`SamplingParams.seed_exact`), on a lockstep router
+(`verifier_advances` off: the first token drafted too, every token decided by a posted block)
+and drafts both accepted and rejected.
 
 Bound: the seeds are fixed, so each test is deterministic; under a correct sampler the p-value
 is (asymptotically) uniform, so it falls below ALPHA = 1e-4 for one set of seeds in 10,000.
@@ -39,6 +40,7 @@ from cluster.routing.request import GenerationRequest
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from cluster.tools.baselines.hf_reference import reference_generate
+from tests.cluster.routing.lockstep_routers import held_lockstep_router
 from tests.cluster.routing.test_lossless_sampling import (
     ALPHA,
     NUM_SEEDS,
@@ -65,10 +67,13 @@ the test's own 2,000 samples."""
 
 
 def faulty(fault: str) -> Iterator[LocalTandem]:
+    """The tiny pair with a verifier of `fault`, its router a lockstep one: the first token
+    goes through the draft path too."""
     tandem = build_local(
-        resolve_pair("tiny", device="cpu"), verifier_config=VerifierConfig(fault=fault)
+        resolve_pair("tiny", device="cpu"),
+        verifier_config=VerifierConfig(fault=fault),
+        verifier_advances=False,
     )
-    tandem.router.first_token_alone = False  # the first token goes through the draft path too
     yield tandem
     tandem.router.close()
     tandem.verifier.close()
@@ -117,12 +122,15 @@ def test_seed_exact_first_two_tokens_follow_the_target(
     sampling: SamplingParams,
     draft_tokens: int,
     pipelined: bool,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(local_tandem.router, "first_token_alone", False)
-    counts, tally = sample_first_two(
-        local_tandem.router, tiny_target.vocab_size, sampling, draft_tokens, MAX_TOKENS, pipelined
-    )
+    # Lockstep, its pipelined blocks verified ahead of their predecessors' verdicts.
+    router = held_lockstep_router(local_tandem.verifier, local_tandem.drafter, local_tandem.target)
+    try:
+        counts, tally = sample_first_two(
+            router, tiny_target.vocab_size, sampling, draft_tokens, MAX_TOKENS, pipelined
+        )
+    finally:
+        router.close()
     assert 0 < tally.accepted < tally.drafted  # drafts were accepted and rejected
     assert (tally.pipeline_hits > 0) == pipelined
     assert chi_square_p_value(counts, joint_first_two(tiny_target, sampling)) > ALPHA

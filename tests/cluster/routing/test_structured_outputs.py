@@ -9,7 +9,9 @@ the target with llguidance's own matcher masking each step (not Tandem's `TokenM
 
 - Greedy and seed-exact output equal it token for token for a JSON schema, a regex and a Lark
   grammar, under the draft model, prompt lookup (alone and before the model) and a trimmed
-  draft, block lengths 1..8, serial and pipelined rounds.
+  draft, block lengths 1..8, serial and pipelined rounds, on the default router (its verifier
+  sessions run) and on a lockstep one (`verifier_advances` off: every token through a posted
+  block, so that drafts are accepted and rejected; `tests.cluster.routing.lockstep_routers`).
 - Sampled (rejection rule) output follows the exact constrained distribution by chi-square, and
   a verifier that leaves the bonus position unmasked (`VerifierConfig(fault="unmasked_bonus")`)
   fails that test.
@@ -36,17 +38,18 @@ from scipy import stats
 from cluster.api.convert import request_from_proto
 from cluster.api.service import TandemService
 from cluster.api.tenants import Tenants
-from cluster.local import LocalTandem, build_local, text_decoder
+from cluster.local import LocalTandem, build_local
 from cluster.presets import resolve_pair
 from cluster.routing.request import FinishReason, GenerationRequest
 from cluster.routing.router import Router
-from cluster.runtime.constraint import Grammar, grammar_tokenizer_of
+from cluster.runtime.constraint import Grammar
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from cluster.tools.baselines.hf_reference import reference_generate
 from drafter.config import NgramConfig
 from protos import generate_pb2, sampling_pb2
+from tests.cluster.routing.lockstep_routers import Routers, held_lockstep_router, router_pair
 from verifier.config import VerifierConfig
 
 MAX_TOKENS = 64
@@ -78,9 +81,11 @@ PROMPTS = {
 KINDS = ("draft", "lookup", "lookup+draft", "trimmed")
 """What proposes a request's blocks (`routers`)."""
 Run = tuple[int, bool, bool]
-"""(draft_tokens, pipelined, first_token_alone)."""
-MODES = ((False, False), (True, True))
-"""Serial rounds with the first token drafted too; pipelined with it verified alone."""
+"""(draft_tokens, pipelined, lockstep): `lockstep` on the kind's lockstep router, else on its
+default one (verifier sessions run)."""
+MODES = ((False, True), (True, False), (True, True))
+"""Serial lockstep rounds (the first token drafted too); pipelined ones on the default router
+(the first tokens the target's alone); pipelined lockstep ones (blocks verified ahead)."""
 RUNS: list[Run] = [(k, *mode) for k in (1, 4, 8) for mode in MODES]
 SLOW_RUNS: list[Run] = [(k, *mode) for k in (2, 3, 5, 6, 7) for mode in MODES]
 """With RUNS, every block length 1..8 in both modes."""
@@ -129,23 +134,17 @@ def reference(tiny_target: LoadedModel) -> Reference:
 
 
 @pytest.fixture(scope="module")
-def routers(local_tandem: LocalTandem, trimmed_tandem: LocalTandem) -> Iterator[dict[str, Router]]:
+def routers(local_tandem: LocalTandem, trimmed_tandem: LocalTandem) -> Iterator[dict[str, Routers]]:
     verifier, drafter, target = local_tandem.verifier, local_tandem.drafter, local_tandem.target
-    decode, eos = text_decoder(local_tandem.tokenizer), target.eos_token_ids
-    grammars = grammar_tokenizer_of(target.tokenizer, eos)
     built = {
-        "draft": Router(verifier, drafter, decode, eos, grammar_tokenizer=grammars),
-        "lookup": Router(verifier, None, decode, eos, ngram=LOOKUP, grammar_tokenizer=grammars),
-        "lookup+draft": Router(
-            verifier, drafter, decode, eos, ngram=LOOKUP, grammar_tokenizer=grammars
-        ),
-        "trimmed": Router(
-            trimmed_tandem.verifier, trimmed_tandem.drafter, decode, eos, grammar_tokenizer=grammars
-        ),
+        "draft": router_pair(verifier, drafter, target),
+        "lookup": router_pair(verifier, None, target, ngram=LOOKUP),
+        "lookup+draft": router_pair(verifier, drafter, target, ngram=LOOKUP),
+        "trimmed": router_pair(trimmed_tandem.verifier, trimmed_tandem.drafter, target),
     }
     yield built
-    for router in built.values():
-        router.close()
+    for pair in built.values():
+        pair.close()
 
 
 @dataclass
@@ -161,7 +160,7 @@ def first_difference(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 
 def check_equal_to_reference(
-    router: Router,
+    routers: Routers,
     expected: tuple[int, ...],
     request: GenerationRequest,
     runs: list[Run],
@@ -170,22 +169,19 @@ def check_equal_to_reference(
     """Generate `request` once per run (its block length and round mode replaced); the runs
     whose tokens differ from `expected`, and where."""
     mismatches = []
-    try:
-        for k, pipelined, alone in runs:
-            router.first_token_alone = alone
-            result = router.generate(
-                dataclasses.replace(request, draft_tokens=k), pipelined=pipelined
-            )
-            if result.tokens != expected:
-                at = first_difference(result.tokens, expected)
-                mismatches.append(f"k={k} pipelined={pipelined}: at {at}")
-            elif expected[-1] == EOS:
-                assert result.finish_reason is FinishReason.STOP
-            tally.drafted += result.stats.num_drafted
-            tally.accepted += result.stats.num_accepted
-            tally.pipeline_hits += result.stats.pipeline_hits
-    finally:
-        router.first_token_alone = True
+    for k, pipelined, lockstep in runs:
+        result = routers(lockstep).generate(
+            dataclasses.replace(request, draft_tokens=k), pipelined=pipelined
+        )
+        if result.tokens != expected:
+            at = first_difference(result.tokens, expected)
+            mode = "lockstep" if lockstep else "running"
+            mismatches.append(f"k={k} pipelined={pipelined} {mode}: at {at}")
+        elif expected[-1] == EOS:
+            assert result.finish_reason is FinishReason.STOP
+        tally.drafted += result.stats.num_drafted
+        tally.accepted += result.stats.num_accepted
+        tally.pipeline_hits += result.stats.pipeline_hits
     return mismatches
 
 
@@ -199,7 +195,7 @@ def check_equal_to_reference(
     ids=[*KINDS, *(f"{kind}-other-lengths" for kind in KINDS)],
 )  # fmt: skip
 def test_greedy_output_under_a_grammar_equals_hugging_face(
-    routers: dict[str, Router], reference: Reference, kind: str, runs: list[Run]
+    routers: dict[str, Routers], reference: Reference, kind: str, runs: list[Run]
 ) -> None:
     tally = Tally()
     mismatches = []
@@ -228,12 +224,12 @@ SEED_EXACT = {
 @pytest.mark.parametrize("sampling_name", list(SEED_EXACT))
 @pytest.mark.parametrize("kind", ["lookup+draft", "trimmed"])
 def test_seed_exact_output_under_a_grammar_equals_hugging_face(
-    routers: dict[str, Router], reference: Reference, kind: str, sampling_name: str
+    routers: dict[str, Routers], reference: Reference, kind: str, sampling_name: str
 ) -> None:
     """Both processors in Tandem's order: the grammar's mask, then temperature, top-k, top-p
     and the seed-exact draw."""
     sampling = SEED_EXACT[sampling_name]
-    runs: list[Run] = [(1, False, False), (3, True, True), (8, True, False), (5, False, True)]
+    runs: list[Run] = [(1, False, True), (3, True, False), (8, True, True), (5, False, False)]
     tally = Tally()
     mismatches = []
     for name, grammar in GRAMMARS.items():
@@ -340,10 +336,13 @@ def sample_choices(
 
 @pytest.fixture(scope="module")
 def unmasked_bonus() -> Iterator[LocalTandem]:
+    """The tiny pair with an `unmasked_bonus` verifier, its router a lockstep one: the first
+    token goes through the draft path too."""
     tandem = build_local(
-        resolve_pair("tiny", device="cpu"), verifier_config=VerifierConfig(fault="unmasked_bonus")
+        resolve_pair("tiny", device="cpu"),
+        verifier_config=VerifierConfig(fault="unmasked_bonus"),
+        verifier_advances=False,
     )
-    tandem.router.first_token_alone = False
     yield tandem
     tandem.router.close()
     tandem.verifier.close()
@@ -359,11 +358,14 @@ def test_sampled_output_follows_the_constrained_target(
     tiny_target: LoadedModel,
     draft_tokens: int,
     pipelined: bool,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(local_tandem.router, "first_token_alone", False)
+    # Lockstep: drafted tokens decide both letters (and pipelined blocks are verified ahead).
     law = constrained_joint(tiny_target)
-    outputs, tally = sample_choices(local_tandem.router, NUM_SAMPLES, draft_tokens, pipelined, law)
+    router = held_lockstep_router(local_tandem.verifier, local_tandem.drafter, local_tandem.target)
+    try:
+        outputs, tally = sample_choices(router, NUM_SAMPLES, draft_tokens, pipelined, law)
+    finally:
+        router.close()
     assert 0 < tally.accepted < tally.drafted, tally
     assert (tally.pipeline_hits > 0) == pipelined
     assert outputs[OUTSIDE] == 0
@@ -433,37 +435,41 @@ EARLY_END_PROMPT = encode("1k")
 
 @pytest.mark.parametrize(("draft_tokens", "pipelined"), [(0, False), (1, False), (4, True)])
 def test_min_tokens_holds_end_of_sequence_back(
-    routers: dict[str, Router], reference: Reference, draft_tokens: int, pipelined: bool
+    routers: dict[str, Routers], reference: Reference, draft_tokens: int, pipelined: bool
 ) -> None:
-    router, eos = routers["draft"], EOS
-    plain = router.generate(GenerationRequest(EARLY_END_PROMPT, 16, draft_tokens=draft_tokens))
-    assert plain.tokens == (eos,) and plain.finish_reason is FinishReason.STOP
-    request = GenerationRequest(EARLY_END_PROMPT, 16, min_tokens=6, draft_tokens=draft_tokens)
-    result = router.generate(request, pipelined=pipelined)
-    assert eos not in result.tokens[:6]
-    assert result.tokens == reference(EARLY_END_PROMPT, None, max_tokens=16, min_tokens=6)
+    eos = EOS
+    for lockstep in (False, True):
+        router = routers["draft"](lockstep)
+        request = GenerationRequest(EARLY_END_PROMPT, 16, draft_tokens=draft_tokens)
+        plain = router.generate(request)
+        assert plain.tokens == (eos,) and plain.finish_reason is FinishReason.STOP
+        request = GenerationRequest(EARLY_END_PROMPT, 16, min_tokens=6, draft_tokens=draft_tokens)
+        result = router.generate(request, pipelined=pipelined)
+        assert eos not in result.tokens[:6]
+        assert result.tokens == reference(EARLY_END_PROMPT, None, max_tokens=16, min_tokens=6)
 
 
 @pytest.mark.parametrize(("draft_tokens", "pipelined"), [(1, False), (4, True)])
 def test_min_tokens_holds_stop_token_ids_back(
-    routers: dict[str, Router], reference: Reference, draft_tokens: int, pipelined: bool
+    routers: dict[str, Routers], reference: Reference, draft_tokens: int, pipelined: bool
 ) -> None:
-    router = routers["draft"]
     prompt = encode("def add(a, b):")
     stop = reference(prompt, None, max_tokens=1)[0]  # the greedy first token
-    ended = router.generate(
-        GenerationRequest(prompt, 16, stop_token_ids=(stop,), draft_tokens=draft_tokens),
-        pipelined=pipelined,
-    )
-    assert ended.tokens == (stop,) and ended.finish_reason is FinishReason.STOP
-    request = GenerationRequest(
-        prompt, 16, min_tokens=5, stop_token_ids=(stop,), draft_tokens=draft_tokens
-    )
-    result = router.generate(request, pipelined=pipelined)
-    assert stop not in result.tokens[:5] and EOS not in result.tokens[:5]
-    assert result.tokens == reference(
-        prompt, None, max_tokens=16, min_tokens=5, stop_token_ids=(stop,)
-    )
+    for lockstep in (False, True):
+        router = routers["draft"](lockstep)
+        ended = router.generate(
+            GenerationRequest(prompt, 16, stop_token_ids=(stop,), draft_tokens=draft_tokens),
+            pipelined=pipelined,
+        )
+        assert ended.tokens == (stop,) and ended.finish_reason is FinishReason.STOP
+        request = GenerationRequest(
+            prompt, 16, min_tokens=5, stop_token_ids=(stop,), draft_tokens=draft_tokens
+        )
+        result = router.generate(request, pipelined=pipelined)
+        assert stop not in result.tokens[:5] and EOS not in result.tokens[:5]
+        assert result.tokens == reference(
+            prompt, None, max_tokens=16, min_tokens=5, stop_token_ids=(stop,)
+        )
 
 
 # --- a bad grammar is refused before anything runs --------------------------------------------

@@ -1,17 +1,20 @@
-"""The suffix drafter as the router uses it: over real gRPC servers (Frames and unary), output
+"""The suffix drafter as the router uses it: over real gRPC servers (Frames streams), output
 equal to the target alone, serial and pipelined, with its blocks really verified; tenants that
 never draft from each other's text; a failing suffix drafter dropped without a trace in the
-output; and the pure pricing of when a round asks it (`SuffixUse`)."""
+output; and the pure pricing of when a round asks it (`SuffixUse`).
+
+Output is checked on routers whose verifier sessions run (the default) and on lockstep ones
+(`verifier_advances` off), where proposed and drafted blocks decide every position: what is
+counted (tokens proposed, drafted, accepted) is counted there."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
 
-from cluster.local import LocalTandem, text_decoder
+from cluster.local import InProcess, LocalTandem, text_decoder
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.routing.router import Router
@@ -53,24 +56,24 @@ def servers(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> Iterator[Serve
         server.stop(None)
 
 
-@pytest.mark.parametrize("frames", [True, False], ids=["frames", "unary"])
+@pytest.mark.parametrize("advances", [False, True], ids=["lockstep", "running"])
 @pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
 def test_greedy_with_the_suffix_drafter_over_grpc_equals_the_target_alone(
     servers: Servers,
     tiny_target: LoadedModel,
     local_tandem: LocalTandem,
     target_only: dict[str, tuple[int, ...]],
-    frames: bool,
+    advances: bool,
     pipelined: bool,
 ) -> None:
-    drafter = GrpcDrafter(servers.drafter_address, timeout_s=30.0, frames=frames)
-    verifier = GrpcVerifier(servers.verifier_address, timeout_s=30.0, frames=frames)
-    suffix = GrpcDrafter(servers.suffix_address, timeout_s=30.0, frames=frames)
+    drafter = GrpcDrafter(servers.drafter_address, timeout_s=30.0)
+    verifier = GrpcVerifier(servers.verifier_address, timeout_s=30.0)
+    suffix = GrpcDrafter(servers.suffix_address, timeout_s=30.0)
     router = Router(
         verifier, drafter, text_decoder(tiny_target.tokenizer), tiny_target.eos_token_ids,
-        suffix=suffix, pipelined=pipelined,
+        suffix=suffix, pipelined=pipelined, verifier_advances=advances,
     )  # fmt: skip
-    tenant = f"tenant-{frames}-{pipelined}"  # each case starts from an empty index
+    tenant = f"tenant-{advances}-{pipelined}"  # each case starts from an empty index
     second = SpeculationStats()
     try:
         for attempt in range(2):  # the second pass finds the first's output in the index
@@ -85,8 +88,9 @@ def test_greedy_with_the_suffix_drafter_over_grpc_equals_the_target_alone(
                     second.suffix_accepted += result.stats.suffix_accepted
     finally:
         router.close()
-    # Its blocks were verified, and the target agreed with most of what its own text said.
-    assert second.suffix_accepted > MAX_TOKENS // 2
+    if not advances:
+        # Its blocks were verified, and the target agreed with most of what its own text said.
+        assert second.suffix_accepted > MAX_TOKENS // 2
     assert second.suffix_accepted <= second.suffix_drafted
     for client in (drafter, verifier, suffix):
         assert client.stats().num_sessions == 0
@@ -113,11 +117,16 @@ class SpySuffix(SuffixDrafter):
         return block
 
 
-def in_process_router(local_tandem: LocalTandem, suffix: SuffixDrafter) -> Router:
+def in_process_router(
+    local_tandem: LocalTandem, suffix: SuffixDrafter, advances: bool = True
+) -> Router:
+    """A serial router over the tandem's components and `suffix`; lockstep unless
+    `advances`."""
     target = local_tandem.target
     return Router(
-        local_tandem.verifier, local_tandem.drafter, text_decoder(target.tokenizer),
-        target.eos_token_ids, suffix=suffix, pipelined=False,
+        InProcess(local_tandem.verifier), InProcess(local_tandem.drafter),
+        text_decoder(target.tokenizer), target.eos_token_ids, suffix=InProcess(suffix),
+        pipelined=False, verifier_advances=advances,
     )  # fmt: skip
 
 
@@ -148,21 +157,24 @@ def test_no_tenant_drafts_from_another_tenants_text(
         router.close()
     again = first_proposal(spy, "a", since)
     if scope == "tenant":
-        position = len(tokens) + 1  # the opening round committed one token
-        assert again and again == target_only[prompt][1 : 1 + len(again)]
+        # Asked as the verifier's session starts: the proposal continues the prompt.
+        position = len(tokens)
+        assert again and again == target_only[prompt][: len(again)]
         assert spy.proposals[since][1] == position
     else:  # a request's own text only: nothing to continue at the first ask
         assert again == ()
     assert spy.stats().num_sessions == 0
 
 
+@pytest.mark.parametrize("advances", [False, True], ids=["lockstep", "running"])
 def test_a_tenant_that_keeps_its_text_out_is_never_held_nor_drafted_for(
-    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
+    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]], advances: bool
 ) -> None:
     """`suffix_index: false` (the tenant's config, carried by its requests): the suffix drafter
-    is never opened for them, so none of their text enters an index; the model drafts."""
+    is never opened for them, so none of their text enters an index; the model drafts (counted
+    on a lockstep router, where its blocks are verified)."""
     spy = SpySuffix(SuffixConfig())
-    router = in_process_router(local_tandem, spy)
+    router = in_process_router(local_tandem, spy, advances)
     prompt = PROMPTS[0]
     try:
         for _ in range(2):
@@ -172,7 +184,9 @@ def test_a_tenant_that_keeps_its_text_out_is_never_held_nor_drafted_for(
             )  # fmt: skip
             result = router.generate(request)
             assert result.tokens == target_only[prompt]
-            assert result.stats.num_drafted > 0 and result.stats.suffix_drafted == 0
+            assert result.stats.suffix_drafted == 0
+            if not advances:
+                assert result.stats.num_drafted > 0
     finally:
         router.close()
     assert spy.tenants == {} and spy.proposals == []
@@ -191,17 +205,19 @@ class FailingSuffix(SuffixDrafter):
         raise ReplicaUnavailableError("suffix drafter: connection lost")
 
 
+@pytest.mark.parametrize("advances", [False, True], ids=["lockstep", "running"])
 def test_a_failing_suffix_drafter_is_dropped_and_output_is_unchanged(
-    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
+    local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]], advances: bool
 ) -> None:
     failing = FailingSuffix()
-    router = in_process_router(local_tandem, failing)
+    router = in_process_router(local_tandem, failing, advances)
     try:
         for prompt in TWO_PROMPTS:
             request = GenerationRequest(encode(local_tandem, prompt), MAX_TOKENS, draft_tokens=4)
             result = router.generate(request)
             assert result.tokens == target_only[prompt]
-            assert result.stats.num_drafted > 0  # the model drafted once it was dropped
+            if not advances:  # counted where its blocks are verified
+                assert result.stats.num_drafted > 0  # the model drafted once it was dropped
     finally:
         router.close()
     assert failing.drafts == len(TWO_PROMPTS)  # asked once per request, then dropped
@@ -247,12 +263,12 @@ def test_a_proposal_shorter_than_the_models_block_is_left_for_the_model() -> Non
     suffix.open_session("earlier", (5, 6, 7, 8, 9, 10, 11, 12), SamplingParams(), 0, tenant="t")
     request = GenerationRequest((1, 2, 3), 32, tenant="t")
     history = [1, 2, 3, 6, 7]  # "6, 7" recurs: 8, 9 follow, capped at two tokens
-    with ThreadPoolExecutor(1) as pool:
-        wanting_four = SuffixDrafting(suffix, "suffix", "s1")
-        assert run(wanting_four.propose(pool, request, history, 16, shortest=4)) is None
-        assert wanting_four.use.fruitless == 1 and not wanting_four.use.ask()
-        wanting_two = SuffixDrafting(suffix, "suffix", "s2")
-        block = run(wanting_two.propose(pool, request, history, 16, shortest=2))
-        assert block is not None and block.tokens == (8, 9)
-        assert wanting_two.use.fruitless == 0
+    port = InProcess(suffix)
+    wanting_four = SuffixDrafting(port, "suffix", "s1")
+    assert run(wanting_four.propose(request, history, 16, shortest=4)) is None
+    assert wanting_four.use.fruitless == 1 and not wanting_four.use.ask()
+    wanting_two = SuffixDrafting(port, "suffix", "s2")
+    block = run(wanting_two.propose(request, history, 16, shortest=2))
+    assert block is not None and block.tokens == (8, 9)
+    assert wanting_two.use.fruitless == 0
     suffix.close()

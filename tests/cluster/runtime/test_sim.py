@@ -1,12 +1,16 @@
 """The simulated device: deterministic logits, a draft at the requested agreement, modelled time
-honoured (on a fake clock), greedy output through the router equal to the sim target alone."""
+honoured (on a fake clock), greedy output through the router equal to the sim target alone, and
+rows equal to a plain-integer reference of the hashing at any batch size."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
-from cluster.local import build_local
+from cluster.local import build_local, local_router
 from cluster.presets import resolve_pair
 from cluster.routing.request import GenerationRequest
 from cluster.runtime import sim, sim_source
@@ -133,13 +137,18 @@ def test_greedy_through_the_router_equals_the_sim_target_alone() -> None:
     local = build_local(resolve_pair("sim-instant", device="cpu"))
     prompt = list(local.tokenizer.encode("def add(a, b):", add_special_tokens=False))
     reference = _greedy(local.target.model, prompt, 40)
-    for k, pipelined in [(0, False), (1, False), (4, False), (4, True), (8, True)]:
-        result = local.router.generate(
-            GenerationRequest(tuple(prompt), 40, draft_tokens=k), pipelined=pipelined
-        )
-        assert list(result.tokens) == reference, (k, pipelined)
-        if k:
-            assert result.stats.num_accepted > 0
+    # The default router's sessions run, so the instant drafter's blocks mostly come after the
+    # verifier took those tokens alone; the lockstep router verifies every token from a posted
+    # block, so there drafted tokens must have been accepted.
+    lockstep = local_router(local.verifier, local.drafter, local.target, verifier_advances=False)
+    for router in (local.router, lockstep):
+        for k, pipelined in [(0, False), (1, False), (4, False), (4, True), (8, True)]:
+            result = router.generate(
+                GenerationRequest(tuple(prompt), 40, draft_tokens=k), pipelined=pipelined
+            )
+            assert list(result.tokens) == reference, (router.verifier_advances, k, pipelined)
+            if k and router is lockstep:
+                assert result.stats.num_accepted > 0
     assert local.tokenizer.decode(reference).startswith(" ")  # ids decode to words
     verifier, drafter = local.verifier.engine.stats(), local.drafter.engine.stats()
     assert verifier.runner == "sim" and verifier.device_s == 0.0  # the instant profile
@@ -162,3 +171,89 @@ def test_ideal_rates_follow_the_acceptance_model() -> None:
     assert sim.ideal_rates(target, draft, alpha=1.0, k=4).tokens_per_verify == 5
     batched = sim.ideal_rates(target, draft, alpha=0.8, k=0, streams=64, context_tokens=0)
     assert batched.target_only == pytest.approx(64 / target.step_s(64, 0))
+
+
+# The hashing and row building as they were first written, one row at a time in plain integers:
+# `sim.sim_logits` (in numpy arrays from `VECTOR_MIN_ROWS` rows on) must give the same rows, so
+# that outputs recorded with the simulated models stay valid.
+_MASK_62 = (1 << 62) - 1
+
+
+def _reference_mix(x: int) -> int:
+    x &= _MASK_62
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B) & _MASK_62
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111E) & _MASK_62
+    return x ^ (x >> 31)
+
+
+def _reference_key(seed: int, previous: int, current: int, position: int) -> int:
+    x = _reference_mix(position * 0x9E3779B97F4A7C1 + seed)
+    x = _reference_mix(x ^ ((previous + 2) * 0x632BE59BD9B4E01))
+    return _reference_mix(x ^ ((current + 1) * 0x2545F4914F6CDD1))
+
+
+def _reference_row(
+    table: torch.Tensor, seed: int, context: tuple[int, int, int], alpha: float | None
+) -> torch.Tensor:
+    vocab = table.shape[1]
+    words = vocab - sim_source.FIRST_WORD_ID
+    key = _reference_key(seed, *context)
+    row = table[key % sim.NUM_TAIL_ROWS].clone()
+    favoured: dict[int, float] = {}  # the higher rank wins an id
+    chained, top = key, -1
+    for rank, value in enumerate(sim_source.FAVOURED):
+        chained = _reference_mix(chained + 1)
+        token = sim_source.FIRST_WORD_ID + chained % words
+        favoured.setdefault(token, value)
+        top = token if rank == 0 else top
+    if alpha is not None and alpha < 1.0:
+        draw = _reference_mix(key ^ sim.DRAFT_SALT)
+        if (draw % (1 << 24)) / (1 << 24) >= alpha:
+            offset = 1 + _reference_mix(draw) % (words - 1)
+            other = sim_source.FIRST_WORD_ID + (top - sim_source.FIRST_WORD_ID + offset) % words
+            favoured[other] = sim_source.FAVOURED[0] + 1.0
+    for token, value in favoured.items():
+        row[token] = value
+    return row
+
+
+def test_the_hash_over_arrays_gives_the_plain_integer_values() -> None:
+    edges = [0, 1, (1 << 62) - 1, 1 << 62, (1 << 63) + 5, (1 << 64) - 1]
+    values = edges + [random.Random(0).getrandbits(64) for _ in range(200)]
+    mixed = sim._mix(np.array(values, dtype=np.uint64))
+    assert mixed.tolist() == [_reference_mix(v) for v in values]
+    assert [sim._mix(v) for v in values] == [_reference_mix(v) for v in values]
+
+
+@pytest.mark.parametrize("vocab", [260, VOCAB, 32_000])
+@pytest.mark.parametrize("alpha", [None, 0.0, 0.6, 1.0])
+def test_rows_are_the_plain_integer_reference_at_any_batch(vocab: int, alpha: float | None) -> None:
+    rng = random.Random(vocab)
+    for seed in (0, 3, -7, (1 << 70) + 11):  # a seed is any integer; only 62 bits of it count
+        table = sim.tail_table(vocab, seed % 1000)
+        for rows in (1, sim.VECTOR_MIN_ROWS - 1, sim.VECTOR_MIN_ROWS, 97):
+            contexts = [
+                (rng.choice([-1, rng.randrange(vocab)]), rng.randrange(vocab),
+                 rng.choice([0, rng.randrange(1 << 20), rng.getrandbits(48)]))
+                for _ in range(rows)
+            ]  # fmt: skip
+            got = sim.sim_logits(table, seed, *zip(*contexts, strict=True), alpha)
+            reference = torch.from_numpy(table)
+            want = torch.stack([_reference_row(reference, seed, c, alpha) for c in contexts])
+            assert torch.equal(got, want), (seed, rows)
+
+
+def test_the_background_is_the_seeded_normal_table() -> None:
+    # The table is what it always was (with the hashing, recorded outputs stay valid); a
+    # smaller vocabulary holds less background mass, so its top token holds more.
+    generator = torch.Generator().manual_seed(5)
+    first = torch.randn(sim.NUM_TAIL_ROWS, 4_096, generator=generator) - 8.0
+    first[:, sim_source.END_OF_TEXT_ID] = sim.END_OF_TEXT_LOGIT
+    assert torch.equal(torch.from_numpy(sim.tail_table(4_096, 5)), first)
+    shares = []
+    for vocab in (4_096, 32_000):
+        positions = list(range(2_000))
+        rows = sim.sim_logits(sim.tail_table(vocab, 0), 0, [7] * 2_000, [300] * 2_000, positions)
+        shares.append(float(rows.softmax(-1).max(-1).values.mean()))
+    assert shares[0] == pytest.approx(0.65, abs=0.01)
+    assert shares[1] == pytest.approx(0.55, abs=0.01)

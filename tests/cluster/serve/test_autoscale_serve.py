@@ -73,8 +73,8 @@ def autoscaled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, o
     port = free_port()
     serve = subprocess.run(
         [TANDEM, "serve", "--config", str(config), "--port", str(port), "--detach",
-         "--http-port", str(free_port()), "--direct-port", str(free_port()),
-         "--direct-http-port", str(free_port())],
+         "--http-port", str(free_port()), "--proxy-port", str(free_port()),
+         "--proxy-http-port", str(free_port())],
         env=env, capture_output=True, text=True, timeout=SERVE_TIMEOUT_S, check=False,
     )  # fmt: skip
     try:

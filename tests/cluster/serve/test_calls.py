@@ -1,51 +1,24 @@
-"""`stream_in_thread`: a blocking Tandem stream bridged to the event loop, pending items merged.
+"""`stream_on_loop`: a Tandem stream's steps run on the event loop, pending items merged.
 
-Both faces of the router ingress (gRPC and HTTP) read a stream through it, and a cancelled
-call (the client went away) closes it, which is what frees the request's sessions on both
-replicas. The generator here stands for a Tandem stream: its `finally` is the close. One thread
-runs it to its end; the reader can leave while a step runs (the close must wait for it: a
-running generator cannot be closed) or before the thread has started (it closes the generator
-without a step). Each test keeps its own reference to the generator, so only an explicit close,
-never garbage collection, can run its `finally`. No timing is assumed: a slow reader is one
-that waits on an event the producer sets once it has produced what the test needs.
+Both faces of the router (gRPC and HTTP, on Serve's proxies and on the routers' own servers)
+read a stream through it, and a cancelled call (the client went away) closes it, which is what
+frees the request's sessions on both replicas. The generators here stand for a Tandem stream:
+their `finally` is the close. No timing is assumed beyond short sleeps that let the loop run: a
+slow reader is one that reads only once the producer has produced what the test needs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
-import threading
-from collections.abc import Generator, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Generator
+from concurrent.futures import Future
 
 import pytest
 
 from cluster.api.response import ApiChunk, Usage, coalesce
 from cluster.routing.request import FinishReason, SpeculationStats
 from cluster.routing.waits import Wait
-from cluster.serve.calls import stream_in_thread, stream_on_loop
-from tests.polling import wait_until
-
-
-class Stream:
-    """A blocking stream of three items that records how it ended; `hold` blocks its second
-    step until released."""
-
-    def __init__(self, hold: threading.Event | None = None) -> None:
-        self.closed = threading.Event()
-        self.running_second = threading.Event()
-        self._hold = hold
-
-    def items(self) -> Generator[int, None, None]:
-        try:
-            yield 1
-            self.running_second.set()
-            if self._hold is not None:
-                self._hold.wait()
-            yield 2
-            yield 3
-        finally:
-            self.closed.set()
+from cluster.serve.calls import stream_on_loop
 
 
 def unmerged(items: list[int]) -> list[int]:
@@ -56,87 +29,26 @@ def as_tuple(items: list[int]) -> list[tuple[int, ...]]:
     return [tuple(items)]
 
 
-@pytest.fixture
-def threads() -> Iterator[ThreadPoolExecutor]:
-    pool = ThreadPoolExecutor(1, thread_name_prefix="stream")
-    yield pool
-    pool.shutdown(wait=True)
-
-
 async def cancel(task: asyncio.Future[int]) -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
 
 
-def test_a_stream_read_to_its_end_is_closed(threads: ThreadPoolExecutor) -> None:
-    stream = Stream()
-    items = stream.items()
+def test_an_error_comes_after_the_items_before_it() -> None:
+    answer: Future[int] = Future()
 
-    async def read() -> list[int]:
-        return [item async for item in stream_in_thread(items, threads, unmerged)]
-
-    assert asyncio.run(read()) == [1, 2, 3]
-    wait_until(stream.closed.is_set, what="the stream closed")
-
-
-def test_a_reader_that_leaves_during_a_step_closes_the_stream_once_it_ends(
-    threads: ThreadPoolExecutor,
-) -> None:
-    hold = threading.Event()
-    stream = Stream(hold)
-    items = stream.items()
-
-    async def leave_during_the_second_step() -> None:
-        chunks = stream_in_thread(items, threads, unmerged)
-        assert await anext(chunks) == 1
-        second = asyncio.ensure_future(anext(chunks))
-        await asyncio.to_thread(stream.running_second.wait)
-        await cancel(second)
-        assert not stream.closed.is_set()  # it is still running: it cannot be closed yet
-        hold.set()
-
-    asyncio.run(leave_during_the_second_step())
-    wait_until(stream.closed.is_set, what="the stream closed after its step")
-
-
-def test_a_reader_that_leaves_before_a_thread_took_the_stream_still_closes_it(
-    threads: ThreadPoolExecutor,
-) -> None:
-    """The pool's one thread is busy, so the stream has not started when the call is
-    cancelled: it never runs a step, yet it must be closed."""
-    stream = Stream()
-    items = stream.items()
-    busy = threading.Event()
-
-    async def leave_while_the_stream_waits() -> None:
-        chunks = stream_in_thread(items, threads, unmerged)
-        threads.submit(busy.wait)
-        first = asyncio.ensure_future(anext(chunks))
-        await asyncio.sleep(0)  # the stream is submitted, behind `busy`
-        await cancel(first)
-        busy.set()
-
-    asyncio.run(leave_while_the_stream_waits())
-    wait_until(
-        lambda: inspect.getgeneratorstate(items) == inspect.GEN_CLOSED, what="the stream closed"
-    )
-    assert not stream.running_second.is_set()
-
-
-def test_an_error_comes_after_the_items_before_it(threads: ThreadPoolExecutor) -> None:
-    failed = threading.Event()
-
-    def failing() -> Generator[int, None, None]:
+    def failing() -> Generator[int | Wait, None, None]:
         yield 1
         yield 2
-        failed.set()
+        yield Wait(answer)
         raise ValueError("the stream failed")
 
     async def read_after_the_failure() -> list[tuple[int, ...]]:
-        chunks = stream_in_thread(failing(), threads, as_tuple)
-        read = [await anext(chunks)]  # the stream starts with the first read
-        await asyncio.to_thread(failed.wait)
+        chunks = stream_on_loop(failing(), as_tuple)
+        read = [await anext(chunks)]
+        answer.set_result(0)
+        await asyncio.sleep(0.01)
         with pytest.raises(ValueError, match="the stream failed"):
             while True:
                 read.append(await anext(chunks))
@@ -149,38 +61,36 @@ def test_an_error_comes_after_the_items_before_it(threads: ThreadPoolExecutor) -
 NUM_CHUNKS = 20
 
 
-def test_a_slow_reader_gets_fewer_merged_chunks_with_the_same_content(
-    threads: ThreadPoolExecutor,
-) -> None:
-    """The reader takes its first chunk, then waits until the producer has produced every
-    chunk but the last: whatever was pending when it asks again comes as one chunk."""
-    produced = threading.Event()
+def test_a_slow_reader_gets_fewer_merged_chunks_with_the_same_content() -> None:
+    """The reader takes its first chunk, then reads again only once every chunk has been
+    produced: whatever was pending comes as one chunk, with the same content."""
+    released: Future[int] = Future()
     stats = SpeculationStats(num_drafted=3, num_accepted=2, num_verify_passes=4)
     last = ApiChunk("r", (NUM_CHUNKS,), "end", FinishReason.STOP, Usage(5, NUM_CHUNKS + 1), stats)
 
-    def chunks() -> Generator[ApiChunk, None, None]:
-        for n in range(NUM_CHUNKS):
+    def chunks() -> Generator[ApiChunk | Wait, None, None]:
+        yield ApiChunk("r", (0,), "<0>")
+        yield Wait(released)
+        for n in range(1, NUM_CHUNKS):
             yield ApiChunk("r", (n,), f"<{n}>")
-        produced.set()
         yield last
 
     async def read_slowly() -> list[ApiChunk]:
-        merged = stream_in_thread(chunks(), threads, coalesce)
+        merged = stream_on_loop(chunks(), coalesce)
         received = [await anext(merged)]
-        await asyncio.to_thread(produced.wait)
+        released.set_result(0)
+        await asyncio.sleep(0.05)
         received.extend([chunk async for chunk in merged])
         return received
 
     received = asyncio.run(read_slowly())
-    # At most: what was pending at the first read, all the rest but the last, the last.
-    assert len(received) <= 3 < NUM_CHUNKS + 1
+    assert len(received) == 2 < NUM_CHUNKS + 1
     assert tuple(t for chunk in received for t in chunk.tokens) == tuple(range(NUM_CHUNKS + 1))
     assert (
         "".join(chunk.text for chunk in received)
         == "".join(f"<{n}>" for n in range(NUM_CHUNKS)) + "end"
     )
-    assert [chunk.finish_reason for chunk in received][-1] == FinishReason.STOP
-    assert all(chunk.finish_reason is None for chunk in received[:-1])
+    assert [chunk.finish_reason for chunk in received] == [None, FinishReason.STOP]
     assert (received[-1].usage, received[-1].stats) == (last.usage, stats)
 
 

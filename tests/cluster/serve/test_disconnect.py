@@ -1,7 +1,8 @@
 """A client that goes away frees its request on both sides within a second.
 
-Through the session's service (tests/cluster/conftest.py: Serve's gRPC proxy, the router
-ingress, two drafter and two verifier replicas, a suffix drafter), as a tenant kept out of the
+Through the session's service (tests/cluster/conftest.py) at its second door (`proxy_address`:
+Serve's gRPC proxy, the router ingress, two drafter and two verifier replicas, a suffix drafter;
+test_front covers the default door, the routers' own server), as a tenant kept out of the
 suffix index (TENANT_KEY): a stream the client leaves after a few chunks, and a unary
 Generate whose client deadline runs out, as gRPC's deadline alone (the proxy cancels the
 call; the router learns nothing else) and as the shipped client sends it (also in the
@@ -131,7 +132,7 @@ def assert_released(replicas: Replicas, ended: float) -> None:
 def test_leaving_a_stream_frees_both_sides_within_a_second(
     service: dict[str, object], replicas: Replicas
 ) -> None:
-    with TandemClient(str(service["address"]), api_key=TENANT_KEY) as client:
+    with TandemClient(str(service["proxy_address"]), api_key=TENANT_KEY) as client:
         chunks = client.stream(CODE_PROMPT, max_tokens=LONG_MAX_TOKENS)
         for _ in range(CHUNKS_READ):
             assert next(chunks).finish_reason is None
@@ -144,7 +145,7 @@ def test_leaving_a_stream_frees_both_sides_within_a_second(
 
 def grpc_deadline_only(service: dict[str, object]) -> None:
     """Generate with a gRPC deadline and no deadline metadata: only the proxy knows it."""
-    with grpc.insecure_channel(str(service["address"])) as channel:
+    with grpc.insecure_channel(str(service["proxy_address"])) as channel:
         request = generate_pb2.GenerateRequest(text=CODE_PROMPT, max_tokens=LONG_MAX_TOKENS)
         auth = [("authorization", f"Bearer {TENANT_KEY}")]
         try:
@@ -159,7 +160,7 @@ def grpc_deadline_only(service: dict[str, object]) -> None:
 
 def shipped_client(service: dict[str, object]) -> None:
     """Generate with the shipped client's timeout: a gRPC deadline and the same in metadata."""
-    address, key = str(service["address"]), TENANT_KEY
+    address, key = str(service["proxy_address"]), TENANT_KEY
     with (
         TandemClient(address, timeout_s=DEADLINE_S, api_key=key) as client,
         pytest.raises(TandemClientError) as error,

@@ -1,9 +1,11 @@
-"""The router replicas' own servers (`cluster.serve.front`) on the session's service: the public
-gRPC and HTTP APIs with no Serve proxy in between, answering exactly what the proxies answer.
+"""The two doors of the session's service agree: the router replicas' own servers
+(`cluster.serve.front`, the default door: the public gRPC and HTTP APIs with no Serve proxy in
+between) answer exactly what Serve's proxies (the second door) answer.
 
-`tandem serve` starts both beside the proxies (`--direct-port`, `--direct-http-port`;
-tests/cluster/conftest.py gives them free ports). The outputs are compared with the target alone
-in process (greedy) and with the proxy's answer to the same request.
+`tandem serve` starts both (`--port` and `--http-port` for the routers' own, `--proxy-port` and
+`--proxy-http-port` for the proxies; tests/cluster/conftest.py gives them free ports). The
+outputs are compared with the target alone in process (greedy) and with the proxy's answer to
+the same request.
 """
 
 from __future__ import annotations
@@ -28,8 +30,16 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def direct(service: dict[str, object]) -> TandemClient:
+    """A client of the default door: the routers' own gRPC server."""
+    with TandemClient(str(service["address"]), timeout_s=120, api_key=TENANT_KEYS["main"]) as c:
+        yield c  # type: ignore[misc]
+
+
+@pytest.fixture(scope="module")
+def proxied(service: dict[str, object]) -> TandemClient:
+    """A client of the second door: Serve's gRPC proxy."""
     with TandemClient(
-        str(service["direct_address"]), timeout_s=120, api_key=TENANT_KEYS["main"]
+        str(service["proxy_address"]), timeout_s=120, api_key=TENANT_KEYS["main"]
     ) as client:
         yield client  # type: ignore[misc]
 
@@ -53,9 +63,9 @@ def test_greedy_over_the_routers_own_server_equals_the_target_alone(
         assert chunks[-1].finish_reason == unary.finish_reason
 
 
-def test_sampled_output_is_the_proxys(direct: TandemClient, client: TandemClient) -> None:
+def test_sampled_output_is_the_proxys(direct: TandemClient, proxied: TandemClient) -> None:
     kwargs = dict(max_tokens=32, temperature=0.9, top_p=0.95, seed=5, draft_tokens=3)
-    through_proxy = client.generate(PROMPTS[3], **kwargs)  # type: ignore[arg-type]
+    through_proxy = proxied.generate(PROMPTS[3], **kwargs)  # type: ignore[arg-type]
     direct_result = direct.generate(PROMPTS[3], **kwargs)  # type: ignore[arg-type]
     assert direct_result.tokens == through_proxy.tokens
 
@@ -64,7 +74,7 @@ def test_errors_keep_their_status(service: dict[str, object], direct: TandemClie
     with pytest.raises(TandemClientError) as error:
         direct.generate("hello", max_tokens=0)
     assert error.value.code is grpc.StatusCode.INVALID_ARGUMENT
-    address = str(service["direct_address"])
+    address = str(service["address"])
     with (
         TandemClient(address, timeout_s=30, api_key="wrong") as stranger,
         pytest.raises(TandemClientError) as error,
@@ -92,7 +102,7 @@ def test_a_cancelled_stream_frees_both_sessions(
 
 
 def test_grpc_health_on_the_routers_own_server(service: dict[str, object]) -> None:
-    with grpc.insecure_channel(str(service["direct_address"])) as channel:
+    with grpc.insecure_channel(str(service["address"])) as channel:
         health = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(), timeout=30
         )
@@ -100,12 +110,12 @@ def test_grpc_health_on_the_routers_own_server(service: dict[str, object]) -> No
 
 
 def test_openai_http_on_the_routers_own_server(service: dict[str, object]) -> None:
-    base = str(service["direct_http_url"])
+    base = str(service["http_url"])
     key = TENANT_KEYS["main"]
     body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0}
     headers = {"Authorization": f"Bearer {key}"}
     with httpx2.Client(timeout=60) as http:
-        proxied = http.post(f"{service['http_url']}/completions", json=body, headers=headers)
+        proxied = http.post(f"{service['proxy_http_url']}/completions", json=body, headers=headers)
         answered = http.post(f"{base}/completions", json=body, headers=headers)
         assert answered.status_code == 200, answered.text
         assert answered.json()["choices"][0]["text"] == proxied.json()["choices"][0]["text"]

@@ -1,5 +1,5 @@
 """The HTTP face's probes (`GET /health`, `/version`, `/metrics`, open to every caller) and
-vLLM's extra parameters through Serve's HTTP proxy.
+vLLM's extra parameters through the service's default door (the routers' own HTTP server).
 
 Without a cluster: `OpenAIHttp` over the scripted `OpenAIService` of test_openai_http and
 stand-in probes, and `tandem_exposition` on made-up scrapes. On the session's service
@@ -153,7 +153,7 @@ def test_tandem_exposition_keeps_tandems_families_once_each() -> None:
     assert tandem_exposition([]) == "" and tandem_exposition(["# nothing\n"]) == ""
 
 
-# --- through Serve's HTTP proxy, on the session's service -----------------------------------------
+# --- through the routers' own HTTP server, on the session's service -------------------------------
 
 
 def root_url(service: dict[str, object]) -> str:

@@ -27,7 +27,7 @@ import pytest
 
 from cluster.api.client import TandemClient
 from cluster.api.tenants import AuthConfig
-from cluster.config import ModelsConfig, ReplicaGroupConfig, TandemConfig
+from cluster.config import FrontConfig, ModelsConfig, ReplicaGroupConfig, TandemConfig
 from cluster.local import LocalTandem
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
@@ -65,7 +65,8 @@ READ_PAUSE_S = 0.25
 class MultiNode:
     nodes: LocalNodes
     address: str
-    """The public gRPC API (Serve's proxy on the head node)."""
+    """The public gRPC API through Serve's proxy on the head node (the routers' own servers
+    are off here: what is under test is where the replicas run, not the door)."""
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,8 @@ def multinode() -> Iterator[MultiNode]:
         for node_type in (DRAFTER_NODE, VERIFIER_NODE, VERIFIER_NODE):
             nodes.add(node_type)
         config = TandemConfig(
-            grpc_port=free_port(),
+            proxy_grpc_port=free_port(),
+            front=FrontConfig(grpc_port=None, http_port=None),
             models=ModelsConfig(preset="tiny"),
             auth=AuthConfig(enabled=False),
             draft_length=DraftLengthConfig(enabled=False),
@@ -90,7 +92,7 @@ def multinode() -> Iterator[MultiNode]:
         started = time.monotonic()
         nodes.deploy(config)
         print(f"4 nodes up, Tandem deployed in {time.monotonic() - started:.1f} s")
-        yield MultiNode(nodes, f"{LOOPBACK}:{config.grpc_port}")
+        yield MultiNode(nodes, f"{LOOPBACK}:{config.proxy_grpc_port}")
     assert cluster_processes(str(home / "ray")) == []  # every node's processes are gone
 
 

@@ -1,14 +1,16 @@
-"""The OpenAI-compatible HTTP API: `cluster.serve.http` alone, then through Serve's HTTP proxy.
+"""The OpenAI-compatible HTTP API: `cluster.serve.http` alone, then on the session's service.
 
 Without a cluster: `OpenAIHttp` driven as Serve drives it (a starlette `Request` in, the
 response run as an ASGI app), over a scripted stand-in for `OpenAIService`: routing, body
 checks, error statuses, SSE framing, and that a response ended early (the client gone) closes
 the stream it was reading.
 
-On the session's service (tests/cluster/conftest.py, marked `ray` and `slow`): the official
-`openai` client, sync and async, streaming and not, against the same prompts sent through the
-gRPC API; errors as the client's exception classes; tenants' quotas and usage; a client that
-disconnects mid-stream; and the raw wire (`httpx2`, the HTTP client the `openai` package uses).
+On the session's service (tests/cluster/conftest.py, marked `ray` and `slow`), through its
+default door (the routers' own HTTP server): the official `openai` client, sync and async,
+streaming and not, against the same prompts sent through the gRPC API; errors as the client's
+exception classes; tenants' quotas and usage; a client that disconnects mid-stream (at both
+doors: Serve's HTTP proxy too); and the raw wire (`httpx2`, the HTTP client the `openai` package
+uses).
 """
 
 from __future__ import annotations
@@ -348,7 +350,7 @@ def test_a_unary_call_given_up_stops_its_generation(
     assert fake.is_active is not None and not fake.is_active()
 
 
-# --- through Serve's HTTP proxy, with the official client -----------------------------------------
+# --- through the service's doors, with the official client ----------------------------------------
 
 
 def grpc_client(service: dict[str, object], tenant: str = "main") -> TandemClient:
@@ -521,8 +523,9 @@ def test_http_usage_is_the_callers_tenants_only(service: dict[str, object]) -> N
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.parametrize("door", ["http_url", "proxy_http_url"])
 def test_a_client_that_disconnects_mid_stream_frees_both_sessions(
-    service: dict[str, object],
+    service: dict[str, object], door: str
 ) -> None:
     body = {"model": MODEL, "prompt": CODE_PROMPT, "max_tokens": VERY_LONG, "temperature": 0,
             "stream": True}  # fmt: skip
@@ -531,7 +534,7 @@ def test_a_client_that_disconnects_mid_stream_frees_both_sessions(
     with grpc_client(service) as main:
         before = main.usage()
         with httpx2.stream(
-            "POST", f"{service['http_url']}/completions", json=body, headers=headers, timeout=60
+            "POST", f"{service[door]}/completions", json=body, headers=headers, timeout=60
         ) as response:
             assert response.status_code == 200
             lines = response.iter_lines()  # kept: dropping it would close the connection
@@ -540,7 +543,8 @@ def test_a_client_that_disconnects_mid_stream_frees_both_sessions(
             open_now = replica_sessions(service, replicas)
             for side in ("drafter", "verifier"):
                 assert sum(n for replica, n in open_now.items() if replica.startswith(side)) == 1
-        # Closed after the first event: the proxy cancels, the ingress closes the stream.
+        # Closed after the first event: the server (the routers' own, or Serve's proxy, which
+        # cancels the ingress's call) stops reading the stream, which closes it.
         assert not any(wait_until_no_sessions(service).values())
         generated = int(main.usage()["generated_tokens"]) - int(before["generated_tokens"])
     assert 0 < generated < VERY_LONG  # stopped, not run to its end

@@ -38,30 +38,30 @@ def test_serve_generate_shutdown_cycles_on_the_same_ports() -> None:
     home = Path("/tmp") / f"tandem-restarts-{os.getpid()}"
     env = {k: v for k, v in os.environ.items() if k not in (CLUSTER_SECRET_ENV, API_KEY_ENV)}
     env["TANDEM_HOME"] = str(home)
-    port, http_port, direct_port, direct_http_port = (free_port() for _ in range(4))
+    port, http_port, proxy_port, proxy_http_port = (free_port() for _ in range(4))
     try:
         for cycle in range(CYCLES):
             serve = run(
                 env, "serve", "--preset", "tiny", "--port", str(port),
-                "--http-port", str(http_port), "--direct-port", str(direct_port),
-                "--direct-http-port", str(direct_http_port), "--detach", timeout_s=SERVE_TIMEOUT_S,
+                "--http-port", str(http_port), "--proxy-port", str(proxy_port),
+                "--proxy-http-port", str(proxy_http_port), "--detach", timeout_s=SERVE_TIMEOUT_S,
             )  # fmt: skip
             assert serve.returncode == 0, f"cycle {cycle}: {serve.stderr[-3000:]}"
-            generated = run(
+            generated = run(  # the default door: the routers' own server
                 env, "generate", "--address", f"127.0.0.1:{port}", "--max-tokens", "8", "def f(",
             )  # fmt: skip
             assert generated.returncode == 0, f"cycle {cycle}: {generated.stderr[-3000:]}"
-            direct = run(
-                env, "generate", "--address", f"127.0.0.1:{direct_port}", "--max-tokens", "8",
+            proxied = run(  # the second door: Serve's proxy
+                env, "generate", "--address", f"127.0.0.1:{proxy_port}", "--max-tokens", "8",
                 "def f(",
             )  # fmt: skip
-            assert direct.returncode == 0, f"cycle {cycle}: {direct.stderr[-3000:]}"
-            assert direct.stdout == generated.stdout, f"cycle {cycle}"  # greedy: the same
+            assert proxied.returncode == 0, f"cycle {cycle}: {proxied.stderr[-3000:]}"
+            assert proxied.stdout == generated.stdout, f"cycle {cycle}"  # greedy: the same
             down = run(env, "shutdown")
             assert down.returncode == 0, f"cycle {cycle}: {down.stderr[-3000:]}"
             # When shutdown returns, nothing of the cluster is left and its ports are free.
             assert cluster_processes(str(home / "ray")) == [], f"cycle {cycle}"
-            ports = (port, http_port, direct_port, direct_http_port)
+            ports = (port, http_port, proxy_port, proxy_http_port)
             assert all(port_is_free(p) for p in ports), f"cycle {cycle}"
             print(f"cycle {cycle + 1} of {CYCLES}: served, generated, shut down", flush=True)
     finally:

@@ -3,7 +3,9 @@
 The proxy hands the ingress the client's metadata but not its gRPC deadline, so a client states
 its deadline as `x-tandem-deadline-ms` metadata (what `TandemClient` sends with a timeout). The
 ray tests run on the session's service (tests/cluster/conftest.py) and send the metadata with
-no gRPC timeout, so a DEADLINE_EXCEEDED there can only be the server's.
+no gRPC timeout, so a DEADLINE_EXCEEDED there can only be the server's; they call the service's
+second door, Serve's gRPC proxy (`proxy_address`), where the metadata is what carries the
+deadline (the routers' own server, the default door, gets the gRPC deadline itself).
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def timed_client(service: dict[str, object]) -> Iterator[Any]:
 
     def make(ms: str) -> TandemClient:
         return TandemClient(
-            str(service["address"]),
+            str(service["proxy_address"]),
             api_key=TENANT_KEYS["main"],
             metadata=[(DEADLINE_METADATA_KEY, ms)],
         )
@@ -142,7 +144,7 @@ def test_a_stream_past_its_deadline_ends_deadline_exceeded_and_frees_both_sessio
 def test_the_shipped_client_timeout_ends_the_request_on_the_server(
     service: dict[str, object],
 ) -> None:
-    address = str(service["address"])
+    address = str(service["proxy_address"])
     # The private tenant: the suffix drafter never drafts CODE_PROMPT's earlier answers for
     # it, so the request is still running when its second is up.
     with TandemClient(
@@ -160,7 +162,8 @@ def test_the_shipped_client_timeout_ends_the_request_on_the_server(
 def test_a_deadline_already_passed_opens_no_session(
     service: dict[str, object], timed_client: Any
 ) -> None:
-    with TandemClient(str(service["address"]), timeout_s=60, api_key=TENANT_KEYS["main"]) as c:
+    proxy = str(service["proxy_address"])
+    with TandemClient(proxy, timeout_s=60, api_key=TENANT_KEYS["main"]) as c:
         before = c.usage()
         for ms in ("0", "-250"):
             with timed_client(ms) as client:

@@ -1,5 +1,6 @@
-"""Tenants through Serve's gRPC proxy, on the session's service (tests/cluster/conftest.py):
-keys, isolation, limits with when to retry (trailing metadata through the proxy), usage."""
+"""Tenants through Serve's gRPC proxy, the second door of the session's service
+(tests/cluster/conftest.py, `proxy_address`): keys, isolation, limits with when to retry
+(trailing metadata through the proxy), usage."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ LONG = int(SMALL_LIMITS["max_tokens_per_request"])
 
 
 def client(service: dict[str, object], key: str | None) -> TandemClient:
-    return TandemClient(str(service["address"]), timeout_s=120, api_key=key)
+    return TandemClient(str(service["proxy_address"]), timeout_s=120, api_key=key)
 
 
 def failure(call: Any) -> TandemClientError:

@@ -12,8 +12,17 @@ three-token requests and stops speculating after its first epoch). Pipelining is
 round within three tokens drafts ahead (the opening round never does, and the next block fills
 the room left), so `test_lossless_sampling.py` alone covers that path.
 
-The verifier replica waits VERIFY_DELAY_S in each verify call but a session's first (the
-opening pass, which the router does not time). On the tiny pair a verify pass costs about as
+The router's rounds run in lockstep (its `verifier_advances` option off): each token here is
+decided by a posted block or the target's own pass, as the test needs. With the default option
+the verifier advances a session by itself while a block is in flight, and a block then decides
+tokens only after the token it guessed came out as the target's own sample; on the tiny pair
+at temperature 1 that is rare within three tokens, so the sample would test almost nothing.
+The exactness of a block verified from where a running session stands is shown by
+`tests/verifier/test_running_sessions.py` and the routers' greedy and seed-exact tests.
+
+The verifier replica waits VERIFY_DELAY_S in each engine step. The verifier advances a
+running session by itself whenever no block has come for its next step, so a block decides
+tokens only where it arrives within a step; and on the tiny pair a verify pass costs about as
 much as a draft, so the adaptive plan soon stops speculating (and with it prompt lookup), and a
 sample of the target alone would prove nothing. The wait makes the target dearer than its
 draft, as it is where speculation pays. PROMPT repeats itself, so prompt lookup proposes the
@@ -57,8 +66,8 @@ import torch
 
 import cluster.serve.ingress
 from cluster.api.tenants import AuthConfig, TenantConfig, hash_api_key, new_api_key
-from cluster.config import TandemConfig
-from cluster.runtime.draft_block import DraftBlock, Verdict
+from cluster.config import FrontConfig, TandemConfig
+from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.models import LoadedModel, load_model
 from cluster.runtime.sampling import SamplingParams, logits_to_probs
 from cluster.serve.ingress import RouterIngress
@@ -124,7 +133,9 @@ class Served:
 @pytest.fixture(scope="module", params=["default", "predrafting"])
 def served(request: pytest.FixtureRequest) -> Iterator[Served]:
     tenant = TenantConfig("main", hash_api_key(KEY))
-    config = TandemConfig(auth=AuthConfig(tenants=(tenant,))).with_cluster_secret()
+    # No front: requests go to the ingress's methods, not to servers on the default ports.
+    no_front = FrontConfig(grpc_port=None, http_port=None)
+    config = TandemConfig(auth=AuthConfig(tenants=(tenant,)), front=no_front).with_cluster_secret()
     predrafting = request.param == "predrafting"
     if predrafting:  # the default path, with pre-drafting and Saguaro-style sampling turned on
         config = dataclasses.replace(
@@ -140,17 +151,16 @@ def served(request: pytest.FixtureRequest) -> Iterator[Served]:
     target, draft = load_model(pair.target), load_model(pair.draft)
     verifier = Verifier(target, config.verifier_limits)
     drafter = Drafter(draft, config.drafter_limits)
-    # The replicas' servers reach the components through their submit_* calls (the Frames
-    # stream and the unary RPCs alike): the delay and the count go there.
-    verify, draft_block = verifier.submit_verify, drafter.submit_draft
-    verified_once: set[str] = set()
+    # Every verifier step waits VERIFY_DELAY_S (the engine's forward pass, which the running
+    # sessions' steps and posted blocks alike go through); the draft model's proposals are
+    # counted where the replica's server reaches the drafter.
+    runner = verifier._engine.runner
+    forward, draft_block = runner.forward, drafter.submit_draft
     model_drafted = [0]
 
-    def slow_verify(session_id: str, *args: Any, **kwargs: Any) -> Future[Verdict]:
-        if session_id in verified_once:
-            time.sleep(VERIFY_DELAY_S)
-        verified_once.add(session_id)
-        return verify(session_id, *args, **kwargs)
+    def slow_forward(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(VERIFY_DELAY_S)
+        return forward(*args, **kwargs)
 
     def counted_draft(*args: Any, **kwargs: Any) -> Future[DraftBlock]:
         def count(done: Future[DraftBlock]) -> None:
@@ -168,12 +178,16 @@ def served(request: pytest.FixtureRequest) -> Iterator[Served]:
         ReplicaInfo("drafter-0", "drafter", f"127.0.0.1:{drafter_port}", 0, 0).to_dict(),
     ]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(verifier, "submit_verify", slow_verify)
+        patch.setattr(runner, "forward", slow_forward)
         patch.setattr(drafter, "submit_draft", counted_draft)
         # The registry actor's listing, without Ray: both replicas, always live.
         patch.setattr(cluster.serve.ingress, "get_registry", lambda app_name: None)
         patch.setattr(cluster.serve.ingress, "from_registry_actor", lambda actor: lambda: entries)
         served = Served(RouterIngress(config), target, model_drafted, predrafting)
+        # Lockstep rounds (see the module's docstring): a running session takes the target's
+        # own token while a block is in flight, so a draft would decide none of the first
+        # NUM_TOKENS tokens but where its first token guessed the target's own sample.
+        patch.setattr(served.ingress._router, "verifier_advances", False)
         try:
             yield served
         finally:

@@ -166,7 +166,7 @@ def test_the_cpu_scope_is_the_cluster_of_the_service_started_here(
     assert temp_dir in _cpu_scope("127.0.0.1:9000").description
     # Another port is another service: its processes are found by their titles.
     assert "every process of uid" in _cpu_scope("127.0.0.1:9001").description
-    # The routers' own server is the same service.
-    state = local_cluster.ClusterState("127.0.0.1:6379", temp_dir, True, 9000, direct_port=9005)
+    # Serve's proxy, the second door, is the same service.
+    state = local_cluster.ClusterState("127.0.0.1:6379", temp_dir, True, 9000, proxy_port=9005)
     local_cluster.save_state(state)
     assert temp_dir in _cpu_scope("127.0.0.1:9005").description

@@ -49,8 +49,8 @@ def test_the_ideal_takes_alpha_from_the_draft_and_the_mean_context() -> None:
     a06 = PRESETS["sim-h100-8b-a06"]
     assert SimIdeal.from_sources("x", a06.target, a06.draft, 4, [1], 2).alpha == 0.6
     assert ideal.describe() == {
-        "preset": "sim-h100-8b", "target": "sim://target/h100-8b",
-        "draft": "sim://draft/a10g-0.5b?alpha=0.8", "alpha": 0.8, "draft_tokens": 4,
+        "preset": "sim-h100-8b", "target": "sim://target/h100-8b?vocab=4096",
+        "draft": "sim://draft/a10g-0.5b?alpha=0.8&vocab=4096", "alpha": 0.8, "draft_tokens": 4,
         "mean_prompt_tokens": 50.0, "context_tokens": 100.0,
     }  # fmt: skip
     with pytest.raises(ValueError, match="starts with sim://"):
@@ -165,7 +165,7 @@ def test_the_table_puts_the_ideal_beside_each_mode() -> None:
     assert f"| 4 | speculative | 800.00 | 10 | 12 | 4 | 0 | {ideal:.2f} | {ratio:.2f} |" in lines
     assert any(line.startswith("| 4 | target_only | 480.00 |") for line in lines)
     assert "| 4 | speedup | 1.67x |" in format_table(result)
-    assert lines[-1].startswith("ideal: sim-h100-8b (sim://target/h100-8b + ")
+    assert lines[-1].startswith("ideal: sim-h100-8b (sim://target/h100-8b?vocab=4096 + ")
     assert "alpha 0.80, k 4, context 100.0 tokens" in lines[-1]
 
 

@@ -4,9 +4,14 @@ request then always completes its JSON, and ends (finish reason stop), well with
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
+import pytest
+
+import cluster.local
+from cluster.local import build_local
 from cluster.tools.bench.structured import (
     MODES,
     NOT_JSON,
@@ -40,7 +45,16 @@ MAX_TOKENS = 48
 token each in the tiny byte-level vocabulary."""
 
 
-def test_bench_reports_each_mode_and_constrained_outputs_validate(tmp_path: Path) -> None:
+def test_bench_reports_each_mode_and_constrained_outputs_validate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bench's pair in lockstep (`verifier_advances` off): the in-process tiny drafter is no
+    # faster than its verifier, so with running sessions its blocks mostly come after the
+    # verifier took those tokens alone and are never posted; in lockstep every round posts
+    # one, so the speculative mode's drafted count says that it speculated.
+    monkeypatch.setattr(
+        cluster.local, "build_local", functools.partial(build_local, verifier_advances=False)
+    )
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "".join(

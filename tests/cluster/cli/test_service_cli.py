@@ -1,0 +1,167 @@
+"""`tandem serve`'s two doors, without a cluster: the routers' own servers (`--port`,
+`--http-port`: the default door) and Serve's proxies (`--proxy-port`, `--proxy-http-port`: the
+second), how each port is chosen from the flags and the config, the checks that they are free,
+the lines printed, and how `cluster.json` records them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import service as cli_service
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.serve import local_cluster
+from cluster.serve.local_cluster import LOOPBACK, ClusterState, cluster_ports
+
+
+def parse(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli_service.add_to(parser.add_subparsers())
+    return parser.parse_args(["serve", *flags])
+
+
+def doors(*flags: str) -> tuple[int | None, int | None, int, int]:
+    """(routers' gRPC, routers' HTTP, Serve's gRPC proxy, Serve's HTTP proxy) of `flags`."""
+    args = parse(*flags)
+    config = cli_service._config(args)
+    assert config.front.host == LOOPBACK  # `tandem serve` serves this machine only
+    return (
+        config.front.grpc_port,
+        config.front.http_port,
+        config.proxy_grpc_port,
+        cli_service._proxy_http_port(args, config),
+    )
+
+
+def test_the_help_names_the_four_ports_and_no_direct_port(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        parse("--help")
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in cli_service.PORT_FLAGS:
+        assert f"{flag} PORT" in text
+    assert "served by the router replicas themselves (default 9000" in text
+    assert "Serve's HTTP proxy" in text and "(default: the HTTP port + 1)" in text
+    assert "--direct-port" not in text and "--direct-http-port" not in text
+
+
+def test_the_default_door_is_9000_and_8000_and_the_proxies_one_above() -> None:
+    assert doors() == (9000, 8000, 9001, 8001)
+    assert doors("--port", "9100", "--http-port", "8100") == (9100, 8100, 9101, 8101)
+    assert doors("--proxy-port", "9500", "--proxy-http-port", "8500") == (9000, 8000, 9500, 8500)
+
+
+def test_a_config_file_sets_the_ports_the_flags_do_not(tmp_path: Path) -> None:
+    config = tmp_path / "tandem.yaml"
+    config.write_text("front: {grpc_port: 9200, http_port: 8200}\n")
+    assert doors("--config", str(config)) == (9200, 8200, 9201, 8201)
+    assert doors("--config", str(config), "--port", "9100") == (9100, 8200, 9101, 8201)
+    config.write_text("proxy_grpc_port: 9300\n")  # its own proxy port wins over --port + 1
+    assert doors("--config", str(config), "--port", "9100") == (9100, 8000, 9300, 8001)
+    config.write_text("front: {grpc_port: null, http_port: null}\n")  # no front: proxies only
+    assert doors("--config", str(config)) == (None, None, 9001, 8001)
+
+
+@pytest.mark.parametrize("value", ["0", "65536", "x"])
+def test_a_port_flag_takes_port_numbers_only(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse("--proxy-port", value)
+    assert f"argument --proxy-port: {value!r} is not a port (1..65535)" in capsys.readouterr().err
+
+
+def test_a_port_in_use_or_given_twice_is_refused_naming_its_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(local_cluster.HOME_ENV, str(tmp_path))
+    ports = {flag: local_cluster.free_port() for flag in cli_service.PORT_FLAGS}
+    with socket.socket() as held:
+        held.bind((LOOPBACK, ports["--proxy-http-port"]))
+        held.listen()
+        for flag in cli_service.PORT_FLAGS:
+            args = parse(*(word for f, p in ports.items() for word in (f, str(p))))
+            if flag != "--proxy-http-port":
+                with socket.socket() as other:  # this one held too
+                    other.bind((LOOPBACK, ports[flag]))
+                    other.listen()
+                    with pytest.raises(InvalidArgumentError, match=rf"another with {flag}$"):
+                        cli_service.serve_command(args)
+        args = parse(*(word for f, p in ports.items() for word in (f, str(p))))
+        with pytest.raises(InvalidArgumentError, match=r"another with --proxy-http-port$"):
+            cli_service.serve_command(args)
+    twice = parse(*(word for f, p in ports.items() for word in (f, str(p))),
+                  "--proxy-port", str(ports["--port"]))  # fmt: skip
+    with pytest.raises(InvalidArgumentError, match="--port and --proxy-port are both port"):
+        cli_service.serve_command(twice)
+    assert local_cluster.load_state() is None  # refused before any cluster was started
+
+
+def test_serve_prints_the_default_door_first_then_serves_proxies() -> None:
+    state = ClusterState(
+        "127.0.0.1:6379", "/tmp/x", True, grpc_port=9000, http_port=8000,
+        proxy_port=9001, proxy_http_port=8001,
+    )  # fmt: skip
+    assert cli_service.door_lines(state) == [
+        "gRPC API on 127.0.0.1:9000 (tandem.v1.Tandem)",
+        "OpenAI-compatible API on http://127.0.0.1:8000/v1",
+        "through Serve's proxies: gRPC 127.0.0.1:9001, HTTP http://127.0.0.1:8001/v1",
+    ]
+    proxies_only = ClusterState("127.0.0.1:6379", "/tmp/x", True, proxy_port=9001,
+                                proxy_http_port=8001)  # fmt: skip
+    assert cli_service.door_lines(proxies_only) == [
+        "through Serve's proxies: gRPC 127.0.0.1:9001, HTTP http://127.0.0.1:8001/v1",
+    ]
+
+
+def test_a_running_cluster_keeps_its_proxies_ports(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse("--proxy-port", "9500", "--proxy-http-port", "8500")
+    config = cli_service._config(args)
+    running = ClusterState("127.0.0.1:6379", "/tmp/x", True, proxy_port=9001, proxy_http_port=8001)
+    kept, http_port = cli_service._kept_proxies(config, 8500, running)
+    assert (kept.proxy_grpc_port, http_port) == (9001, 8001)
+    assert "keeps Serve's proxies on ports 9001 (gRPC) and 8001 (HTTP)" in capsys.readouterr().err
+    # A cluster whose proxies never started takes the ports asked for.
+    fresh = ClusterState("127.0.0.1:6379", "/tmp/x", True)
+    kept, http_port = cli_service._kept_proxies(config, 8500, fresh)
+    assert (kept.proxy_grpc_port, http_port) == (9500, 8500)
+    assert capsys.readouterr().err == ""
+
+
+def test_the_state_records_both_doors_and_reads_an_older_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(local_cluster.HOME_ENV, str(tmp_path))
+    state = ClusterState(
+        "127.0.0.1:6379", "/tmp/x", True, grpc_port=9000, http_port=8000,
+        proxy_port=9001, proxy_http_port=8001, metrics_port=7000,
+    )  # fmt: skip
+    assert sorted(cluster_ports(state)) == [6379, 7000, 8000, 8001, 9000, 9001]
+    assert state.serves_grpc_on(9000) and state.serves_grpc_on("9001")
+    assert not state.serves_grpc_on(8000) and not state.serves_grpc_on(9002)
+    local_cluster.save_state(state)
+    assert local_cluster.load_state() == state
+    # Written when Serve's proxies were the first door and the routers' own the `direct` one.
+    old = {"address": "127.0.0.1:6379", "temp_dir": "/tmp/x", "started_by_tandem": True,
+           "grpc_port": 9000, "http_port": 8000, "app_name": "tandem",
+           "direct_port": 9001, "direct_http_port": 8001}  # fmt: skip
+    (tmp_path / "cluster.json").write_text(json.dumps(old))
+    read = local_cluster.load_state()
+    assert read is not None
+    assert (read.grpc_port, read.http_port, read.proxy_port, read.proxy_http_port) == (
+        9001, 8001, 9000, 8000,
+    )  # fmt: skip
+
+
+def test_the_stream_interval_flags_reach_the_api_config() -> None:
+    config = cli_service._config(
+        parse("--stream-interval-tokens", "4", "--stream-interval-ms", "50")
+    )
+    assert (config.api.stream_interval_tokens, config.api.stream_interval_ms) == (4, 50.0)
+    default = cli_service._config(parse())
+    assert (default.api.stream_interval_tokens, default.api.stream_interval_ms) == (0, 0.0)
