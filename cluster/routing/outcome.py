@@ -4,10 +4,10 @@ Pure bookkeeping over `Generation` and `SpeculationStats`, no I/O: the router ca
 once for every verdict on a block it posted (never for the steps the verifier took alone).
 A block's accepted tokens are the ones its session had already committed, the same (matched),
 and the verified ones after them. A dropped block (it came too late, or parted from the
-session) was never verified: it is not counted as drafted, and the plan learns nothing from
-it, as lockstep rounds never count a draft ahead that missed. A block drafted ahead of one not
-accepted whole is a pipeline miss, one verified after it a hit; one the router itself found
-stale is a miss too, counted where it drops it.
+session) counts as drafted with none accepted, so that a request's counts show every block
+it sent; only verified blocks enter the per-position counts (`record_block`) and the plan. A
+block drafted ahead of one not accepted whole is a pipeline miss, one verified after it a hit;
+one the router itself found stale is a miss too, counted where it drops it.
 """
 
 from __future__ import annotations
@@ -20,21 +20,20 @@ def record(gen: Generation, posted: Posted, verdict: Verdict) -> None:
     """Count `verdict` on `posted` in the request's counters, and in its plan's acceptance
     (model and lookup blocks) or its suffix drafter's record (suffix blocks)."""
     block, stats = posted.block, gen.stats
+    drafted = len(block.tokens)
+    accepted = 0 if verdict.dropped else verdict.num_matched + verdict.num_accepted
+    stats.num_drafted += drafted
+    stats.num_accepted += accepted
+    if not verdict.dropped:
+        stats.record_block(drafted, accepted)
     if posted.draft.ahead:
         if verdict.dropped:
             stats.pipeline_misses += 1
         else:
             stats.pipeline_hits += 1
-    if verdict.dropped:
-        return  # never verified: no draft to count, nothing learned of its acceptance
-    drafted = len(block.tokens)
-    accepted = verdict.num_matched + verdict.num_accepted
-    stats.num_drafted += drafted
-    stats.num_accepted += accepted
-    stats.record_block(drafted, accepted)
     if posted.draft.by_suffix:  # priced apart: the model's acceptance is the plan's
         gen.suffix.use.verified(accepted)
         stats.suffix_drafted += drafted
         stats.suffix_accepted += accepted
-    elif drafted > 0:
+    elif not verdict.dropped and drafted > 0:
         gen.lengths.observe(drafted, accepted)

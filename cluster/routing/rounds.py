@@ -288,7 +288,10 @@ class Rounds:
         block = draft.block
         if block.base_length < gen.committed:
             rebased = rebase(block, gen.history[block.base_length :])
-            if rebased is None:  # stale: never verified, so not counted as drafted
+            if rebased is None:  # stale: counted as drafted, none accepted, never verified
+                gen.stats.num_drafted += len(block.tokens)
+                if draft.by_suffix:
+                    gen.stats.suffix_drafted += len(block.tokens)
                 if draft.ahead:
                     gen.stats.pipeline_misses += 1
                 return
