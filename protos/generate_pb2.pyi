@@ -88,7 +88,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("num_drafted", "num_accepted", "num_verify_passes", "pipeline_hits", "pipeline_misses", "drafted_by_position", "accepted_by_position", "predraft_hits", "predraft_misses", "suffix_drafted", "suffix_accepted")
+    __slots__ = ("num_drafted", "num_accepted", "num_verify_passes", "pipeline_hits", "pipeline_misses", "drafted_by_position", "accepted_by_position", "predraft_hits", "predraft_misses", "suffix_drafted", "suffix_accepted", "model_drafted", "model_accepted", "draft_mode", "draft_mode_reason")
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFY_PASSES_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,10 @@ class SpeculationStats(_message.Message):
     PREDRAFT_MISSES_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODE_REASON_FIELD_NUMBER: _ClassVar[int]
     num_drafted: int
     num_accepted: int
     num_verify_passes: int
@@ -111,7 +115,11 @@ class SpeculationStats(_message.Message):
     predraft_misses: int
     suffix_drafted: int
     suffix_accepted: int
-    def __init__(self, num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., num_verify_passes: _Optional[int] = ..., pipeline_hits: _Optional[int] = ..., pipeline_misses: _Optional[int] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., predraft_hits: _Optional[int] = ..., predraft_misses: _Optional[int] = ..., suffix_drafted: _Optional[int] = ..., suffix_accepted: _Optional[int] = ...) -> None: ...
+    model_drafted: int
+    model_accepted: int
+    draft_mode: str
+    draft_mode_reason: str
+    def __init__(self, num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., num_verify_passes: _Optional[int] = ..., pipeline_hits: _Optional[int] = ..., pipeline_misses: _Optional[int] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., predraft_hits: _Optional[int] = ..., predraft_misses: _Optional[int] = ..., suffix_drafted: _Optional[int] = ..., suffix_accepted: _Optional[int] = ..., model_drafted: _Optional[int] = ..., model_accepted: _Optional[int] = ..., draft_mode: _Optional[str] = ..., draft_mode_reason: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "speculation")

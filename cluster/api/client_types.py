@@ -59,6 +59,10 @@ class RequestStats:
     predraft_misses: int = 0
     suffix_drafted: int = 0
     suffix_accepted: int = 0
+    model_drafted: int = 0
+    model_accepted: int = 0
+    draft_mode: str = ""
+    draft_mode_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,13 @@ class GenerateResult:
     """Of `num_drafted`: tokens the suffix drafter proposed."""
     suffix_accepted: int = 0
     """Of `num_accepted`: those of them accepted."""
+    model_drafted: int = 0
+    """Of `num_drafted`: tokens the draft model proposed (the rest: suffix and lookup)."""
+    model_accepted: int = 0
+    """Of `num_accepted`: those of them accepted."""
+    draft_mode: str = ""
+    """How the request drafted last: "model", "lookup" or "alone" (empty: no speculation)."""
+    draft_mode_reason: str = ""
 
     @property
     def num_generated_tokens(self) -> int:
@@ -272,6 +283,10 @@ def _speculation_fields(stats: generate_pb2.SpeculationStats) -> dict[str, Any]:
         "predraft_misses": stats.predraft_misses,
         "suffix_drafted": stats.suffix_drafted,
         "suffix_accepted": stats.suffix_accepted,
+        "model_drafted": stats.model_drafted,
+        "model_accepted": stats.model_accepted,
+        "draft_mode": stats.draft_mode,
+        "draft_mode_reason": stats.draft_mode_reason,
         "drafted_by_position": tuple(stats.drafted_by_position),
         "accepted_by_position": tuple(stats.accepted_by_position),
     }

@@ -148,6 +148,10 @@ def stats_to_proto(stats: SpeculationStats) -> generate_pb2.SpeculationStats:
         predraft_misses=stats.predraft_misses,
         suffix_drafted=stats.suffix_drafted,
         suffix_accepted=stats.suffix_accepted,
+        model_drafted=stats.model_drafted,
+        model_accepted=stats.model_accepted,
+        draft_mode=stats.draft_mode,
+        draft_mode_reason=stats.draft_mode_reason,
         drafted_by_position=stats.drafted_by_position,
         accepted_by_position=stats.accepted_by_position,
     )
@@ -164,6 +168,10 @@ def stats_from_proto(message: generate_pb2.SpeculationStats) -> SpeculationStats
         predraft_misses=message.predraft_misses,
         suffix_drafted=message.suffix_drafted,
         suffix_accepted=message.suffix_accepted,
+        model_drafted=message.model_drafted,
+        model_accepted=message.model_accepted,
+        draft_mode=message.draft_mode,
+        draft_mode_reason=message.draft_mode_reason,
         drafted_by_position=list(message.drafted_by_position),
         accepted_by_position=list(message.accepted_by_position),
     )

@@ -423,6 +423,9 @@ def status_command(args: argparse.Namespace) -> int:
         replicas = ", ".join(f"{n} {s}" for s, n in deployment["replicas"].items())
         print(f"  {name:<9} {deployment['status']:<10} {replicas}")
     _print_replicas(summary["replicas"])
+    ratio_line = step_ratio_line(summary["replicas"])
+    if ratio_line is not None:
+        print(ratio_line)
     if summary["metrics"] is not None:
         _print_metrics(summary["metrics"])
     return 0
@@ -463,6 +466,40 @@ def replica_lines(replicas: list[dict[str, Any]]) -> list[str]:
             + f" {batch:>12} {kv_blocks:>15}  {resource_list(replica.get('resources'))}"
         )
     return lines
+
+
+def step_ratio(replicas: list[dict[str, Any]]) -> tuple[float, float, float] | None:
+    """(draft step / target step, draft step s, target step s): one-token steps as the
+    replicas measured them at start-up (`EngineStats.startup_base_s`), the mean over each
+    side's model replicas; None where a side has none that measured (no drafter model, or
+    replicas too old to report it)."""
+    steps: dict[str, list[float]] = {"drafter": [], "verifier": []}
+    for replica in replicas:
+        engine = replica.get("engine")
+        if not isinstance(engine, dict) or replica.get("side") not in steps:
+            continue
+        step_s = float(engine.get("startup_base_s") or 0) + float(
+            engine.get("startup_per_token_s") or 0
+        )
+        if step_s > 0:
+            steps[str(replica["side"])].append(step_s)
+    if not steps["drafter"] or not steps["verifier"]:
+        return None
+    draft_s = sum(steps["drafter"]) / len(steps["drafter"])
+    target_s = sum(steps["verifier"]) / len(steps["verifier"])
+    return draft_s / target_s, draft_s, target_s
+
+
+def step_ratio_line(replicas: list[dict[str, Any]]) -> str | None:
+    """The measured draft-to-target step ratio in words; None where it is not known."""
+    ratio = step_ratio(replicas)
+    if ratio is None:
+        return None
+    value, draft_s, target_s = ratio
+    return (
+        f"  draft step / target step, measured at start-up: {value:.2f} "
+        f"(drafter {1000 * draft_s:.1f} ms, verifier {1000 * target_s:.1f} ms a one-token step)"
+    )
 
 
 def resource_list(resources: Any) -> str:

@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from cluster.routing.ports import Pinned, Spare
+from cluster.routing.ports import Pinned, Spare, StepCosts
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.runtime.errors import ReplicaUnavailableError
 from cluster.wire.replica_info import ReplicaInfo
@@ -132,6 +132,7 @@ class RegistryPool:
             drafter_id=drafter.replica_id if drafter is not None else "",
             suffix=suffix_port,
             suffix_id=home.replica_id if home is not None else "",
+            step_costs=step_costs(verifier, drafter),
         )
 
     def spare(
@@ -202,6 +203,24 @@ class RegistryPool:
         if address not in cache:
             cache[address] = kind(address, timeout_s=self._rpc_timeout_s, secret=self._secret)
         return cache[address]
+
+
+def step_costs(verifier: ReplicaInfo, drafter: ReplicaInfo | None) -> StepCosts | None:
+    """The two replicas' start-up step cost curves, from their heartbeats; None where a side
+    has none to give (no drafter, no engine, not measured)."""
+    if drafter is None:
+        return None
+    verifier_engine, drafter_engine = verifier.engine_stats(), drafter.engine_stats()
+    if verifier_engine is None or drafter_engine is None:
+        return None
+    if verifier_engine.startup_step_s <= 0 or drafter_engine.startup_step_s <= 0:
+        return None
+    return StepCosts(
+        draft_base_s=drafter_engine.startup_base_s,
+        draft_per_token_s=drafter_engine.startup_per_token_s,
+        verify_base_s=verifier_engine.startup_base_s,
+        verify_per_token_s=verifier_engine.startup_per_token_s,
+    )
 
 
 def _rank(tenant: str, replica_id: str) -> bytes:

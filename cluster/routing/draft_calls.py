@@ -39,17 +39,22 @@ class DraftCalls:
         self._metrics = metrics
 
     def now(
-        self, gen: Generation, num_tokens: int, by_drafter: bool = True, suffix: bool = False
+        self,
+        gen: Generation,
+        num_tokens: int,
+        by_drafter: bool = True,
+        suffix: bool = False,
+        suffix_longest: int = MAX_BLOCK_TOKENS,
     ) -> Steps[Draft]:
         """A block to verify now: proposed by the suffix drafter (if `suffix`: up to
-        MAX_BLOCK_TOKENS, at least `num_tokens`), else up to `num_tokens` looked up, else
+        `suffix_longest`, at least `num_tokens`), else up to `num_tokens` looked up, else
         drafted (if `by_drafter`), else empty."""
         if suffix:
             # Its index holds the request's own prompt too, so it finds what prompt lookup
             # finds, and more; its blocks may be longer than the model's (it ends them where
             # their confidence falls); one shorter than the model's is left to lookup or the
             # model. Where it earns nothing, it is asked less and less often (SuffixUse).
-            longest = min(MAX_BLOCK_TOKENS, gen.remaining - 1)
+            longest = min(suffix_longest, MAX_BLOCK_TOKENS, gen.remaining - 1)
             proposed = yield from gen.suffix.propose(
                 gen.request, gen.history, longest, shortest=max(1, num_tokens)
             )

@@ -179,6 +179,15 @@ def best_plan(
     return max(priced, key=lambda p: p[:4])[4]
 
 
+def model_pays(
+    acceptance: float, max_k: int, draft_s: float, verify_s: Callable[[int], float]
+) -> bool:
+    """Whether the best plan at `acceptance` drafts at all, with `draft_s` seconds a drafted
+    token and `verify_s(k)` seconds a verify pass of k: what the replicas' start-up
+    measurement says of the draft model before a request has timed a round."""
+    return best_plan(acceptance, max_k, draft_s, verify_s, may_pipeline=True).k > 0
+
+
 @dataclass
 class Latencies:
     """Smoothed seconds per drafted token and per verify pass, under one condition (alone, or
@@ -413,6 +422,20 @@ class DraftLength:
             self.acceptance, self.max_k, draft_s, verify_s, self.pipelined, overlapped,
             self._predraft_cost(),
         )  # fmt: skip
+
+    def lookup_plan(self) -> Plan:
+        """The plan of a round whose block costs no model (prompt lookup, the suffix drafter):
+        the block length that pays with free drafting at the request's acceptance, priced by
+        the verify passes timed so far; the request's own length before any is."""
+        latencies = self._alone if self._alone.verify_s is not None else self._beside
+        if not self.config.enabled or latencies.verify_s is None:
+            return Plan(self.max_k, False)
+        verify_s: VerifyCost = latencies.verify_s
+        verifier, ratio = self._verifier_load, latencies.verify_ratio
+        if verifier is not None and ratio is not None:
+            sequences, step_s = verifier.sequences, verifier.step_s
+            verify_s = lambda k: ratio * step_s(sequences * (k + 1))  # noqa: E731
+        return best_plan(self.acceptance, self.max_k, 0.0, verify_s, may_pipeline=False)
 
     def _priced(self, latencies: Latencies) -> tuple[float, VerifyCost]:
         """Seconds per drafted token and of a verify pass (a function of the block's length

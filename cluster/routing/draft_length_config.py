@@ -33,6 +33,10 @@ class DraftLengthConfig:
     """Weight kept by past outcomes per verify pass: about the last 10 passes count."""
     latency_decay: float = 0.8
     """Weight kept by past draft and verify latencies per measurement."""
+    measured_modes: bool = True
+    """Each request also keeps the drafting (the draft model, lookup only, the target alone)
+    its own measured tokens per second says pays (`cluster.routing.draft_modes`), starting
+    from what the replicas' start-up measurement says; only with `enabled`."""
     speculation_gate: bool = True
     """While two or more requests run, the router also measures speculation against the
     target alone for the router as a whole and keeps the better

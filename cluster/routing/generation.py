@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 from llguidance import LLTokenizer
 
-from cluster.routing.draft_length import DraftLength, Plan
+from cluster.routing.draft_length import DraftLength, Plan, model_pays
 from cluster.routing.draft_length_config import DraftLengthConfig
-from cluster.routing.ports import DrafterPort, Pinned
+from cluster.routing.draft_modes import ALONE, DraftModes, ModesConfig
+from cluster.routing.ports import DrafterPort, Pinned, StepCosts
 from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.routing.session_events import SessionEvents
 from cluster.routing.suffix_drafting import SuffixDrafting
@@ -101,6 +102,20 @@ class Draft:
     (pipelining): verified, a pipeline hit; dropped, a miss."""
 
 
+def starting_modes(config: DraftLengthConfig, max_k: int, costs: StepCosts | None) -> DraftModes:
+    """A request's modes as the replicas' start-up measurement (`costs`) sets them: the draft
+    model starts off where, at the plan's prior acceptance, no block length pays with the
+    drafter's and the verifier's measured steps. Off without the adaptive plan."""
+    modes_config = ModesConfig(enabled=config.enabled and config.measured_modes)
+    if not modes_config.enabled or costs is None or max_k <= 0:
+        return DraftModes(modes_config)
+    prior = config.prior_accepted / (config.prior_accepted + config.prior_rejected)
+    pays = model_pays(prior, max_k, costs.draft_step_s, costs.verify_s)
+    modes = DraftModes(modes_config, model_pays=pays, draft_ratio=costs.draft_ratio)
+    modes.seed_alone(costs.verify_s(0))
+    return modes
+
+
 class Generation:
     """The state of one request inside the router."""
 
@@ -156,6 +171,8 @@ class Generation:
         self.stats = stats
         self.text = TextAssembler(decode, request.stop, min_tokens=request.min_tokens)
         self.lengths = DraftLength(draft_length, request.draft_tokens, pipelined)
+        self.modes = starting_modes(draft_length, request.draft_tokens, pinned.step_costs)
+        """Which drafting its own measured rate keeps (`cluster.routing.draft_modes`)."""
         self.history = list(request.prompt_tokens)
         """Every committed token: what prompt lookup searches. Only `commit` changes it."""
         self.lookup = PromptLookup(ngram) if ngram is not None else None
@@ -184,6 +201,9 @@ class Generation:
         """The draft call in flight (at most one), returning the `Draft` to post."""
         self.plan = Plan(0, False)
         """The plan of the block drafted last (its length, whether it pipelines)."""
+        self.round_mode = ALONE
+        """The mode the last round was planned in: what the stretch to the next report is
+        counted to."""
         self.predrafted: Pending | None = None
         """Branches being pre-drafted for the outcomes of a posted block (`predraft_for`)."""
         self.predraft_for: int | None = None

@@ -35,5 +35,9 @@ def record(gen: Generation, posted: Posted, verdict: Verdict) -> None:
         gen.suffix.use.verified(accepted)
         stats.suffix_drafted += drafted
         stats.suffix_accepted += accepted
-    elif not verdict.dropped and drafted > 0:
-        gen.lengths.observe(drafted, accepted)
+    else:
+        if posted.draft.by_drafter:
+            stats.model_drafted += drafted
+            stats.model_accepted += accepted
+        if not verdict.dropped and drafted > 0:
+            gen.lengths.observe(drafted, accepted)

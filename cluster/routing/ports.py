@@ -156,6 +156,32 @@ def _nothing() -> None:
 
 
 @dataclass(frozen=True)
+class StepCosts:
+    """The pinned replicas' step cost curves as each measured them at start-up (seconds =
+    base + per token x tokens; `EngineStats.startup_base_s`): what a request's plan knows of
+    the machine before it has timed a round."""
+
+    draft_base_s: float
+    draft_per_token_s: float
+    verify_base_s: float
+    verify_per_token_s: float
+
+    @property
+    def draft_step_s(self) -> float:
+        """Seconds of one drafter step of one token."""
+        return self.draft_base_s + self.draft_per_token_s
+
+    def verify_s(self, k: int) -> float:
+        """Seconds of a verifier step of a k-token block (k + 1 tokens)."""
+        return self.verify_base_s + self.verify_per_token_s * (k + 1)
+
+    @property
+    def draft_ratio(self) -> float:
+        """The drafter's one-token step over the verifier's."""
+        return self.draft_step_s / self.verify_s(0)
+
+
+@dataclass(frozen=True)
 class Pinned:
     """The replicas one request is pinned to (they hold its KV caches), until one fails."""
 
@@ -168,6 +194,8 @@ class Pinned:
     suffix: DrafterPort | None = None
     """A suffix drafter (`drafter.suffix`), asked before the model drafter; None: none."""
     suffix_id: str = ""
+    step_costs: StepCosts | None = None
+    """The verifier's and drafter's start-up measurements; None where either is unknown."""
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,14 @@ class SpeculationStats:
     """Of `num_drafted`: tokens the suffix drafter proposed (`cluster.routing.suffix_drafting`)."""
     suffix_accepted: int = 0
     """Of `num_accepted`: those of them accepted."""
+    model_drafted: int = 0
+    """Of `num_drafted`: tokens the draft model proposed (the rest: suffix and lookup)."""
+    model_accepted: int = 0
+    """Of `num_accepted`: those of them accepted."""
+    draft_mode: str = ""
+    """How the request drafted last (`cluster.routing.draft_modes`); empty: no speculation
+    asked for."""
+    draft_mode_reason: str = ""
     drafted_by_position: list[int] = field(default_factory=list)
     """Per draft position i: verify passes whose block had a token at position i."""
     accepted_by_position: list[int] = field(default_factory=list)

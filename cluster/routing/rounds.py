@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 from cluster.metrics import TandemMetrics
 from cluster.routing.draft_calls import DraftCalls
 from cluster.routing.draft_length import Plan
+from cluster.routing.draft_modes import ALONE, LOOKUP, MODEL
 from cluster.routing.failover import Failover
 from cluster.routing.generation import Draft, Generation, Posted
 from cluster.routing.outcome import record
@@ -50,6 +51,7 @@ from cluster.routing.speculation_gate import SpeculationGate
 from cluster.routing.waits import Pending, Steps, Wait, first_done
 from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.errors import ReplicaUnavailableError
+from cluster.runtime.limits import MAX_BLOCK_TOKENS
 from cluster.runtime.rebase import rebase
 
 NO_PLAN = Plan(0, False)
@@ -193,6 +195,8 @@ class Rounds:
         since_s, gen.heard_at = now - gen.heard_at, now
         if gen.request.draft_tokens <= 0:
             return  # the target alone by request: nothing to measure or decide
+        gen.modes.observe(gen.round_mode, num_tokens, since_s)
+        gen.stats.draft_mode, gen.stats.draft_mode_reason = gen.modes.mode, gen.modes.reason
         self.gate.committed(num_tokens)
         if gen.lengths.max_fan_out > 0:
             self.predraft_gate.committed(num_tokens)
@@ -228,12 +232,20 @@ class Rounds:
         plan = self._plan(gen)
         k = min(plan.k, gen.remaining - 1)
         speculating = plan is not NO_PLAN
+        gen.round_mode = gen.modes.mode if speculating else ALONE
         if k <= 0 and not speculating:
             if gen.advance is None:  # lockstep: the target's own token, through a block
                 self._post(gen, Draft(DraftBlock(gen.committed, ()), by_drafter=False))
             return
         gen.plan = plan
-        steps = self._drafts.now(gen, max(k, 0), by_drafter=k > 0, suffix=speculating)
+        by_drafter = k > 0 and gen.round_mode == MODEL
+        # Lookup only: the measured verify passes price the block, so the suffix drafter's
+        # blocks are cut to the length that pays (on a CPU without native bf16, a pass of k + 1
+        # tokens costs about k + 1 steps: a long block is a loss unless accepted whole).
+        longest = max(1, k) if gen.round_mode == LOOKUP else MAX_BLOCK_TOKENS
+        steps = self._drafts.now(
+            gen, max(k, 0), by_drafter=by_drafter, suffix=speculating, suffix_longest=longest
+        )
         gen.drafting = Pending(steps, gen.now)
         self._advance_drafts(gen)
 
@@ -242,6 +254,10 @@ class Rounds:
         or the gate holds the target alone; else the adaptive plan's."""
         if gen.request.draft_tokens <= 0 or not self.gate.speculate():
             return NO_PLAN
+        if gen.modes.mode == ALONE:
+            return NO_PLAN  # measured: this request commits more with the target alone
+        if gen.modes.mode == LOOKUP:
+            return gen.lengths.lookup_plan()  # measured: the draft model does not pay
         plan = gen.lengths.next_plan()
         if plan.fan_out > 0 and not self.predraft_gate.speculate():
             plan = Plan(plan.k, plan.pipelined)  # measured faster without pre-drafting
@@ -290,6 +306,8 @@ class Rounds:
             rebased = rebase(block, gen.history[block.base_length :])
             if rebased is None:  # stale: counted as drafted, none accepted, never verified
                 gen.stats.num_drafted += len(block.tokens)
+                if draft.by_drafter:
+                    gen.stats.model_drafted += len(block.tokens)
                 if draft.by_suffix:
                     gen.stats.suffix_drafted += len(block.tokens)
                 if draft.ahead:

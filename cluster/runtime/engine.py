@@ -154,6 +154,8 @@ class Engine:
         """Running sessions registered, summed over the steps since start."""
         self.running_stepped = 0
         """Of those, the ones each step carried (`occupancy` is the ratio)."""
+        self.startup_line = (0.0, 0.0)
+        """The cost curve as `calibrate` measured it before serving: (base_s, per_token_s)."""
         self._to_recompute: dict[str, int] = {}
         """Per preempted sequence, the freed tokens not yet run again."""
         self._step_listeners: tuple[Callable[[], None], ...] = ()
@@ -298,6 +300,8 @@ class Engine:
             refusals=self.refusals,
             running_sessions=self.running_sessions,
             running_stepped=self.running_stepped,
+            startup_base_s=self.startup_line[0],
+            startup_per_token_s=self.startup_line[1],
         )
 
     def calibrate(self, token_counts: Sequence[int] = (1, 16, 64), repeats: int = 2) -> None:
@@ -319,6 +323,8 @@ class Engine:
             self.run(task(), key="\x00calibration")
         except ResourceExhaustedError:
             logger.warning("engine calibration skipped: the KV pool is too small for it")
+            return
+        self.startup_line = self._curve.line()
 
     # ------------------------------------------------------------------ the engine thread
 

@@ -63,6 +63,15 @@ class EngineStats:
     """Sessions advancing on their own (`Engine.keep_running`), summed over steps."""
     running_stepped: int = 0
     """Of those, the ones each step carried, summed over steps: `occupancy` is the ratio."""
+    startup_base_s: float = 0.0
+    startup_per_token_s: float = 0.0
+    """The step cost curve as measured at start-up, before serving (`Engine.calibrate`); 0
+    where it was not measured."""
+
+    @property
+    def startup_step_s(self) -> float:
+        """Seconds of a one-token step as measured at start-up (0: not measured)."""
+        return self.startup_base_s + self.startup_per_token_s
 
     @property
     def occupancy(self) -> float | None:

@@ -8,6 +8,12 @@ prompt, with whether both runs produced the same tokens (greedy decoding is loss
 must in float32; bfloat16 can flip a near-tie, see docs/models.md). One prompt, one run each: a
 demonstration, not a benchmark (`tandem bench` measures speed properly).
 
+The report also says where the drafted tokens came from (the draft model, prompt lookup, the
+suffix drafter) and which drafting the request's own measurement kept, and why
+(`cluster.routing.draft_modes`). `tandem demo` runs two cases: novel text (a function to
+write), where only a draft model can guess ahead, and the edit of a file given in the prompt,
+the common case for a coding agent, where prompt lookup copies what the output repeats.
+
 The client is injected, so the demo runs against any `TandemClient`-shaped object.
 """
 
@@ -95,6 +101,19 @@ def _percent(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.0f}%"
 
 
+def drafted_by(stats: RequestStats) -> str:
+    """Drafted and accepted tokens by where they came from: the draft model, prompt lookup,
+    the suffix drafter."""
+    lookup_drafted = stats.num_drafted - stats.model_drafted - stats.suffix_drafted
+    lookup_accepted = stats.num_accepted - stats.model_accepted - stats.suffix_accepted
+    parts = [
+        ("draft model", stats.model_drafted, stats.model_accepted),
+        ("prompt lookup", lookup_drafted, lookup_accepted),
+        ("suffix drafter", stats.suffix_drafted, stats.suffix_accepted),
+    ]
+    return ", ".join(f"{name} {accepted}/{drafted} accepted" for name, drafted, accepted in parts)
+
+
 def format_report(report: DemoReport) -> str:
     stats = report.stats
     per_verify = report.tokens_per_verify
@@ -108,6 +127,9 @@ def format_report(report: DemoReport) -> str:
         f"({report.num_target_only_tokens / report.target_only_s:.1f} tokens/s)",
         f"speedup over target-only: {report.speedup:.2f}x on this prompt",
     ]
+    lines.append(f"  drafted: {drafted_by(stats)}")
+    if stats.draft_mode:
+        lines.append(f"  drafting kept: {stats.draft_mode} ({stats.draft_mode_reason})")
     if report.same_tokens:
         lines.append("same tokens as the target alone: yes")
     else:

@@ -449,6 +449,8 @@ def engine_stats_to_wire(engine: EngineStats) -> replica_pb2.EngineStats:
         refusals=uint_to_wire(engine.refusals, "engine.refusals"),
         running_sessions=uint_to_wire(engine.running_sessions, "engine.running_sessions"),
         running_stepped=uint_to_wire(engine.running_stepped, "engine.running_stepped"),
+        startup_base_s=engine.startup_base_s,
+        startup_per_token_s=engine.startup_per_token_s,
     )
 
 
@@ -477,6 +479,8 @@ def engine_stats_from_wire(message: replica_pb2.EngineStats) -> EngineStats:
         refusals=message.refusals,
         running_sessions=message.running_sessions,
         running_stepped=message.running_stepped,
+        startup_base_s=message.startup_base_s,
+        startup_per_token_s=message.startup_per_token_s,
     )
 
 

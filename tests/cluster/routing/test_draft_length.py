@@ -33,7 +33,8 @@ from cluster.runtime.errors import InvalidArgumentError
 from tests.cluster.routing.lockstep_routers import held_lockstep_router
 from tests.conftest import CODE_PROMPT
 
-ON = DraftLengthConfig(enabled=True)
+ON = DraftLengthConfig(enabled=True, measured_modes=False)
+"""The plan alone: these tests price its blocks (the measured modes: test_draft_modes.py)."""
 
 
 def test_expected_tokens() -> None:
