@@ -56,7 +56,7 @@ class DraftCalls:
             # model. Where it earns nothing, it is asked less and less often (SuffixUse).
             longest = min(suffix_longest, MAX_BLOCK_TOKENS, gen.remaining - 1)
             proposed = yield from gen.suffix.propose(
-                gen.request, gen.history, longest, shortest=max(1, num_tokens)
+                gen.request, gen.history, longest, shortest=max(1, min(num_tokens, longest))
             )
             if proposed is not None:
                 return Draft(proposed, by_drafter=False, by_suffix=True)

@@ -427,15 +427,41 @@ class DraftLength:
         """The plan of a round whose block costs no model (prompt lookup, the suffix drafter):
         the block length that pays with free drafting at the request's acceptance, priced by
         the verify passes timed so far; the request's own length before any is."""
+        verify_s = self._verify_cost()
+        if verify_s is None:
+            return Plan(self.max_k, False)
+        return best_plan(self.acceptance, self.max_k, 0.0, verify_s, may_pipeline=False)
+
+    def paying_length(self, acceptance: float, longest: int) -> int:
+        """The longest-paying length, up to `longest`, of a block that costs no model to draft
+        and whose tokens are accepted at `acceptance` (the suffix drafter's): the k with the
+        most tokens per second of verify passes, as timed so far (`longest` before any is). On
+        a flat verify cost (a GPU's) that is `longest`; where a pass of k + 1 tokens costs
+        about k + 1 steps (bf16 on a CPU without native bf16), a long block pays only if
+        nearly always accepted."""
+        verify_s = self._verify_cost()
+        if verify_s is None or longest <= 1:
+            return max(1, longest)
+        best_k, best_rate, tokens = 1, 0.0, 1.0
+        for k in range(1, longest + 1):
+            tokens += acceptance**k
+            seconds = verify_seconds(verify_s, k)
+            value = tokens / seconds if seconds > 0 else math.inf
+            if value > best_rate:
+                best_k, best_rate = k, value
+        return best_k
+
+    def _verify_cost(self) -> VerifyCost | None:
+        """Seconds of a verify pass as timed so far (a function of the block's length under a
+        known verifier load); None before any is timed, or without the adaptive plan."""
         latencies = self._alone if self._alone.verify_s is not None else self._beside
         if not self.config.enabled or latencies.verify_s is None:
-            return Plan(self.max_k, False)
-        verify_s: VerifyCost = latencies.verify_s
+            return None
         verifier, ratio = self._verifier_load, latencies.verify_ratio
-        if verifier is not None and ratio is not None:
-            sequences, step_s = verifier.sequences, verifier.step_s
-            verify_s = lambda k: ratio * step_s(sequences * (k + 1))  # noqa: E731
-        return best_plan(self.acceptance, self.max_k, 0.0, verify_s, may_pipeline=False)
+        if verifier is None or ratio is None:
+            return latencies.verify_s
+        sequences, step_s = verifier.sequences, verifier.step_s
+        return lambda k: ratio * step_s(sequences * (k + 1))
 
     def _priced(self, latencies: Latencies) -> tuple[float, VerifyCost]:
         """Seconds per drafted token and of a verify pass (a function of the block's length

@@ -32,7 +32,7 @@ def record(gen: Generation, posted: Posted, verdict: Verdict) -> None:
         else:
             stats.pipeline_hits += 1
     if posted.draft.by_suffix:  # priced apart: the model's acceptance is the plan's
-        gen.suffix.use.verified(accepted)
+        gen.suffix.use.verified(accepted, drafted)
         stats.suffix_drafted += drafted
         stats.suffix_accepted += accepted
     else:

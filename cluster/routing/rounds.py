@@ -239,10 +239,12 @@ class Rounds:
             return
         gen.plan = plan
         by_drafter = k > 0 and gen.round_mode == MODEL
-        # Lookup only: the measured verify passes price the block, so the suffix drafter's
-        # blocks are cut to the length that pays (on a CPU without native bf16, a pass of k + 1
-        # tokens costs about k + 1 steps: a long block is a loss unless accepted whole).
-        longest = max(1, k) if gen.round_mode == LOOKUP else MAX_BLOCK_TOKENS
+        # The measured verify passes price the suffix drafter's blocks, cut to the length
+        # that pays at its acceptance (on a CPU without native bf16, a pass of k + 1 tokens
+        # costs about k + 1 steps: a long block is a loss unless accepted nearly whole).
+        longest = MAX_BLOCK_TOKENS
+        if speculating and gen.suffix.port is not None:
+            longest = gen.lengths.paying_length(gen.suffix.use.acceptance, longest)
         steps = self._drafts.now(
             gen, max(k, 0), by_drafter=by_drafter, suffix=speculating, suffix_longest=longest
         )

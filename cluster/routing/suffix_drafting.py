@@ -48,6 +48,14 @@ class SuffixUse:
     asked: int = 0
     proposed_tokens: int = 0
     accepted_tokens: int = 0
+    rejected_blocks: int = 0
+    """Verified blocks with a token rejected (each one failure of the per-token acceptance)."""
+
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance of its blocks: accepted tokens are successes, a block cut
+        short one failure, behind a Beta(3, 1) prior (as the plan's)."""
+        return (self.accepted_tokens + 3.0) / (self.accepted_tokens + self.rejected_blocks + 4.0)
 
     def ask(self) -> bool:
         """Whether this round asks (counting down a pause)."""
@@ -63,9 +71,11 @@ class SuffixUse:
         if num_tokens == 0:
             self._fruitless()
 
-    def verified(self, num_accepted: int) -> None:
-        """The verdict on a proposed block accepted `num_accepted` of its tokens."""
+    def verified(self, num_accepted: int, num_drafted: int | None = None) -> None:
+        """The verdict on a proposed block of `num_drafted` tokens accepted `num_accepted`."""
         self.accepted_tokens += num_accepted
+        if num_drafted is not None and num_accepted < num_drafted:
+            self.rejected_blocks += 1
         if num_accepted == 0:
             self._fruitless()
         else:

@@ -91,3 +91,24 @@ def test_a_verify_pass_that_grows_with_its_block_turns_the_draft_model_off() -> 
 def test_disabled_modes_never_move() -> None:
     modes = DraftModes(ModesConfig(enabled=False))
     assert set(run(modes, 100, SECONDS_PER_TOKEN)) == {MODEL}
+
+
+def test_suffix_blocks_are_cut_to_the_length_the_verify_passes_price() -> None:
+    from cluster.routing.draft_length import DraftLength
+    from cluster.runtime.draft_block import StepLoad
+
+    def lengths(base_s: float, per_token_s: float) -> DraftLength:
+        plan = DraftLength(DraftLengthConfig(enabled=True), 4, pipelined=False)
+        load = StepLoad(batch_sequences=1, batch_tokens=1, cost_base_s=base_s,
+                        cost_per_token_s=per_token_s)  # fmt: skip
+        plan.observe_verify(base_s + per_token_s, load=load)
+        return plan
+
+    assert DraftLength(DraftLengthConfig(enabled=True), 4, False).paying_length(0.5, 32) == 32
+    flat = lengths(0.02, 0.0001)  # a GPU's: tokens nearly free
+    assert flat.paying_length(0.75, 32) >= 8
+    assert flat.paying_length(0.97, 32) == 32
+    steep = lengths(0.156, 0.155)  # bf16 on AVX2: 1, 2, 5 tokens 311, 466, 931 ms
+    assert steep.paying_length(0.75, 32) == 1
+    # Only a block accepted nearly whole is worth its steps, and then a longer one.
+    assert 1 < steep.paying_length(0.999, 32) <= 32
