@@ -15,7 +15,7 @@ So each request also measures what it gets. Its rounds run in one of three modes
 Every stretch between two of the verifier's reports is counted, tokens and seconds, to the mode
 its round was planned in (decayed by `decay` per stretch). The target alone's rate starts from
 the verifier's own measured step (`seed_alone`: its start-up calibration, worth `seed_tokens`
-tokens) until the request times it.
+tokens) until the request has timed a trial of it.
 
 A mode runs a trial of `trial_tokens` committed tokens; then the request moves to a mode whose
 measurement is due, if any, else to the mode with the best measured rate (on a tie, the one
@@ -104,10 +104,12 @@ class DraftModes:
                 self._due_at[ALONE] = float(self.config.retry_tokens)
 
     def rate(self, mode: str) -> float | None:
-        """Measured tokens per second of `mode` (the target alone's with its seed)."""
+        """Measured tokens per second of `mode` (the target alone's with its seed until a
+        trial's worth of its own is measured: a start-up step taken while the drafter started
+        too can be far slower than the target alone runs)."""
         tally = self._tallies[mode]
-        if mode != ALONE or self._alone_seed_s is None:
-            return tally.rate
+        if mode != ALONE or self._alone_seed_s is None or tally.tokens >= self.config.trial_tokens:
+            return tally.rate  # a trial's own measurement replaces the seed
         seed = self.config.seed_tokens
         return (tally.tokens + seed) / (tally.seconds + seed * self._alone_seed_s)
 

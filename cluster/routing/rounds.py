@@ -245,6 +245,7 @@ class Rounds:
         longest = MAX_BLOCK_TOKENS
         if speculating and gen.suffix.port is not None:
             longest = gen.lengths.paying_length(gen.suffix.use.acceptance, longest)
+            longest += gen.advance is not None  # a running session's next step takes one
         steps = self._drafts.now(
             gen, max(k, 0), by_drafter=by_drafter, suffix=speculating, suffix_longest=longest
         )
@@ -258,8 +259,12 @@ class Rounds:
             return NO_PLAN
         if gen.modes.mode == ALONE:
             return NO_PLAN  # measured: this request commits more with the target alone
-        if gen.modes.mode == LOOKUP:
-            return gen.lengths.lookup_plan()  # measured: the draft model does not pay
+        if gen.modes.mode == LOOKUP:  # measured: the draft model does not pay
+            plan = gen.lengths.lookup_plan()
+            # A block reaches a running session after its step in flight, which commits the
+            # block's first token by itself: one more token, or the block is stale on arrival.
+            running = gen.advance is not None and plan.k > 0
+            return Plan(min(plan.k + 1, gen.lengths.max_k), False) if running else plan
         plan = gen.lengths.next_plan()
         if plan.fan_out > 0 and not self.predraft_gate.speculate():
             plan = Plan(plan.k, plan.pipelined)  # measured faster without pre-drafting

@@ -49,6 +49,7 @@ from llguidance import LLTokenizer
 from cluster.metrics import TandemMetrics
 from cluster.routing.draft_calls import DraftCalls
 from cluster.routing.draft_length_config import DraftLengthConfig
+from cluster.routing.draft_modes import MODEL
 from cluster.routing.failover import Failover
 from cluster.routing.generation import Decode, Generation
 from cluster.routing.output import decode_for
@@ -336,7 +337,8 @@ class Router:
                     )
                 )
 
-            if self.gate.holds_target():
+            if self.gate.holds_target() or gen.modes.mode != MODEL:
+                # Nothing asks the draft model yet: its prefill would only take the cores.
                 gen.open_drafter = open_drafter
             else:
                 gen.drafter_opening = open_drafter()
