@@ -122,6 +122,10 @@ def test_serve_deploy_of_the_local_config_serves_exactly_the_target_output(
     proxy_port = config["grpc_options"]["port"] = app["args"]["proxy_grpc_port"] = free_port()
     proxy_http_port = config["http_options"]["port"] = free_port()
     grpc_port = app["args"]["front"]["grpc_port"] = free_port()
+    # The plan's rounds, not the measured modes: on a CPU the tiny pair's start-up steps say
+    # the draft model cannot pay, and a request would then start with lookup only; this test
+    # shows the file's drafter drafting.
+    app["args"]["draft_length"] = {"enabled": True, "measured_modes": False}
     http_port = app["args"]["front"]["http_port"] = free_port()
     copy = tmp_path / "serve-local.yaml"
     copy.write_text(yaml.safe_dump(config))
