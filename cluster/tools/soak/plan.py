@@ -294,6 +294,10 @@ def service_config(settings: SoakSettings, pool: VerifierPool, preset: str) -> d
         "drafter": {"num_replicas": NUM_DRAFTERS},
         "verifier": {"num_replicas": NUM_VERIFIERS},
         "drafter_limits": {"error_fraction": settings.drafter_error_fraction},
+        # The plan's rounds without the measured modes: the soak exercises the drafters (one
+        # errs on purpose, one is killed), and on a CPU the tiny pair's start-up steps would
+        # turn the draft model off (`cluster.routing.draft_modes`).
+        "draft_length": {"enabled": True, "measured_modes": False},
         "verifier_limits": {
             "kv_cache_bytes": pool.kv_cache_bytes,
             "max_context_tokens": pool.max_context_tokens,
