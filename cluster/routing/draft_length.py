@@ -457,6 +457,12 @@ class DraftLength:
         latencies = self._alone if self._alone.verify_s is not None else self._beside
         if not self.config.enabled or latencies.verify_s is None:
             return None
+        return self._verify_priced(latencies)
+
+    def _verify_priced(self, latencies: Latencies) -> VerifyCost:
+        """Seconds of a verify pass under one condition (`latencies.verify_s` known): a
+        function of the block's length under a known verifier load, else the measured time."""
+        assert latencies.verify_s is not None
         verifier, ratio = self._verifier_load, latencies.verify_ratio
         if verifier is None or ratio is None:
             return latencies.verify_s
@@ -471,8 +477,4 @@ class DraftLength:
         drafter, ratio = self._drafter_load, latencies.draft_ratio
         if drafter is not None and ratio is not None:
             draft_s = ratio * drafter.step_s(drafter.tokens)
-        verifier, verify_ratio = self._verifier_load, latencies.verify_ratio
-        if verifier is None or verify_ratio is None:
-            return draft_s, latencies.verify_s
-        sequences, step_s = verifier.sequences, verifier.step_s
-        return draft_s, lambda k: verify_ratio * step_s(sequences * (k + 1))
+        return draft_s, self._verify_priced(latencies)
