@@ -18,14 +18,14 @@ the verifier's own measured step (`seed_alone`: its start-up calibration, worth 
 tokens) until the request has timed a trial of it.
 
 A mode runs a trial of `trial_tokens` committed tokens; then the request moves to a mode whose
-measurement is due, if any, else to the mode with the best measured rate (on a tie, the one
-that speculates less), so speculation is kept only while it commits more than the target
-alone. A mode that loses is measured again after `retry_tokens` more committed tokens, times
-how many times slower it was, twice as many after each further loss (up to
-`max_retry_tokens`): a wrong mode costs a bounded share of any request, and a change in the
-text or the load is found again. Each is measured at the
-start, in that order (the target alone only where nothing seeds it), except a draft model that
-the replicas' start-up measurement rules out (`model_pays`): it is first measured after
+measurement is due, if any, else to the mode with the best measured rate (a speculating mode
+must beat the one below it by `margin`; on a tie, the one that speculates less), so
+speculation is kept only while it commits more than the target alone. A mode that loses is
+measured again after `retry_tokens` more committed tokens, times how many times slower it was,
+twice as many after each further loss (up to `max_retry_tokens`): a wrong mode costs a bounded
+share of any request, and a change in the text or the load is found again. Each is measured at
+the start, in that order (the target alone only where nothing seeds it), except a draft model
+that the replicas' start-up measurement rules out (`model_pays`): it is first measured after
 `max_retry_tokens`, as a check on that measurement.
 """
 
@@ -54,6 +54,9 @@ class ModesConfig:
     """Weight kept by a mode's past tokens and seconds per stretch counted to it."""
     seed_tokens: float = 4.0
     """What the seeded target-alone rate weighs, in tokens, against the request's own."""
+    margin: float = 0.05
+    """How much faster than the mode below it a speculating mode must measure to be kept
+    (trials of a few tokens are noisy, and a tie goes to the one that speculates less)."""
 
 
 @dataclass
@@ -134,7 +137,7 @@ class DraftModes:
         measurement is due, else the best."""
         tried = self.mode
         rates = {m: r for m in MODES if (r := self.rate(m)) is not None}
-        best = max(rates, key=lambda m: (rates[m], MODES.index(m)))
+        best = max(rates, key=lambda m: (self._score(m, rates[m]), MODES.index(m)))
         if tried == best:
             self._wait[tried] = float(self.config.retry_tokens)
             self._due_at[tried] = math.inf  # measured as it runs
@@ -148,6 +151,11 @@ class DraftModes:
             self._choose(due[0], f"measuring {due[0]}")
             return
         self._choose(best, self._why(best, rates))
+
+    def _score(self, mode: str, rate: float) -> float:
+        """`rate` less the margin a mode must win by for each step of speculation it adds."""
+        steps = len(MODES) - 1 - MODES.index(mode)
+        return rate / (1.0 + self.config.margin) ** steps
 
     def _lost(self, mode: str, by: float) -> None:
         """`mode` measured `by` times slower than the best: measured again after its wait,

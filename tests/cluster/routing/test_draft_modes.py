@@ -46,6 +46,19 @@ def test_where_nothing_beats_the_target_alone_it_is_kept() -> None:
     assert len(seen) / elapsed > 0.9 / pace[ALONE]
 
 
+def test_speculation_within_the_margin_of_the_target_alone_gives_way_to_it() -> None:
+    # Lookup drafting nothing runs about as fast as the target alone: within the margin, the
+    # target alone is kept; a clear gain keeps lookup.
+    near = {MODEL: 0.5, LOOKUP: 0.29, ALONE: 0.3}  # 3% faster
+    seen = run(DraftModes(ModesConfig(margin=0.0)), 300, near)
+    assert seen[-100:].count(LOOKUP) > 80  # without a margin, lookup's 3% keeps it
+    seen = run(DraftModes(), 300, near)
+    assert seen[-100:].count(ALONE) > 80
+    clear = {MODEL: 0.5, LOOKUP: 0.25, ALONE: 0.3}  # 20% faster
+    seen = run(DraftModes(), 300, clear)
+    assert seen[-100:].count(LOOKUP) > 80
+
+
 def test_a_draft_model_that_pays_keeps_running() -> None:
     pace = {MODEL: 0.1, LOOKUP: 0.25, ALONE: 0.3}
     modes = DraftModes()
