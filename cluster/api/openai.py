@@ -143,6 +143,11 @@ class OpenAIService:
         )
         self._created = int(time.time())
 
+    def authenticate(self, caller: Caller) -> None:
+        """Raises UNAUTHENTICATED for a missing or unknown key: what the HTTP face asks before
+        it reads a request's body."""
+        self.service.authenticate(caller)
+
     def models(self, caller: Caller = ANONYMOUS_CALL) -> dict[str, Any]:
         """The body of `GET /v1/models`."""
         self.service.tenants.authenticate(caller.authorization)

@@ -13,6 +13,15 @@ The calls that do not generate: Cancel and GetUsage are quick and run on the loo
 replay through the plain target, which may wait long) and the health check's look at the
 replicas run on the loop's default executor.
 
+What an anonymous client can hold or make the router do is bounded:
+- Every call but the health service's is authenticated before its payload is parsed
+  (`KeyCheck`): a call with a missing or unknown key is answered UNAUTHENTICATED from its
+  metadata alone, its bytes never parsed. Reflection is one of those calls.
+- A request message may be at most `MAX_REQUEST_BYTES` (gRPC refuses a larger one with
+  RESOURCE_EXHAUSTED while reading it), far below the replicas' internal limit.
+- Health `Watch` streams, open to every caller, are at most `MAX_HEALTH_WATCHES` at once (one
+  more is answered RESOURCE_EXHAUSTED), so that they never take the slots that `Generate` needs.
+
 Payloads that are not the method's message are answered INVALID_ARGUMENT (`ParseCheck`), as on
 the replicas' servers. The server binds with SO_REUSEPORT (see `cluster.serve.front`).
 """
@@ -31,21 +40,29 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cluster.api.caller import Caller
 from cluster.api.convert import chunk_to_proto, response_to_proto
 from cluster.api.grpc_api import GrpcApi
 from cluster.api.grpc_servicer import caller_of
 from cluster.api.response import ApiChunk, coalesce, merge
 from cluster.api.service import TandemService
 from cluster.api.status import status_of, trailers_of
+from cluster.api.tenants import bearer_key
 from cluster.routing.waits import Wait
 from cluster.serve.calls import stream_merged
-from cluster.wire.metadata import MESSAGE_SIZE_OPTIONS
+from cluster.wire.metadata import MAX_MESSAGE_BYTES
 from protos import generate_pb2, generate_pb2_grpc
 
 START_TIMEOUT_S = 30.0
 HEALTH_WATCH_PERIOD_S = 1.0
 BLOCKING_THREADS = 16
 """Threads for the calls that block: audits, the health check's look at the replicas."""
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+"""The largest request message the public server reads (gRPC's own default): a prompt at the
+longest context the packs serve is well under 1 MiB."""
+MAX_HEALTH_WATCHES = 64
+"""Health `Watch` streams held at once; probes that poll use `Check`."""
+HEALTH_SERVICE = "/grpc.health.v1.Health/"
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: Exception) -> NoReturn:
@@ -127,10 +144,13 @@ class AsyncTandemServicer(generate_pb2_grpc.TandemServicer):
 
 
 class AsyncHealthServicer(health_pb2_grpc.HealthServicer):
-    """gRPC health: SERVING while `healthy()` (run off the loop: it may read the registry)."""
+    """gRPC health: SERVING while `healthy()` (run off the loop: it may read the registry).
+    At most `max_watches` `Watch` streams at once (RESOURCE_EXHAUSTED past them)."""
 
-    def __init__(self, healthy: Callable[[], bool]) -> None:
+    def __init__(self, healthy: Callable[[], bool], max_watches: int = MAX_HEALTH_WATCHES) -> None:
         self._healthy = healthy
+        self._max_watches = max_watches
+        self._watches = 0
 
     async def _status(self) -> int:
         healthy = await asyncio.get_running_loop().run_in_executor(None, self._healthy)
@@ -148,13 +168,65 @@ class AsyncHealthServicer(health_pb2_grpc.HealthServicer):
     async def Watch(
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        last = None
-        while True:
-            status = await self._status()
-            if status != last:
-                last = status
-                yield health_pb2.HealthCheckResponse(status=status)
-            await asyncio.sleep(HEALTH_WATCH_PERIOD_S)
+        if self._watches >= self._max_watches:  # counted on the loop's one thread
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"at most {self._max_watches} health watches at once: poll with Check",
+            )
+        self._watches += 1
+        try:
+            last = None
+            while True:
+                status = await self._status()
+                if status != last:
+                    last = status
+                    yield health_pb2.HealthCheckResponse(status=status)
+                await asyncio.sleep(HEALTH_WATCH_PERIOD_S)
+        finally:
+            self._watches -= 1
+
+
+class KeyCheck(grpc.aio.ServerInterceptor):
+    """Authenticates every call but the health service's from its metadata, before gRPC hands
+    its payload to a parser: a missing or unknown key is answered UNAUTHENTICATED, the payload
+    never parsed (`authenticate`: `TandemService.authenticate`'s test of the key)."""
+
+    def __init__(self, authenticate: Callable[[Caller], object]) -> None:
+        self._authenticate = authenticate
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(HEALTH_SERVICE):
+            return handler
+        metadata = handler_call_details.invocation_metadata or ()
+        try:
+            self._authenticate(Caller(bearer_key(metadata)))
+        except Exception as error:
+            return _refusal(handler, error)
+        return handler
+
+
+def _refusal(handler: Any, error: Exception) -> Any:
+    """A handler of `handler`'s kind that answers `error`'s status, its payload left as bytes."""
+
+    async def refuse(_: object, context: grpc.aio.ServicerContext) -> NoReturn:
+        await _abort(context, error)
+
+    async def refuse_stream(_: object, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await _abort(context, error)
+        yield  # never reached: a generator, as a streaming handler must be
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream)
+    return grpc.unary_unary_rpc_method_handler(refuse)
 
 
 class ParseCheck(grpc.aio.ServerInterceptor):
@@ -210,10 +282,11 @@ class GrpcFront:
         host: str,
         port: int,
         max_streams: int,
+        max_watches: int = MAX_HEALTH_WATCHES,
     ) -> None:
         """Serve on `host:port` (0: a free port, then `self.port`); at most `max_streams`
-        calls at once (one more is answered RESOURCE_EXHAUSTED). Raises RuntimeError, naming
-        the address, when it cannot bind."""
+        calls at once, `max_watches` of them health watches (one more is answered
+        RESOURCE_EXHAUSTED). Raises RuntimeError, naming the address, when it cannot bind."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"grpc-front-{port}", daemon=True
@@ -221,7 +294,7 @@ class GrpcFront:
         self._thread.start()
         self._server: grpc.aio.Server | None = None
         self._threads = ThreadPoolExecutor(BLOCKING_THREADS, thread_name_prefix="grpc-front")
-        start = self._start(service, healthy, host, port, max_streams)
+        start = self._start(service, healthy, host, port, max_streams, max_watches)
         try:
             self.port: int = asyncio.run_coroutine_threadsafe(start, self._loop).result(
                 START_TIMEOUT_S
@@ -237,15 +310,22 @@ class GrpcFront:
         host: str,
         port: int,
         max_streams: int,
+        max_watches: int,
     ) -> int:
         server = grpc.aio.server(
-            interceptors=[ParseCheck()],
-            options=[*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 1)],
+            interceptors=[KeyCheck(service.authenticate), ParseCheck()],
+            options=[
+                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 1),
+            ],
             maximum_concurrent_rpcs=max_streams,
         )
         servicer = AsyncTandemServicer(service, self._threads)
         generate_pb2_grpc.add_TandemServicer_to_server(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(AsyncHealthServicer(healthy), server)
+        health_pb2_grpc.add_HealthServicer_to_server(
+            AsyncHealthServicer(healthy, max_watches), server
+        )
         names = ("tandem.v1.Tandem", "grpc.health.v1.Health", reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

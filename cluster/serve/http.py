@@ -15,6 +15,11 @@ TandemService, router and tenants as the gRPC API) and frames what comes back:
   empty body while the service can serve, 503 otherwise), `GET /version` (`{"version": ...}`,
   the installed `tandem` package's) and `GET /metrics` (Tandem's metrics in Prometheus' text
   format, `text/plain; version=0.0.4`).
+- The caller is authenticated before the body is read (401 for a missing or unknown key). The
+  body is then read within `body_timeout_s` (408 for one that does not come whole in time: a
+  half-sent request holds nothing longer) and at most `max_body_bytes` of it (413 past that,
+  whatever `Content-Length` says or does not say); one over `LOOP_PARSE_BYTES` is parsed on
+  the thread pool, not on the loop that serves every stream.
 - The body must be a JSON object of Unicode text nested at most 64 levels
   (`cluster.api.json_body`): anything else is 400 before the service sees it.
 - The caller: `Authorization: Bearer <key>` and the optional `x-tandem-deadline-ms` header,
@@ -78,6 +83,22 @@ DONE_EVENT = b"data: [DONE]\n\n"
 EVENT_STREAM = "text/event-stream"
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 PACKAGE = "tandem"
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""The largest request body read (a prompt at the longest context the packs serve is well
+under 1 MiB of JSON)."""
+BODY_TIMEOUT_S = 30.0
+"""How long a request's body may take to arrive, once its headers have."""
+LOOP_PARSE_BYTES = 64 * 1024
+"""Bodies up to this size are parsed on the event loop; larger ones on the thread pool."""
+
+
+class BodyError(Exception):
+    """A request body refused before it is parsed: `status` 413 or 408."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
 
 
 class ServerProbes(Protocol):
@@ -110,10 +131,14 @@ class OpenAIHttp:
         openai: OpenAIService,
         threads: ThreadPoolExecutor,
         probes: ServerProbes | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        body_timeout_s: float = BODY_TIMEOUT_S,
     ) -> None:
         self._openai = openai
         self._threads = threads
         self._probes = probes
+        self._max_body_bytes = max_body_bytes
+        self._body_timeout_s = body_timeout_s
 
     async def __call__(self, request: Request) -> Response:
         path = _route_path(request.scope)
@@ -138,7 +163,8 @@ class OpenAIHttp:
             caller = _caller(request)
             if route is None:
                 return JSONResponse(self._openai.models(caller))
-            body = await _json_object(request)
+            self._openai.authenticate(caller)  # before a byte of the body is read
+            body = await self._json_object(request)
             if route == AUDIT:
                 return JSONResponse(await self._audit(body, caller))
             if self._openai.wants_stream(body):
@@ -146,8 +172,40 @@ class OpenAIHttp:
             return JSONResponse(await self._complete(route, body, caller))
         except asyncio.CancelledError:
             raise
+        except BodyError as error:
+            return _error_json(error.status, str(error), code=error.code)
         except Exception as error:
             return _error(error)
+
+    async def _json_object(self, request: Request) -> dict[str, Any]:
+        """The body, read within the time and size limits, parsed as a JSON object."""
+        raw = await self._body(request)
+        if len(raw) <= LOOP_PARSE_BYTES:
+            return parse_json_object(raw)
+        return await asyncio.wrap_future(self._threads.submit(parse_json_object, raw))
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self._max_body_bytes
+        too_large = BodyError(
+            413, f"the request body is larger than {limit} bytes", "request_too_large"
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        parts, size = [], 0
+        try:
+            async with asyncio.timeout(self._body_timeout_s):
+                async for part in request.stream():
+                    size += len(part)
+                    if size > limit:
+                        raise too_large
+                    parts.append(part)
+        except TimeoutError:
+            raise BodyError(
+                408, f"the request body did not arrive within {self._body_timeout_s} s",
+                "request_timeout",
+            ) from None  # fmt: skip
+        return b"".join(parts)
 
     async def _probe(self, path: str, probes: ServerProbes) -> Response:
         """A probe's answer; a probe that fails is 503 (health) or 500, never a traceback."""
@@ -251,10 +309,6 @@ def _route_path(scope: Scope) -> str:
 def _caller(request: Request) -> Caller:
     headers = request.headers.items()
     return Caller(bearer_key(headers), deadline_of(headers))
-
-
-async def _json_object(request: Request) -> dict[str, Any]:
-    return parse_json_object(await request.body())
 
 
 def _events_of(bodies: ChunkBodies, chunk: ApiChunk) -> bytes:

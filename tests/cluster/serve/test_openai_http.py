@@ -72,6 +72,10 @@ class ScriptedOpenAI:
         self.is_active: Callable[[], bool] | None = None
         self.callers: list[Caller] = []
 
+    def authenticate(self, caller: Caller) -> None:
+        if caller.authorization != f"Bearer {GOOD_KEY}":
+            raise UnauthenticatedError("unknown API key")
+
     def _authenticate(self, caller: Caller) -> None:
         self.callers.append(caller)
         if caller.authorization != f"Bearer {GOOD_KEY}":

@@ -1,0 +1,202 @@
+"""What an anonymous client can make the routers' own servers do, without Ray.
+
+gRPC (`cluster.serve.front_grpc`, a real server over the tiny pair): a call with no key is
+refused from its metadata before its payload is parsed (reflection too); a message over the
+public limit is refused while read; health watches are capped, so that they never lock out
+`Generate`.
+
+HTTP (`cluster.serve.http` on the front's uvicorn server, over the scripted service of
+test_openai_http): a caller is refused before its body is read; a body over the cap is 413
+whether or not it declares its length; a half-sent body is 408 once its time is up."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from cluster.api.service import TandemService
+from cluster.api.service_config import ServiceConfig
+from cluster.api.tenants import AuthConfig, TenantConfig, Tenants, hash_api_key
+from cluster.local import LocalTandem
+from cluster.serve.front import _HttpThread
+from cluster.serve.front_grpc import MAX_REQUEST_BYTES, GrpcFront
+from cluster.serve.http import OpenAIHttp
+from protos import generate_pb2, generate_pb2_grpc
+from tests.cluster.serve.test_openai_http import GOOD_KEY, ScriptedOpenAI
+from tests.conftest import CODE_PROMPT
+
+KEY = "front-edges-key"
+WATCHES = 3
+GENERATE = "/tandem.v1.Tandem/Generate"
+
+
+@pytest.fixture(scope="module")
+def front(local_tandem: LocalTandem) -> Iterator[GrpcFront]:
+    tenants = Tenants(AuthConfig(tenants=(TenantConfig("t", hash_api_key(KEY)),)))
+    service = TandemService(
+        local_tandem.router, local_tandem.tokenizer, ServiceConfig(), tenants=tenants
+    )
+    server = GrpcFront(service, lambda: True, "127.0.0.1", 0, 64, max_watches=WATCHES)
+    yield server
+    server.stop(0.5)
+
+
+@pytest.fixture
+def channel(front: GrpcFront) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(
+        f"127.0.0.1:{front.port}", options=[("grpc.max_send_message_length", 64 << 20)]
+    ) as opened:
+        yield opened
+
+
+def raw_generate(channel: grpc.Channel, payload: bytes, key: str | None) -> grpc.RpcError:
+    call = channel.unary_unary(GENERATE)  # bytes out, bytes in: no serializer
+    metadata = () if key is None else (("authorization", f"Bearer {key}"),)
+    with pytest.raises(grpc.RpcError) as raised:
+        call(payload, metadata=metadata, timeout=30)
+    return raised.value
+
+
+def test_a_call_without_a_key_is_refused_before_its_payload_is_parsed(
+    channel: grpc.Channel,
+) -> None:
+    garbage = b"\xff" * 64  # not a GenerateRequest
+    # With the key, the payload is parsed: INVALID_ARGUMENT. Without, it never is.
+    assert raw_generate(channel, garbage, KEY).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raw_generate(channel, garbage, None).code() == grpc.StatusCode.UNAUTHENTICATED
+    assert raw_generate(channel, garbage, "wrong").code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_message_over_the_public_limit_is_refused(channel: grpc.Channel) -> None:
+    big = generate_pb2.GenerateRequest(text="x" * (MAX_REQUEST_BYTES + 1), max_tokens=4)
+    for key in (None, KEY):
+        error = raw_generate(channel, big.SerializeToString(), key)
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_reflection_needs_a_key(channel: grpc.Channel) -> None:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    ask = reflection_pb2.ServerReflectionRequest(list_services="")
+    with pytest.raises(grpc.RpcError) as raised:
+        list(stub.ServerReflectionInfo(iter([ask]), timeout=10))
+    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    answers = list(
+        stub.ServerReflectionInfo(
+            iter([ask]), metadata=(("authorization", f"Bearer {KEY}"),), timeout=10
+        )
+    )
+    names = {s.name for s in answers[0].list_services_response.service}
+    assert "tandem.v1.Tandem" in names
+
+
+def test_health_watches_are_capped_and_generate_still_runs(channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == (
+        health_pb2.HealthCheckResponse.SERVING
+    )  # open to every caller
+    watches = [health.Watch(health_pb2.HealthCheckRequest()) for _ in range(WATCHES)]
+    try:
+        for watch in watches:  # each is held: its first answer came
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        extra = health.Watch(health_pb2.HealthCheckRequest())
+        with pytest.raises(grpc.RpcError) as raised:
+            next(extra)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        stub = generate_pb2_grpc.TandemStub(channel)
+        reply = stub.Generate(
+            generate_pb2.GenerateRequest(text=CODE_PROMPT, max_tokens=4),
+            metadata=(("authorization", f"Bearer {KEY}"),),
+            timeout=60,
+        )
+        assert len(reply.token_ids) == 4
+    finally:
+        for watch in watches:
+            watch.cancel()
+    # A watch given up frees its place.
+    for _ in range(50):
+        again = health.Watch(health_pb2.HealthCheckRequest())
+        try:
+            next(again)
+            again.cancel()
+            return
+        except grpc.RpcError:
+            time.sleep(0.1)
+    raise AssertionError("the cancelled watches' places were not freed")
+
+
+# --- HTTP ------------------------------------------------------------------------------------
+
+BODY_CAP = 1024
+BODY_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def http_port() -> Iterator[int]:
+    with ThreadPoolExecutor(4) as threads:
+        http = OpenAIHttp(
+            ScriptedOpenAI(),  # type: ignore[arg-type]
+            threads,
+            max_body_bytes=BODY_CAP,
+            body_timeout_s=BODY_TIMEOUT_S,
+        )
+        server = _HttpThread(http, "127.0.0.1", 0)
+        yield server.port
+        server.stop()
+
+
+def exchange(port: int, head: bytes, body: bytes = b"", wait_s: float = 10.0) -> bytes:
+    """Send `head` and `body` on a fresh connection, and read the answer's status line and
+    headers (the server may answer before the body is all sent)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as conn:
+        conn.sendall(head + body)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            part = conn.recv(4096)
+            if not part:
+                break
+            answer += part
+        return answer
+
+
+def post(length: int | None, key: str | None, extra: str = "") -> bytes:
+    lines = ["POST /v1/completions HTTP/1.1", "Host: test", "Content-Type: application/json"]
+    if length is not None:
+        lines.append(f"Content-Length: {length}")
+    if key is not None:
+        lines.append(f"Authorization: Bearer {key}")
+    return ("\r\n".join(lines) + extra + "\r\n\r\n").encode()
+
+
+def status(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1])
+
+
+def test_a_caller_without_a_key_is_refused_before_its_body_is_read(http_port: int) -> None:
+    # It declares a gigabyte and sends none of it: the answer comes at once.
+    started = time.monotonic()
+    assert status(exchange(http_port, post(1 << 30, None))) == 401
+    assert time.monotonic() - started < BODY_TIMEOUT_S * 5
+
+
+def test_a_body_over_the_cap_is_413_declared_or_not(http_port: int) -> None:
+    assert status(exchange(http_port, post(BODY_CAP + 1, GOOD_KEY))) == 413
+    chunked = post(None, GOOD_KEY, "\r\nTransfer-Encoding: chunked")
+    body = b"".join(f"{100:x}\r\n".encode() + b" " * 100 + b"\r\n" for _ in range(20))
+    assert status(exchange(http_port, chunked, body)) == 413
+    # A body within the cap is read and answered.
+    small = b'{"prompt": "hi"}'
+    assert status(exchange(http_port, post(len(small), GOOD_KEY), small)) == 200
+
+
+def test_a_half_sent_body_is_408_once_its_time_is_up(http_port: int) -> None:
+    started = time.monotonic()
+    answer = exchange(http_port, post(100, GOOD_KEY), b'{"prompt": ')
+    assert status(answer) == 408
+    assert time.monotonic() - started >= BODY_TIMEOUT_S * 0.9
