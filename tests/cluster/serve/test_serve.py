@@ -36,6 +36,7 @@ from cluster.tools.demo import format_report, run_demo
 from tests.cluster.conftest import (
     MAX_TOKENS,
     TANDEM,
+    TENANT_KEYS,
     live_replicas,
     replica_sessions,
     wait_until_no_sessions,
@@ -227,7 +228,13 @@ def test_health_and_reflection(service: dict[str, object]) -> None:
 
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         request = reflection_pb2.ServerReflectionRequest(list_services="")
-        response = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=30)))
+        with pytest.raises(grpc.RpcError) as anonymous:  # reflection takes a key, as calls do
+            next(iter(stub.ServerReflectionInfo(iter([request]), timeout=30)))
+        assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        key = (("authorization", f"Bearer {TENANT_KEYS['main']}"),)
+        response = next(
+            iter(stub.ServerReflectionInfo(iter([request]), metadata=key, timeout=30))
+        )
         names = {s.name for s in response.list_services_response.service}
         assert {"tandem.v1.Tandem", "grpc.health.v1.Health"} <= names
 
