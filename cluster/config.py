@@ -202,7 +202,10 @@ class TandemConfig:
     """Tenants, their hashed API keys and limits. On by default: with no tenants the
     application refuses to build, unless `enabled: false` says so (local development)."""
     replica_rpc_timeout_s: float | None = 60.0
-    """Deadline of each router -> replica call (None: no deadline)."""
+    """The window a router waits for a replica's answer (or a running session's report)
+    before it asks whether the replica is busy or dead (`cluster.routing.liveness`): busy
+    (heard from, or its engine stepped) it waits another window; dead or stalled, it fails
+    the call over. None: it waits as long as the request's deadline allows."""
     cluster_secret: str | None = field(default=None, repr=False)
     """The shared secret every call to a replica's internal API must carry, so that nothing
     but this application's router can drive a replica. None: $TANDEM_CLUSTER_SECRET, else one

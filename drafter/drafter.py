@@ -24,7 +24,9 @@ tokens pre-drafted branches guess.
 Pre-drafting (`predraft`): while a block is verified, the next block is drafted for each of
 the likely outcomes of that verification, each on a fork of the session (`drafter.branches`),
 for greedy, seed-exact and sampled sessions alike; the session itself stays at its committed
-tokens.
+tokens. A call with more branches than `MAX_PREDRAFT_FAN_OUT` is refused before anything of it
+runs (`check_fan_out`): the router never asks for more, and each branch is a fork of the
+session's KV and a row in every step of its block.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from cluster.runtime.constraint import (
 from cluster.runtime.draft_block import DraftBlock, StepLoad
 from cluster.runtime.engine import Batched, Task
 from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.limits import MAX_PREDRAFT_FAN_OUT
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.predraft import Branch, PreDraft
 from cluster.runtime.runner import ModelRunner, PoolExhaustedError
@@ -68,6 +71,18 @@ def draft_sampling(request: SamplingParams, top_k: int) -> SamplingParams:
         return request
     limit = top_k if request.top_k == 0 else min(request.top_k, top_k)
     return replace(request, top_k=limit)
+
+
+def check_fan_out(branches: Sequence[Branch]) -> None:
+    """Raise `InvalidArgumentError` naming the limit when a pre-draft asks for more than
+    `MAX_PREDRAFT_FAN_OUT` branches, the most a request may have pre-drafted (the router refuses
+    a request's `predraft_fan_out` above it, `cluster.routing.request`); each branch would be
+    a fork of the session's KV and a row in each of its block's steps."""
+    if len(branches) > MAX_PREDRAFT_FAN_OUT:
+        raise InvalidArgumentError(
+            f"a pre-draft takes at most {MAX_PREDRAFT_FAN_OUT} branches (MAX_PREDRAFT_FAN_OUT), "
+            f"got {len(branches)}"
+        )
 
 
 class Drafter(SessionComponent[DrafterConfig]):
@@ -220,13 +235,19 @@ class Drafter(SessionComponent[DrafterConfig]):
         num_tokens: int,
         truncate_to: int | None = None,
     ) -> Future[list[PreDraft]]:
-        """`predraft` without waiting: a future of the branches drafted."""
+        """`predraft` without waiting: a future of the branches drafted (failed with the
+        refusal of too many branches, which no engine step waits for)."""
+        asked = tuple(branches)
         task = self._forks(
-            session_id, base_length, tuple(appended_tokens), tuple(block), tuple(branches),
+            session_id, base_length, tuple(appended_tokens), tuple(block), asked,
             num_tokens, truncate_to,
         )  # fmt: skip
-        forking = submitted(lambda: self._engine.submit(task, key=session_id))
-        return gathered(forking, self._engine.step_load)
+
+        def fork() -> Future[list[Future[PreDraft]]]:
+            check_fan_out(asked)  # before the session's queue holds anything of it
+            return self._engine.submit(task, key=session_id)
+
+        return gathered(submitted(fork), self._engine.step_load)
 
     def _forks(
         self,

@@ -8,14 +8,18 @@
   handler only waits for the replica's engine (which batches every waiting call into one
   forward pass), so the pool is as large as the calls the server holds: it never caps the batch.
   It holds at most `max_concurrent_rpcs` calls at once, running or queued, and answers
-  RESOURCE_EXHAUSTED to one more, so a replica's queue never grows without bound. Given the
+  RESOURCE_EXHAUSTED to one more. That bounds the calls, not the work one call brings: a
+  Frames stream bounds its own (`cluster.replica.frames`; below). Given the
   cluster's shared secret, it answers UNAUTHENTICATED to every call that does not carry it
   (`SecretCheck`; a Frames stream as well as a unary call), so nothing but the router can drive
   a replica; and it parses each request itself (`ParseCheck`), so bytes that are not the
   method's message get INVALID_ARGUMENT rather than gRPC's own INTERNAL (on a stream: a frame
   that is not a RouterFrame ends that stream with INVALID_ARGUMENT). A stream counts as one
   call against `max_concurrent_rpcs`, however many sessions its frames carry; a frame larger
-  than `MAX_MESSAGE_BYTES` ends its stream with RESOURCE_EXHAUSTED (gRPC's own check).
+  than `MAX_MESSAGE_BYTES` ends its stream with RESOURCE_EXHAUSTED (gRPC's own check), one with
+  more than `MAX_FRAME_ENTRIES` entries with INVALID_ARGUMENT; an entry read while its stream
+  has `MAX_PENDING_ENTRIES` unanswered is refused alone (RESOURCE_EXHAUSTED); a router that
+  leaves more than `MAX_UNSENT_RESULTS` results unread has its stream cancelled.
 
 Both servicers are thin adapters over a plain component (docs/architecture.md, "Layers"): they
 convert with `cluster.wire.convert`, call the component inside `CallGuard.run`, and convert the

@@ -10,15 +10,17 @@ servicer (`drafter.servicer`, `verifier.servicer`) adds its own kinds of entry
 
 `Frames` is the thin adapter over a `FrameStream` (`cluster.replica.frames`): the router's
 frames are read on a thread of their own and handed to the stream, and the stream's frames are
-yielded from a queue as the engine's steps produce them. A frame the stream refuses (an unknown
-version) or that is not a RouterFrame (`ParseCheck`) ends the stream with INVALID_ARGUMENT;
-the other streams and the replica carry on. Stats reports the frames counted over every stream
+yielded from a bounded queue (`OutgoingFrames`) as the engine's steps produce them. A frame the
+stream refuses (an unknown version, more entries than `MAX_FRAME_ENTRIES`) or that is not a
+RouterFrame (`ParseCheck`) ends the stream with INVALID_ARGUMENT; a router that leaves more than
+`MAX_UNSENT_RESULTS` results unread has its call cancelled (its status could only come after
+the frames it is not reading); the other streams and the replica carry on. What one stream
+may hold is the servicer's `stream_limits`. Stats reports the frames counted over every stream
 (`FrameCounters`).
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -26,7 +28,15 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
-from cluster.replica.frames import END, EntryHandler, FrameCounters, FrameStream, StepSource
+from cluster.replica.frames import (
+    END,
+    EntryHandler,
+    FrameCounters,
+    FrameStream,
+    OutgoingFrames,
+    StepSource,
+    StreamLimits,
+)
 from cluster.replica.rpc import CallGuard
 from cluster.runtime.errors import TandemError
 from cluster.runtime.session import ReplicaStats
@@ -54,14 +64,6 @@ class ServedComponent(Protocol):
 K = TypeVar("K", bound=ServedComponent)
 
 
-class _StreamError:
-    """Queued by the frame reader: end the stream with this status."""
-
-    def __init__(self, error: TandemError) -> None:
-        self.code = status_code(error.status)
-        self.details = str(error)
-
-
 class SessionServicer(Generic[K]):
     """Serves the session RPCs of one component over gRPC; a side's servicer extends it."""
 
@@ -72,6 +74,9 @@ class SessionServicer(Generic[K]):
         self._guard = CallGuard(component_name)
         self.frame_counters = FrameCounters()
         """Frames sent and received over every Frames stream of this servicer."""
+        self.stream_limits = StreamLimits()
+        """What each Frames stream may hold: entries a frame, entries pending, results its
+        router has not read (`cluster.replica.frames`)."""
 
     def add_to_server(self, server: grpc.Server) -> None:
         """Register this servicer on `server` (what `start_server` takes as `add_servicer`)."""
@@ -89,23 +94,23 @@ class SessionServicer(Generic[K]):
     def Frames(
         self, request_iterator: Iterator[replica_pb2.RouterFrame], context: grpc.ServicerContext
     ) -> Iterator[replica_pb2.ReplicaFrame]:
-        outgoing: queue.SimpleQueue[replica_pb2.ReplicaFrame | _StreamError | None] = (
-            queue.SimpleQueue()
-        )
+        limits = self.stream_limits
+        outgoing = OutgoingFrames(limits.unsent_results, overflowed=context.cancel)
         stream = FrameStream(
             self.component.engine,
             self._entry_handlers(),
             outgoing.put,
             self.frame_counters,
             self._name,
+            limits,
         )
 
         def read() -> None:
             try:
                 for frame in request_iterator:
                     stream.receive(frame)
-            except TandemError as error:  # a frame that is no RouterFrame, or of another version
-                outgoing.put(_StreamError(error))
+            except TandemError as error:  # no RouterFrame, another version, too many entries
+                outgoing.fail(error)
                 return
             except Exception:  # the call ended under the iterator (cancelled, or aborted)
                 outgoing.put(END)
@@ -121,8 +126,8 @@ class SessionServicer(Generic[K]):
                 item = outgoing.get()
                 if item is END:
                     return
-                if isinstance(item, _StreamError):
-                    context.abort(item.code, item.details)
+                if isinstance(item, TandemError):
+                    context.abort(status_code(item.status), str(item))
                 else:
                     yield item
         finally:

@@ -83,7 +83,8 @@ class Failover:
                     advance=gen.advance,
                     events=gen.events if gen.advance is not None else None,
                 )
-                gen.heard_at = gen.now()
+                gen.heard_at = gen.silent_from = gen.now()
+                gen.liveness = None  # the failed verifier's check, if any, is moot
                 return
             except VERIFIER_MOVES as error:
                 self.replace(gen, "verifier", error)

@@ -26,7 +26,9 @@ stream, whatever the number of sessions. `close` ends the stream and joins the r
 from __future__ import annotations
 
 import itertools
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from functools import partial
@@ -68,6 +70,9 @@ class FrameChannel:
         self._stream: _Stream | None = None
         self._tags = itertools.count(1)
         self._closed = False
+        self.heard_at = -math.inf
+        """When a frame last came from the replica on any of this channel's streams
+        (`time.monotonic()`): its liveness (`cluster.routing.liveness`)."""
 
     def submit(self, entry: replica_pb2.FrameEntry) -> Future[Any]:
         """Send `entry` (its `call` set; its tag is given here) with the next frame; a future of
@@ -87,11 +92,16 @@ class FrameChannel:
                 deliver(ReplicaUnavailableError(f"{self._replica}: the client is closed"))
                 return 0
             if self._stream is None or self._stream.ended:
-                self._stream = _Stream(self._frames, self._replica, self._metadata)
+                self._stream = _Stream(
+                    self._frames, self._replica, self._metadata, self._note_heard
+                )
             entry.tag = tag = next(self._tags)
             stream = self._stream
         stream.send(entry, deliver, stays)
         return tag
+
+    def _note_heard(self) -> None:
+        self.heard_at = time.monotonic()
 
     def release(self, tag: int) -> None:
         """Deliver nothing more under `tag` (a running session its router closed)."""
@@ -127,8 +137,11 @@ class _Stream:
         frames: Callable[..., Any],
         replica: str,
         metadata: tuple[tuple[str, str], ...] | None,
+        heard: Callable[[], None] = lambda: None,
     ) -> None:
+        """`heard()` is called on every frame received."""
         self._replica = replica
+        self._heard = heard
         self._condition = threading.Condition()
         self._queue: list[replica_pb2.FrameEntry] = []
         self._pending: dict[int, tuple[Deliver, bool]] = {}
@@ -191,6 +204,7 @@ class _Stream:
         failure: Callable[[], TandemError]
         try:
             for frame in self._call:
+                self._heard()
                 if frame.version != FRAME_VERSION:
                     self._call.cancel()
                     message = f"{self._replica}: frame version {frame.version} is not supported"

@@ -16,6 +16,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from llguidance import LLTokenizer
@@ -211,6 +212,12 @@ class Generation:
         """The verdict on that block, once in (the branch it hits is posted next)."""
         self.heard_at = clock()
         """When the verifier last reported (its session opened, or a step)."""
+        self.silent_from = self.heard_at
+        """Where the verifier's present window of allowed silence began: its last report, or
+        the last time its liveness found it busy (`cluster.routing.liveness`)."""
+        self.liveness: Future[bool] | None = None
+        """The verifier's liveness check in flight, once a window passed in silence."""
+        self.liveness_until = 0.0
 
     def check_deadline(self) -> None:
         """Raise `DeadlineExceededError` once the request's deadline has passed."""

@@ -21,8 +21,11 @@ Errors: a failed call (or frame entry) raises the `TandemError` subclass the rep
 (matched by status code, with the replica's message; `cluster.wire.status.error_from_entry`),
 so callers handle a remote replica as they would a local one. Codes with no class of their own
 (UNAVAILABLE, INTERNAL, ...) raise `ReplicaUnavailableError`. Every call has an optional
-timeout, `timeout_s`: the client's default, or the one passed to the call; a call that outlasts
-it raises `ReplicaUnavailableError` too (the replica is too slow: fail over). Every call carries
+timeout, `timeout_s`: the client's default, or the one passed to the call. A frame entry that
+outlasts it is not failed for that alone: the replica's liveness decides
+(`cluster.routing.liveness`): heard from, or its engine stepped, it is busy and the wait goes
+on; else it is dead or stalled, and the call raises `ReplicaUnavailableError` (fail over). A
+unary call (Stats, Reference) that outlasts it raises that at once. Every call carries
 the cluster's shared secret when the client has one (replicas refuse calls without it:
 UNAUTHENTICATED, raised as `ClusterSecretError`).
 
@@ -46,6 +49,7 @@ from typing import Any, Self
 import grpc
 
 from cluster.routing.frame_channel import FrameChannel
+from cluster.routing.liveness import PROBE_TIMEOUT_S, Liveness
 from cluster.routing.session_events import SessionEvents
 from cluster.routing.waits import Steps, Wait
 from cluster.runtime.advance import Advance
@@ -102,6 +106,8 @@ class _ReplicaClient:
         self._stub = self._stub_class(self._channel)
         self._frames = FrameChannel(self._channel, self._service, self._replica, self._metadata)
         """The Frames stream every view of this client shares."""
+        self._liveness = Liveness(lambda: self._frames.heard_at, self._probe_progress)
+        """Busy or dead, when a call outlasts `timeout_s` (shared by every view)."""
         self._owns_frames = True
         self._running: dict[str, int] = {}
         """Per running session (a verifier's), the tag its reports come under; shared by every
@@ -182,21 +188,57 @@ class _ReplicaClient:
     def _answer(
         self, future: Future[Any], tag: int, own_timeout_s: float | None, left: float | None
     ) -> Steps[Any]:
-        """Wait for entry `tag`'s `future`, at most min(`own_timeout_s`, `left`)."""
-        wait_s = min((t for t in (own_timeout_s, left) if t is not None), default=None)
-        if not future.done():
-            yield Wait(future, wait_s)
-        if future.done():
-            return future.result()
-        self._frames.forget(tag)
-        out_of_time = self._deadline is not None and time.monotonic() >= self._deadline
-        if left is not None and out_of_time:
-            raise DeadlineExceededError(
-                f"the request's deadline passed while waiting for the {self._replica}"
-            )
-        raise ReplicaUnavailableError(
-            f"{self._replica}: DEADLINE_EXCEEDED: no answer within {wait_s:g} s"
+        """Wait for entry `tag`'s `future` until the request's time is `left`; each time
+        `own_timeout_s` passes without an answer, the replica's liveness decides: busy (heard
+        from, or its engine stepped), the wait goes on; dead or stalled, it fails over."""
+        deadline = None if left is None else self._deadline  # None: not bounded by it
+        while True:
+            started = time.monotonic()
+            left = None if deadline is None else deadline - started
+            wait_s = min((t for t in (own_timeout_s, left) if t is not None), default=None)
+            if not future.done() and (wait_s is None or wait_s > 0):
+                yield Wait(future, wait_s)
+            if future.done():
+                return future.result()
+            if deadline is not None and time.monotonic() >= deadline:
+                self._frames.forget(tag)
+                raise DeadlineExceededError(
+                    f"the request's deadline passed while waiting for the {self._replica}"
+                )
+            busy = self._liveness.check(started - (wait_s or 0.0))  # the last two windows
+            if not busy.done():
+                yield Wait(busy, PROBE_TIMEOUT_S + 1.0)
+            if future.done():
+                return future.result()
+            if not (busy.done() and busy.result()):
+                self._frames.forget(tag)
+                raise ReplicaUnavailableError(
+                    f"{self._replica}: DEADLINE_EXCEEDED: no answer within {wait_s:g} s, and "
+                    "no progress (nothing heard, its engine took no step)"
+                )
+
+    def progressing(self, since: float) -> Future[bool]:
+        """A future of whether the replica made progress since `since` (`time.monotonic()`):
+        True busy, False dead or stalled (`cluster.routing.liveness`)."""
+        return self._liveness.check(since)
+
+    def _probe_progress(self) -> Future[int]:
+        """A future of the replica's progress count (engine steps plus frames sent), failed
+        when it does not answer its `Stats` within `PROBE_TIMEOUT_S`."""
+        counted: Future[int] = Future()
+        call = self._stub.Stats.future(
+            replica_pb2.StatsRequest(), timeout=PROBE_TIMEOUT_S, metadata=self._metadata
         )
+
+        def done(answered: Any) -> None:
+            try:
+                stats = answered.result()
+                counted.set_result(int(stats.engine.steps) + int(stats.frames_sent))
+            except Exception as error:
+                counted.set_exception(error)
+
+        call.add_done_callback(done)
+        return counted
 
     def open_session_steps(
         self,

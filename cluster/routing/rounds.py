@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
 
 from cluster.metrics import TandemMetrics
 from cluster.routing.draft_calls import DraftCalls
@@ -43,6 +45,7 @@ from cluster.routing.draft_length import Plan
 from cluster.routing.draft_modes import ALONE, LOOKUP, MODEL
 from cluster.routing.failover import Failover
 from cluster.routing.generation import Draft, Generation, Posted
+from cluster.routing.liveness import PROBE_TIMEOUT_S
 from cluster.routing.outcome import record
 from cluster.routing.output import emit
 from cluster.routing.predrafting import Branches, predrafted
@@ -113,7 +116,7 @@ class Rounds:
         ready = gen.events.ready()
         if ready.done():
             return None
-        futures = [ready]
+        futures: list[Future[Any]] = [ready]
         untils = [self._heard_by(gen), gen.request.deadline]
         for pending in (gen.drafting, gen.predrafted):
             if pending is None:
@@ -124,6 +127,9 @@ class Rounds:
                 return None  # its answer is in: taken now
             futures.append(pending.future)
             untils.append(pending.until)
+        if gen.liveness is not None:  # a silent verifier's liveness, being checked
+            futures.append(gen.liveness)
+            untils.append(gen.liveness_until)
         known = [until for until in untils if until is not None]
         timeout_s = None if not known else max(0.0, min(known) - gen.now())
         return Wait(first_done(futures), timeout_s)
@@ -134,18 +140,38 @@ class Rounds:
         timeout_s = getattr(gen.verifier, "timeout_s", None)
         if timeout_s is None or (gen.advance is None and not gen.posts):
             return None
-        return gen.heard_at + timeout_s
+        return max(gen.heard_at, gen.silent_from) + timeout_s
 
     def _check_heard(self, gen: Generation) -> None:
-        """Put a lost verifier's error among its reports, if it has been silent too long."""
+        """Once the verifier has been silent a whole window, its liveness decides
+        (`cluster.routing.liveness`, where the client has one): busy, a new window; dead or
+        stalled, its error among its reports (a failover follows)."""
+        if gen.events.ready().done():
+            gen.liveness = None  # it reported: nothing to decide
+            return
         until = self._heard_by(gen)
-        if until is not None and gen.now() >= until and not gen.events.ready().done():
-            silence_s = gen.now() - gen.heard_at
-            gen.events.report(
-                ReplicaUnavailableError(
-                    f"the {gen.verifier_id} reported nothing for {silence_s:.1f} s"
-                )
+        if gen.liveness is None and (until is None or gen.now() < until):
+            return
+        if gen.liveness is None:
+            progressing = getattr(gen.verifier, "progressing", None)
+            if progressing is not None and until is not None:
+                window_s = until - max(gen.heard_at, gen.silent_from)
+                gen.liveness = progressing(until - 2 * window_s)  # the last two windows
+                gen.liveness_until = gen.now() + PROBE_TIMEOUT_S + 1.0
+        check = gen.liveness
+        if check is not None and not check.done() and gen.now() < gen.liveness_until:
+            return  # the next wait takes its answer
+        gen.liveness = None
+        if check is not None and check.done() and check.result():
+            gen.silent_from = gen.now()  # busy: it has another window
+            return
+        silence_s = gen.now() - gen.heard_at
+        gen.events.report(
+            ReplicaUnavailableError(
+                f"the {gen.verifier_id} reported nothing for {silence_s:.1f} s, and made no "
+                "progress (nothing heard from it, its engine took no step)"
             )
+        )
 
     # ------------------------------------------------------------------ reading
 

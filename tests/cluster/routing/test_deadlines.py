@@ -228,10 +228,66 @@ def test_a_call_outlasting_the_deadline_raises_deadline_exceeded_not_unavailable
     client = served.verifier_client
     with pytest.raises(DeadlineExceededError, match="deadline passed while waiting"):
         run(client.bounded(time.monotonic() + 0.1).open_session_steps("s", PROMPT, GREEDY, 0))
-    # The client's own timeout running out still means a replica too slow: fail over.
+    # The client's own timeout running out with the replica stalled (the open never ends,
+    # its engine takes no step): fail over, within a few windows.
+    monkeypatch.setattr(served.verifier, "submit_open", lambda *a, **k: Future())
     bounded = client.bounded(time.monotonic() + WAIT_S)
-    with pytest.raises(ReplicaUnavailableError, match="DEADLINE_EXCEEDED"):
+    with pytest.raises(ReplicaUnavailableError, match=r"DEADLINE_EXCEEDED.*no progress"):
         run(bounded.open_session_steps("s", PROMPT, GREEDY, 0, timeout_s=0.1))
+
+
+def test_a_busy_verifier_is_waited_for_past_the_timeout_not_failed_over(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The open takes 3 s, five of the client's 0.6 s windows, while the engine steps
+    # another session's blocks (another router's stream: nothing is heard on this one): each
+    # window's probe finds it stepping, so the call is waited for.
+    other = GrpcVerifier(served.verifier_client._frames._replica.split(" at ")[1], timeout_s=WAIT_S)
+    run(other.open_session_steps("other", PROMPT, GREEDY, 0))
+    stop = threading.Event()
+
+    def keep_stepping() -> None:
+        committed = len(PROMPT)
+        while not stop.is_set():
+            events = SessionEvents()
+            other.post("other", DraftBlock(base_length=committed, tokens=()), False, events, 1)
+            events.ready().result(timeout=WAIT_S)
+            [verdict] = events.take()
+            committed = verdict.item.committed_length
+            if committed > 60:  # the tiny target's context is short: start again
+                run(other.close_session_steps("other"))
+                run(other.open_session_steps("other", PROMPT, GREEDY, 0))
+                committed = len(PROMPT)
+
+    stepper = threading.Thread(target=keep_stepping, daemon=True)
+    stepper.start()
+
+    opens = served.verifier.submit_open
+
+    def slow_open(session_id: str, *args: Any, **kwargs: Any) -> Future[int]:
+        if session_id != "busy":  # the other session's re-opens are not slowed
+            return opens(session_id, *args, **kwargs)
+        slow: Future[int] = Future()
+        threading.Timer(3.0, slow.set_result, (len(PROMPT),)).start()
+        return slow
+
+    try:
+        monkeypatch.setattr(served.verifier, "submit_open", slow_open)
+        client = GrpcVerifier(
+            served.verifier_client._frames._replica.split(" at ")[1], timeout_s=0.6
+        )
+        try:
+            assert run(client.open_session_steps("busy", PROMPT, GREEDY, 0)) == len(PROMPT)
+        finally:
+            client.close()
+    finally:
+        stop.set()
+        stepper.join(WAIT_S)
+        monkeypatch.undo()
+        run(other.close_session_steps("other"))
+        run(served.verifier_client.close_session_steps("busy"))
+        other.close()
+    # Stalled (nothing steps) it fails over within a few windows: the test above, with 0.1 s.
 
 
 def test_a_replica_refusing_an_expired_session_raises_deadline_exceeded(
@@ -283,3 +339,48 @@ def test_a_request_with_time_to_spare_runs_over_bounded_clients_exactly(
         router.close()
         pool.close()
     _assert_nothing_held(served.verifier, served.drafter)
+
+
+def test_a_running_session_on_a_busy_verifier_is_waited_for_on_a_stalled_one_failed(
+    served: Served, local_tandem: LocalTandem, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The router's window of silence is 0.3 s. Busy: each of the verifier's steps takes
+    # 0.5 s (a slow device), so the session reports less often than that, but it reports
+    # within every two windows: the request ends with the target's tokens. Stalled: the
+    # engine is held between steps throughout, and the request fails over (here to no
+    # spare: unavailable).
+    pool = RegistryPool(lambda: served.entries, refresh_s=0.0, rpc_timeout_s=0.3)
+    local = local_tandem.router
+    router = Router.over_pool(pool, local._decode, local._eos_token_ids)
+    prompt = encode(local_tandem, CODE_PROMPT)
+    engine = served.verifier.engine
+    run_batch = engine._run_batch
+
+    def slow_batch(*args: Any) -> None:
+        time.sleep(0.5)
+        run_batch(*args)
+
+    try:
+        want = local.generate(GenerationRequest(prompt, 6, draft_tokens=0))
+        monkeypatch.setattr(engine, "_run_batch", slow_batch)
+        busy = router.generate(GenerationRequest(prompt, 6, draft_tokens=0))
+        assert busy.tokens == want.tokens
+        monkeypatch.undo()
+        release = threading.Event()
+        engine.submit_call(lambda: release.wait(WAIT_S))
+        try:
+            with pytest.raises(ReplicaUnavailableError, match="no progress"):
+                router.generate(GenerationRequest(prompt, 6, draft_tokens=0))
+        finally:
+            release.set()
+        engine.call(lambda: None)  # what the held engine had queued has run
+        deadline = time.monotonic() + WAIT_S
+        while served.verifier.stats().num_sessions or served.drafter.stats().num_sessions:
+            assert time.monotonic() < deadline, (  # the failed request's closes, once run
+                f"the failed request's sessions were not freed: verifier "
+                f"{served.verifier.stats().num_sessions}, drafter {served.drafter.stats().num_sessions}"
+            )
+            time.sleep(0.05)
+    finally:
+        router.close()
+        pool.close()

@@ -232,9 +232,7 @@ def test_health_and_reflection(service: dict[str, object]) -> None:
             next(iter(stub.ServerReflectionInfo(iter([request]), timeout=30)))
         assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
         key = (("authorization", f"Bearer {TENANT_KEYS['main']}"),)
-        response = next(
-            iter(stub.ServerReflectionInfo(iter([request]), metadata=key, timeout=30))
-        )
+        response = next(iter(stub.ServerReflectionInfo(iter([request]), metadata=key, timeout=30)))
         names = {s.name for s in response.list_services_response.service}
         assert {"tandem.v1.Tandem", "grpc.health.v1.Health"} <= names
 
