@@ -384,7 +384,7 @@ def test_the_router_times_drafts_and_verify_passes(
     _, sink = metered
     # The router times the verdict on every block it posts (never the steps a running session
     # takes alone). On the lockstep router every verify pass is a posted block's, the first
-    # included (it waits for the drafter), so the two counts must agree exactly.
+    # included (it waits for the drafter), so every pass is timed.
     service = TandemService(
         lockstep, local_tandem.tokenizer, tenants=metered[0].tenants, metrics=TandemMetrics(sink)
     )
@@ -397,8 +397,12 @@ def test_the_router_times_drafts_and_verify_passes(
     request_s = time.perf_counter() - started
     verified = sink.observations[series(VERIFY_LATENCY, {})]
     drafted = sink.observations[series(DRAFT_LATENCY, {})]
-    # Every verify pass is timed; drafts run ahead too, so at least one.
-    assert len(verified) == response.speculation.num_verify_passes
+    # Every verify pass is timed, and so is the verdict on a block posted ahead that the
+    # verifier dropped (a pipeline miss: whether a block goes ahead before the verdict it
+    # follows is timing); drafts run ahead too, so at least one.
+    stats = response.speculation
+    passes = stats.num_verify_passes
+    assert passes <= len(verified) <= passes + stats.pipeline_misses
     # Each is the time of one call made during the request.
     assert drafted and all(0 < s <= request_s for s in [*verified, *drafted])
 
