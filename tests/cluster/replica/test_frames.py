@@ -275,7 +275,7 @@ SESSIONS = 32
 ROUNDS = 6
 
 
-def test_32_sessions_get_at_most_two_frames_per_engine_step(served: Served) -> None:
+def test_32_sessions_share_frames_at_most_two_per_engine_step(served: Served) -> None:
     # Every verify of a step finishes in that step, and the step listener sends them as one
     # frame; the bound 2 leaves room for a result that completes between steps.
     client = GrpcVerifier(served.address, timeout_s=WAIT_S, secret=SECRET)
@@ -319,6 +319,9 @@ def test_32_sessions_get_at_most_two_frames_per_engine_step(served: Served) -> N
     print(f"{steps} steps, {frames} frames, {results} results over {SESSIONS} sessions")
     assert results == SESSIONS * ROUNDS
     assert 0 < frames <= 2 * steps
+    # Batched: a frame carries the results of many sessions (measured: 192 results in 13
+    # frames). Without batching each result would be a frame of its own, and this fails.
+    assert results > frames
     # The router side batched too: fewer frames than entries arrived.
     assert after.frames_received - before.frames_received <= results
 
