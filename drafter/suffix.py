@@ -115,9 +115,11 @@ class SuffixDrafter:
         tenant: str = "",
     ) -> int:
         """Open a session on `prompt_tokens`, indexed for `tenant`; returns its length. The
-        sampling settings, seed and constraint do not matter to a proposal (its q is one-hot
-        whatever the rule); a constrained request is refused (its drafts would have to follow
-        the grammar, which this drafter does not track)."""
+        seed and constraint do not matter to a proposal (its q is one-hot whatever the rule);
+        a constrained request is refused (its drafts would have to follow the grammar, which
+        this drafter does not track). A request sampled by the rejection rule drafts from
+        its own text only, and leaves none for later requests (`SuffixStore.keep_private`:
+        a same-seed request's output is not independent of its acceptance draws)."""
         if constraint is not None:
             raise InvalidArgumentError("the suffix drafter does not draft for constrained requests")
         tokens = self._checked(prompt_tokens, "prompt_tokens")
@@ -129,6 +131,8 @@ class SuffixDrafter:
             expires_at = None if time_limit_s is None else now + time_limit_s
             session = _Session(tenant, len(tokens), list(tokens), expires_at, now)
             self._sessions[session_id] = session
+            if not sampling.is_greedy and not sampling.seed_exact:
+                self.store.keep_private(session_id)
             self.store.extend(tenant, session_id, tokens)
             self._busy_s += time.perf_counter() - started
         return len(tokens)

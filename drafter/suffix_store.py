@@ -7,6 +7,14 @@ same text (`drafter.config.SuffixConfig.scope`). With scope "tenant" each tenant
 later requests until the tenant's cap evicts it; with scope "request" each request has an
 index of its own, dropped when it ends.
 
+A request opened `private` has an index of its own whatever the scope, dropped when it ends:
+it neither drafts from the tenant's other text nor leaves its own there. The suffix drafter
+opens so every request whose tokens the verifier samples by the rejection rule
+(`drafter.suffix`): such a request's output depends on its seed's random stream, and a later
+request with the same seed tests its draft with that very stream, so a draft made of the
+earlier output would not be independent of the draws that test it (the rule's exactness
+needs it to be).
+
 Thread-safe: one lock over every call, as each is short (`drafter.suffix_index` costs).
 """
 
@@ -60,6 +68,14 @@ class SuffixStore:
         self._indexes: dict[str, dict[str, SuffixIndex]] = {}
         """Tenant -> its indexes, by request (scope "request") or under `_TENANT_WIDE`."""
         self._counts: dict[str, _Counts] = {}
+        self._private: set[str] = set()
+        """Requests with an index of their own whatever the scope (see the module doc)."""
+
+    def keep_private(self, doc: str) -> None:
+        """Request `doc` gets an index of its own, dropped when it ends (call before its first
+        `extend`)."""
+        with self._lock:
+            self._private.add(doc)
 
     def extend(self, tenant: str, doc: str, tokens: Sequence[int]) -> None:
         """Append tokens to request `doc` of `tenant`, creating what it needs."""
@@ -89,9 +105,10 @@ class SuffixStore:
     def finish(self, tenant: str, doc: str) -> None:
         """The request ended: scope "tenant" keeps its text for later requests (until evicted);
         scope "request" drops it (and the request's index)."""
-        if not self._per_request:
-            return
         with self._lock:
+            if not self._per_request and doc not in self._private:
+                return
+            self._private.discard(doc)
             indexes = self._indexes.get(tenant)
             if indexes is not None and indexes.pop(doc, None) is not None and not indexes:
                 del self._indexes[tenant]
@@ -112,7 +129,7 @@ class SuffixStore:
             return _stats(list(indexes.values()), [] if counts is None else [counts])
 
     def _key(self, doc: str) -> str:
-        return doc if self._per_request else _TENANT_WIDE
+        return doc if self._per_request or doc in self._private else _TENANT_WIDE
 
 
 def _stats(indexes: list[SuffixIndex], counts: list[_Counts]) -> StoreStats:

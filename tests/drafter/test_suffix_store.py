@@ -117,3 +117,19 @@ def test_concurrent_calls_on_one_tenant_lose_nothing() -> None:
     stats = store.stats()
     assert (stats.indexes, stats.documents, stats.tokens) == (1, 24, 8 * 300 * 2)
     assert stats.proposals == 8 * 300
+
+
+def test_a_private_request_drafts_from_its_own_text_only_and_leaves_none() -> None:
+    store = SuffixStore(TENANT)
+    store.extend("a", "shared", SECRET)
+    store.keep_private("sampled")
+    store.extend("a", "sampled", [9, 11, 12, 7, 9, 11])
+    # The tenant's text is not drafted from: only the request's own.
+    assert store.propose("a", "sampled", [5, 13, 14], 3) == NO_PROPOSAL
+    assert store.propose("a", "sampled", [9, 11, 12, 7, 9, 11, 12], 3).tokens == (7, 9, 11)
+    store.finish("a", "sampled")
+    # Nor is its text left for the tenant's later requests; the shared text still is.
+    store.extend("a", "later", [1, 12, 7])
+    assert store.propose("a", "later", [1, 12, 7], 2) == NO_PROPOSAL
+    assert store.propose("a", "later", [1, 11, 12], 2).tokens == (13, 14)
+    assert store.tenant_stats("a").indexes == 1
