@@ -42,9 +42,14 @@ from cluster.runtime.limits import DEFAULT_MAX_SESSIONS
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.session import ReplicaStats
 from protos import replica_pb2
-from tests.cluster.replica.test_frames import AUTH, SECRET, Served, assert_serves, close_entry
-from tests.replicas import WAIT_S, RawStream, frame, serve_verifier
-from verifier.verifier import Verifier
+from tests.cluster.replica.test_frames import (
+    AUTH,
+    Served,
+    assert_serves,
+    close_entry,
+    serving,
+)
+from tests.replicas import WAIT_S, RawStream, frame
 
 
 class NoSteps:
@@ -151,11 +156,7 @@ def test_the_entry_limit_is_max_frame_entries() -> None:
 
 @pytest.fixture(scope="module")
 def served(tiny_target: LoadedModel) -> Iterator[Served]:
-    verifier = Verifier(tiny_target)
-    server, port = serve_verifier(verifier, secret=SECRET)
-    yield Served(verifier, server, f"127.0.0.1:{port}")
-    server.stop(None)
-    verifier.close()
+    yield from serving(tiny_target)
 
 
 def test_over_grpc_a_frame_over_the_limit_ends_only_its_stream(served: Served) -> None:

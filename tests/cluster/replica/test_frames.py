@@ -46,13 +46,18 @@ class Served:
     address: str
 
 
-@pytest.fixture(scope="module")
-def served(tiny_target: LoadedModel) -> Iterator[Served]:
+def serving(tiny_target: LoadedModel) -> Iterator[Served]:
+    """The tiny verifier behind a loopback server that takes SECRET; stopped after the yield."""
     verifier = Verifier(tiny_target)
     server, port = serve_verifier(verifier, secret=SECRET)
     yield Served(verifier, server, f"127.0.0.1:{port}")
     server.stop(None)
     verifier.close()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_target: LoadedModel) -> Iterator[Served]:
+    yield from serving(tiny_target)
 
 
 def open_entry(tag: int, session_id: str) -> replica_pb2.FrameEntry:

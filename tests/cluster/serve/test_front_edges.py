@@ -179,10 +179,9 @@ def status(answer: bytes) -> int:
 
 
 def test_a_caller_without_a_key_is_refused_before_its_body_is_read(http_port: int) -> None:
-    # It declares a gigabyte and sends none of it: the answer comes at once.
-    started = time.monotonic()
+    # It declares a gigabyte and sends none of it: a server that read the body first would
+    # answer 408 once the body's time was up; this one answers 401 without reading it.
     assert status(exchange(http_port, post(1 << 30, None))) == 401
-    assert time.monotonic() - started < BODY_TIMEOUT_S * 5
 
 
 def test_a_body_over_the_cap_is_413_declared_or_not(http_port: int) -> None:
@@ -196,7 +195,5 @@ def test_a_body_over_the_cap_is_413_declared_or_not(http_port: int) -> None:
 
 
 def test_a_half_sent_body_is_408_once_its_time_is_up(http_port: int) -> None:
-    started = time.monotonic()
     answer = exchange(http_port, post(100, GOOD_KEY), b'{"prompt": ')
     assert status(answer) == 408
-    assert time.monotonic() - started >= BODY_TIMEOUT_S * 0.9
