@@ -262,7 +262,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("num_sessions", "num_cached_tokens", "busy_s", "engine", "frames_sent", "results_sent", "frames_received", "entries_received")
+    __slots__ = ("num_sessions", "num_cached_tokens", "busy_s", "engine", "frames_sent", "results_sent", "frames_received", "entries_received", "sessions_expired", "sessions_evicted")
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUSY_S_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +271,8 @@ class ReplicaStats(_message.Message):
     RESULTS_SENT_FIELD_NUMBER: _ClassVar[int]
     FRAMES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_EVICTED_FIELD_NUMBER: _ClassVar[int]
     num_sessions: int
     num_cached_tokens: int
     busy_s: float
@@ -279,7 +281,9 @@ class ReplicaStats(_message.Message):
     results_sent: int
     frames_received: int
     entries_received: int
-    def __init__(self, num_sessions: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., engine: _Optional[_Union[EngineStats, _Mapping]] = ..., frames_sent: _Optional[int] = ..., results_sent: _Optional[int] = ..., frames_received: _Optional[int] = ..., entries_received: _Optional[int] = ...) -> None: ...
+    sessions_expired: int
+    sessions_evicted: int
+    def __init__(self, num_sessions: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., engine: _Optional[_Union[EngineStats, _Mapping]] = ..., frames_sent: _Optional[int] = ..., results_sent: _Optional[int] = ..., frames_received: _Optional[int] = ..., entries_received: _Optional[int] = ..., sessions_expired: _Optional[int] = ..., sessions_evicted: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
     __slots__ = ("runner", "steps", "max_batch_sequences", "kv_blocks_total", "kv_blocks_used", "block_size", "batch_sequences", "step_tokens", "queue_wait_s", "queued", "cost_base_s", "cost_per_token_s", "busy_s", "forward_s", "device_s", "batched_s", "gather_s", "gathers", "preemptions", "recomputed_tokens", "refusals", "running_sessions", "running_stepped", "startup_base_s", "startup_per_token_s")

@@ -107,6 +107,11 @@ class ReplicaStats:
     """RouterFrames its Frames streams received since start."""
     entries_received: int = 0
     """FrameEntries in those frames."""
+    sessions_expired: int = 0
+    """Sessions the replica dropped past their time limit since start (by its sweep, or
+    found expired when a call came); a router's close is not counted."""
+    sessions_evicted: int = 0
+    """Sessions it dropped for idling past its session TTL since start."""
     index_bytes: int | None = None
     """A suffix drafter's indexes: the bytes they hold (None on other replicas)."""
     index_proposals: int | None = None
@@ -345,4 +350,6 @@ class SessionTable:
             num_sessions=len(sessions),
             num_cached_tokens=sum(s.kv.num_cached_tokens for s in sessions),
             engine=engine,
+            sessions_expired=self.num_expired,
+            sessions_evicted=self.num_evicted,
         )

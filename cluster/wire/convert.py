@@ -494,6 +494,8 @@ def stats_to_wire(stats: ReplicaStats) -> replica_pb2.ReplicaStats:
         results_sent=uint_to_wire(stats.results_sent, "results_sent"),
         frames_received=uint_to_wire(stats.frames_received, "frames_received"),
         entries_received=uint_to_wire(stats.entries_received, "entries_received"),
+        sessions_expired=uint_to_wire(stats.sessions_expired, "sessions_expired"),
+        sessions_evicted=uint_to_wire(stats.sessions_evicted, "sessions_evicted"),
     )
     if stats.engine is not None:
         message.engine.CopyFrom(engine_stats_to_wire(stats.engine))
@@ -511,4 +513,6 @@ def stats_from_wire(message: replica_pb2.ReplicaStats) -> ReplicaStats:
         results_sent=message.results_sent,
         frames_received=message.frames_received,
         entries_received=message.entries_received,
+        sessions_expired=message.sessions_expired,
+        sessions_evicted=message.sessions_evicted,
     )

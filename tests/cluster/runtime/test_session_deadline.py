@@ -58,6 +58,7 @@ def test_evict_idle_drops_sessions_past_their_time_limit_only(
     assert table.num_expired == 1 and table.num_evicted == 0
     stats = table.stats()
     assert stats.num_sessions == 1 and stats.num_cached_tokens == baseline
+    assert (stats.sessions_expired, stats.sessions_evicted) == (1, 0)
     with pytest.raises(SessionNotFoundError):
         table.get("limited")
     table.get("unlimited")

@@ -14,9 +14,11 @@ Why a second is safe: the router finishes the round in flight (one tiny-model pa
 milliseconds), then closes both sessions, one loopback call each, which frees their blocks;
 measured here, both sides were free 30 to 70 ms after the client's call ended. Without that
 close, a stream's or a gRPC-deadline call's sessions stay until the replicas' idle TTL (600
-s). The shipped client's sessions are dropped by the replicas themselves too, at their time
-limit, by a sweep every heartbeat (1 s): that case passes the bound even without the
-router's close (0.85 s, measured), so it fails only if both are broken.
+s). The shipped client's sessions also have a time limit on each replica, the time left plus
+a grace (`TIME_LIMIT_GRACE_S`, 2 s) past which the replica's sweep drops them itself: a
+backstop for a router that died. So that the test cannot pass by the backstop, each case also
+asserts that no replica dropped a session at its time limit meanwhile (`sessions_expired` in
+each replica's Stats, unchanged).
 """
 
 from __future__ import annotations
@@ -85,6 +87,12 @@ class Replicas:
             held[replica_id] = (stats.num_sessions, stats.engine.kv_blocks_used)
         return held
 
+    def expired(self) -> dict[str, int]:
+        """Sessions each replica has dropped at their time limit since it started."""
+        return {
+            replica_id: port.stats().sessions_expired for replica_id, port in self._ports.items()
+        }
+
     def holding_sides(self) -> set[str]:
         """The sides with a replica that holds a session (and KV blocks, if it has a cache)."""
         return {
@@ -123,15 +131,22 @@ def released_within(replicas: Replicas, ended: float) -> tuple[float, Held]:
         time.sleep(POLL_S)
 
 
-def assert_released(replicas: Replicas, ended: float) -> None:
+def assert_released(replicas: Replicas, ended: float, expired_before: dict[str, int]) -> None:
+    """Nothing held within RELEASE_S of `ended`, and freed by the router's close: no replica
+    dropped a session at its time limit since `expired_before` was read."""
     elapsed, held = released_within(replicas, ended)
     print(f"{elapsed:.3f} s after the client's call ended, (sessions, KV blocks): {held}")
     assert not holds_any(held), f"still held after {elapsed:.2f} s: {held}"
+    expired_after = replicas.expired()
+    assert expired_after == expired_before, (
+        f"a replica dropped a session at its time limit: {expired_before} -> {expired_after}"
+    )
 
 
 def test_leaving_a_stream_frees_both_sides_within_a_second(
     service: dict[str, object], replicas: Replicas
 ) -> None:
+    expired_before = replicas.expired()
     with TandemClient(str(service["proxy_address"]), api_key=TENANT_KEY) as client:
         chunks = client.stream(CODE_PROMPT, max_tokens=LONG_MAX_TOKENS)
         for _ in range(CHUNKS_READ):
@@ -140,7 +155,7 @@ def test_leaving_a_stream_frees_both_sides_within_a_second(
         wait_until(lambda: replicas.holding_sides() == MODEL_SIDES, what="sessions")
         chunks.close()  # cancels the call, as leaving the loop does
         ended = time.monotonic()
-    assert_released(replicas, ended)
+    assert_released(replicas, ended, expired_before)
 
 
 def grpc_deadline_only(service: dict[str, object]) -> None:
@@ -174,6 +189,7 @@ def test_a_unary_call_past_its_client_deadline_frees_both_sides_within_a_second(
     service: dict[str, object], replicas: Replicas, call: Callable[[dict[str, object]], None]
 ) -> None:
     outcome: list[BaseException | float] = []
+    expired_before = replicas.expired()
 
     def run() -> None:
         try:
@@ -192,4 +208,4 @@ def test_a_unary_call_past_its_client_deadline_frees_both_sides_within_a_second(
     (ended,) = outcome
     if isinstance(ended, BaseException):
         raise ended
-    assert_released(replicas, ended)
+    assert_released(replicas, ended, expired_before)

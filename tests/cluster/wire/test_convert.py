@@ -245,7 +245,13 @@ def test_verdict_round_trips(verdict: Verdict) -> None:
 
 
 def test_stats_round_trip() -> None:
-    stats = ReplicaStats(num_sessions=3, num_cached_tokens=2**40, busy_s=12.375)
+    stats = ReplicaStats(
+        num_sessions=3,
+        num_cached_tokens=2**40,
+        busy_s=12.375,
+        sessions_expired=4,
+        sessions_evicted=5,
+    )
     message = over_the_wire(convert.stats_to_wire(stats))
     assert not message.HasField("engine")
     assert convert.stats_from_wire(message) == stats  # engine None: no engine runs
