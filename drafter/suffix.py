@@ -44,7 +44,7 @@ from cluster.runtime.errors import (
 )
 from cluster.runtime.limits import MAX_BLOCK_TOKENS
 from cluster.runtime.sampling import SamplingParams
-from cluster.runtime.session import ReplicaStats
+from cluster.runtime.session import TIME_LIMIT_GRACE_S, ReplicaStats
 from drafter.config import SuffixConfig
 from drafter.suffix_store import StoreStats, SuffixStore
 
@@ -128,7 +128,7 @@ class SuffixDrafter:
         with self._lock:
             if session_id in self._sessions:
                 raise SessionExistsError(f"session {session_id!r} is already open")
-            expires_at = None if time_limit_s is None else now + time_limit_s
+            expires_at = None if time_limit_s is None else now + time_limit_s + TIME_LIMIT_GRACE_S
             session = _Session(tenant, len(tokens), list(tokens), expires_at, now)
             self._sessions[session_id] = session
             if not sampling.is_greedy and not sampling.seed_exact:

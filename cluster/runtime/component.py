@@ -28,6 +28,7 @@ from llguidance import LLTokenizer
 
 from cluster.runtime.constraint import GRAMMAR_TOKENIZERS, Constraint, TokenMatcher
 from cluster.runtime.engine import Engine, Forward, Preempted, Task
+from cluster.runtime.errors import ResourceExhaustedError
 from cluster.runtime.limits import (
     DEFAULT_MAX_STEP_SEQUENCES,
     DEFAULT_MAX_STEP_TOKENS,
@@ -167,6 +168,8 @@ class SessionComponent(Generic[C]):
         side sets up what it keeps beside it)."""
 
         def submit() -> Future[int]:
+            if not resumed:
+                self._check_in_time(time_limit_s)
             matcher = self._matcher(constraint, prompt_tokens)
             task = self._open(
                 session_id,
@@ -182,6 +185,20 @@ class SessionComponent(Generic[C]):
             return self._engine.submit(task, key=session_id)
 
         return submitted(submit)
+
+    def _check_in_time(self, time_limit_s: float | None) -> None:
+        """Refuse a new session whose request has less time left than the engine's queue is
+        expected to keep it waiting: RESOURCE_EXHAUSTED with that wait as the retry hint,
+        rather than a session that would pass its deadline before its prefill ran."""
+        wait = self._engine.expected_wait_s()
+        if time_limit_s is None or wait < time_limit_s:
+            return
+        self._sessions.num_refused += 1
+        raise ResourceExhaustedError(
+            f"the replica's queue keeps a call waiting about {wait:.3g} s and the request "
+            f"has {time_limit_s:.3g} s left; retry after {wait:.3g} s or on another replica",
+            retry_after_s=wait,
+        )
 
     def _matcher(
         self, constraint: Constraint | None, prompt_tokens: Sequence[int]

@@ -269,6 +269,11 @@ class Engine:
         replay), never for correctness."""
         return bool(self._inbox or self._active or self._keyless)
 
+    def expected_wait_s(self) -> float:
+        """About how long a call submitted now waits before a step takes it: the smoothed wait
+        of recent calls while the engine has work, else 0 (any thread may ask: a snapshot)."""
+        return self._queue_wait_s if self.has_work() else 0.0
+
     def step_load(self) -> StepLoad | None:
         """The load of the step that ran last (what a task resumed after it ran in)."""
         return self._load

@@ -138,6 +138,12 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+TIME_LIMIT_GRACE_S = 2.0
+"""What a replica waits past a session's time limit (the time its request had left) before it
+drops the session itself. The router closes its sessions at the request's deadline; the
+replica's own limit is the backstop for a router that died, so it must not race that close."""
+
+
 class SessionTable:
     """Sessions of one replica by id, on one model, with the limits and lookups both sides share."""
 
@@ -150,14 +156,17 @@ class SessionTable:
         session_ttl_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         kv_overcommit: float = DEFAULT_KV_OVERCOMMIT,
+        time_limit_grace_s: float = TIME_LIMIT_GRACE_S,
     ) -> None:
         """`session_ttl_s`: evict a session idle this long (None: never); `kv_overcommit`:
-        the planned growth of open sessions may reach this many times the KV pool."""
+        the planned growth of open sessions may reach this many times the KV pool;
+        `time_limit_grace_s`: how long past its time limit a session is kept."""
         self.model = model
         self.runner = runner
         self.max_sessions = max_sessions
         self.max_context_tokens = max_context_tokens
         self.session_ttl_s = session_ttl_s
+        self.time_limit_grace_s = time_limit_grace_s
         self._clock = clock
         self._sessions: dict[str, ReplicaSession] = {}
         self.num_evicted = 0
@@ -166,7 +175,8 @@ class SessionTable:
         """Sessions dropped past their time limit since the table was made."""
         self.kv_overcommit = kv_overcommit
         self.num_refused = 0
-        """Sessions refused for lack of KV memory (now, or planned) since the table was made."""
+        """Sessions refused at admission since the table was made: for lack of KV memory (now,
+        or planned), or with less time left than the queue would keep them waiting."""
         self._planned_blocks = 0
         """The sum of the open sessions' `planned_blocks`."""
 
@@ -204,13 +214,14 @@ class SessionTable:
         check_token_ids(prompt_tokens, self.model.vocab_size, "prompt_tokens")
         check_seed(seed)
         now = self._clock()
+        grace = self.time_limit_grace_s
         session = ReplicaSession(
             kv=SequenceKV(self.runner, session_id, prompt_tokens),
             sampling=sampling,
             generator=make_generator(seed, self.model.device),
             seed=seed,
             last_used=now,
-            expires_at=None if time_limit_s is None else now + time_limit_s,
+            expires_at=None if time_limit_s is None else now + time_limit_s + grace,
             planned_blocks=planned,
         )
         self._sessions[session_id] = session

@@ -42,12 +42,6 @@ FRAME_VERSION = 1
 a replica ends a stream whose frames carry another (INVALID_ARGUMENT)."""
 
 
-TIME_LIMIT_GRACE_S = 2.0
-"""What a replica adds to the time a router says its request has left (`time_limit_ms`) before it
-drops the session itself. The router closes its sessions at the request's deadline; the
-replica's own limit is the backstop for a router that died, so it must not race that close."""
-
-
 @dataclass(frozen=True)
 class OpenCall:
     """An OpenSession request read off the wire: the arguments of the component's
@@ -58,7 +52,7 @@ class OpenCall:
     sampling: SamplingParams
     seed: int
     time_limit_s: float | None
-    """The request's time left plus TIME_LIMIT_GRACE_S (None: no limit, only the idle TTL)."""
+    """Seconds the request has left (None: no deadline)."""
     max_new_tokens: int | None
     resumed: bool
     constraint: Constraint | None
@@ -147,18 +141,13 @@ def open_request_from_wire(request: replica_pb2.OpenSessionRequest) -> OpenCall:
         prompt_tokens=tuple(request.prompt_token_ids),
         sampling=sampling_from_wire(request.sampling),
         seed=request.seed,
-        time_limit_s=backstop(time_limit_from_wire(request)),
+        time_limit_s=time_limit_from_wire(request),
         max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
         resumed=request.resumed,
         constraint=constraint_from_wire(request),
         tenant=request.tenant,
         advance=advance_from_wire(request),
     )
-
-
-def backstop(time_left_s: float | None) -> float | None:
-    """A replica's own time limit for a session whose request has `time_left_s`."""
-    return None if time_left_s is None else time_left_s + TIME_LIMIT_GRACE_S
 
 
 def advance_from_wire(request: replica_pb2.OpenSessionRequest) -> Advance | None:

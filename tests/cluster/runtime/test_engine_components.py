@@ -301,3 +301,28 @@ def test_a_closed_session_is_not_expected_back_by_either_engine(
         assert expected(side.engine)  # an ordinary call: its session may come back at once
         assert side.close_session("closing")
         assert not expected(side.engine)  # closed: no step waits for it
+
+
+def test_a_request_with_less_time_left_than_the_queue_wait_is_refused_at_admission(
+    pair: tuple[Drafter, Verifier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new session whose request has less time left than the engine's queue is expected to
+    keep it waiting is refused with RESOURCE_EXHAUSTED and that wait as its retry hint; one
+    with time enough, no deadline, or already running elsewhere (`resumed`) is admitted."""
+    prompt = prompts(1, seed=31)[0]
+    for side in pair:
+        assert side.engine.expected_wait_s() == 0.0  # idle: nothing to wait behind
+        monkeypatch.setattr(side.engine, "expected_wait_s", lambda: 5.0)
+        refusals = side.stats().engine.refusals  # type: ignore[union-attr]
+        with pytest.raises(ResourceExhaustedError, match="queue keeps a call waiting") as refused:
+            side.open_session("late", prompt, GREEDY, 0, time_limit_s=1.0)
+        assert refused.value.retry_after_s == 5.0
+        assert side.stats().engine.refusals == refusals + 1  # type: ignore[union-attr]
+        assert side.stats().num_sessions == 0
+        side.open_session("in-time", prompt, GREEDY, 0, time_limit_s=10.0)
+        side.open_session("no-deadline", prompt, GREEDY, 0)
+        side.open_session("resumed", prompt, GREEDY, 0, time_limit_s=1.0, resumed=True)
+        assert side.stats().num_sessions == 3
+        for session_id in ("in-time", "no-deadline", "resumed"):
+            side.close_session(session_id)
+        monkeypatch.undo()

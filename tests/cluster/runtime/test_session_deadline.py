@@ -16,7 +16,7 @@ from cluster.runtime.errors import (
 )
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
-from cluster.runtime.session import SessionTable
+from cluster.runtime.session import TIME_LIMIT_GRACE_S, SessionTable
 from cluster.wire import convert
 from drafter.drafter import Drafter
 from protos import replica_pb2
@@ -36,9 +36,28 @@ class Clock:
 
 
 def _table(
-    model: LoadedModel, clock: Clock, max_sessions: int = 8, ttl_s: float | None = 100.0
+    model: LoadedModel,
+    clock: Clock,
+    max_sessions: int = 8,
+    ttl_s: float | None = 100.0,
+    grace_s: float = 0.0,
 ) -> SessionTable:
-    return PrefillingTable(model, max_sessions, 4096, session_ttl_s=ttl_s, clock=clock)
+    return PrefillingTable(
+        model, max_sessions, 4096, session_ttl_s=ttl_s, clock=clock, time_limit_grace_s=grace_s
+    )
+
+
+def test_a_session_is_kept_for_the_grace_past_its_time_limit(tiny_target: LoadedModel) -> None:
+    """The router closes a session at its request's deadline; the replica's own drop waits
+    TIME_LIMIT_GRACE_S more, so that it never races that close."""
+    clock = Clock()
+    table = _table(tiny_target, clock, grace_s=TIME_LIMIT_GRACE_S)
+    table.open("limited", PROMPT, GREEDY, 0, time_limit_s=5.0)
+    clock.now = 5.0 + TIME_LIMIT_GRACE_S - 0.1
+    assert table.evict_idle() == 0
+    table.get("limited")
+    clock.now = 5.0 + TIME_LIMIT_GRACE_S
+    assert table.evict_idle() == 1 and table.num_expired == 1
 
 
 @pytest.mark.parametrize("ttl_s", [100.0, None], ids=["with-ttl", "without-ttl"])
@@ -120,7 +139,7 @@ def test_components_drop_their_sessions_past_the_time_limit(
     for component in (verifier, drafter):
         component.open_session("limited", PROMPT, GREEDY, 0, time_limit_s=0.05)
         component.open_session("unlimited", PROMPT, GREEDY, 0)
-    time.sleep(0.1)  # past the limit (a sleep lasts at least this long)
+    time.sleep(0.1 + TIME_LIMIT_GRACE_S)  # past the limit and its grace (a sleep lasts this long)
     with pytest.raises(DeadlineExceededError, match="passed its deadline"):
         verifier.verify("limited", DraftBlock(base_length=len(PROMPT), tokens=()))
     with pytest.raises(DeadlineExceededError, match="passed its deadline"):

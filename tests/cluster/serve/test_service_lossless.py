@@ -32,7 +32,18 @@ rejected. With three CPU-bound processes beside it on 2 cores, the plan stopped 
 (the draft latency it inherits from request to request stays high while nothing is drafted),
 and the test fails there rather than pass on a sample of the target alone.
 
-A second run (`predrafting`) takes the same path with outcome-keyed pre-drafting on
+The service runs four times (RUNS). `seed-exact`: the requests as sent, seeded, so under the
+seed-exact rule, a seeded request's default; its output is the target's own draw whatever was
+drafted, so this run shows the path serves the target's distribution, not that acceptance is
+right. `rejection`: the same requests asking for the rejection rule, which reads each block's q:
+this is the run that tests acceptance, and it asserts that most requests had a verified block
+decide a token (MIN_PROPOSED). `wrong-q`, the negative control: the same, but every block the
+draft model proposes carries a wrong q (`wrong_q`: each row's probabilities rolled by one over
+its tokens), and the
+test asserts that the sample fails (p-value below ALPHA); it shows that the other runs' test
+can fail through this service at this size.
+
+A fourth run (`predrafting`) takes the same path with outcome-keyed pre-drafting on
 (`api.default_predraft_fan_out` 4) and Saguaro-style sampling on the drafter
 (`saguaro_scale` 0.5), in fixed rounds (the adaptive plan could price pre-drafting out on a
 busy machine), under rejection sampling, PREDRAFT_TOKENS long with one-token blocks:
@@ -69,7 +80,7 @@ from cluster.api.tenants import AuthConfig, TenantConfig, hash_api_key, new_api_
 from cluster.config import FrontConfig, TandemConfig
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.models import LoadedModel, load_model
-from cluster.runtime.sampling import SamplingParams, logits_to_probs
+from cluster.runtime.sampling import SamplingParams, SparseDistribution, logits_to_probs
 from cluster.serve.ingress import RouterIngress
 from cluster.wire.replica_info import ReplicaInfo
 from drafter.drafter import Drafter
@@ -118,19 +129,46 @@ PREDRAFT_TOKENS = 6
 pass runs beside its branches, then the hit branch's; the first NUM_TOKENS are tested."""
 
 
+RUNS = ["seed-exact", "rejection", "wrong-q", "predrafting"]
+"""The service's runs (see the module's docstring): the default path as a seeded request takes
+it (the seed-exact rule) and under the rejection rule; the negative control, the rejection
+rule with each drafted block carrying a wrong q; pre-drafting."""
+
+
 @dataclass
 class Served:
     ingress: RouterIngress
     target: LoadedModel
     model_drafted: list[int]
     """Tokens the draft model proposed (one count); the other drafted tokens were looked up."""
-    predrafting: bool = False
-    """Requests pre-draft (with Saguaro-style sampling on the drafter) under rejection
-    sampling, PREDRAFT_TOKENS long with one-token blocks, so that pre-drafted blocks decide
-    some of the first tokens."""
+    run: str
+    """One of RUNS."""
+
+    @property
+    def predrafting(self) -> bool:
+        """Requests pre-draft (with Saguaro-style sampling on the drafter) under rejection
+        sampling, PREDRAFT_TOKENS long with one-token blocks, so that pre-drafted blocks decide
+        some of the first tokens."""
+        return self.run == "predrafting"
+
+    @property
+    def rejection(self) -> bool:
+        """Requests ask for the rejection rule (a seeded request's default is seed-exact)."""
+        return self.run != "seed-exact"
 
 
-@pytest.fixture(scope="module", params=["default", "predrafting"])
+def wrong_q(block: DraftBlock) -> DraftBlock:
+    """The drafted block with a wrong q that still passes the verifier's checks: each row's
+    probabilities rolled by one over its tokens, so the drafted token keeps a probability, but
+    another token's. (A row from another block is refused outright where it gives the drafted
+    token none: INVALID_ARGUMENT, "the drafter could not have sampled it".)"""
+    if block.draft_probs is None:
+        return block
+    rows = [SparseDistribution(row.token_ids, row.probs.roll(1)) for row in block.draft_probs]
+    return dataclasses.replace(block, draft_probs=tuple(rows))
+
+
+@pytest.fixture(scope="module", params=RUNS)
 def served(request: pytest.FixtureRequest) -> Iterator[Served]:
     tenant = TenantConfig("main", hash_api_key(KEY))
     # No front: requests go to the ingress's methods, not to servers on the default ports.
@@ -169,7 +207,11 @@ def served(request: pytest.FixtureRequest) -> Iterator[Served]:
 
         future = draft_block(*args, **kwargs)
         future.add_done_callback(count)
-        return future
+        if request.param != "wrong-q":
+            return future
+        corrupted: Future[DraftBlock] = Future()
+        future.add_done_callback(lambda done: corrupted.set_result(wrong_q(done.result())))
+        return corrupted
 
     verifier_server, verifier_port = serve_verifier(verifier, secret=config.cluster_secret)
     drafter_server, drafter_port = serve_drafter(drafter, secret=config.cluster_secret)
@@ -183,7 +225,7 @@ def served(request: pytest.FixtureRequest) -> Iterator[Served]:
         # The registry actor's listing, without Ray: both replicas, always live.
         patch.setattr(cluster.serve.ingress, "get_registry", lambda app_name: None)
         patch.setattr(cluster.serve.ingress, "from_registry_actor", lambda actor: lambda: entries)
-        served = Served(RouterIngress(config), target, model_drafted, predrafting)
+        served = Served(RouterIngress(config), target, model_drafted, request.param)
         # Lockstep rounds (see the module's docstring): a running session takes the target's
         # own token while a block is in flight, so a draft would decide none of the first
         # NUM_TOKENS tokens but where its first token guessed the target's own sample.
@@ -247,12 +289,14 @@ async def sample(served: Served) -> list[generate_pb2.GenerateResponse]:
             seed=seed,
             sampling=sampling_pb2.SamplingParams(temperature=SAMPLING.temperature),
         )
-        if served.predrafting:
-            # Rejection sampling: the rule that reads the q a branch carries over the wire
-            # (Saguaro-style q' included). A seeded request's default, seed-exact, accepts
-            # by equality, and pre-drafting leaves its output unchanged token for token.
-            request.speculation.draft_tokens = 1
+        if served.rejection:
+            # The rule that reads the q a block carries over the wire (a pre-drafted branch's
+            # Saguaro-style q' included). A seeded request's default, seed-exact, accepts by
+            # equality: its output is the target's own draw whatever was drafted, so a wrong q
+            # cannot show there.
             request.sampling.rule = sampling_pb2.SAMPLING_RULE_REJECTION
+        if served.predrafting:
+            request.speculation.draft_tokens = 1
         responses.append(await served.ingress.Generate(request, Context()))
     return responses
 
@@ -273,6 +317,11 @@ def test_the_first_tokens_through_the_default_service_follow_the_target(served: 
     )
     # The sample tests acceptance only where tokens were proposed.
     assert 0 < accepted < drafted
+    # Samples a verified block decided (a drafted token accepted, or the target's resample
+    # where one was rejected): every request whose block was verified within its NUM_TOKENS
+    # (pre-drafting's longer requests: see its hits below).
+    decided = sum(1 for r in responses if r.speculation.num_drafted > 0)
+    print(f"requests with a verified block: {decided}")
     if served.predrafting:
         # Pre-drafted rounds happened, hit and missed: a hit's block (drawn with its q, damped
         # by Saguaro-style sampling) is verified next, and decides the third token whenever the
@@ -283,4 +332,10 @@ def test_the_first_tokens_through_the_default_service_follow_the_target(served: 
         assert hits >= MIN_PROPOSED // 2 and misses > 0
     else:
         assert min(drafted - model_drafted, model_drafted) >= MIN_PROPOSED
-    assert p_value > ALPHA
+        assert decided >= MIN_PROPOSED
+    if served.run == "wrong-q":
+        # The negative control: the acceptance test and the residual read a q that did not
+        # draw the token, and the sample departs from the target's distribution.
+        assert p_value < ALPHA, "a q from the wrong block passed the lossless test"
+    else:
+        assert p_value > ALPHA
