@@ -54,7 +54,7 @@ whenever the round before it committed one. It asserts that most requests hit.
 Statistic: the exact joint distribution of the first three tokens,
 P(t1, t2, t3) = p(t1 | prompt) p(t2 | prompt, t1) p(t3 | prompt, t1, t2), from the target's own
 probabilities at temperature 1 (in process), against NUM_REQUESTS seeded requests by Pearson's
-chi-square test. Cells are named by prefixes (`exact_cells`): every triple, pair and first
+chi-square test. Cells are named by prefixes (`target_cells`): every triple, pair and first
 token whose expected count is at least MIN_EXPECTED, each holding what its longer names do not,
 and `()` the rest, so every cell's expected count is at least MIN_EXPECTED and the chi-square
 approximation is sound. Under a lossless sampler the p-value is (asymptotically) uniform, so a
@@ -67,25 +67,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import torch
 
 import cluster.serve.ingress
 from cluster.api.tenants import AuthConfig, TenantConfig, hash_api_key, new_api_key
 from cluster.config import FrontConfig, TandemConfig
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.models import LoadedModel, load_model
-from cluster.runtime.sampling import SamplingParams, SparseDistribution, logits_to_probs
+from cluster.runtime.sampling import SamplingParams, SparseDistribution
 from cluster.serve.ingress import RouterIngress
 from cluster.wire.replica_info import ReplicaInfo
 from drafter.drafter import Drafter
 from protos import generate_pb2, sampling_pb2
-from tests.exact_cells import Prefix, cell_mass, chi_square_p_value
+from tests.exact_cells import chi_square_p_value, target_cells
 from tests.replicas import serve_drafter, serve_verifier
 from verifier.verifier import Verifier
 
@@ -242,43 +241,6 @@ def served(request: pytest.FixtureRequest) -> Iterator[Served]:
             drafter.close()
 
 
-def probabilities(model: LoadedModel, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
-    """`[len(contexts), vocab]` float64: the model's next-token distribution after each
-    context (all of one length), as sampled with SAMPLING."""
-    with torch.inference_mode():
-        logits = model.model(torch.tensor(contexts, device=model.device)).logits[:, -1]
-        return logits_to_probs(logits, SAMPLING).double().cpu()
-
-
-def exact_cells(model: LoadedModel, prompt: Prefix) -> dict[Prefix, float]:
-    """The test's cells and their exact probabilities. A cell is named by a prefix of the first
-    NUM_TOKENS tokens and holds the samples whose longest prefix among the names it is: a whole
-    triple, or the rest under a shorter prefix, or under `()` everything else. A prefix is a
-    name if its expected count is at least MIN_EXPECTED and so is its cell's (a thin cell
-    joins its parent's); a frequent triple's pair is frequent, so only those pairs need a
-    third forward pass."""
-    p1 = probabilities(model, [prompt])[0]  # [vocab]
-    joint2 = p1[:, None] * probabilities(model, [(*prompt, t) for t in range(p1.shape[0])])
-    mass: dict[Prefix, float] = {(): 1.0}
-    mass.update({(t,): float(p1[t]) for t in _frequent(p1)})
-    pairs = [(t1, t2) for t1, t2 in _frequent(joint2)]
-    mass.update({pair: float(joint2[pair]) for pair in pairs})
-    p3 = probabilities(model, [(*prompt, *pair) for pair in pairs])  # [pairs, vocab]
-    for pair, row in zip(pairs, p3, strict=True):
-        joint3 = joint2[pair] * row  # [vocab]
-        mass.update({(*pair, t): float(joint3[t]) for t in _frequent(joint3)})
-    for length in range(NUM_TOKENS - 1, 0, -1):
-        for prefix in [p for p in mass if len(p) == length]:
-            if cell_mass(prefix, mass) * NUM_REQUESTS < MIN_EXPECTED:
-                del mass[prefix]
-    return {prefix: cell_mass(prefix, mass) for prefix in mass}
-
-
-def _frequent(probs: torch.Tensor) -> list[Any]:
-    """Indices (ints, or pairs for 2-D `probs`) whose expected count is at least MIN_EXPECTED."""
-    return (probs * NUM_REQUESTS >= MIN_EXPECTED).nonzero().squeeze(-1).tolist()
-
-
 async def sample(served: Served) -> list[generate_pb2.GenerateResponse]:
     """NUM_REQUESTS responses for PROMPT, seeds 0..NUM_REQUESTS-1, one after another."""
     responses = []
@@ -303,7 +265,7 @@ async def sample(served: Served) -> list[generate_pb2.GenerateResponse]:
 
 def test_the_first_tokens_through_the_default_service_follow_the_target(served: Served) -> None:
     prompt = tuple(served.target.tokenizer.encode(PROMPT, add_special_tokens=False))
-    cells = exact_cells(served.target, prompt)
+    cells = target_cells(served.target, prompt, SAMPLING, NUM_TOKENS, NUM_REQUESTS, MIN_EXPECTED)
     responses = asyncio.run(sample(served))
     samples = [tuple(r.token_ids[:NUM_TOKENS]) for r in responses]
     assert all(len(tokens) == NUM_TOKENS for tokens in samples)
