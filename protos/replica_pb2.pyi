@@ -286,7 +286,7 @@ class ReplicaStats(_message.Message):
     def __init__(self, num_sessions: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., engine: _Optional[_Union[EngineStats, _Mapping]] = ..., frames_sent: _Optional[int] = ..., results_sent: _Optional[int] = ..., frames_received: _Optional[int] = ..., entries_received: _Optional[int] = ..., sessions_expired: _Optional[int] = ..., sessions_evicted: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("runner", "steps", "max_batch_sequences", "kv_blocks_total", "kv_blocks_used", "block_size", "batch_sequences", "step_tokens", "queue_wait_s", "queued", "cost_base_s", "cost_per_token_s", "busy_s", "forward_s", "device_s", "batched_s", "gather_s", "gathers", "preemptions", "recomputed_tokens", "refusals", "running_sessions", "running_stepped", "startup_base_s", "startup_per_token_s")
+    __slots__ = ("runner", "steps", "max_batch_sequences", "kv_blocks_total", "kv_blocks_used", "block_size", "batch_sequences", "step_tokens", "queue_wait_s", "queued", "cost_base_s", "cost_per_token_s", "busy_s", "forward_s", "device_s", "batched_s", "gather_s", "gathers", "preemptions", "recomputed_tokens", "refusals", "running_sessions", "running_stepped", "startup_base_s", "startup_per_token_s", "step_running_s")
     RUNNER_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +312,7 @@ class EngineStats(_message.Message):
     RUNNING_STEPPED_FIELD_NUMBER: _ClassVar[int]
     STARTUP_BASE_S_FIELD_NUMBER: _ClassVar[int]
     STARTUP_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_RUNNING_S_FIELD_NUMBER: _ClassVar[int]
     runner: str
     steps: int
     max_batch_sequences: int
@@ -337,7 +338,8 @@ class EngineStats(_message.Message):
     running_stepped: int
     startup_base_s: float
     startup_per_token_s: float
-    def __init__(self, runner: _Optional[str] = ..., steps: _Optional[int] = ..., max_batch_sequences: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., batch_sequences: _Optional[float] = ..., step_tokens: _Optional[float] = ..., queue_wait_s: _Optional[float] = ..., queued: _Optional[int] = ..., cost_base_s: _Optional[float] = ..., cost_per_token_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., device_s: _Optional[float] = ..., batched_s: _Optional[float] = ..., gather_s: _Optional[float] = ..., gathers: _Optional[int] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., refusals: _Optional[int] = ..., running_sessions: _Optional[int] = ..., running_stepped: _Optional[int] = ..., startup_base_s: _Optional[float] = ..., startup_per_token_s: _Optional[float] = ...) -> None: ...
+    step_running_s: float
+    def __init__(self, runner: _Optional[str] = ..., steps: _Optional[int] = ..., max_batch_sequences: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., batch_sequences: _Optional[float] = ..., step_tokens: _Optional[float] = ..., queue_wait_s: _Optional[float] = ..., queued: _Optional[int] = ..., cost_base_s: _Optional[float] = ..., cost_per_token_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., device_s: _Optional[float] = ..., batched_s: _Optional[float] = ..., gather_s: _Optional[float] = ..., gathers: _Optional[int] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., refusals: _Optional[int] = ..., running_sessions: _Optional[int] = ..., running_stepped: _Optional[int] = ..., startup_base_s: _Optional[float] = ..., startup_per_token_s: _Optional[float] = ..., step_running_s: _Optional[float] = ...) -> None: ...
 
 class ReferenceRequest(_message.Message):
     __slots__ = ("prompt_token_ids", "served_token_ids", "sampling", "seed", "dtype")

@@ -49,7 +49,7 @@ from typing import Any, Self
 import grpc
 
 from cluster.routing.frame_channel import FrameChannel
-from cluster.routing.liveness import PROBE_TIMEOUT_S, Liveness
+from cluster.routing.liveness import PROBE_TIMEOUT_S, Liveness, Progress
 from cluster.routing.session_events import SessionEvents
 from cluster.routing.waits import Steps, Wait
 from cluster.runtime.advance import Advance
@@ -214,7 +214,7 @@ class _ReplicaClient:
                 self._frames.forget(tag)
                 raise ReplicaUnavailableError(
                     f"{self._replica}: DEADLINE_EXCEEDED: no answer within {wait_s:g} s, and "
-                    "no progress (nothing heard, its engine took no step)"
+                    "no progress (nothing heard, its engine took no step and runs none)"
                 )
 
     def progressing(self, since: float) -> Future[bool]:
@@ -222,10 +222,11 @@ class _ReplicaClient:
         True busy, False dead or stalled (`cluster.routing.liveness`)."""
         return self._liveness.check(since)
 
-    def _probe_progress(self) -> Future[int]:
-        """A future of the replica's progress count (engine steps plus frames sent), failed
-        when it does not answer its `Stats` within `PROBE_TIMEOUT_S`."""
-        counted: Future[int] = Future()
+    def _probe_progress(self) -> Future[Progress]:
+        """A future of the replica's progress (engine steps plus frames sent, and how long its
+        step running now has run), failed when it does not answer its `Stats` within
+        `PROBE_TIMEOUT_S`."""
+        counted: Future[Progress] = Future()
         call = self._stub.Stats.future(
             replica_pb2.StatsRequest(), timeout=PROBE_TIMEOUT_S, metadata=self._metadata
         )
@@ -233,7 +234,8 @@ class _ReplicaClient:
         def done(answered: Any) -> None:
             try:
                 stats = answered.result()
-                counted.set_result(int(stats.engine.steps) + int(stats.frames_sent))
+                count = int(stats.engine.steps) + int(stats.frames_sent)
+                counted.set_result(Progress(count, stats.engine.step_running_s))
             except Exception as error:
                 counted.set_exception(error)
 

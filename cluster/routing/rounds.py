@@ -169,7 +169,7 @@ class Rounds:
         gen.events.report(
             ReplicaUnavailableError(
                 f"the {gen.verifier_id} reported nothing for {silence_s:.1f} s, and made no "
-                "progress (nothing heard from it, its engine took no step)"
+                "progress (nothing heard from it, its engine took no step and runs none)"
             )
         )
 

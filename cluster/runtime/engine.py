@@ -269,6 +269,10 @@ class Engine:
         replay), never for correctness."""
         return bool(self._inbox or self._active or self._keyless)
 
+    def _step_running_s(self) -> float:
+        started = self._step_started  # one read: the engine thread may clear it meanwhile
+        return 0.0 if started is None else max(0.0, self._clock() - started)
+
     def expected_wait_s(self) -> float:
         """About how long a call submitted now waits before a step takes it: the smoothed wait
         of recent calls while the engine has work, else 0 (any thread may ask: a snapshot)."""
@@ -295,6 +299,7 @@ class Engine:
             cost_base_s=base,
             cost_per_token_s=per_token,
             busy_s=self.busy_s,
+            step_running_s=self._step_running_s(),
             forward_s=self.forward_s,
             device_s=float(getattr(runner, "device_s", self.forward_s)),
             batched_s=self.batched_s,
@@ -526,11 +531,13 @@ class Engine:
             self._wait_for_room()
             return
         self._in_step = True
+        self._step_started = started
         self._busy_since = started
         try:
             self._run_batch(batch, chunks, started)
         finally:
             self._in_step = False
+            self._step_started = None
             self._count_busy()
 
     def _drop_abandoned(self) -> None:
@@ -548,6 +555,8 @@ class Engine:
                     dropping = True
 
     _busy_since = 0.0
+    _step_started: float | None = None
+    """When the step running now began (None: none is running)."""
 
     def _count_busy(self) -> None:
         """Add the step's time so far to `busy_s`: when the step ends, and before it resolves a

@@ -67,6 +67,8 @@ class EngineStats:
     startup_per_token_s: float = 0.0
     """The step cost curve as measured at start-up, before serving (`Engine.calibrate`); 0
     where it was not measured."""
+    step_running_s: float = 0.0
+    """Seconds the step running now has taken so far (0: none is running)."""
 
     @property
     def startup_step_s(self) -> float:

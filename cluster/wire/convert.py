@@ -451,6 +451,7 @@ def engine_stats_to_wire(engine: EngineStats) -> replica_pb2.EngineStats:
         running_stepped=uint_to_wire(engine.running_stepped, "engine.running_stepped"),
         startup_base_s=engine.startup_base_s,
         startup_per_token_s=engine.startup_per_token_s,
+        step_running_s=engine.step_running_s,
     )
 
 
@@ -481,6 +482,7 @@ def engine_stats_from_wire(message: replica_pb2.EngineStats) -> EngineStats:
         running_stepped=message.running_stepped,
         startup_base_s=message.startup_base_s,
         startup_per_token_s=message.startup_per_token_s,
+        step_running_s=message.step_running_s,
     )
 
 

@@ -382,3 +382,56 @@ def test_a_running_session_on_a_busy_verifier_is_waited_for_on_a_stalled_one_fai
     finally:
         router.close()
         pool.close()
+
+
+STREAMS = 8
+WINDOW_S = 0.3
+
+
+def test_eight_streams_on_a_verifier_three_windows_a_step_all_end_exactly_none_moved(
+    served: Served, local_tandem: LocalTandem, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each verifier step takes three of the router's 0.3 s windows (a device slowed on
+    # purpose): no step ends within two windows, so the count alone would call it stalled.
+    # The step running then is young, so every check finds it busy: all 8 requests end with
+    # the target's tokens and none asks for a spare. Dropping the long-step rule fails this.
+    pool = RegistryPool(lambda: served.entries, refresh_s=0.0, rpc_timeout_s=WINDOW_S)
+    local = local_tandem.router
+    router = Router.over_pool(pool, local._decode, local._eos_token_ids)
+    prompt = encode(local_tandem, CODE_PROMPT)
+    engine = served.verifier.engine
+    run_batch = engine._run_batch
+    spares: list[str] = []
+    spare = pool.spare
+
+    def slow_batch(*args: Any) -> None:
+        time.sleep(3 * WINDOW_S)
+        run_batch(*args)
+
+    def counted_spare(side: str, *args: Any, **kwargs: Any) -> Any:
+        spares.append(side)
+        return spare(side, *args, **kwargs)
+
+    try:
+        want = local.generate(GenerationRequest(prompt, 4, draft_tokens=0))
+        monkeypatch.setattr(engine, "_run_batch", slow_batch)
+        monkeypatch.setattr(pool, "spare", counted_spare)
+        results: list[Any] = [None] * STREAMS
+
+        def one(i: int) -> None:
+            try:
+                results[i] = router.generate(GenerationRequest(prompt, 4, draft_tokens=0))
+            except Exception as error:  # asserted below, on the test's thread
+                results[i] = error
+
+        callers = [threading.Thread(target=one, args=(i,)) for i in range(STREAMS)]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join(WAIT_S * 2)
+        assert [getattr(r, "tokens", r) for r in results] == [want.tokens] * STREAMS
+        assert spares == []
+    finally:
+        monkeypatch.undo()
+        router.close()
+        pool.close()
