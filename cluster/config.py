@@ -138,6 +138,18 @@ class FrontConfig:
     """The OpenAI-compatible API, probes included."""
     host: str = "0.0.0.0"
     """The address both bind (every interface: a Kubernetes Service reaches the pod's)."""
+    max_request_bytes: int = 4 * 1024 * 1024
+    """The largest gRPC request message read (RESOURCE_EXHAUSTED past it, never parsed): a
+    prompt at the longest context the packs serve is well under 1 MiB."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    """The largest HTTP request body read, on both doors (413 past it)."""
+    body_timeout_s: float = 30.0
+    """How long an HTTP request's body may take to arrive once its headers have (408 past it)."""
+    max_health_watches: int = 64
+    """gRPC health `Watch` streams held at once (RESOURCE_EXHAUSTED past them: a probe that
+    polls uses `Check`), so that they never take the slots `Generate` needs."""
+    max_health_watches_per_caller: int = 8
+    """Of those, the most one caller (one peer address) holds."""
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
@@ -146,6 +158,19 @@ class FrontConfig:
                 raise InvalidArgumentError(f"front.{name} must be in 1..65535, got {port}")
         if not self.host:
             raise InvalidArgumentError("front.host must name an address")
+        for name in (
+            "max_request_bytes",
+            "max_body_bytes",
+            "max_health_watches",
+            "max_health_watches_per_caller",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"front.{name} must be an integer >= 1, got {value!r}")
+        if not self.body_timeout_s > 0:
+            raise InvalidArgumentError(
+                f"front.body_timeout_s must be > 0, got {self.body_timeout_s!r}"
+            )
 
     @property
     def enabled(self) -> bool:

@@ -72,7 +72,7 @@ class RouterFront:
         try:
             if config.grpc_port is not None:
                 self._grpc = GrpcFront(
-                    service, healthy, config.host, config.grpc_port, STREAMS_PER_FRONT
+                    service, healthy, config.host, config.grpc_port, STREAMS_PER_FRONT, config
                 )
                 self.grpc_port = self._grpc.port
             if config.http_port is not None:

@@ -17,10 +17,11 @@ What an anonymous client can hold or make the router do is bounded:
 - Every call but the health service's is authenticated before its payload is parsed
   (`KeyCheck`): a call with a missing or unknown key is answered UNAUTHENTICATED from its
   metadata alone, its bytes never parsed. Reflection is one of those calls.
-- A request message may be at most `MAX_REQUEST_BYTES` (gRPC refuses a larger one with
-  RESOURCE_EXHAUSTED while reading it), far below the replicas' internal limit.
-- Health `Watch` streams, open to every caller, are at most `MAX_HEALTH_WATCHES` at once (one
-  more is answered RESOURCE_EXHAUSTED), so that they never take the slots that `Generate` needs.
+- A request message may be at most `FrontConfig.max_request_bytes` (4 MiB; gRPC refuses a
+  larger one with RESOURCE_EXHAUSTED while reading it), far below the replicas' internal limit.
+- Health `Watch` streams, open to every caller, are at most `FrontConfig.max_health_watches`
+  at once (64), and `max_health_watches_per_caller` (8) from one peer address; one more is
+  answered RESOURCE_EXHAUSTED, so that they never take the slots that `Generate` needs.
 
 Payloads that are not the method's message are answered INVALID_ARGUMENT (`ParseCheck`), as on
 the replicas' servers. The server binds with SO_REUSEPORT (see `cluster.serve.front`).
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -48,6 +50,7 @@ from cluster.api.response import ApiChunk, coalesce, merge
 from cluster.api.service import TandemService
 from cluster.api.status import status_of, trailers_of
 from cluster.api.tenants import bearer_key
+from cluster.config import FrontConfig
 from cluster.routing.waits import Wait
 from cluster.serve.calls import stream_merged
 from cluster.wire.metadata import MAX_MESSAGE_BYTES
@@ -57,11 +60,6 @@ START_TIMEOUT_S = 30.0
 HEALTH_WATCH_PERIOD_S = 1.0
 BLOCKING_THREADS = 16
 """Threads for the calls that block: audits, the health check's look at the replicas."""
-MAX_REQUEST_BYTES = 4 * 1024 * 1024
-"""The largest request message the public server reads (gRPC's own default): a prompt at the
-longest context the packs serve is well under 1 MiB."""
-MAX_HEALTH_WATCHES = 64
-"""Health `Watch` streams held at once; probes that poll use `Check`."""
 HEALTH_SERVICE = "/grpc.health.v1.Health/"
 
 
@@ -145,12 +143,16 @@ class AsyncTandemServicer(generate_pb2_grpc.TandemServicer):
 
 class AsyncHealthServicer(health_pb2_grpc.HealthServicer):
     """gRPC health: SERVING while `healthy()` (run off the loop: it may read the registry).
-    At most `max_watches` `Watch` streams at once (RESOURCE_EXHAUSTED past them)."""
+    At most `limits.max_health_watches` `Watch` streams at once, and
+    `limits.max_health_watches_per_caller` from one peer address (RESOURCE_EXHAUSTED past
+    either)."""
 
-    def __init__(self, healthy: Callable[[], bool], max_watches: int = MAX_HEALTH_WATCHES) -> None:
+    def __init__(self, healthy: Callable[[], bool], limits: FrontConfig) -> None:
         self._healthy = healthy
-        self._max_watches = max_watches
-        self._watches = 0
+        self._max_watches = limits.max_health_watches
+        self._max_per_caller = limits.max_health_watches_per_caller
+        self._watches: Counter[str] = Counter()
+        """Open watches by peer address (counted on the loop's one thread)."""
 
     async def _status(self) -> int:
         healthy = await asyncio.get_running_loop().run_in_executor(None, self._healthy)
@@ -168,12 +170,18 @@ class AsyncHealthServicer(health_pb2_grpc.HealthServicer):
     async def Watch(
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        if self._watches >= self._max_watches:  # counted on the loop's one thread
+        caller = peer_address(context.peer())
+        if self._watches.total() >= self._max_watches:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"at most {self._max_watches} health watches at once: poll with Check",
             )
-        self._watches += 1
+        if self._watches[caller] >= self._max_per_caller:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"at most {self._max_per_caller} health watches from one caller: poll with Check",
+            )
+        self._watches[caller] += 1
         try:
             last = None
             while True:
@@ -183,7 +191,18 @@ class AsyncHealthServicer(health_pb2_grpc.HealthServicer):
                     yield health_pb2.HealthCheckResponse(status=status)
                 await asyncio.sleep(HEALTH_WATCH_PERIOD_S)
         finally:
-            self._watches -= 1
+            self._watches[caller] -= 1
+            if not self._watches[caller]:
+                del self._watches[caller]
+
+
+def peer_address(peer: str) -> str:
+    """The caller's address without its port, from gRPC's peer string ("ipv4:10.0.0.7:51234",
+    "ipv6:[::1]:51234"; "unix:..." and others whole)."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and ":" in rest:
+        return rest.rsplit(":", 1)[0]
+    return peer
 
 
 class KeyCheck(grpc.aio.ServerInterceptor):
@@ -282,11 +301,13 @@ class GrpcFront:
         host: str,
         port: int,
         max_streams: int,
-        max_watches: int = MAX_HEALTH_WATCHES,
+        limits: FrontConfig | None = None,
     ) -> None:
         """Serve on `host:port` (0: a free port, then `self.port`); at most `max_streams`
-        calls at once, `max_watches` of them health watches (one more is answered
-        RESOURCE_EXHAUSTED). Raises RuntimeError, naming the address, when it cannot bind."""
+        calls at once (one more is answered RESOURCE_EXHAUSTED), with `limits`' message size
+        and health watches (default: `FrontConfig`'s; its ports and host are not read).
+        Raises RuntimeError, naming the address, when it cannot bind."""
+        limits = FrontConfig() if limits is None else limits
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"grpc-front-{port}", daemon=True
@@ -294,7 +315,7 @@ class GrpcFront:
         self._thread.start()
         self._server: grpc.aio.Server | None = None
         self._threads = ThreadPoolExecutor(BLOCKING_THREADS, thread_name_prefix="grpc-front")
-        start = self._start(service, healthy, host, port, max_streams, max_watches)
+        start = self._start(service, healthy, host, port, max_streams, limits)
         try:
             self.port: int = asyncio.run_coroutine_threadsafe(start, self._loop).result(
                 START_TIMEOUT_S
@@ -310,12 +331,12 @@ class GrpcFront:
         host: str,
         port: int,
         max_streams: int,
-        max_watches: int,
+        limits: FrontConfig,
     ) -> int:
         server = grpc.aio.server(
             interceptors=[KeyCheck(service.authenticate), ParseCheck()],
             options=[
-                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                ("grpc.max_receive_message_length", limits.max_request_bytes),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 1),
             ],
@@ -323,9 +344,7 @@ class GrpcFront:
         )
         servicer = AsyncTandemServicer(service, self._threads)
         generate_pb2_grpc.add_TandemServicer_to_server(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(
-            AsyncHealthServicer(healthy, max_watches), server
-        )
+        health_pb2_grpc.add_HealthServicer_to_server(AsyncHealthServicer(healthy, limits), server)
         names = ("tandem.v1.Tandem", "grpc.health.v1.Health", reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -18,8 +18,9 @@ TandemService, router and tenants as the gRPC API) and frames what comes back:
 - The caller is authenticated before the body is read (401 for a missing or unknown key). The
   body is then read within `body_timeout_s` (408 for one that does not come whole in time: a
   half-sent request holds nothing longer) and at most `max_body_bytes` of it (413 past that,
-  whatever `Content-Length` says or does not say); one over `LOOP_PARSE_BYTES` is parsed on
-  the thread pool, not on the loop that serves every stream.
+  whatever `Content-Length` says or does not say); both are `FrontConfig` fields (30 s, 4 MiB)
+  and hold on both doors. A body over `LOOP_PARSE_BYTES` is parsed on the thread pool, not on
+  the loop that serves every stream.
 - The body must be a JSON object of Unicode text nested at most 64 levels
   (`cluster.api.json_body`): anything else is 400 before the service sees it.
 - The caller: `Authorization: Bearer <key>` and the optional `x-tandem-deadline-ms` header,
@@ -64,6 +65,7 @@ from cluster.api.openai import OpenAIService, Route, error_response
 from cluster.api.openai_stream import ChunkBodies
 from cluster.api.response import ApiChunk, coalesce
 from cluster.api.tenants import bearer_key
+from cluster.config import FrontConfig
 from cluster.serve.calls import deadline_of, stream_merged
 
 logger = logging.getLogger(__name__)
@@ -83,11 +85,6 @@ DONE_EVENT = b"data: [DONE]\n\n"
 EVENT_STREAM = "text/event-stream"
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 PACKAGE = "tandem"
-MAX_BODY_BYTES = 4 * 1024 * 1024
-"""The largest request body read (a prompt at the longest context the packs serve is well
-under 1 MiB of JSON)."""
-BODY_TIMEOUT_S = 30.0
-"""How long a request's body may take to arrive, once its headers have."""
 LOOP_PARSE_BYTES = 64 * 1024
 """Bodies up to this size are parsed on the event loop; larger ones on the thread pool."""
 
@@ -131,8 +128,8 @@ class OpenAIHttp:
         openai: OpenAIService,
         threads: ThreadPoolExecutor,
         probes: ServerProbes | None = None,
-        max_body_bytes: int = MAX_BODY_BYTES,
-        body_timeout_s: float = BODY_TIMEOUT_S,
+        max_body_bytes: int = FrontConfig.max_body_bytes,
+        body_timeout_s: float = FrontConfig.body_timeout_s,
     ) -> None:
         self._openai = openai
         self._threads = threads

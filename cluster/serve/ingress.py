@@ -181,7 +181,13 @@ class RouterIngress:
         )
         openai = OpenAIService(self._service, served_model_name(config.models), tool_format)
         self._probes = IngressProbes(self._pool)
-        self._http = OpenAIHttp(openai, self._threads, self._probes)
+        self._http = OpenAIHttp(
+            openai,
+            self._threads,
+            self._probes,
+            max_body_bytes=config.front.max_body_bytes,
+            body_timeout_s=config.front.body_timeout_s,
+        )
         self._front = (
             RouterFront(config.front, self._service, self._http, self._probes.healthy)
             if config.front.enabled

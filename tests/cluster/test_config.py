@@ -157,6 +157,11 @@ def test_the_schema_is_json_with_every_top_level_key(capsys: pytest.CaptureFixtu
         "grpc_port": 9000,
         "http_port": 8000,
         "host": "0.0.0.0",
+        "max_request_bytes": 4 << 20,
+        "max_body_bytes": 4 << 20,
+        "body_timeout_s": 30.0,
+        "max_health_watches": 64,
+        "max_health_watches_per_caller": 8,
     }
     # A field declared by a base class keeps its docstring (pydantic alone would drop it).
     limits = schema["$defs"]["VerifierConfig"]["properties"]

@@ -11,10 +11,12 @@ whether or not it declares its length; a half-sent body is 408 once its time is 
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import pytest
@@ -24,16 +26,19 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from cluster.api.service import TandemService
 from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import AuthConfig, TenantConfig, Tenants, hash_api_key
+from cluster.config import FrontConfig
 from cluster.local import LocalTandem
 from cluster.serve.front import _HttpThread
-from cluster.serve.front_grpc import MAX_REQUEST_BYTES, GrpcFront
+from cluster.serve.front_grpc import AsyncHealthServicer, GrpcFront, peer_address
 from cluster.serve.http import OpenAIHttp
 from protos import generate_pb2, generate_pb2_grpc
 from tests.cluster.serve.test_openai_http import GOOD_KEY, ScriptedOpenAI
 from tests.conftest import CODE_PROMPT
 
 KEY = "front-edges-key"
-WATCHES = 3
+LIMITS = FrontConfig(max_health_watches=4, max_health_watches_per_caller=3)
+"""The front's public limits here: every test's calls come from one caller (127.0.0.1)."""
+WATCHES = LIMITS.max_health_watches_per_caller
 GENERATE = "/tandem.v1.Tandem/Generate"
 
 
@@ -43,7 +48,7 @@ def front(local_tandem: LocalTandem) -> Iterator[GrpcFront]:
     service = TandemService(
         local_tandem.router, local_tandem.tokenizer, ServiceConfig(), tenants=tenants
     )
-    server = GrpcFront(service, lambda: True, "127.0.0.1", 0, 64, max_watches=WATCHES)
+    server = GrpcFront(service, lambda: True, "127.0.0.1", 0, 64, LIMITS)
     yield server
     server.stop(0.5)
 
@@ -75,7 +80,7 @@ def test_a_call_without_a_key_is_refused_before_its_payload_is_parsed(
 
 
 def test_a_message_over_the_public_limit_is_refused(channel: grpc.Channel) -> None:
-    big = generate_pb2.GenerateRequest(text="x" * (MAX_REQUEST_BYTES + 1), max_tokens=4)
+    big = generate_pb2.GenerateRequest(text="x" * (LIMITS.max_request_bytes + 1), max_tokens=4)
     for key in (None, KEY):
         error = raw_generate(channel, big.SerializeToString(), key)
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -109,6 +114,7 @@ def test_health_watches_are_capped_and_generate_still_runs(channel: grpc.Channel
         with pytest.raises(grpc.RpcError) as raised:
             next(extra)
         assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "from one caller" in str(raised.value.details())
         stub = generate_pb2_grpc.TandemStub(channel)
         reply = stub.Generate(
             generate_pb2.GenerateRequest(text=CODE_PROMPT, max_tokens=4),
@@ -129,6 +135,55 @@ def test_health_watches_are_capped_and_generate_still_runs(channel: grpc.Channel
         except grpc.RpcError:
             time.sleep(0.1)
     raise AssertionError("the cancelled watches' places were not freed")
+
+
+class Aborted(Exception):
+    pass
+
+
+class PeerContext:
+    """What `AsyncHealthServicer.Watch` reads of its context: the caller's peer string, and
+    `abort` (which raises, as gRPC's does)."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+
+def test_health_watches_are_capped_per_caller_and_in_all() -> None:
+    servicer = AsyncHealthServicer(
+        lambda: True, FrontConfig(max_health_watches=3, max_health_watches_per_caller=2)
+    )
+
+    async def scenario() -> None:
+        async def watch(peer: str) -> Any:
+            stream = servicer.Watch(health_pb2.HealthCheckRequest(), PeerContext(peer))
+            await stream.__anext__()  # held: its first answer came
+            return stream
+
+        held = [await watch("ipv4:10.0.0.1:5001"), await watch("ipv4:10.0.0.1:5002")]
+        with pytest.raises(Aborted, match="from one caller"):  # the caller's third
+            await watch("ipv4:10.0.0.1:5003")
+        held.append(await watch("ipv6:[::1]:5004"))  # another caller
+        with pytest.raises(Aborted, match="at once"):  # the fourth in all
+            await watch("ipv4:10.0.0.2:5005")
+        await held[0].aclose()  # a watch given up frees its place, in all and for its caller
+        held[0] = await watch("ipv4:10.0.0.1:5006")
+        for stream in held:
+            await stream.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_callers_address_is_its_peer_without_the_port() -> None:
+    assert peer_address("ipv4:10.0.0.7:51234") == "10.0.0.7"
+    assert peer_address("ipv6:[::1]:51234") == "[::1]"
+    assert peer_address("unix:/tmp/socket") == "unix:/tmp/socket"
 
 
 # --- HTTP ------------------------------------------------------------------------------------
