@@ -145,6 +145,9 @@ class FrontConfig:
     """The largest HTTP request body read, on both doors (413 past it)."""
     body_timeout_s: float = 30.0
     """How long an HTTP request's body may take to arrive once its headers have (408 past it)."""
+    header_timeout_s: float = 10.0
+    """How long an HTTP request's headers may take to arrive, from the connection's opening or
+    its last answer: past it the default door closes the connection."""
     max_health_watches: int = 64
     """gRPC health `Watch` streams held at once (RESOURCE_EXHAUSTED past them: a probe that
     polls uses `Check`), so that they never take the slots `Generate` needs."""
@@ -167,10 +170,9 @@ class FrontConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"front.{name} must be an integer >= 1, got {value!r}")
-        if not self.body_timeout_s > 0:
-            raise InvalidArgumentError(
-                f"front.body_timeout_s must be > 0, got {self.body_timeout_s!r}"
-            )
+        for name in ("body_timeout_s", "header_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgumentError(f"front.{name} must be > 0, got {getattr(self, name)!r}")
 
     @property
     def enabled(self) -> bool:

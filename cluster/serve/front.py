@@ -35,9 +35,11 @@ import threading
 import time
 from collections.abc import Callable
 
+import h11
 import uvicorn
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cluster.api.service import TandemService
 from cluster.config import FrontConfig
@@ -76,7 +78,9 @@ class RouterFront:
                 )
                 self.grpc_port = self._grpc.port
             if config.http_port is not None:
-                self._http = _HttpThread(http, config.host, config.http_port)
+                self._http = _HttpThread(
+                    http, config.host, config.http_port, config.header_timeout_s
+                )
                 self.http_port = self._http.port
         except BaseException:
             self.close()
@@ -92,10 +96,57 @@ class RouterFront:
             self._http = None
 
 
+class _HeaderTimedH11(H11Protocol):
+    """uvicorn's HTTP/1.1 connection, closed when a request's headers do not all arrive within
+    `header_timeout_s` of the connection's opening or of its last answer (uvicorn itself times
+    out only an idle keep-alive connection, and not one that has sent part of its headers)."""
+
+    header_timeout_s = FrontConfig.header_timeout_s
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # a whole request line and headers came
+            self._disarm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.IDLE:  # ready for the next request on this connection
+            self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
 class _HttpThread:
     """`OpenAIHttp` on a uvicorn server with its own event loop, on a thread of its own."""
 
-    def __init__(self, http: OpenAIHttp, host: str, port: int) -> None:
+    def __init__(
+        self,
+        http: OpenAIHttp,
+        host: str,
+        port: int,
+        header_timeout_s: float = FrontConfig.header_timeout_s,
+    ) -> None:
         self._socket = _reusable_socket(host, port)
         self.port: int = self._socket.getsockname()[1]
 
@@ -105,8 +156,13 @@ class _HttpThread:
             response = await http(Request(scope, receive))
             await response(scope, receive, send)
 
+        protocol = type(
+            "HeaderTimedH11", (_HeaderTimedH11,), {"header_timeout_s": header_timeout_s}
+        )
         self._server = uvicorn.Server(
-            uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False)
+            uvicorn.Config(
+                app, lifespan="off", log_level="warning", access_log=False, http=protocol
+            )
         )
         self._thread = threading.Thread(
             target=self._run, name=f"http-front-{self.port}", daemon=True

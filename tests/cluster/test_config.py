@@ -160,6 +160,7 @@ def test_the_schema_is_json_with_every_top_level_key(capsys: pytest.CaptureFixtu
         "max_request_bytes": 4 << 20,
         "max_body_bytes": 4 << 20,
         "body_timeout_s": 30.0,
+        "header_timeout_s": 10.0,
         "max_health_watches": 64,
         "max_health_watches_per_caller": 8,
     }

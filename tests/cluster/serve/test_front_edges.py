@@ -190,6 +190,9 @@ def test_a_callers_address_is_its_peer_without_the_port() -> None:
 
 BODY_CAP = 1024
 BODY_TIMEOUT_S = 1.0
+HEADER_TIMEOUT_S = 1.0
+WAIT_S = 60.0
+"""A bound on reads that end once the server answers or closes; never reached when it works."""
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +204,7 @@ def http_port() -> Iterator[int]:
             max_body_bytes=BODY_CAP,
             body_timeout_s=BODY_TIMEOUT_S,
         )
-        server = _HttpThread(http, "127.0.0.1", 0)
+        server = _HttpThread(http, "127.0.0.1", 0, header_timeout_s=HEADER_TIMEOUT_S)
         yield server.port
         server.stop()
 
@@ -252,3 +255,38 @@ def test_a_body_over_the_cap_is_413_declared_or_not(http_port: int) -> None:
 def test_a_half_sent_body_is_408_once_its_time_is_up(http_port: int) -> None:
     answer = exchange(http_port, post(100, GOOD_KEY), b'{"prompt": ')
     assert status(answer) == 408
+
+
+def read_answer(conn: socket.socket) -> bytes:
+    """One whole answer (status line, headers and its Content-Length of body)."""
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        part = conn.recv(4096)
+        assert part, "closed before answering"
+        answer += part
+    head, _, body = answer.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        body += conn.recv(4096)
+    return head
+
+
+HALF_HEADERS = b"GET /health HTTP/1.1\r\nHost: test\r\n"  # no blank line: never complete
+
+
+@pytest.mark.parametrize("answered_first", [False, True], ids=["new", "kept-alive"])
+def test_half_sent_headers_are_closed_once_their_time_is_up(
+    http_port: int, answered_first: bool
+) -> None:
+    # Without the header timeout the server waits for the rest forever (uvicorn's keep-alive
+    # timer stops at the first byte of a request): the read below then runs to WAIT_S and fails.
+    with socket.create_connection(("127.0.0.1", http_port), timeout=WAIT_S) as conn:
+        if answered_first:  # a kept-alive connection gets the same time for its next request
+            conn.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
+            assert read_answer(conn).startswith(b"HTTP/1.1 ")
+        conn.sendall(HALF_HEADERS)
+        assert conn.recv(4096) == b""  # closed, unanswered
