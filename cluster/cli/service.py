@@ -28,6 +28,7 @@ import json
 import sys
 import time
 import urllib.request
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cluster.metrics import parse_prometheus, replica_numbers, summarize
@@ -311,6 +312,7 @@ def serve_command(args: argparse.Namespace) -> int:
     proxy_http_port = _proxy_http_port(args, config)
     started = time.monotonic()
     state = _live_state()
+    ours = state is None
     if state is None:
         ports = _public_ports(config, proxy_http_port)
         _check_ports_free(ports)
@@ -320,12 +322,66 @@ def serve_command(args: argparse.Namespace) -> int:
         state = local_cluster.start_cluster(args.num_cpus)
     else:
         config, proxy_http_port = _kept_proxies(config, proxy_http_port, state)
-    local_cluster.connect(state)
+    step = "connecting to the local Ray cluster"
+    try:
+        local_cluster.connect(state)
+        step = "starting Serve's proxies"
+        state = _start_proxies(config, proxy_http_port, state)
+        step = "deploying the service"
+        state = _deploy(config, state)
+    except KeyboardInterrupt as error:  # what this command started is stopped
+        _say(_failed_start(state, ours, step, error))
+        raise
+    except Exception as error:
+        raise local_cluster.ClusterError(_failed_start(state, ours, step, error)) from error
+    _say(f"ready in {time.monotonic() - started:.1f} s")
+    for line in door_lines(state):
+        print(line, flush=True)
+    if args.detach:
+        return 0
+    _say("press Ctrl-C to stop")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        _say("stopping ...")
+        return _shutdown(state)
 
+
+def _failed_start(
+    state: local_cluster.ClusterState, ours: bool, step: str, error: BaseException
+) -> str:
+    """Stop what a start that failed at `step` started (the local cluster, if this command
+    started it; one already running is left as it was) and return the one line that says what
+    failed and what to try."""
+    with contextlib.suppress(Exception):
+        import ray
+
+        ray.shutdown()  # this process's connection, before its cluster goes
+    logs = Path(state.temp_dir) / "session_latest" / "logs"
+    if ours:
+        count = local_cluster.stop_cluster(state)
+        stopped = f"the local Ray cluster it started is stopped ({count} processes)"
+    else:
+        stopped = "the Ray cluster running before keeps running (`tandem shutdown` stops it)"
+    if isinstance(error, KeyboardInterrupt):
+        return f"interrupted while {step}; {stopped}"
+    lines = str(error).strip().splitlines()
+    cause = f"{type(error).__name__}: {lines[0] if lines else 'no message'}"
+    return (
+        f"the service did not start: {step} failed ({cause}); {stopped}. Ray's logs are in "
+        f"{logs}. Try again once the machine has CPUs and memory to spare, or with fewer "
+        "replicas (--config)"
+    )
+
+
+def _start_proxies(
+    config: TandemConfig, proxy_http_port: int, state: local_cluster.ClusterState
+) -> local_cluster.ClusterState:
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from cluster.serve.app import GRPC_SERVICER_FUNCTIONS, build_app
+    from cluster.serve.app import GRPC_SERVICER_FUNCTIONS
 
     # Serve's proxies: the second door (a Serve already running keeps its own, as recorded).
     serve.start(
@@ -338,6 +394,14 @@ def serve_command(args: argparse.Namespace) -> int:
         state, proxy_port=config.proxy_grpc_port, proxy_http_port=proxy_http_port
     )
     local_cluster.save_state(state)  # the proxies run now, whatever becomes of the deployment
+    return state
+
+
+def _deploy(config: TandemConfig, state: local_cluster.ClusterState) -> local_cluster.ClusterState:
+    from ray import serve
+
+    from cluster.serve.app import build_app
+
     pair = config.pair()
     _say(
         f"deploying {_replicas(config.drafter)} drafter(s) [{pair.draft.source}"
@@ -355,18 +419,7 @@ def serve_command(args: argparse.Namespace) -> int:
         app_name=config.app_name,
     )
     local_cluster.save_state(state)
-    _say(f"ready in {time.monotonic() - started:.1f} s")
-    for line in door_lines(state):
-        print(line, flush=True)
-    if args.detach:
-        return 0
-    _say("press Ctrl-C to stop")
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        _say("stopping ...")
-        return _shutdown(state)
+    return state
 
 
 def door_lines(state: local_cluster.ClusterState) -> list[str]:

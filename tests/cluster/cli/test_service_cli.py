@@ -165,3 +165,36 @@ def test_the_stream_interval_flags_reach_the_api_config() -> None:
     assert (config.api.stream_interval_tokens, config.api.stream_interval_ms) == (4, 50.0)
     default = cli_service._config(parse())
     assert (default.api.stream_interval_tokens, default.api.stream_interval_ms) == (0, 0.0)
+
+
+@pytest.mark.parametrize("running_before", [False, True], ids=["started", "running-before"])
+def test_a_failed_start_says_what_failed_in_one_line_and_stops_what_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, running_before: bool
+) -> None:
+    from ray import serve
+
+    monkeypatch.setenv(local_cluster.HOME_ENV, str(tmp_path))
+    state = ClusterState("127.0.0.1:6379", str(tmp_path / "ray"), True)
+    stopped: list[ClusterState] = []
+    monkeypatch.setattr(local_cluster, "start_cluster", lambda num_cpus: state)
+    monkeypatch.setattr(cli_service, "_live_state", lambda: state if running_before else None)
+    monkeypatch.setattr(local_cluster, "connect", lambda state: None)
+    monkeypatch.setattr(local_cluster, "stop_cluster", lambda state: stopped.append(state) or 7)
+
+    def proxy_died(**options: object) -> None:
+        raise RuntimeError("The proxy actor died unexpectedly\n  File ...\n  raise ...")
+
+    monkeypatch.setattr(serve, "start", proxy_died)
+    free = [str(local_cluster.free_port()) for _ in cli_service.PORT_FLAGS]
+    args = parse(*(w for pair in zip(cli_service.PORT_FLAGS, free, strict=True) for w in pair))
+    with pytest.raises(local_cluster.ClusterError) as failed:
+        cli_service.serve_command(args)
+    message = str(failed.value)
+    assert "\n" not in message
+    cause = "starting Serve's proxies failed (RuntimeError: The proxy actor died unexpectedly)"
+    assert cause in message
+    assert "Ray's logs are in " + str(tmp_path / "ray" / "session_latest" / "logs") in message
+    if running_before:  # not this command's to stop
+        assert stopped == [] and "keeps running" in message
+    else:
+        assert stopped == [state] and "it started is stopped (7 processes)" in message
