@@ -416,15 +416,17 @@ def run_modes(draft_tokens: int | None, compare: bool, predraft: bool) -> dict[s
     """Each mode's request settings: `speculative` (the service's way), and with `predraft`
     `serial`, `predrafted` (up to the widest fan-out, the plan's budget deciding) and
     `speculative` pipelining without pre-drafting; with `compare`, `target_only`."""
-    from cluster.runtime.predraft import MAX_FAN_OUT
+    from cluster.runtime.limits import MAX_PREDRAFT_FAN_OUT
 
     modes: dict[str, dict[str, Any]] = {"speculative": {"draft_tokens": draft_tokens}}
     if predraft:
         modes["speculative"]["predraft_fan_out"] = 0
         modes["serial"] = {"draft_tokens": draft_tokens, "pipelined": False, "predraft_fan_out": 0}
         modes["predrafted"] = {
-            "draft_tokens": draft_tokens, "pipelined": True, "predraft_fan_out": MAX_FAN_OUT,
-        }  # fmt: skip
+            "draft_tokens": draft_tokens,
+            "pipelined": True,
+            "predraft_fan_out": MAX_PREDRAFT_FAN_OUT,
+        }
     if compare:
         modes["target_only"] = {"draft_tokens": 0}
     return modes

@@ -35,10 +35,6 @@ from dataclasses import dataclass
 from cluster.runtime.draft_block import StepLoad
 from cluster.runtime.sampling import SparseDistribution
 
-MAX_FAN_OUT = 8
-"""The most branches one verify pass may be pre-drafted for (a request's and a deployment's
-`predraft_fan_out` bound)."""
-
 
 @dataclass(frozen=True, slots=True, order=True)
 class Outcome:

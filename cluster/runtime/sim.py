@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from cluster.runtime import predraft
+from cluster.runtime.limits import MAX_PREDRAFT_FAN_OUT
 from cluster.runtime.sim_source import END_OF_TEXT_ID, FAVOURED, FIRST_WORD_ID, DeviceProfile
 
 # Re-exported: `cluster.runtime.models` reads a simulated source through this module.
@@ -198,7 +199,7 @@ def ideal_rates(
     k: int,
     streams: int = 1,
     context_tokens: int = 256,
-    max_fan_out: int = predraft.MAX_FAN_OUT,
+    max_fan_out: int = MAX_PREDRAFT_FAN_OUT,
 ) -> IdealRates:
     """Aggregate tokens/s for `streams` streams of mean context `context_tokens`, each drafting
     `k` tokens a round at acceptance `alpha`.

@@ -14,7 +14,7 @@ import pytest
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.limits import MAX_PREDRAFT_FAN_OUT
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.predraft import MAX_FAN_OUT, Branch
+from cluster.runtime.predraft import Branch
 from cluster.wire import requests
 from drafter.drafter import Drafter
 from tests.drafter.test_drafter import GREEDY, PROMPT
@@ -36,12 +36,6 @@ def drafter(tiny_draft: LoadedModel) -> Iterator[Drafter]:
     drafter.open_session("s", PROMPT, GREEDY, seed=0)
     yield drafter
     drafter.close()
-
-
-def test_the_drafters_limit_is_the_routers() -> None:
-    # The router refuses a request's `predraft_fan_out` above MAX_PREDRAFT_FAN_OUT and the
-    # simulator pre-drafts MAX_FAN_OUT branches: the drafter must take as many as either.
-    assert MAX_FAN_OUT == MAX_PREDRAFT_FAN_OUT
 
 
 def test_more_branches_than_the_limit_are_refused_before_anything_runs(drafter: Drafter) -> None:

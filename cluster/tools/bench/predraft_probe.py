@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from cluster.runtime.predraft import MAX_FAN_OUT
+from cluster.runtime.limits import MAX_PREDRAFT_FAN_OUT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--draft-tokens", type=int, default=4)
-    parser.add_argument("--fan-out", type=int, default=MAX_FAN_OUT)
+    parser.add_argument("--fan-out", type=int, default=MAX_PREDRAFT_FAN_OUT)
     args = parser.parse_args(argv)
-    if not 1 <= args.fan_out <= MAX_FAN_OUT:
-        parser.error(f"--fan-out must be in 1..{MAX_FAN_OUT}")
+    if not 1 <= args.fan_out <= MAX_PREDRAFT_FAN_OUT:
+        parser.error(f"--fan-out must be in 1..{MAX_PREDRAFT_FAN_OUT}")
     if args.num_prompts < 1 or args.repeats < 1 or args.max_tokens < 2:
         parser.error("--num-prompts and --repeats must be >= 1, --max-tokens >= 2")
     result = probe(args)

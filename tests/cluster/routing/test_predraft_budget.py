@@ -18,7 +18,8 @@ from cluster.routing.predraft_budget import (
 from cluster.routing.predrafting import choose_branches
 from cluster.routing.request import GenerationRequest
 from cluster.runtime.draft_block import StepLoad
-from cluster.runtime.predraft import MAX_FAN_OUT, accept_odds
+from cluster.runtime.limits import MAX_PREDRAFT_FAN_OUT
+from cluster.runtime.predraft import accept_odds
 from tests.cluster.routing.lockstep_routers import held_lockstep_router
 from tests.conftest import MAX_TOKENS, encode
 
@@ -42,7 +43,7 @@ def test_branch_odds_cover_every_outcome_likeliest_first() -> None:
 
 def test_hit_odds_grow_with_the_fan_out_and_stay_below_one() -> None:
     previous = 0.0
-    for fan_out in range(0, MAX_FAN_OUT + 1):
+    for fan_out in range(0, MAX_PREDRAFT_FAN_OUT + 1):
         odds = hit_odds(0.8, 4, fan_out)
         assert previous <= odds <= 1.0
         previous = odds
@@ -58,7 +59,7 @@ def test_a_predrafted_round_waits_for_the_longer_side_then_redrafts_on_a_miss() 
 
 
 def _cost(step_s: float, per_row_s: float, hit_scale: float = 1.0) -> PredraftCost:
-    return PredraftCost(MAX_FAN_OUT, lambda f: step_s + per_row_s * f, hit_scale)
+    return PredraftCost(MAX_PREDRAFT_FAN_OUT, lambda f: step_s + per_row_s * f, hit_scale)
 
 
 def test_a_cheap_drafter_pre_drafts_wide_and_a_dear_one_does_not() -> None:
@@ -104,16 +105,16 @@ def _timed(lengths: DraftLength, drafter_batch: int, per_token_s: float) -> None
 
 
 def test_the_fan_out_follows_the_drafters_load() -> None:
-    idle = DraftLength(ON, max_k=4, pipelined=True, max_fan_out=MAX_FAN_OUT)
+    idle = DraftLength(ON, max_k=4, pipelined=True, max_fan_out=MAX_PREDRAFT_FAN_OUT)
     _timed(idle, drafter_batch=1, per_token_s=0.00002)
     assert idle.next_plan().fan_out >= 3
-    loaded = DraftLength(ON, max_k=4, pipelined=True, max_fan_out=MAX_FAN_OUT)
+    loaded = DraftLength(ON, max_k=4, pipelined=True, max_fan_out=MAX_PREDRAFT_FAN_OUT)
     _timed(loaded, drafter_batch=64, per_token_s=0.00002)
     assert loaded.next_plan().fan_out < idle.next_plan().fan_out
 
 
 def test_measured_pre_drafts_and_hits_correct_the_price() -> None:
-    lengths = DraftLength(ON, max_k=4, pipelined=True, max_fan_out=MAX_FAN_OUT)
+    lengths = DraftLength(ON, max_k=4, pipelined=True, max_fan_out=MAX_PREDRAFT_FAN_OUT)
     _timed(lengths, drafter_batch=1, per_token_s=0.00002)
     assert lengths.next_plan().fan_out > 0
     # Pre-drafts measured ten times as slow as the curve says: no longer worth it.
@@ -123,7 +124,7 @@ def test_measured_pre_drafts_and_hits_correct_the_price() -> None:
 
 
 def test_branches_that_never_hit_turn_pre_drafting_off() -> None:
-    lengths = DraftLength(ON, max_k=4, pipelined=True, max_fan_out=MAX_FAN_OUT)
+    lengths = DraftLength(ON, max_k=4, pipelined=True, max_fan_out=MAX_PREDRAFT_FAN_OUT)
     _timed(lengths, drafter_batch=1, per_token_s=0.00002)
     assert lengths.next_plan().fan_out > 0
     for _ in range(40):
@@ -145,7 +146,7 @@ def test_without_a_budget_or_before_timing_the_request_gets_what_it_asked() -> N
 
 def test_a_drafter_loaded_meanwhile_narrows_the_fan_out_through_its_branches_loads() -> None:
     """While every round hits, no plain draft reports the drafter's load: the branches' do."""
-    lengths = DraftLength(ON, max_k=4, pipelined=True, max_fan_out=MAX_FAN_OUT)
+    lengths = DraftLength(ON, max_k=4, pipelined=True, max_fan_out=MAX_PREDRAFT_FAN_OUT)
     _timed(lengths, drafter_batch=1, per_token_s=0.00002)
     idle = lengths.next_plan().fan_out
     assert idle >= 3

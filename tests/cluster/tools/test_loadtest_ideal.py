@@ -22,8 +22,8 @@ from cluster.cli.main import main
 from cluster.presets import PRESETS, resolve_pair
 from cluster.routing.draft_length_config import DEFAULT_DRAFT_TOKENS
 from cluster.runtime import sim, sim_source
+from cluster.runtime.limits import MAX_PREDRAFT_FAN_OUT
 from cluster.runtime.models import load_tokenizer
-from cluster.runtime.predraft import MAX_FAN_OUT
 from cluster.tools.bench.loadtest_ideal import SimIdeal, achieved_over_ideal, ideal_of_level
 from cluster.tools.bench.process_cpu import CLIENT, ROLES, SERVICE_TOTAL
 from cluster.tools.bench.run import load_prompts
@@ -345,7 +345,7 @@ def test_run_modes_ask_each_mode_its_way() -> None:
     assert list(modes) == ["speculative", "serial", "predrafted", "target_only"]
     assert modes["speculative"] == {"draft_tokens": None, "predraft_fan_out": 0}
     assert modes["serial"]["pipelined"] is False and modes["serial"]["predraft_fan_out"] == 0
-    assert modes["predrafted"]["predraft_fan_out"] == MAX_FAN_OUT
+    assert modes["predrafted"]["predraft_fan_out"] == MAX_PREDRAFT_FAN_OUT
     assert modes["target_only"] == {"draft_tokens": 0}
 
 
@@ -378,7 +378,7 @@ def test_loadtest_with_predraft_runs_serial_and_predrafted_beside_their_ideals(
             )
         assert level["ideal"]["predrafted_tokens_per_s"] >= level["ideal"]["serial_tokens_per_s"]
     fan_outs = {settings.get("predraft_fan_out") for settings in _RecordingService.asked}
-    assert fan_outs == {0, MAX_FAN_OUT, None}  # None: the target alone asks nothing of it
+    assert fan_outs == {0, MAX_PREDRAFT_FAN_OUT, None}  # None: the target alone asks nothing of it
     table = capsys.readouterr().out
     assert "| 4 | predrafted |" in table and "| 1 | serial |" in table
     assert (tmp_path / "plot.png").stat().st_size > 0
