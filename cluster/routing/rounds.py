@@ -146,7 +146,7 @@ class Rounds:
         """Once the verifier has been silent a whole window, its liveness decides
         (`cluster.routing.liveness`, where the client has one): busy, a new window; dead or
         stalled, its error among its reports (a failover follows)."""
-        if gen.events.ready().done():
+        if gen.events.waiting():
             gen.liveness = None  # it reported: nothing to decide
             return
         until = self._heard_by(gen)

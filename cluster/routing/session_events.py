@@ -74,6 +74,11 @@ class SessionEvents:
                 self._waiter = Future()
             return self._waiter
 
+    def waiting(self) -> bool:
+        """Whether a report is waiting (what `ready()` tells, without making a future)."""
+        with self._lock:
+            return bool(self._items or self._closed)
+
     def take(self) -> list[Event]:
         """Every report waiting, oldest first (none: an empty list)."""
         with self._lock:
