@@ -329,9 +329,9 @@ def serve_command(args: argparse.Namespace) -> int:
         state = _start_proxies(config, proxy_http_port, state)
         step = "deploying the service"
         state = _deploy(config, state)
-    except KeyboardInterrupt as error:  # what this command started is stopped
+    except (KeyboardInterrupt, TandemError) as error:  # what this command started is stopped
         _say(_failed_start(state, ours, step, error))
-        raise
+        raise  # a TandemError keeps its status: a bad model is the input's fault, not Ray's
     except Exception as error:
         raise local_cluster.ClusterError(_failed_start(state, ours, step, error)) from error
     _say(f"ready in {time.monotonic() - started:.1f} s")

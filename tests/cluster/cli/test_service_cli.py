@@ -198,3 +198,27 @@ def test_a_failed_start_says_what_failed_in_one_line_and_stops_what_it_started(
         assert stopped == [] and "keeps running" in message
     else:
         assert stopped == [state] and "it started is stopped (7 processes)" in message
+
+
+def test_a_start_refused_for_its_input_keeps_its_status_and_stops_what_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ray import serve
+
+    monkeypatch.setenv(local_cluster.HOME_ENV, str(tmp_path))
+    state = ClusterState("127.0.0.1:6379", str(tmp_path / "ray"), True)
+    stopped: list[ClusterState] = []
+    monkeypatch.setattr(local_cluster, "start_cluster", lambda num_cpus: state)
+    monkeypatch.setattr(cli_service, "_live_state", lambda: None)
+    monkeypatch.setattr(local_cluster, "connect", lambda state: None)
+    monkeypatch.setattr(local_cluster, "stop_cluster", lambda state: stopped.append(state) or 7)
+
+    def bad_input(**options: object) -> None:
+        raise InvalidArgumentError("no such model")
+
+    monkeypatch.setattr(serve, "start", bad_input)
+    free = [str(local_cluster.free_port()) for _ in cli_service.PORT_FLAGS]
+    args = parse(*(w for pair in zip(cli_service.PORT_FLAGS, free, strict=True) for w in pair))
+    with pytest.raises(InvalidArgumentError, match="no such model"):
+        cli_service.serve_command(args)
+    assert stopped == [state]
