@@ -136,8 +136,15 @@ def test_only_the_drafter_may_be_trimmed() -> None:
 
 @pytest.mark.slow
 def test_a_trimmed_draft_keeps_greedy_output_exact(
-    trimmed_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
+    trimmed_tandem: LocalTandem,
+    target_only: dict[str, tuple[int, ...]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Lockstep rounds: every token goes through a posted block, so the trimmed draft's blocks
+    # are verified. On a running session a drafter slowed by a busy host can have all its
+    # blocks arrive after the target alone took their tokens (905 drafted, 0 accepted, seen
+    # in CI), which says nothing about the trimmed vocabulary.
+    monkeypatch.setattr(trimmed_tandem.router, "verifier_advances", False)
     drafted = accepted = 0
     for prompt in PROMPTS:
         for pipelined in (False, True):
