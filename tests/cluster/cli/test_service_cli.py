@@ -167,10 +167,11 @@ def test_the_stream_interval_flags_reach_the_api_config() -> None:
     assert (default.api.stream_interval_tokens, default.api.stream_interval_ms) == (0, 0.0)
 
 
-@pytest.mark.parametrize("running_before", [False, True], ids=["started", "running-before"])
-def test_a_failed_start_says_what_failed_in_one_line_and_stops_what_it_started(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, running_before: bool
-) -> None:
+def failing_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception, running_before: bool
+) -> tuple[ClusterState, list[ClusterState], argparse.Namespace]:
+    """`tandem serve` with no real cluster, whose Serve start raises `error`: the state it
+    starts (or finds, `running_before`), the states it stopped, and its arguments."""
     from ray import serve
 
     monkeypatch.setenv(local_cluster.HOME_ENV, str(tmp_path))
@@ -181,12 +182,21 @@ def test_a_failed_start_says_what_failed_in_one_line_and_stops_what_it_started(
     monkeypatch.setattr(local_cluster, "connect", lambda state: None)
     monkeypatch.setattr(local_cluster, "stop_cluster", lambda state: stopped.append(state) or 7)
 
-    def proxy_died(**options: object) -> None:
-        raise RuntimeError("The proxy actor died unexpectedly\n  File ...\n  raise ...")
+    def start(**options: object) -> None:
+        raise error
 
-    monkeypatch.setattr(serve, "start", proxy_died)
+    monkeypatch.setattr(serve, "start", start)
     free = [str(local_cluster.free_port()) for _ in cli_service.PORT_FLAGS]
     args = parse(*(w for pair in zip(cli_service.PORT_FLAGS, free, strict=True) for w in pair))
+    return state, stopped, args
+
+
+@pytest.mark.parametrize("running_before", [False, True], ids=["started", "running-before"])
+def test_a_failed_start_says_what_failed_in_one_line_and_stops_what_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, running_before: bool
+) -> None:
+    died = RuntimeError("The proxy actor died unexpectedly\n  File ...\n  raise ...")
+    state, stopped, args = failing_start(tmp_path, monkeypatch, died, running_before)
     with pytest.raises(local_cluster.ClusterError) as failed:
         cli_service.serve_command(args)
     message = str(failed.value)
@@ -203,22 +213,8 @@ def test_a_failed_start_says_what_failed_in_one_line_and_stops_what_it_started(
 def test_a_start_refused_for_its_input_keeps_its_status_and_stops_what_it_started(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ray import serve
-
-    monkeypatch.setenv(local_cluster.HOME_ENV, str(tmp_path))
-    state = ClusterState("127.0.0.1:6379", str(tmp_path / "ray"), True)
-    stopped: list[ClusterState] = []
-    monkeypatch.setattr(local_cluster, "start_cluster", lambda num_cpus: state)
-    monkeypatch.setattr(cli_service, "_live_state", lambda: None)
-    monkeypatch.setattr(local_cluster, "connect", lambda state: None)
-    monkeypatch.setattr(local_cluster, "stop_cluster", lambda state: stopped.append(state) or 7)
-
-    def bad_input(**options: object) -> None:
-        raise InvalidArgumentError("no such model")
-
-    monkeypatch.setattr(serve, "start", bad_input)
-    free = [str(local_cluster.free_port()) for _ in cli_service.PORT_FLAGS]
-    args = parse(*(w for pair in zip(cli_service.PORT_FLAGS, free, strict=True) for w in pair))
+    bad = InvalidArgumentError("no such model")
+    state, stopped, args = failing_start(tmp_path, monkeypatch, bad, running_before=False)
     with pytest.raises(InvalidArgumentError, match="no such model"):
         cli_service.serve_command(args)
     assert stopped == [state]
