@@ -65,7 +65,7 @@ class Keyed:
     """The sequence position of row 0; row i is `first_position + i`."""
 
 
-def seed_exact_draws(batch: list[Keyed], noise_positions: bool) -> list[list[int]]:
+def seed_exact_draws(batch: list[Keyed]) -> list[list[int]]:
     sizes = [item.logits.shape[0] for item in batch]
     probs = logits_to_probs_rows(
         torch.cat([item.logits for item in batch]),
@@ -73,7 +73,7 @@ def seed_exact_draws(batch: list[Keyed], noise_positions: bool) -> list[list[int
     )
     seeds = [item.seed for item, size in zip(batch, sizes, strict=True) for _ in range(size)]
     positions = [item.first_position + i for item in batch for i in range(item.logits.shape[0])]
-    tokens = gumbel_tokens(probs, seeds, positions, noise_positions=noise_positions)
+    tokens = gumbel_tokens(probs, seeds, positions)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [tokens[start : start + size] for start, size in zip(starts, sizes, strict=True)]
 

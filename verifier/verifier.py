@@ -41,21 +41,14 @@ from cluster.runtime.sampling import (
     SamplingParams,
     to_dense,
 )
-from cluster.runtime.session import DRAFTER_SEED_SALT, ReplicaSession, check_token_ids
+from cluster.runtime.session import ReplicaSession, check_token_ids
 from cluster.runtime.task import each_alone_if_refused
 from verifier.audit_replica import ReferenceReplayer
 from verifier.batch_rejection import (
     BatchSession,
     SessionOutcome,
 )
-from verifier.config import (
-    ACCEPT_ALL,
-    DRAFT_STREAM,
-    OWN_DTYPE,
-    REUSED_NOISE,
-    UNMASKED_BONUS,
-    VerifierConfig,
-)
+from verifier.config import OWN_DTYPE, VerifierConfig
 from verifier.rejection import greedy_accept
 from verifier.step_outcomes import (
     Acceptance,
@@ -254,19 +247,11 @@ class Verifier(SessionComponent[VerifierConfig]):
         load: StepLoad | None,
     ) -> Verdict:
         """Commit a verify pass's outcome to its session: the verdict."""
-        if self.config.fault == ACCEPT_ALL and block.tokens:
-            outcome = SessionOutcome(len(block.tokens), block.tokens, None)
         session.next_row = outcome.deferred_row
         # The accepted drafts stay cached, the rejected ones go; a newly emitted token (a
         # correction or the bonus) is fed with the next block.
         session.kv.commit_at(block.base_length, outcome.tokens)
-        if session.matcher is not None:
-            try:
-                session.matcher.consume(outcome.tokens)
-            except InvalidArgumentError:
-                if self.config.fault != UNMASKED_BONUS:
-                    raise
-                session.matcher = None  # the fault broke the grammar: unconstrained from here
+        self._follow_constraint(session, outcome.tokens)
         advance = session.advance
         if advance is not None and advance.ended(block.base_length, outcome.tokens):
             session.advance = None  # its output is over: the router closes it
@@ -278,6 +263,12 @@ class Verifier(SessionComponent[VerifierConfig]):
             bonus_deferred=outcome.deferred_row is not None,
             load=load,
         )
+
+    def _follow_constraint(self, session: ReplicaSession, tokens: tuple[int, ...]) -> None:
+        """Advance the session's grammar matcher (if it is constrained) past the tokens just
+        committed; InvalidArgumentError if the grammar refuses them."""
+        if session.matcher is not None:
+            session.matcher.consume(tokens)
 
     # ------------------------------------------------------------------ running sessions
 
@@ -335,9 +326,6 @@ class Verifier(SessionComponent[VerifierConfig]):
 
     def _mask(self, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """The logits with what the constraint forbids at each row's position set to -inf."""
-        if self.config.fault == UNMASKED_BONUS:
-            allowed = allowed.clone()
-            allowed[-1] = True  # the bonus position left unmasked
         return mask_logits(logits, allowed)
 
     def _sampled_outcome(
@@ -385,11 +373,8 @@ class Verifier(SessionComponent[VerifierConfig]):
             # Row i is the position after the committed tokens and the block's first i drafts,
             # less the stored row's position when the last bonus was deferred.
             first = block.base_length + len(targets)
-            seed = session.seed
-            if self.config.fault == DRAFT_STREAM and block.tokens:
-                seed ^= DRAFTER_SEED_SALT
             drawn: list[int] = yield Batched(
-                self._draw_seed_exact, Keyed(logits, session.sampling, seed, first)
+                self._draw_seed_exact, Keyed(logits, session.sampling, session.seed, first)
             )
             targets += drawn
         num_accepted, tokens, deferred = greedy_accept(block.tokens, targets, defer_bonus)
@@ -399,8 +384,7 @@ class Verifier(SessionComponent[VerifierConfig]):
         """Every seed-exact block of a step: p as used from one `logits_to_probs_rows` call,
         the draws from one `gumbel_tokens` call; only the blocks whose logits the calls refuse
         fail (`each_alone_if_refused`)."""
-        noise_positions = self.config.fault != REUSED_NOISE
-        return each_alone_if_refused(lambda b: seed_exact_draws(b, noise_positions), batch)
+        return each_alone_if_refused(seed_exact_draws, batch)
 
     def _score_and_accept(self, batch: list[Scored]) -> list[SessionOutcome | Exception]:
         """Every sampled block of a step: its logits to p as used, all rows in one call (each

@@ -10,13 +10,12 @@ by a chi-square test (`cluster.tools.audit.stats`).
 
 The reference's flags (`--preset`, `--target`, `--dtype`, `--device`) work in both modes; those
 that build the in-process service (`--draft`, `--service-dtype`, `--prompt-lookup`,
-`--adaptive-draft`, and the hidden `--verifier-fault`, which breaks the local verifier on
-purpose so that the audit itself can be seen to catch it) are `--local` only. The in-process
-service speculates on every block (`--draft-tokens`, the service's default length), first token
-included, with prompt lookup on: the adaptive plan, which may turn drafting off where it does
-not pay (it rarely pays for the tiny pair), is opt-in, so that the audit exercises the drafter
-and the acceptance rule rather than the target alone. Progress goes to
-stderr, the table to stdout, every report to `--json FILE`. Exit status 0 when everything
+`--adaptive-draft`) are `--local` only. The in-process service speculates on every block
+(`--draft-tokens`, the service's default length), first token included, with prompt lookup on:
+the adaptive plan, which may turn drafting off where it does not pay (it rarely pays for the
+tiny pair), is opt-in, so that the audit exercises the drafter and the acceptance rule rather
+than the target alone. Progress goes to stderr, the table to stdout, every report to
+`--json FILE`. Exit status 0 when everything
 matched (or p >= `--alpha`), 1 otherwise (near-ties too, unless `--allow-near-ties`), 2 for
 bad flags.
 """
@@ -36,7 +35,7 @@ if TYPE_CHECKING:  # torch and transformers load in the handler, not when the CL
     from cluster.runtime.sampling import SamplingParams
     from cluster.tools.audit.run import Generate
 
-LOCAL_FLAGS = ("draft", "service_dtype", "prompt_lookup", "adaptive_draft", "verifier_fault")
+LOCAL_FLAGS = ("draft", "service_dtype", "prompt_lookup", "adaptive_draft")
 """Flags that build the in-process service: `--local` only."""
 
 
@@ -79,8 +78,6 @@ def add_to(commands: Any) -> None:
         action=argparse.BooleanOptionalAction,
         help="let the plan shorten blocks, down to none (default: off, so every block drafts)",
     )
-    # Fault injection for checking the audit itself (VerifierConfig.fault): not for users.
-    local.add_argument("--verifier-fault", help=argparse.SUPPRESS)
     stat = p.add_argument_group("statistical mode (unseeded sampling)")
     stat.add_argument("--statistical", action="store_true", help="chi-square test of 2 tokens")
     stat.add_argument("--samples", type=int, default=1000, help="requests to sample")
@@ -123,10 +120,6 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise InvalidArgumentError("--prompt is for --statistical; use --prompts FILE")
     if any(seed < 0 for seed in args.seeds):
         raise InvalidArgumentError(f"--seeds must be >= 0, got {args.seeds}")
-    if args.verifier_fault is not None:
-        from verifier.config import VerifierConfig
-
-        VerifierConfig(fault=args.verifier_fault)  # an unknown fault: InvalidArgumentError now
 
 
 def _run_local(args: argparse.Namespace, preset: str, reference: LoadedModel) -> int:
@@ -138,13 +131,11 @@ def _run_local(args: argparse.Namespace, preset: str, reference: LoadedModel) ->
     from cluster.presets import resolve_pair
     from cluster.routing.draft_length_config import DraftLengthConfig
     from drafter.config import NgramConfig
-    from verifier.config import VerifierConfig
 
     pair = resolve_pair(preset, args.target, args.draft, args.service_dtype, args.device)
     lookup = args.prompt_lookup is not False
     tandem = build_local(
         pair,
-        verifier_config=VerifierConfig(fault=args.verifier_fault or ""),
         prompt_lookup=NgramConfig(enabled=lookup),
         draft_length=DraftLengthConfig(enabled=bool(args.adaptive_draft)),
         # One round at a time, the first waiting for the drafter: every position the audit

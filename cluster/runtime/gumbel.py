@@ -96,16 +96,12 @@ def exponential_row(seed: int, position: int, vocab_size: int) -> Tensor:
     return exponentials(torch.arange(vocab_size, dtype=torch.int64), keys)
 
 
-def gumbel_tokens(
-    probs: Tensor, seeds: Sequence[int], positions: Sequence[int], *, noise_positions: bool = True
-) -> list[int]:
+def gumbel_tokens(probs: Tensor, seeds: Sequence[int], positions: Sequence[int]) -> list[int]:
     """Each row's seed-exact token: argmax over x of probs[i, x] / E(seeds[i], positions[i], x).
 
     `probs`: `[n, vocab]`, each row a distribution as used (a zero is never drawn); the ratio
     is taken in float64 of the row's float32 values. Ties go to the lowest id.
-    `noise_positions=False` uses the noise of position 0 at every position: a broken rule,
-    kept for the tests that must catch it. InvalidArgumentError on a shape mismatch or a row
-    with no positive probability."""
+    InvalidArgumentError on a shape mismatch or a row with no positive probability."""
     if not isinstance(probs, Tensor) or probs.dim() != 2:
         raise InvalidArgumentError("probs must be a 2-D tensor [n, vocab]")
     n = probs.shape[0]
@@ -123,10 +119,7 @@ def gumbel_tokens(
     candidates = probs32 >= best * CANDIDATE_RATIO  # [n, vocab]
     rows, ids = candidates.nonzero(as_tuple=True)  # row-major: ids ascend within a row
     keys = torch.tensor(
-        [
-            row_key(seed, position if noise_positions else 0)
-            for seed, position in zip(seeds, positions, strict=True)
-        ],
+        [row_key(seed, position) for seed, position in zip(seeds, positions, strict=True)],
         dtype=torch.int64,
         device=probs.device,
     )  # [n, 2]

@@ -15,24 +15,46 @@ draft token is rejected.
   min(p, q); recovered: r * max(0, p - q); rejected draft kept: (1 - r) * max(0, q - p)).
 - `BonusFromDraftVerifier`: when every draft token is accepted, the bonus token is drawn from
   the drafter's distribution q at the bonus position instead of the target's p.
+
+The controls of other tests, each a `Verifier` with one rule broken:
+
+- `AcceptAllVerifier`: every drafted token is accepted, whatever the target says (the audit's
+  and the audit API's control).
+- `ReusedNoiseVerifier`: the seed-exact rule keys its noise by the seed alone, the noise of
+  position 0 at every position.
+- `DraftStreamVerifier`: the seed-exact rule draws the target's tokens of a block with drafts
+  from another noise stream (the rejection rule's drafter stream) than a block without, so
+  the output depends on how the request was drafted.
+- `UnmaskedBonusVerifier`: the position after a block's last draft is not masked by the
+  request's constraint (once it draws a token the grammar refuses, the session goes on
+  unconstrained).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
+import pytest
 import torch
 from torch import Tensor
 
+import cluster.local
+from cluster.local import LocalTandem, build_local
+from cluster.presets import resolve_pair
 from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.engine import Task
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.runtime.gumbel import gumbel_tokens
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import logits_to_probs, to_dense
+from cluster.runtime.sampling import logits_to_probs, logits_to_probs_rows, to_dense
+from cluster.runtime.session import DRAFTER_SEED_SALT, ReplicaSession
+from cluster.runtime.task import each_alone_if_refused
 from drafter.drafter import draft_sampling
 from verifier.batch_layout import Batch
 from verifier.batch_rejection import BatchSession, SessionOutcome, batch_rejection_sample
-from verifier.step_outcomes import Acceptance
+from verifier.step_outcomes import Acceptance, Keyed
 from verifier.verifier import Verifier
 
 
@@ -101,3 +123,75 @@ class BonusFromDraftVerifier(Verifier):
                 item = dataclasses.replace(item, rows=rows)
             swapped.append(item)
         return super()._accept(swapped)
+
+
+class AcceptAllVerifier(Verifier):
+    """Accepts every drafted token of a block, whatever the target says."""
+
+    def _commit(
+        self, session: ReplicaSession, block: DraftBlock, outcome: SessionOutcome, load: Any
+    ) -> Verdict:
+        if block.tokens:
+            outcome = SessionOutcome(len(block.tokens), block.tokens, None)
+        return super()._commit(session, block, outcome, load)
+
+
+def reused_noise_draws(batch: list[Keyed]) -> list[list[int]]:
+    """`seed_exact_draws` with every row keyed at position 0 (the broken rule)."""
+    probs = logits_to_probs_rows(
+        torch.cat([item.logits for item in batch]),
+        [item.sampling for item in batch for _ in range(item.logits.shape[0])],
+    )
+    seeds = [item.seed for item in batch for _ in range(item.logits.shape[0])]
+    tokens = gumbel_tokens(probs, seeds, [0] * len(seeds))
+    out, start = [], 0
+    for item in batch:
+        out.append(tokens[start : start + item.logits.shape[0]])
+        start += item.logits.shape[0]
+    return out
+
+
+class ReusedNoiseVerifier(Verifier):
+    """Seed-exact draws keyed by the seed alone: position 0's noise at every position."""
+
+    def _draw_seed_exact(self, batch: list[Keyed]) -> list[list[int] | Exception]:
+        return each_alone_if_refused(reused_noise_draws, batch)
+
+
+class DraftStreamVerifier(Verifier):
+    """Seed-exact draws of a block with drafts from the drafter's noise stream (the request's
+    seed XOR `DRAFTER_SEED_SALT`), of a block without from the request's own."""
+
+    def _seed_exact_outcome(
+        self, logits: Any, session: ReplicaSession, block: DraftBlock, defer_bonus: bool
+    ) -> Task[SessionOutcome]:
+        if not block.tokens:
+            return (yield from super()._seed_exact_outcome(logits, session, block, defer_bonus))
+        session.seed ^= DRAFTER_SEED_SALT  # read before the draw's first yield
+        try:
+            return (yield from super()._seed_exact_outcome(logits, session, block, defer_bonus))
+        finally:
+            session.seed ^= DRAFTER_SEED_SALT
+
+
+class UnmaskedBonusVerifier(Verifier):
+    """Leaves the position after a block's last draft unmasked by the request's constraint."""
+
+    def _mask(self, logits: Tensor, allowed: Tensor) -> Tensor:
+        allowed = allowed.clone()
+        allowed[-1] = True  # the bonus position left unmasked
+        return super()._mask(logits, allowed)
+
+    def _follow_constraint(self, session: ReplicaSession, tokens: tuple[int, ...]) -> None:
+        try:
+            super()._follow_constraint(session, tokens)
+        except InvalidArgumentError:
+            session.matcher = None  # the fault broke the grammar: unconstrained from here
+
+
+def local_with(verifier_type: type[Verifier], **kwargs: Any) -> LocalTandem:
+    """The tiny pair in this process (`build_local` with `kwargs`), its verifier a
+    `verifier_type`."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cluster.local, "Verifier", verifier_type)
+        return build_local(resolve_pair("tiny", device="cpu"), **kwargs)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+import cluster.local
 from cluster.api.service import TandemService
 from cluster.api.tenants import Tenants
 from cluster.cli.main import main
@@ -33,6 +34,7 @@ from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams, logits_to_probs
 from cluster.tools.audit.stats import END, first_two_test
+from tests.cluster.broken_verifiers import AcceptAllVerifier
 from tests.cluster.grpc_front import serve_local
 
 ALPHA = 1e-3
@@ -199,10 +201,13 @@ def test_local_audit_matches_everything(capsys: pytest.CaptureFixture[str], tmp_
                for r in result["reports"])  # fmt: skip
 
 
-def test_a_broken_verifier_is_caught(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """`--verifier-fault accept_all` accepts every drafted token: the audit must say so, with
-    the evidence at the first wrong token."""
-    code, result = run_cli(capsys, tmp_path, "--local", "--verifier-fault", "accept_all")
+def test_a_broken_verifier_is_caught(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The in-process service's verifier accepts every drafted token (`AcceptAllVerifier`): the
+    audit must say so, with the evidence at the first wrong token."""
+    monkeypatch.setattr(cluster.local, "Verifier", AcceptAllVerifier)
+    code, result = run_cli(capsys, tmp_path, "--local")
     assert code == 1
     assert not result["summary"]["ok"]
     wrong = [r for r in result["reports"] if not r["ok"]]
@@ -229,7 +234,9 @@ def test_remote_audit(address: str, capsys: pytest.CaptureFixture[str], tmp_path
     assert {r["drafter"] for r in result["reports"]} == {"service"}
 
 
-def test_statistical_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_statistical_cli(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Unseeded requests draw fresh seeds, so this run is random: at alpha 1e-6 a correct
     pipeline fails it once in a million runs, while the broken one (every drafted token
     accepted, so both tokens are the draft model's) scored p < 1e-12 in every trial run."""
@@ -237,7 +244,8 @@ def test_statistical_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     flags += ["--prompt", bytes(PROMPT).decode(), "--alpha", "1e-6"]
     code, result = run_cli(capsys, tmp_path, *flags)
     assert code == 0 and result["passed"] and result["num_samples"] == 200
-    code, result = run_cli(capsys, tmp_path, *flags, "--verifier-fault", "accept_all")
+    monkeypatch.setattr(cluster.local, "Verifier", AcceptAllVerifier)
+    code, result = run_cli(capsys, tmp_path, *flags)
     assert code == 1 and not result["passed"]
 
 
@@ -247,7 +255,6 @@ def test_statistical_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
         (["--address", "127.0.0.1:1", "--draft", "tiny://draft"], "--draft cannot be used"),
         (["--local", "--temperature", "0"], "temperature > 0"),
         (["--local", "--max-tokens", "0"], "--max-tokens"),
-        (["--local", "--verifier-fault", "nope"], "fault must be one of"),
         (["--local", "--prompt", "x"], "--prompt is for --statistical"),
         (["--local", "--dtype", "int4"], "dtype must be one of"),
     ],

@@ -2,7 +2,7 @@
 
 `TandemService.audit` reports every token matched for greedy and seed-exact requests on a
 healthy verifier, and mismatches with their evidence when the verifier accepts every drafted
-token (`VerifierConfig(fault="accept_all")`); a rejection-rule request is INVALID_ARGUMENT
+token (`AcceptAllVerifier`); a rejection-rule request is INVALID_ARGUMENT
 before anything runs. The same over real gRPC (`tests.cluster.grpc_front`), over replicas
 behind their own gRPC servers (a registry pool, as the Serve ingress runs it) and over HTTP
 (`POST /v1/audit`, `OpenAIHttp` driven as Serve drives it). The online audit at fraction 1
@@ -57,11 +57,11 @@ from cluster.serve.http import OpenAIHttp
 from cluster.wire.replica_info import ReplicaInfo
 from drafter.drafter import Drafter
 from protos import generate_pb2, generate_pb2_grpc, sampling_pb2
+from tests.cluster.broken_verifiers import AcceptAllVerifier
 from tests.cluster.grpc_front import serve_local
 from tests.cluster.serve.test_openai_http import Exchange
 from tests.conftest import CODE_PROMPT, PROMPTS
 from tests.replicas import serve_drafter, serve_verifier
-from verifier.config import ACCEPT_ALL, VerifierConfig
 from verifier.verifier import Verifier
 
 MAX_TOKENS = 16
@@ -108,7 +108,7 @@ def faulty_router(local_tandem: LocalTandem) -> Iterator[Router]:
     lockstep (`verifier_advances` off): every token goes through a drafted block, so drafted
     tokens decide the output (with running sessions, the tiny drafter's blocks mostly come
     after the verifier took those tokens alone, and the fault would rarely show)."""
-    verifier = Verifier(local_tandem.target, VerifierConfig(fault=ACCEPT_ALL))
+    verifier = AcceptAllVerifier(local_tandem.target)
     router = local_router(
         verifier, local_tandem.drafter, local_tandem.target, verifier_advances=False
     )

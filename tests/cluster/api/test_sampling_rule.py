@@ -42,7 +42,6 @@ from cluster.tools.baselines.hf_reference import reference_generate
 from cluster.wire.convert import sampling_from_wire, sampling_to_wire
 from protos import generate_pb2, sampling_pb2
 from tests.conftest import CODE_PROMPT
-from verifier.config import FAULTS, VerifierConfig
 
 UNSPECIFIED = sampling_pb2.SAMPLING_RULE_UNSPECIFIED
 SEED_EXACT_RULE = sampling_pb2.SAMPLING_RULE_SEED_EXACT
@@ -319,12 +318,3 @@ def test_build_request_names_the_rule_or_refuses_it() -> None:
         build_request(CODE_PROMPT, max_tokens=4, sampling_rule="x")
     assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling_rule must be one of auto, seed_exact, rejection, got 'x'" in str(raised.value)
-
-
-def test_verifier_faults_are_checked() -> None:
-    assert FAULTS == ("", "accept_all", "reused_noise", "draft_stream", "unmasked_bonus")
-    for fault in FAULTS:
-        assert VerifierConfig(fault=fault).fault == fault
-    assert VerifierConfig().fault == ""  # none in production
-    with pytest.raises(InvalidArgumentError, match=r"fault must be one of .*got 'nope'"):
-        VerifierConfig(fault="nope")

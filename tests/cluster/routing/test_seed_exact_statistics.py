@@ -11,7 +11,7 @@ and drafts both accepted and rejected.
 Bound: the seeds are fixed, so each test is deterministic; under a correct sampler the p-value
 is (asymptotically) uniform, so it falls below ALPHA = 1e-4 for one set of seeds in 10,000.
 
-Negative controls, verifiers built with `VerifierConfig.fault`:
+Negative controls, verifiers broken on purpose (`tests.cluster.broken_verifiers`):
 - `reused_noise`: the target's draw at every position uses the noise of position 0, so t2 is
   drawn with the very noise that chose t1: t1 = argmax p1 / E, t2 = argmax p2(. | t1) / E for
   one Exp(1) vector E. That joint law is computed here by Monte Carlo (MC_DRAWS noise vectors)
@@ -34,12 +34,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from cluster.local import LocalTandem, build_local
-from cluster.presets import resolve_pair
+from cluster.local import LocalTandem
 from cluster.routing.request import GenerationRequest
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import SamplingParams
 from cluster.tools.baselines.hf_reference import reference_generate
+from tests.cluster.broken_verifiers import DraftStreamVerifier, ReusedNoiseVerifier, local_with
 from tests.cluster.routing.lockstep_routers import held_lockstep_router
 from tests.cluster.routing.test_lossless_sampling import (
     ALPHA,
@@ -51,7 +51,7 @@ from tests.cluster.routing.test_lossless_sampling import (
     sample_first_two,
 )
 from tests.cluster.routing.test_negative_controls import miss_probability
-from verifier.config import VerifierConfig
+from verifier.verifier import Verifier
 
 SAMPLING = SamplingParams(temperature=1.5, seed_exact=True)
 """A flat setting: reused noise then draws t2 == t1 ten times as often as the target (10% of
@@ -66,14 +66,10 @@ MC_DRAWS = 400_000
 the test's own 2,000 samples."""
 
 
-def faulty(fault: str) -> Iterator[LocalTandem]:
-    """The tiny pair with a verifier of `fault`, its router a lockstep one: the first token
-    goes through the draft path too."""
-    tandem = build_local(
-        resolve_pair("tiny", device="cpu"),
-        verifier_config=VerifierConfig(fault=fault),
-        verifier_advances=False,
-    )
+def faulty(verifier_type: type[Verifier]) -> Iterator[LocalTandem]:
+    """The tiny pair with a `verifier_type` verifier, its router a lockstep one: the first
+    token goes through the draft path too."""
+    tandem = local_with(verifier_type, verifier_advances=False)
     yield tandem
     tandem.router.close()
     tandem.verifier.close()
@@ -82,12 +78,12 @@ def faulty(fault: str) -> Iterator[LocalTandem]:
 
 @pytest.fixture(scope="module")
 def reused_noise() -> Iterator[LocalTandem]:
-    yield from faulty("reused_noise")
+    yield from faulty(ReusedNoiseVerifier)
 
 
 @pytest.fixture(scope="module")
 def draft_stream() -> Iterator[LocalTandem]:
-    yield from faulty("draft_stream")
+    yield from faulty(DraftStreamVerifier)
 
 
 def reused_noise_joint(model: LoadedModel, sampling: SamplingParams) -> Tensor:

@@ -13,7 +13,7 @@ the target with llguidance's own matcher masking each step (not Tandem's `TokenM
   sessions run) and on a lockstep one (`verifier_advances` off: every token through a posted
   block, so that drafts are accepted and rejected; `tests.cluster.routing.lockstep_routers`).
 - Sampled (rejection rule) output follows the exact constrained distribution by chi-square, and
-  a verifier that leaves the bonus position unmasked (`VerifierConfig(fault="unmasked_bonus")`)
+  a verifier that leaves the bonus position unmasked (`UnmaskedBonusVerifier`)
   fails that test.
 - 200 sampled JSON outputs all parse and validate against their schema, finish reason stop.
 - `min_tokens` masks end-of-sequence and `stop_token_ids` until it is reached.
@@ -49,8 +49,8 @@ from cluster.runtime.sampling import SamplingParams
 from cluster.tools.baselines.hf_reference import reference_generate
 from drafter.config import NgramConfig
 from protos import generate_pb2, sampling_pb2
+from tests.cluster.broken_verifiers import UnmaskedBonusVerifier, local_with
 from tests.cluster.routing.lockstep_routers import Routers, held_lockstep_router, router_pair
-from verifier.config import VerifierConfig
 
 MAX_TOKENS = 64
 LOOKUP = NgramConfig(enabled=True, max_ngram=4, min_ngram=2)
@@ -338,11 +338,7 @@ def sample_choices(
 def unmasked_bonus() -> Iterator[LocalTandem]:
     """The tiny pair with an `unmasked_bonus` verifier, its router a lockstep one: the first
     token goes through the draft path too."""
-    tandem = build_local(
-        resolve_pair("tiny", device="cpu"),
-        verifier_config=VerifierConfig(fault="unmasked_bonus"),
-        verifier_advances=False,
-    )
+    tandem = local_with(UnmaskedBonusVerifier, verifier_advances=False)
     yield tandem
     tandem.router.close()
     tandem.verifier.close()

@@ -14,8 +14,9 @@ What is checked, and why each check can fail:
   best token given the largest E, every other the smallest), with rows built at the boundary;
 - exact frequencies: over many seeds at a fixed position, and over many positions at a fixed
   seed, a small distribution is drawn with its own probabilities, and two neighbouring
-  positions are independent (chi-square). `noise_positions=False`, the broken rule kept for the
-  negative controls, reuses one noise row at every position and fails the same test;
+  positions are independent (chi-square). The broken rule of the negative controls
+  (`tests.cluster.broken_verifiers.ReusedNoiseVerifier`: every row keyed at position 0) reuses
+  one noise row at every position and fails the same test;
 - bad inputs raise InvalidArgumentError.
 
 Chi-square bound (as in test_rejection_statistics): the seeds and positions are fixed, so each
@@ -316,7 +317,7 @@ def test_draws_over_positions_at_a_fixed_seed_follow_the_distribution() -> None:
     assert chi_square_p(frequencies(tokens, 8), SMALL) > ALPHA
     # Negative control: the broken rule reuses one noise row at every position, so a seed
     # draws one token forever, and the same test rejects it.
-    reused = gumbel_tokens(probs, [2**64 - 5] * NUM_DRAWS, positions, noise_positions=False)
+    reused = gumbel_tokens(probs, [2**64 - 5] * NUM_DRAWS, [0] * NUM_DRAWS)
     assert len(set(reused)) == 1
     assert chi_square_p(frequencies(reused, 8), SMALL) < ALPHA
 
@@ -324,29 +325,18 @@ def test_draws_over_positions_at_a_fixed_seed_follow_the_distribution() -> None:
 @pytest.mark.parametrize("noise_positions", [True, False], ids=["keyed", "reused-noise"])
 def test_neighbouring_positions_are_independent(noise_positions: bool) -> None:
     """Over seeds, the pair (token at position 40, token at 41) follows p x p: the two
-    positions' noises are independent. The broken rule (`noise_positions=False`) correlates
+    positions' noises are independent. The broken rule (both keyed at position 0) correlates
     them completely (the same row draws the same token twice) and must fail."""
     half = NUM_DRAWS // 2
     seeds = list(range(half))
     probs = SMALL[:6].expand(2 * half, -1)  # [20000, 6]: the allowed ids, 36 cells, min 16
-    tokens = gumbel_tokens(
-        probs, seeds + seeds, [40] * half + [41] * half, noise_positions=noise_positions
-    )
+    positions = [40] * half + [41] * half if noise_positions else [0] * (2 * half)
+    tokens = gumbel_tokens(probs, seeds + seeds, positions)
     pairs = torch.tensor(tokens[:half]) * 6 + torch.tensor(tokens[half:])
     counts = torch.bincount(pairs, minlength=36).double()
     joint = (SMALL[:6, None] * SMALL[None, :6]).flatten()
     passes = chi_square_p(counts, joint) > ALPHA
     assert passes == noise_positions
-
-
-def test_noise_positions_false_uses_position_zeros_noise_everywhere() -> None:
-    generator = torch.Generator().manual_seed(6)
-    row = random_rows(generator, 1, 257)  # [1, 257]
-    probs = row.expand(200, -1)
-    keyed = gumbel_tokens(probs, [11] * 200, list(range(200)))
-    reused = gumbel_tokens(probs, [11] * 200, list(range(200)), noise_positions=False)
-    assert reused == gumbel_tokens(row, [11], [0]) * 200
-    assert len(set(keyed)) > 1  # with the positions keyed, the draw moves along the sequence
 
 
 # --- bad inputs --------------------------------------------------------------------------------
