@@ -76,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"--draft-vocab must be >= 0, got {args.draft_vocab}")
     if args.max_tokens < 1 or args.draft_tokens < 1:
         raise InvalidArgumentError("--max-tokens and --draft-tokens must be >= 1")
+    if args.plot:
+        from cluster.tools.bench.output import pyplot
+
+        pyplot()  # installed, before the run rather than after it
     started = time.monotonic()
 
     def progress(message: str) -> None:

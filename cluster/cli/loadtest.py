@@ -164,6 +164,10 @@ def _check(args: argparse.Namespace) -> None:
         )
     if args.plot and not args.compare:
         raise InvalidArgumentError("--plot needs --compare")
+    if args.plot:
+        from cluster.tools.bench.output import pyplot
+
+        pyplot()  # installed, before the run rather than after it
     if args.hf_baseline and not args.compare:
         raise InvalidArgumentError("--hf-baseline needs --compare")
     if args.hf_baseline and args.temperature != 0:
@@ -180,7 +184,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cluster.cli.output import write_result
-    from cluster.tools.bench.run import load_prompts
+    from cluster.tools.prompt_files import load_prompts
 
     _check(args)
     prompts = [p.text for p in load_prompts(args.prompts)]
@@ -540,11 +544,9 @@ def _ideal_series(levels: list[dict[str, Any]], mode: str) -> list[float] | None
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    import matplotlib
+    from cluster.tools.bench.output import pyplot
 
-    matplotlib.use("Agg")  # headless
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     levels = result["levels"]
     concurrency = [level["concurrency"] for level in levels]
     fig, (rate_ax, speedup_ax) = plt.subplots(1, 2, figsize=(11.0, 4.0))

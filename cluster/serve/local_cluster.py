@@ -361,7 +361,7 @@ def live_replicas() -> list[dict[str, Any]]:
 
 def replica_addresses() -> dict[str, str]:
     """The internal gRPC address of one replica per side (`drafter`, `verifier`): what
-    the measuring tools (`cluster.tools.bench.overhead`) drive
+    the measuring tools (`experiments.overhead`) drive
     directly."""
     addresses = {r["side"]: r["address"] for r in live_replicas()}
     missing = {"drafter", "verifier"} - addresses.keys()

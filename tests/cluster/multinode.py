@@ -32,7 +32,7 @@ import pytest
 
 from cluster.config import CLUSTER_SECRET_ENV, ReplicaGroupConfig, TandemConfig
 from cluster.serve import local_cluster
-from cluster.tools.bench.overhead import replica_nodes
+from experiments.overhead import replica_nodes
 from tests.polling import wait_until
 
 ROUTER_NODE = "tandem_router_node"

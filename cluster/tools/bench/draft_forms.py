@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def measure(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     """The target's cost and self-agreement, then each asked model's forms, with cost ratios."""
     from cluster.presets import PRESETS, resolve_pair
-    from cluster.tools.bench.run import load_prompts
+    from cluster.tools.prompt_files import load_prompts
 
     pair = resolve_pair(args.preset)
     preset = PRESETS[args.preset]

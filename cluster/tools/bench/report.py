@@ -7,8 +7,8 @@ Tandem-only fields `acceptance_rate`, `mean_tokens_per_verify`, `acceptance_by_p
 `ideal_speedup` and, for `tandem_pipelined`, `pipeline_hit_rate`), `speedup`, `greedy_match`
 and `by_category`. A field that is absent or None prints as MISSING; nothing is computed here
 that the benchmark did not measure. Rendering only: no timing, no model, no I/O except the one
-PNG that `plot` writes. matplotlib is imported inside `plot`, so importing this module stays
-cheap for the CLI and for tests that only need the text.
+PNG that `plot` writes. matplotlib (the `plot` extra) is imported inside `plot`, so importing
+this module stays cheap for the CLI and for tests that only need the text, and works without it.
 """
 
 from __future__ import annotations
@@ -131,11 +131,9 @@ def _forms_table(forms: list[dict[str, Any]] | None) -> list[str]:
 
 def plot(result: dict[str, Any], path: str | Path) -> None:
     """Write a PNG: tokens/s per run (left) and acceptance by draft position per category."""
-    import matplotlib
+    from cluster.tools.bench.output import pyplot
 
-    # A headless backend: benchmarks run on servers with no display.
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     config = result["config"]
     names = list(result["runs"])

@@ -22,7 +22,6 @@ measured after the timed runs, with nothing else running.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import subprocess
@@ -32,21 +31,15 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.tools.bench.process_cpu import CpuCalls, cluster_scope
+from cluster.tools.prompt_files import Prompt, load_prompts
 
 RUNS = ("hf_target", "hf_assisted", "tandem_target", "tandem_serial", "tandem_pipelined")
 TANDEM_RUNS = RUNS[2:]
-
-
-@dataclass(frozen=True)
-class Prompt:
-    text: str
-    category: str
 
 
 @dataclass
@@ -56,41 +49,6 @@ class Sample:
     seconds: list[float] = field(default_factory=list)
     tokens: tuple[int, ...] = ()
     stats: dict[str, Any] = field(default_factory=dict)
-
-
-def prompt_rows(path: str | None, default: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) for each non-blank line of the JSON-lines file `path` (None: the
-    packaged `default`, relative to `cluster.tools`); InvalidArgumentError for an unreadable
-    file or a line that is not a JSON object."""
-    if path is None:
-        text = resources.files("cluster.tools").joinpath(default).read_text()
-    else:
-        try:
-            text = Path(path).read_text()
-        except OSError as error:
-            raise InvalidArgumentError(f"cannot read prompts {path}: {error}") from error
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as error:
-            raise InvalidArgumentError(f"prompts line {number}: {error}") from error
-        if not isinstance(row, dict):
-            raise InvalidArgumentError(f"prompts line {number}: not a JSON object")
-        yield number, row
-
-
-def load_prompts(path: str | None) -> list[Prompt]:
-    prompts = []
-    for number, row in prompt_rows(path, "prompts/default.jsonl"):
-        try:
-            prompts.append(Prompt(str(row["prompt"]), str(row.get("category", "default"))))
-        except KeyError as error:
-            raise InvalidArgumentError(f"prompts line {number}: {error}") from error
-    if not prompts:
-        raise InvalidArgumentError("no prompts to run")
-    return prompts
 
 
 Runner = Callable[[tuple[int, ...]], tuple[tuple[int, ...], dict[str, Any]]]

@@ -27,17 +27,22 @@ import os
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from cluster.runtime.engine_stats import EngineStats
-from cluster.tools.bench.overhead import _percentile
 from cluster.tools.bench.process_cpu import CpuCalls, cluster_scope, cpu_section
-from cluster.tools.bench.run import Prompt, load_prompts
+from cluster.tools.prompt_files import Prompt, load_prompts
 
 SIM_RUNS = ("tandem_target", "tandem_serial", "tandem_pipelined")
 STAGES = ("device", "forward_overhead", "acceptance", "engine", "gather", "router_and_handoffs")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q` quantile of `values` (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def is_sim_preset(preset: str) -> bool:
@@ -303,8 +308,8 @@ def _summarize(per_prompt: list[list[dict[str, Any]]]) -> dict[str, Any]:
         "pipeline_hit_rate": hits / (hits + misses) if hits + misses else None,
         "predraft_hit_rate": predraft_hits / predrafted if predrafted else None,
         "round_ms": 1000 * sum(r["wall_s"] for r in flat) / passes,
-        "own_ms_per_round_p50": _percentile(own, 0.5) if own else None,
-        "own_ms_per_round_p99": _percentile(own, 0.99) if own else None,
+        "own_ms_per_round_p50": percentile(own, 0.5) if own else None,
+        "own_ms_per_round_p99": percentile(own, 0.99) if own else None,
         "stages_ms_per_round": stages,
     }
 

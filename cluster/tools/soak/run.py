@@ -194,7 +194,7 @@ class SoakRun:
         from cluster.presets import DEFAULT_PRESET, resolve_pair
         from cluster.replica.host import kv_cache_bytes_per_token
         from cluster.runtime.models import load_model
-        from cluster.tools.bench.run import load_prompts
+        from cluster.tools.prompt_files import load_prompts
 
         began = time.monotonic()
         self._prompts = [p.text for p in load_prompts(None)]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from cluster.plan.defaults import CATEGORIES, PRESETS
-from cluster.tools.bench.run import load_prompts
+from cluster.tools.prompt_files import load_prompts
 
 FILES = {
     "agentic-edit.jsonl": {"agentic"},

@@ -34,8 +34,8 @@ from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.runtime.errors import ClusterSecretError
 from cluster.serve.local_cluster import LOOPBACK, cluster_processes, free_port
-from cluster.tools.bench.overhead import actor_table_nodes, measure
 from drafter.config import NgramConfig, SuffixConfig
+from experiments.overhead import actor_table_nodes, measure
 from tests.cluster.multinode import (
     DRAFTER_NODE,
     REPLICA_SHARE,
@@ -178,7 +178,7 @@ def test_a_replica_on_another_node_refuses_calls_without_the_secret(
 
 
 def test_the_data_plane_across_nodes(multinode: MultiNode) -> None:
-    """`python -m cluster.tools.bench.overhead --across-nodes`, shortened: the tool on the head, its
+    """`python -m experiments.overhead --across-nodes`, shortened: the tool on the head, its
     drafter and verifier on two other nodes."""
     report = measure(sessions=4, rounds=10, draft_tokens=4, threads=1, across_nodes=True)
     placement = report["placement"]

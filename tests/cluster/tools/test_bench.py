@@ -11,7 +11,8 @@ import pytest
 
 from cluster.cli import service as cli_service
 from cluster.cli.main import main
-from cluster.tools.bench.run import RUNS, _serve_flags, bench_settings, load_prompts
+from cluster.tools.bench.run import RUNS, _serve_flags, bench_settings
+from cluster.tools.prompt_files import load_prompts
 
 PROMPTS = [
     {"prompt": "def add(a, b):", "category": "code"},

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from cluster.runtime.errors import InvalidArgumentError
+from cluster.tools.bench.output import pyplot
 from cluster.tools.bench.report import MISSING, format_table, plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -147,3 +152,12 @@ def test_service_mode_tables_cpu_per_token_by_role() -> None:
     assert "| run | router | proxy | controller |" in text
     assert "| tandem_serial | 0.900 | 0.500 | – |" in text
     assert "| hf_target | 0.9" not in text
+
+
+def test_plotting_without_matplotlib_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """matplotlib is the `plot` extra: without it, `--plot` is refused with the install line."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    with pytest.raises(InvalidArgumentError, match=r"pip install 'tandem\[plot\]'"):
+        pyplot()

@@ -1,9 +1,9 @@
 """What a stream frame's body costs as protobuf against msgpack: encode, decode, both, and size.
 
-    python -m cluster.tools.bench.frame_codec --json frame_codec.json
+    python -m experiments.frame_codec --json frame_codec.json
 
 A frame carries many sessions' entries (`RouterFrame` / `ReplicaFrame` in
-`protos/replica.proto`); `cluster/tools/bench/frame_forms.py` holds the two encodings. For 1, 8
+`protos/replica.proto`); `experiments/frame_forms.py` holds the two encodings. For 1, 8
 and 64 sessions a frame, it measures the frames that matter per round:
 
 - `verify`: router -> verifier, one verify a session (a uuid-hex session id, a base length, 4
@@ -46,8 +46,8 @@ from google.protobuf.internal import api_implementation
 
 from cluster.runtime.draft_block import DraftBlock, StepLoad, Verdict
 from cluster.runtime.sampling import SparseDistribution
-from cluster.tools.bench.frame_forms import CODECS, Result, VerifyEntry
 from cluster.tools.bench.output import figure, progress
+from experiments.frame_forms import CODECS, Result, VerifyEntry
 
 SESSIONS = (1, 8, 64)
 DRAFT_TOKENS = 4
@@ -419,7 +419,7 @@ def format_table(result: dict[str, Any], clock: str = "cpu") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m cluster.tools.bench.frame_codec", description=__doc__.splitlines()[0]
+        prog="python -m experiments.frame_codec", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--sessions", type=int, nargs="+", default=list(SESSIONS))
     parser.add_argument("--vocab", type=int, default=VOCAB, help="ids in a dense q row")

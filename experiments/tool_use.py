@@ -1,7 +1,7 @@
 """Tool use with `tool_choice: "auto"`: valid calls, acceptance and speed, with speculation and
 without.
 
-`python -m cluster.tools.bench.tool_use --preset qwen-coder` renders each prompt of a set
+`python -m experiments.tool_use --preset qwen-coder` renders each prompt of a set
 (`prompts/tool-use-10.jsonl`: a user's request and the tools a client would send as OpenAI's
 `tools`) with the target's chat template and its tools, and generates, through one in-process
 Tandem, in three modes, interleaved per prompt, their order alternated per prompt and repeat,
@@ -42,7 +42,7 @@ from cluster.api.tool_format import ToolFormat
 from cluster.api.tool_formats import DETECT, TOOL_FORMATS, choose_format
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.tools.bench.output import figure, progress
-from cluster.tools.bench.run import prompt_rows
+from cluster.tools.prompt_files import prompt_rows
 
 if TYPE_CHECKING:
     from cluster.local import LocalTandem
@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from cluster.config import TandemConfig
     from cluster.local import build_local
     from cluster.presets import PRESETS, resolve_pair
-    from cluster.tools.bench.structured import close
+    from experiments.structured import close
 
     prompts = load_tool_prompts(args.prompts)
     pair = resolve_pair(args.preset, None, None, args.dtype, args.device)
@@ -302,9 +302,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cluster.tools.bench.tool_use", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="python -m experiments.tool_use", description=__doc__)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the preset's)")
     parser.add_argument("--device", help="cpu or cuda (default: the preset's)")

@@ -1,6 +1,6 @@
 """Does the pre-drafting budget pay, or keep out of the way, on a preset? One stream, in process.
 
-`python -m cluster.tools.bench.predraft_probe --preset qwen-coder` loads the pair in this process
+`python -m experiments.predraft_probe --preset qwen-coder` loads the pair in this process
 with the adaptive plan on, and generates each prompt pipelined twice per repeat, interleaved:
 without pre-drafting (fan-out 0) and with the plan free to pre-draft up to `--fan-out`. It
 prints, per run, tokens/s, the rounds the plan pre-drafted and their hits, and at the end the
@@ -24,7 +24,7 @@ from cluster.runtime.limits import MAX_PREDRAFT_FAN_OUT
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cluster.tools.bench.predraft_probe")
+    parser = argparse.ArgumentParser(prog="python -m experiments.predraft_probe")
     parser.add_argument("--preset", default="qwen-coder")
     parser.add_argument("--prompts", help="jsonl as for tandem bench (default: its prompt set)")
     parser.add_argument("--num-prompts", type=int, default=4)
@@ -50,7 +50,7 @@ def probe(args: Any) -> dict[int, float]:
     from cluster.presets import resolve_pair
     from cluster.routing.draft_length_config import DraftLengthConfig
     from cluster.routing.request import GenerationRequest
-    from cluster.tools.bench.run import load_prompts
+    from cluster.tools.prompt_files import load_prompts
 
     local = build_local(resolve_pair(args.preset), draft_length=DraftLengthConfig(enabled=True))
     try:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 
 from cluster.runtime.tiny import VOCAB_SIZE, build_tokenizer
-from cluster.tools.grammar.bench import render
-from cluster.tools.grammar.engines import engine
-from cluster.tools.grammar.measure import OK, measure
-from cluster.tools.grammar.workloads import JSON_SCHEMA, LARK, REGEX, WORKLOADS
+from experiments.grammar.bench import render
+from experiments.grammar.engines import engine
+from experiments.grammar.measure import OK, measure
+from experiments.grammar.workloads import JSON_SCHEMA, LARK, REGEX, WORKLOADS
 
 
 @pytest.mark.parametrize("kind", [JSON_SCHEMA, REGEX, LARK])

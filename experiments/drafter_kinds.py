@@ -1,6 +1,6 @@
 """Every drafter kind on the same prompts, by category: which pays where? One stream, in process.
 
-`python -m cluster.tools.bench.drafter_kinds --preset qwen-coder --prompts FILE` loads the pair
+`python -m experiments.drafter_kinds --preset qwen-coder --prompts FILE` loads the pair
 in this process (the adaptive plan and prompt lookup on, as `tandem serve` runs them) and runs
 each prompt once per mode and repeat, the modes interleaved and their order rotated:
 
@@ -53,7 +53,7 @@ class Tally:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cluster.tools.bench.drafter_kinds")
+    parser = argparse.ArgumentParser(prog="python -m experiments.drafter_kinds")
     parser.add_argument("--preset", default="qwen-coder")
     parser.add_argument("--prompts", help="jsonl as for tandem bench (default: its prompt set)")
     parser.add_argument("--categories", nargs="*", help="only the prompts of these categories")
@@ -118,7 +118,8 @@ def run(args: Any, say: Callable[[str], None]) -> dict[str, Any]:
     from cluster.routing.request import GenerationRequest
     from cluster.routing.router import Router
     from cluster.runtime.models import load_model
-    from cluster.tools.bench.run import _hf_runner, load_prompts
+    from cluster.tools.bench.run import _hf_runner
+    from cluster.tools.prompt_files import load_prompts
     from drafter.config import NgramConfig, SuffixConfig
     from drafter.drafter import Drafter
     from drafter.suffix import SuffixDrafter

@@ -1,4 +1,4 @@
-"""The tool-use bench (`cluster.tools.bench.tool_use`) on the tiny pair: it runs and reports every
+"""The tool-use bench (`experiments.tool_use`) on the tiny pair: it runs and reports every
 mode, reads outputs as the API does, and the shipped prompts' tools compile as "auto" grammars.
 The tiny models write noise and never choose a call (tests/cluster/tool_seams.py), so here the
 call rate is what it is; the qwen-coder run (docs/structured-outputs.md) measures it."""
@@ -13,9 +13,9 @@ import llguidance.hf
 from cluster.api.tool_format_hermes import HermesFormat
 from cluster.runtime import tiny
 from cluster.runtime.constraint import Grammar, check_grammar
-from cluster.tools.bench.tool_use import MODES, judge_calls, load_tool_prompts, main
+from experiments.tool_use import MODES, judge_calls, load_tool_prompts, main
 
-SHIPPED = Path(__file__).parents[3] / "cluster" / "tools" / "prompts" / "tool-use-10.jsonl"
+SHIPPED = Path(__file__).parents[2] / "cluster" / "tools" / "prompts" / "tool-use-10.jsonl"
 
 
 def test_bench_reports_each_mode_on_the_tiny_pair(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Structured outputs: what a JSON schema costs and keeps, with speculation and without.
 
-`python -m cluster.tools.bench.structured --preset qwen-coder` asks the target, through one
+`python -m experiments.structured --preset qwen-coder` asks the target, through one
 in-process Tandem, to extract JSON from each prompt of a set (`prompts/json-extraction-10.jsonl`:
 a passage, an instruction and the JSON schema a client would send as OpenAI's
 `response_format`), rendered with the target's chat template, the schema stated in the user's
@@ -40,7 +40,7 @@ import jsonschema  # type: ignore[import-untyped]  # the dev extra's, no stubs
 
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.tools.bench.output import figure, progress
-from cluster.tools.bench.run import prompt_rows
+from cluster.tools.prompt_files import prompt_rows
 
 if TYPE_CHECKING:
     from cluster.local import LocalTandem
@@ -325,9 +325,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cluster.tools.bench.structured", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="python -m experiments.structured", description=__doc__)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the preset's)")
     parser.add_argument("--device", help="cpu or cuda (default: the preset's)")

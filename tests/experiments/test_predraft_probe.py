@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.tools.bench.predraft_probe import main
+from experiments.predraft_probe import main
 
 
 def test_the_probe_reports_both_caps_and_their_ratio(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.sampling import SparseDistribution
-from cluster.tools.bench.frame_codec import (
+from experiments.frame_codec import (
     GREEDY,
     build_frames,
     check_round_trip,
@@ -22,7 +22,7 @@ from cluster.tools.bench.frame_codec import (
     same_entries,
     same_results,
 )
-from cluster.tools.bench.frame_forms import CODECS, MsgpackFrames, ProtobufFrames, VerifyEntry
+from experiments.frame_forms import CODECS, MsgpackFrames, ProtobufFrames, VerifyEntry
 
 VOCAB = 300
 

@@ -1,4 +1,4 @@
-"""The workloads of the grammar bench (`cluster.tools.grammar.bench`): a constraint each, and a
+"""The workloads of the grammar bench (`experiments.grammar.bench`): a constraint each, and a
 valid output to walk along it.
 
 - `json_schema`: `INVOICE_SCHEMA`, an invoice extraction record (24 properties: nested parties

@@ -1,12 +1,12 @@
 """Grammar engines for structured outputs, measured on one tokenizer's full vocabulary.
 
-`python -m cluster.tools.grammar.bench --tokenizer PATH [--engines llguidance xgrammar
+`python -m experiments.grammar.bench --tokenizer PATH [--engines llguidance xgrammar
 outlines-core] [--json OUT]` measures each engine that imports (one that does not is skipped,
 and the report says why) on three workloads, each with a valid output to walk: a JSON schema,
-a regex and a Lark grammar (`cluster.tools.grammar.workloads`). The engines sit behind one
-interface (`cluster.tools.grammar.engines`); what is measured per engine and workload (compile
+a regex and a Lark grammar (`experiments.grammar.workloads`). The engines sit behind one
+interface (`experiments.grammar.engines`); what is measured per engine and workload (compile
 and mask times, rollback, k + 1 block masks, the GIL) is listed in
-`cluster.tools.grammar.measure`.
+`experiments.grammar.measure`.
 
 Each (engine, workload) pair runs in a child process of its own, so engines never share imports
 or threads, and a compile still running after `--timeout-s` is killed and reported as timed
@@ -32,15 +32,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from cluster.tools.grammar.engines import ENGINES, engine
-from cluster.tools.grammar.measure import (
+from experiments.grammar.engines import ENGINES, engine
+from experiments.grammar.measure import (
     DRAFT_TOKENS,
     OK,
     ROLLBACK_TOKENS,
     WorkloadReport,
     measure,
 )
-from cluster.tools.grammar.workloads import WORKLOADS
+from experiments.grammar.workloads import WORKLOADS
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -72,7 +72,7 @@ def _child(args: argparse.Namespace) -> None:
 
 
 def _run_child(args: argparse.Namespace, name: str, kind: str) -> dict[str, Any]:
-    command = [sys.executable, "-m", "cluster.tools.grammar.bench", "--tokenizer", args.tokenizer]
+    command = [sys.executable, "-m", "experiments.grammar.bench", "--tokenizer", args.tokenizer]
     command += ["--child", name, kind]
     if args.vocab_size:
         command += ["--vocab-size", str(args.vocab_size)]

@@ -12,7 +12,7 @@ import pytest
 
 import cluster.local
 from cluster.local import build_local
-from cluster.tools.bench.structured import (
+from experiments.structured import (
     MODES,
     NOT_JSON,
     SCHEMA_MISMATCH,

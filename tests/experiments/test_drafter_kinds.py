@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from cluster.tools.bench.drafter_kinds import TARGET, main, measure, settings, summarize
+from experiments.drafter_kinds import TARGET, main, measure, settings, summarize
 
 
 def test_settings_parse_suffix_fields_and_refuse_others() -> None:

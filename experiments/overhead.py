@@ -1,6 +1,6 @@
 """Measure the data plane: what one block costs over gRPC against the same calls in-process.
 
-`python -m cluster.tools.bench.overhead` finds the drafter and verifier replicas of the running
+`python -m experiments.overhead` finds the drafter and verifier replicas of the running
 service
 (TANDEM_HOME, as `tandem serve` recorded it) and times, per block, router -> drafter -> router
 -> verifier -> router: `draft` then `verify` of a greedy session. The same sessions then run on

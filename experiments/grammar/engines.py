@@ -1,4 +1,4 @@
-"""The grammar engines the grammar bench (`cluster.tools.grammar.bench`) measures, each behind one
+"""The grammar engines the grammar bench (`experiments.grammar.bench`) measures, each behind one
 small interface.
 
 A `GrammarEngine` builds its view of a tokenizer and compiles a `Workload` into a `Matcher`; a
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import NDArray
 
-from cluster.tools.grammar.workloads import JSON_SCHEMA, LARK, REGEX, Workload
+from experiments.grammar.workloads import JSON_SCHEMA, LARK, REGEX, Workload
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

@@ -1,6 +1,6 @@
 """The seed-exact rule against rejection sampling: acceptance and speed, by prompt category.
 
-`python -m cluster.tools.bench.rule --preset qwen-coder --temperature 0.7` runs every prompt of
+`python -m experiments.rule --preset qwen-coder --temperature 0.7` runs every prompt of
 a set (`tandem bench`'s, with categories) under each seed through one in-process Tandem, once
 per rule, the two rules interleaved and their order alternated per seed, and reports per
 category and overall: acceptance (accepted over drafted tokens, summed over requests), tokens
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.tools.bench.output import figure
-from cluster.tools.bench.run import Prompt, load_prompts
+from cluster.tools.prompt_files import Prompt, load_prompts
 
 RULES = ("seed_exact", "rejection")
 
@@ -192,7 +192,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cluster.tools.bench.rule", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m experiments.rule", description=__doc__)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the preset's)")
     parser.add_argument("--device", help="cpu or cuda (default: the preset's)")

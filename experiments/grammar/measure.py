@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cluster.tools.grammar.engines import GrammarEngine, Matcher, Words
-from cluster.tools.grammar.workloads import Workload
+from experiments.grammar.engines import GrammarEngine, Matcher, Words
+from experiments.grammar.workloads import Workload
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

@@ -1,4 +1,4 @@
-"""Which replicas `cluster.tools.bench.overhead` drives: any one per side, or a drafter and a
+"""Which replicas `experiments.overhead` drives: any one per side, or a drafter and a
 verifier
 on two different Ray nodes (`--across-nodes`). The choice is plain data in, data out."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.serve.local_cluster import ClusterError
-from cluster.tools.bench.overhead import UNKNOWN_NODE, choose_pair, replica_nodes
+from experiments.overhead import UNKNOWN_NODE, choose_pair, replica_nodes
 
 
 def replica(replica_id: str) -> dict[str, object]:
