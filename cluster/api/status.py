@@ -10,8 +10,9 @@ else is a bug: its traceback is logged here and the client gets INTERNAL with th
 that frees up with time (see `cluster.api.tenants`); the message of such an error also ends with
 "; retry in N s", which is all a client gets through Ray Serve's proxy.
 
-Both public fronts use it, the plain gRPC servicer (`tests.cluster.grpc_front`) and the Ray Serve
-ingress, so the same failure reaches a client with the same code and words either way.
+Every door of the public API uses it (the one servicer, `cluster.serve.tandem_servicer`, on the
+router's own server and through Serve's proxy), so the same failure reaches a client with the
+same code and words either way.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from cluster.wire.metadata import (
     RETRY_AFTER_METADATA_KEY,
     SECRET_METADATA_KEY,
 )
-from cluster.wire.status import status_code
+from cluster.wire.status import put_status, status_code
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,13 @@ the engine can form."""
 R = TypeVar("R")
 
 
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
-    context.abort(code, details)
+def _abort(
+    context: grpc.ServicerContext,
+    code: grpc.StatusCode,
+    details: str,
+    trailers: tuple[tuple[str, str], ...] = (),
+) -> NoReturn:
+    context.abort(*put_status(context, code, details, trailers))
     # context.abort always raises; this line only tells the type checker so.
     raise AssertionError("grpc.ServicerContext.abort returned")
 
@@ -96,10 +101,11 @@ class CallGuard:
                 return call()
         except TandemError as error:
             retry_after_s = getattr(error, "retry_after_s", None)
+            trailers: tuple[tuple[str, str], ...] = ()
             if retry_after_s is not None:
                 milliseconds = str(max(1, round(retry_after_s * 1000)))
-                context.set_trailing_metadata(((RETRY_AFTER_METADATA_KEY, milliseconds),))
-            _abort(context, status_code(error.status), str(error))
+                trailers = ((RETRY_AFTER_METADATA_KEY, milliseconds),)
+            _abort(context, status_code(error.status), str(error), trailers)
         except Exception:
             logger.exception("%s.%s failed unexpectedly", self._component_name, method)
             _abort(context, grpc.StatusCode.INTERNAL, INTERNAL_ERROR_MESSAGE)

@@ -1,17 +1,11 @@
 """The router replica's own gRPC server: every stream on one event loop, no thread per call.
 
 `GrpcFront` runs a `grpc.aio` server on an asyncio event loop of its own thread in the router
-replica. `tandem.v1.Tandem`'s generation calls run as steps (`cluster.routing.waits`): the
-request's router loop runs on the loop's thread between its waits, and each wait for a replica
-(a frame entry's answer, a place in the router's queue) is awaited there. So 1,000 streams cost
-the same threads as one, and a frame that answers many sessions wakes one thread, not one per
-session. What a slow reader has pending is merged into one chunk (`cluster.serve.calls.
-stream_merged`, as on Serve's proxies). A client that goes away cancels its call's task, which
-closes its steps: its sessions are freed. The client's gRPC deadline is the request's.
-
-The calls that do not generate: Cancel and GetUsage are quick and run on the loop; Audit (a
-replay through the plain target, which may wait long) and the health check's look at the
-replicas run on the loop's default executor.
+replica, with the public API's one servicer (`cluster.serve.tandem_servicer.TandemServicer`:
+generation as steps on the loop, so 1,000 streams cost the same threads as one) and gRPC
+health (`AsyncHealthServicer`). Here the client's gRPC deadline is the request's
+(`caller_of`), and a failed call is aborted with its status (`abort_call`). The health check's
+look at the replicas runs on the loop's default executor.
 
 What an anonymous client can hold or make the router do is bounded:
 - Every call but the health service's is authenticated before its payload is parsed
@@ -30,12 +24,10 @@ the replicas' servers. The server binds with SO_REUSEPORT (see `cluster.serve.fr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from typing import Any, NoReturn
 
 import grpc
@@ -43,18 +35,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.api.caller import Caller
-from cluster.api.convert import chunk_to_proto, response_to_proto
-from cluster.api.grpc_api import GrpcApi
-from cluster.api.grpc_servicer import caller_of
-from cluster.api.response import ApiChunk, coalesce, merge
 from cluster.api.service import TandemService
-from cluster.api.status import status_of, trailers_of
 from cluster.api.tenants import bearer_key
 from cluster.config import FrontConfig
-from cluster.routing.waits import Wait
-from cluster.serve.calls import stream_merged
+from cluster.runtime.errors import ResourceExhaustedError
+from cluster.serve.tandem_servicer import Fail, TandemServicer, abort_call
 from cluster.wire.metadata import MAX_MESSAGE_BYTES
-from protos import generate_pb2, generate_pb2_grpc
+from protos import generate_pb2_grpc
 
 START_TIMEOUT_S = 30.0
 HEALTH_WATCH_PERIOD_S = 1.0
@@ -63,92 +50,18 @@ BLOCKING_THREADS = 16
 HEALTH_SERVICE = "/grpc.health.v1.Health/"
 
 
-async def _abort(context: grpc.aio.ServicerContext, error: Exception) -> NoReturn:
-    code, message = status_of(error)
-    trailers = trailers_of(error)
-    if trailers:
-        context.set_trailing_metadata(trailers)
-    await context.abort(code, message)
-    raise AssertionError("grpc.aio.ServicerContext.abort returned")
-
-
-class AsyncTandemServicer(generate_pb2_grpc.TandemServicer):
-    """`tandem.v1.Tandem` over one `TandemService`, on the event loop (see the module doc)."""
-
-    def __init__(self, service: TandemService, threads: ThreadPoolExecutor) -> None:
-        """`threads`: where a request runs if its router's replicas do not answer on frames
-        (`TandemService.waits_without_threads` is False), and the audit's replays."""
-        self._api = GrpcApi(service)
-        self._service = service
-        self._threads = threads
-
-    def _chunks(
-        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncGenerator[ApiChunk, None]:
-        caller = caller_of(context)
-
-        def steps() -> Iterator[ApiChunk | Wait]:
-            # Made in the first step, so that validating and tokenizing run off the loop.
-            yield from self._api.chunk_steps(request, caller)
-
-        return stream_merged(steps(), self._threads, coalesce)
-
-    async def Generate(
-        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> generate_pb2.GenerateResponse:
-        try:
-            async with contextlib.aclosing(self._chunks(request, context)) as chunks:
-                return response_to_proto(merge([chunk async for chunk in chunks]))
-        except Exception as error:
-            await _abort(context, error)
-
-    async def GenerateStream(
-        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[generate_pb2.GenerateChunk]:
-        try:
-            # Closed however the call ends (`async for` left by an exception does not close).
-            async with contextlib.aclosing(self._chunks(request, context)) as chunks:
-                async for chunk in chunks:
-                    yield chunk_to_proto(chunk)
-        except Exception as error:
-            await _abort(context, error)
-
-    async def Cancel(
-        self, request: generate_pb2.CancelRequest, context: grpc.aio.ServicerContext
-    ) -> generate_pb2.CancelResponse:
-        try:
-            self._api.cancel(request, caller_of(context))
-            return generate_pb2.CancelResponse()
-        except Exception as error:
-            await _abort(context, error)
-
-    async def GetUsage(
-        self, request: generate_pb2.UsageRequest, context: grpc.aio.ServicerContext
-    ) -> generate_pb2.TenantUsage:
-        try:
-            return self._api.usage(caller_of(context))
-        except Exception as error:
-            await _abort(context, error)
-
-    async def Audit(
-        self, request: generate_pb2.AuditRequest, context: grpc.aio.ServicerContext
-    ) -> generate_pb2.AuditResponse:
-        try:
-            caller = caller_of(context)
-            audit = partial(self._api.audit, request, caller, lambda: not context.cancelled())
-            return await asyncio.get_running_loop().run_in_executor(self._threads, audit)
-        except Exception as error:
-            await _abort(context, error)
-
-
 class AsyncHealthServicer(health_pb2_grpc.HealthServicer):
     """gRPC health: SERVING while `healthy()` (run off the loop: it may read the registry).
     At most `limits.max_health_watches` `Watch` streams at once, and
     `limits.max_health_watches_per_caller` from one peer address (RESOURCE_EXHAUSTED past
-    either)."""
+    either, through `fail`, as `TandemServicer`'s). Every door serves it: the router's own
+    server and, through Serve's proxy, the ingress."""
 
-    def __init__(self, healthy: Callable[[], bool], limits: FrontConfig) -> None:
+    def __init__(
+        self, healthy: Callable[[], bool], limits: FrontConfig, fail: Fail = abort_call
+    ) -> None:
         self._healthy = healthy
+        self._fail = fail
         self._max_watches = limits.max_health_watches
         self._max_per_caller = limits.max_health_watches_per_caller
         self._watches: Counter[str] = Counter()
@@ -163,23 +76,28 @@ class AsyncHealthServicer(health_pb2_grpc.HealthServicer):
         )
 
     async def Check(
-        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+        self, request: health_pb2.HealthCheckRequest, context: Any = None
     ) -> health_pb2.HealthCheckResponse:
         return health_pb2.HealthCheckResponse(status=await self._status())
 
     async def Watch(
-        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        caller = peer_address(context.peer())
+        self, request: health_pb2.HealthCheckRequest, context: Any = None
+    ) -> AsyncGenerator[health_pb2.HealthCheckResponse, None]:
+        caller = peer_address(context.peer()) if context is not None else ""
         if self._watches.total() >= self._max_watches:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"at most {self._max_watches} health watches at once: poll with Check",
+            await self._fail(
+                context,
+                ResourceExhaustedError(
+                    f"at most {self._max_watches} health watches at once: poll with Check"
+                ),
             )
         if self._watches[caller] >= self._max_per_caller:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"at most {self._max_per_caller} health watches from one caller: poll with Check",
+            await self._fail(
+                context,
+                ResourceExhaustedError(
+                    f"at most {self._max_per_caller} health watches from one caller: poll "
+                    "with Check"
+                ),
             )
         self._watches[caller] += 1
         try:
@@ -233,10 +151,10 @@ def _refusal(handler: Any, error: Exception) -> Any:
     """A handler of `handler`'s kind that answers `error`'s status, its payload left as bytes."""
 
     async def refuse(_: object, context: grpc.aio.ServicerContext) -> NoReturn:
-        await _abort(context, error)
+        await abort_call(context, error)
 
     async def refuse_stream(_: object, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await _abort(context, error)
+        await abort_call(context, error)
         yield  # never reached: a generator, as a streaming handler must be
 
     if handler.request_streaming and handler.response_streaming:
@@ -302,11 +220,13 @@ class GrpcFront:
         port: int,
         max_streams: int,
         limits: FrontConfig | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         """Serve on `host:port` (0: a free port, then `self.port`); at most `max_streams`
         calls at once (one more is answered RESOURCE_EXHAUSTED), with `limits`' message size
-        and health watches (default: `FrontConfig`'s; its ports and host are not read).
-        Raises RuntimeError, naming the address, when it cannot bind."""
+        and health watches (default: `FrontConfig`'s; its ports and host are not read), and
+        `interceptors` after the front's own. Raises RuntimeError, naming the address, when it
+        cannot bind."""
         limits = FrontConfig() if limits is None else limits
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -315,7 +235,7 @@ class GrpcFront:
         self._thread.start()
         self._server: grpc.aio.Server | None = None
         self._threads = ThreadPoolExecutor(BLOCKING_THREADS, thread_name_prefix="grpc-front")
-        start = self._start(service, healthy, host, port, max_streams, limits)
+        start = self._start(service, healthy, host, port, max_streams, limits, interceptors)
         try:
             self.port: int = asyncio.run_coroutine_threadsafe(start, self._loop).result(
                 START_TIMEOUT_S
@@ -332,9 +252,10 @@ class GrpcFront:
         port: int,
         max_streams: int,
         limits: FrontConfig,
+        interceptors: Sequence[grpc.aio.ServerInterceptor],
     ) -> int:
         server = grpc.aio.server(
-            interceptors=[KeyCheck(service.authenticate), ParseCheck()],
+            interceptors=[KeyCheck(service.authenticate), ParseCheck(), *interceptors],
             options=[
                 ("grpc.max_receive_message_length", limits.max_request_bytes),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -342,7 +263,7 @@ class GrpcFront:
             ],
             maximum_concurrent_rpcs=max_streams,
         )
-        servicer = AsyncTandemServicer(service, self._threads)
+        servicer = TandemServicer(service, self._threads)
         generate_pb2_grpc.add_TandemServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(AsyncHealthServicer(healthy, limits), server)
         names = ("tandem.v1.Tandem", "grpc.health.v1.Health", reflection.SERVICE_NAME)
@@ -357,11 +278,12 @@ class GrpcFront:
         self._server = server
         return bound_port
 
-    def stop(self, grace_s: float) -> None:
-        """Refuse new calls, give calls in flight `grace_s`, then cancel them; end the loop."""
+    def stop(self, grace_s: float | None) -> None:
+        """Refuse new calls, give calls in flight `grace_s` (None: none), then cancel them; end
+        the loop."""
         if self._server is not None:
             stopping = asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self._loop)
-            stopping.result(grace_s + START_TIMEOUT_S)
+            stopping.result((grace_s or 0.0) + START_TIMEOUT_S)
             self._server = None
         self._end_loop()
 

@@ -10,15 +10,14 @@ live node's Ray metrics agent (where `tandem status` reads them too) and serves 
 of them, names as the agents serve them (`ray_tandem_...`, `cluster.metrics.tandem_exposition`).
 
 A thin shell (the app builder applies `serve.deployment`): Serve's gRPC proxy calls the method
-named like the RPC, and `cluster.api.grpc_api.GrpcApi` turns its messages into the service's
-domain types and back (`cluster.api.convert`): protobuf lives on this face only. The router loop
-is synchronous and blocks on replica calls, so each request runs on a thread of this replica
-while the event loop stays free. A stream runs on one thread that hands its domain chunks to
-the event loop (`cluster.serve.calls.stream_in_thread`); each time Serve asks for the next
-chunk, everything pending is merged into one (`cluster.api.response.coalesce`) and converted to
-one `GenerateChunk`, so a lagging client gets fewer chunks with the same tokens and text. When
-Serve cancels a request (the client cancelled or its deadline passed), the thread finishes the
-step it is in and then closes the generation, which frees the sessions on both replicas.
+named like the RPC, and each is the public API's one servicer's
+(`cluster.serve.tandem_servicer.TandemServicer`, the same behind every door: generation as
+steps on this replica's event loop, a stream's pending chunks merged into one `GenerateChunk`
+each time Serve asks for the next, a cancelled call's sessions freed). What the ingress injects
+is what Serve's proxy changes: the caller's deadline comes from metadata (below), and a failed
+call's status is set on Serve's context, which has no `abort`. gRPC health is
+`cluster.serve.front_grpc.AsyncHealthServicer`'s, its watches bounded as on the router's own
+server.
 
 The router's own servers (`config.front`, `cluster.serve.front.RouterFront`): the same two
 APIs on ports of this replica, over the same service, with no Serve proxy in between.
@@ -34,7 +33,7 @@ client states its deadline in the `x-tandem-deadline-ms` metadata (`DEADLINE_MET
 read by `cluster.serve.calls.deadline_of`, which reads the HTTP face's header too): the
 milliseconds it has left when it sends the call, an integer (0 or less: already passed).
 `TandemClient` and `AsyncTandemClient` send it with every Generate and GenerateStream call
-that has a timeout. On Generate and GenerateStream the deadline is then this replica's clock
+that has a timeout. The deadline is then this replica's clock
 at arrival plus that many milliseconds (the time the call spent in the proxy is not counted,
 so it ends a little after the client's), and it is honoured exactly as on a plain gRPC front:
 one already passed is DEADLINE_EXCEEDED before the request is admitted; a queued request waits
@@ -49,10 +48,8 @@ set by `tandem serve`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import threading
 import urllib.request
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -64,10 +61,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from cluster.api.caller import Caller
-from cluster.api.convert import chunk_to_proto
-from cluster.api.grpc_api import GrpcApi
 from cluster.api.openai import OpenAIService, served_model_name
-from cluster.api.response import coalesce
 from cluster.api.service import TandemService
 from cluster.api.status import status_of, trailers_of
 from cluster.api.tenants import Tenants, bearer_key
@@ -81,9 +75,12 @@ from cluster.routing.router import Router
 from cluster.runtime.constraint import grammar_tokenizer_of, warm_up
 from cluster.runtime.errors import TandemError
 from cluster.runtime.models import load_tokenizer
-from cluster.serve.calls import deadline_of, stream_merged
+from cluster.serve.calls import deadline_of
 from cluster.serve.front import RouterFront
+from cluster.serve.front_grpc import AsyncHealthServicer
 from cluster.serve.http import OpenAIHttp
+from cluster.serve.tandem_servicer import TandemServicer
+from cluster.wire.status import put_status
 from protos import generate_pb2
 
 logger = logging.getLogger(__name__)
@@ -173,14 +170,15 @@ class RouterIngress:
             max_context_tokens=config.verifier_limits.max_context_tokens,
             audit=config.audit,
         )
-        self._api = GrpcApi(self._service)
         self._threads = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="request")
+        self._grpc = TandemServicer(self._service, self._threads, _caller, _fail)
         tool_format = choose_format(
             config.api.tool_parser or config.models.tool_parser(),
             self._service.reader.chat_template,
         )
         openai = OpenAIService(self._service, served_model_name(config.models), tool_format)
         self._probes = IngressProbes(self._pool)
+        self._health = AsyncHealthServicer(self._probes.healthy, config.front, _fail)
         self._http = OpenAIHttp(
             openai,
             self._threads,
@@ -198,94 +196,49 @@ class RouterIngress:
         """Serve's HTTP proxy: the OpenAI-compatible API (`cluster.serve.http`)."""
         return await self._http(request)
 
+    # The public gRPC API through Serve's proxy: the one servicer's calls, by name.
+
     async def Generate(
         self, request: generate_pb2.GenerateRequest, grpc_context: Any = None
     ) -> generate_pb2.GenerateResponse:
-        active = threading.Event()
-        active.set()
-        try:
-            future = self._threads.submit(
-                self._api.generate, request, active.is_set, _caller(grpc_context, timed=True)
-            )
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            active.clear()
-            raise
-        except Exception as error:
-            _fail(grpc_context, error)
+        return await self._grpc.Generate(request, grpc_context)
 
     async def GenerateStream(
         self, request: generate_pb2.GenerateRequest, grpc_context: Any = None
     ) -> AsyncIterator[generate_pb2.GenerateChunk]:
-        try:
-            steps = self._api.chunk_steps(request, _caller(grpc_context, timed=True))
-            merged = stream_merged(steps, self._threads, coalesce)
-            # Closed however the call ends (`async for` left by an exception does not close).
-            async with contextlib.aclosing(merged) as chunks:
-                async for chunk in chunks:
-                    yield chunk_to_proto(chunk)
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:
-            _fail(grpc_context, error)
+        # Closed with this call (an abandoned `async for` would leave it open until collected,
+        # and its sessions held until then).
+        async with contextlib.aclosing(self._grpc.GenerateStream(request, grpc_context)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def Cancel(
         self, request: generate_pb2.CancelRequest, grpc_context: Any = None
     ) -> generate_pb2.CancelResponse:
-        try:
-            self._api.cancel(request, _caller(grpc_context))
-            return generate_pb2.CancelResponse()
-        except Exception as error:
-            _fail(grpc_context, error)
+        return await self._grpc.Cancel(request, grpc_context)
 
     async def GetUsage(
         self, request: generate_pb2.UsageRequest, grpc_context: Any = None
     ) -> generate_pb2.TenantUsage:
-        try:
-            return self._api.usage(_caller(grpc_context))
-        except Exception as error:
-            _fail(grpc_context, error)
+        return await self._grpc.GetUsage(request, grpc_context)
 
     async def Audit(
         self, request: generate_pb2.AuditRequest, grpc_context: Any = None
     ) -> generate_pb2.AuditResponse:
-        active = threading.Event()
-        active.set()
-        try:
-            future = self._threads.submit(
-                self._api.audit, request, _caller(grpc_context, timed=True), active.is_set
-            )
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            active.clear()
-            raise
-        except Exception as error:
-            _fail(grpc_context, error)
-
-    def _health(self) -> int:
-        return (
-            health_pb2.HealthCheckResponse.SERVING
-            if self._probes.healthy()
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        return await self._grpc.Audit(request, grpc_context)
 
     async def Check(
         self, request: health_pb2.HealthCheckRequest, grpc_context: Any = None
     ) -> health_pb2.HealthCheckResponse:
         """SERVING while at least one verifier replica is live."""
-        status = await asyncio.to_thread(self._health)
-        return health_pb2.HealthCheckResponse(status=status)
+        return await self._health.Check(request, grpc_context)
 
     async def Watch(
         self, request: health_pb2.HealthCheckRequest, grpc_context: Any = None
     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        last = None
-        while True:
-            status = await asyncio.to_thread(self._health)
-            if status != last:
-                last = status
-                yield health_pb2.HealthCheckResponse(status=status)
-            await asyncio.sleep(HEALTH_WATCH_PERIOD_S)
+        async with contextlib.aclosing(self._health.Watch(request, grpc_context)) as statuses:
+            async for status in statuses:
+                yield status
 
     def __del__(self) -> None:
         front = getattr(self, "_front", None)
@@ -300,20 +253,16 @@ class RouterIngress:
             pool.close()
 
 
-def _caller(grpc_context: Any, timed: bool = False) -> Caller:
-    """The call's `authorization` metadata and, if `timed`, the deadline its
-    `x-tandem-deadline-ms` metadata states (see the module docstring)."""
+def _caller(grpc_context: Any) -> Caller:
+    """The call's `authorization` metadata and the deadline its `x-tandem-deadline-ms` metadata
+    states (see the module docstring)."""
     metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
-    return Caller(bearer_key(metadata), deadline_of(metadata) if timed else None)
+    return Caller(bearer_key(metadata), deadline_of(metadata))
 
 
-def _fail(grpc_context: Any, error: Exception) -> NoReturn:
-    """Give the client the error's status, message and trailers, then end the call."""
-    code, message = status_of(error)
+async def _fail(grpc_context: Any, error: Exception) -> NoReturn:
+    """Give the client the error's status, message and trailers (Serve's context has no
+    `abort`: the proxy sends what is set on it), then end the call."""
     if grpc_context is not None:
-        grpc_context.set_code(code)
-        grpc_context.set_details(message)
-        trailers = trailers_of(error)
-        if trailers:
-            grpc_context.set_trailing_metadata(list(trailers))
+        put_status(grpc_context, *status_of(error), trailers_of(error))
     raise error

@@ -12,7 +12,8 @@ own gets both directions here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import grpc
 
@@ -38,6 +39,22 @@ def status_code(status: str) -> grpc.StatusCode:
     plausible code.
     """
     return grpc.StatusCode.__members__.get(status, grpc.StatusCode.INTERNAL)
+
+
+def put_status(
+    context: Any, code: grpc.StatusCode, message: str, trailers: Sequence[tuple[str, str]] = ()
+) -> tuple[grpc.StatusCode, str]:
+    """Set a failed call's status on its server context: its trailing metadata (when there are
+    any), code and message; returns (code, message), for a gRPC context's `abort`. Every server
+    of Tandem fails a call through this: the replicas' (`cluster.replica.rpc.CallGuard`, a
+    synchronous gRPC context), the public API's on an event loop
+    (`cluster.serve.tandem_servicer.abort_call`) and through Serve's proxy, whose context has
+    no `abort` (`cluster.serve.ingress`)."""
+    if trailers:
+        context.set_trailing_metadata(list(trailers))  # Serve's context adds a list to it
+    context.set_code(code)
+    context.set_details(message)
+    return code, message
 
 
 ERRORS_BY_CODE: Mapping[grpc.StatusCode, type[TandemError]] = {

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from contextlib import aclosing
 from typing import Any
 
@@ -26,8 +25,7 @@ from cluster.api.tenants import Tenants
 from cluster.local import LocalTandem
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
-from protos import generate_pb2_grpc
-from tests.cluster.grpc_front import TandemServicer, serve_local
+from tests.cluster.grpc_front import serve_local
 from tests.conftest import CODE_PROMPT
 
 MAX_TOKENS = 24
@@ -255,24 +253,21 @@ def test_leaving_an_async_stream_cancels_it_and_frees_the_sessions(
     wait_until_freed(local_tandem)
 
 
-class _MetadataRecorder(grpc.ServerInterceptor):  # type: ignore[misc]
+class _MetadataRecorder(grpc.aio.ServerInterceptor):
     def __init__(self) -> None:
         self.seen: list[tuple[tuple[str, str], ...]] = []
 
-    def intercept_service(self, continuation: Any, details: Any) -> Any:
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
         self.seen.append(tuple(details.invocation_metadata))
-        return continuation(details)
+        return await continuation(details)
 
 
 def test_metadata_and_application_go_with_every_call(local_tandem: LocalTandem) -> None:
     recorder = _MetadataRecorder()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), interceptors=[recorder])
     service = TandemService(
         local_tandem.router, local_tandem.tokenizer, tenants=Tenants.unauthenticated()
     )
-    generate_pb2_grpc.add_TandemServicer_to_server(TandemServicer(service), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = serve_local(service, interceptors=[recorder])
     try:
         with TandemClient(
             f"127.0.0.1:{port}", metadata=[("tenant", "acme")], application="tandem"

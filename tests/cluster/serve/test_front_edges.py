@@ -143,14 +143,23 @@ class Aborted(Exception):
 
 
 class PeerContext:
-    """What `AsyncHealthServicer.Watch` reads of its context: the caller's peer string, and
-    `abort` (which raises, as gRPC's does)."""
+    """What `AsyncHealthServicer.Watch` reads of its context: the caller's peer string, the
+    status set on it, and `abort` (which raises, as gRPC's does)."""
 
     def __init__(self, peer: str) -> None:
         self._peer = peer
 
     def peer(self) -> str:
         return self._peer
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        pass
+
+    def set_details(self, details: str) -> None:
+        pass
+
+    def set_trailing_metadata(self, trailers: Any) -> None:
+        pass
 
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise Aborted(code, details)

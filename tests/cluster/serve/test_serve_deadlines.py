@@ -68,12 +68,14 @@ def test_the_deadline_metadata_is_milliseconds_left_from_arrival() -> None:
             deadline_of([(DEADLINE_METADATA_KEY, bad)], now)
 
 
-def test_only_generation_calls_take_the_deadline() -> None:
+def test_a_call_s_caller_is_its_key_and_the_deadline_its_metadata_states() -> None:
+    """As on the router's own server, where every call has its gRPC deadline (Cancel and
+    GetUsage have nothing to bound with it)."""
     context = Context([("authorization", "Bearer k"), (DEADLINE_METADATA_KEY, "5000")])
-    timed = _caller(context, timed=True)
-    assert timed.authorization == "Bearer k" and timed.deadline is not None
-    assert _caller(context) == Caller("Bearer k")  # Cancel and GetUsage: no deadline to honour
-    assert _caller(None, timed=True) == Caller()
+    caller = _caller(context)
+    assert caller.authorization == "Bearer k" and caller.deadline is not None
+    assert _caller(Context([("authorization", "Bearer k")])) == Caller("Bearer k")
+    assert _caller(None) == Caller()
 
 
 def test_the_client_sends_its_timeout_as_the_deadline_metadata() -> None:
@@ -88,7 +90,7 @@ def test_a_deadline_already_passed_runs_nothing(local_tandem: LocalTandem) -> No
         local_tandem.router, local_tandem.tokenizer, tenants=Tenants.unauthenticated()
     )
     message = generate_pb2.GenerateRequest(text=CODE_PROMPT, max_tokens=8)
-    past = _caller(Context([(DEADLINE_METADATA_KEY, "0")]), timed=True)
+    past = _caller(Context([(DEADLINE_METADATA_KEY, "0")]))
     with pytest.raises(DeadlineExceededError, match="had passed when it arrived") as error:
         GrpcApi(service).stream(message, past)
     assert status_of(error.value)[0] == grpc.StatusCode.DEADLINE_EXCEEDED
