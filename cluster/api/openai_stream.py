@@ -2,7 +2,7 @@
 
 `OpenAIService.open_stream` returns the service's stream of `ApiChunk`s (`cluster.api.response`)
 and a `ChunkBodies` for it; the stream may be merged first (the Serve HTTP face sends a lagging
-client what is pending as one chunk: `cluster.serve.calls.stream_in_thread`), since the bodies
+client what is pending as one chunk: `cluster.serve.calls.stream_merged`), since the bodies
 of merged chunks say the same as those of the chunks merged: their text concatenated, the same
 finish reason and final usage, `continuous_usage_stats` counting the tokens generated up to each.
 

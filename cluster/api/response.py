@@ -6,7 +6,7 @@ and, on the last one, the usage and speculation counters); the gRPC face convert
 (`cluster.api.openai`).
 
 Merging: a client that reads slower than tokens are committed lets chunks pile up; the Serve
-faces send what is pending as one chunk (`cluster.serve.calls.stream_in_thread`), as vLLM's
+faces send what is pending as one chunk (`cluster.serve.calls.stream_merged`), as vLLM's
 per-request output collector does, so each chunk crossing Serve's proxy carries as many tokens
 as are ready. `merge` makes one chunk of a run of consecutive chunks of one request: tokens
 and text concatenated, the last finish reason, usage and counters kept. `coalesce` merges what

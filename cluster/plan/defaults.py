@@ -14,7 +14,7 @@ CATEGORIES = ("agentic", "summarise", "reasoning")
 """The workload categories of the shipped prompt sets (`cluster/tools/prompts/`)."""
 
 # The suffix drafter's cost: its replica's CPU at 16 and 64 streams came to 0.41-0.45 ms a
-# round (0.050 ms a token at 8.3-9.1 tokens a round, docs/loadtest-sim-h100-8b-calibration-
+# round (0.050 ms a token at 8.3-9.1 tokens a round, docs/runs/loadtest-sim-h100-8b-calibration-
 # greedy.json), plus a loopback gRPC hop (~0.1 ms each way, the router's send and read in
 # docs/simulated-device.md's timeline).
 SUFFIX = DrafterCost(
@@ -32,7 +32,7 @@ SUFFIX = DrafterCost(
 # decode). A drafter replica beside the verifier on the two shared cores runs slower than
 # alone: the 0.5B draft costs 0.49 of a target step in the service against 0.19 alone (72 ms a
 # token on the same run), so the int4 copy's 0.33 scales to 0.85, which matches what the
-# service measured with it (0.83-0.91x the target alone, docs/drafter-kinds-qwen-coder.json).
+# service measured with it (0.83-0.91x the target alone, docs/runs/drafter-kinds-qwen-coder.json).
 SELF_INT4 = DrafterCost(
     kind="self-int4",
     placement="verifier_device",
@@ -48,7 +48,7 @@ SIM_H100_8B = PlanInputs(
     target=PROFILES["h100-8b"],
     drafters={
         # The drafter process at 16-64 streams: 0.04-0.21 ms a token. On this one host, at 16
-        # streams greedy with the suffix drafter off (docs/loadtest-sim-h100-8b-model-
+        # streams greedy with the suffix drafter off (docs/runs/loadtest-sim-h100-8b-model-
         # calibration.json, 1.28 drafted tokens and 1.64 committed a round): the drafter's
         # process 0.41 ms a drafted token (its simulated logits), and the router 0.43 ms more
         # a drafting round than a target-alone one (the draft calls and their frames).
@@ -60,7 +60,7 @@ SIM_H100_8B = PlanInputs(
             exchange_cpu_ms_per_round=0.43,
             cpu_ms_per_drafted_token=0.41,
             source="sim profile a10g-0.5b (cluster/runtime/sim_source.py); its CPU on this "
-            "host from docs/loadtest-sim-h100-8b-model-calibration.json",
+            "host from docs/runs/loadtest-sim-h100-8b-model-calibration.json",
         ),
         "suffix": SUFFIX,
         "self-int4": SELF_INT4,
@@ -76,7 +76,7 @@ SIM_H100_8B = PlanInputs(
         cpu_ms_per_round=0.999,
         cpu_ms_per_step=6.10,
         critical_share=0.56,
-        source="fitted to docs/loadtest-sim-h100-8b-calibration-greedy.json (2 cores)",
+        source="fitted to docs/runs/loadtest-sim-h100-8b-calibration-greedy.json (2 cores)",
     ),
     sampled_host=HostCost(
         usable_cores=1.33,
@@ -84,7 +84,7 @@ SIM_H100_8B = PlanInputs(
         cpu_ms_per_round=0.0,
         cpu_ms_per_step=12.57,
         critical_share=0.135,
-        source="fitted to docs/loadtest-sim-h100-8b-calibration-sampled.json (2 cores)",
+        source="fitted to docs/runs/loadtest-sim-h100-8b-calibration-sampled.json (2 cores)",
     ),
     acceptance={
         # The sim draft agrees with the target at the preset's alpha whatever the text is. The
@@ -110,14 +110,14 @@ SIM_H100_8B = PlanInputs(
 # host's own cores, so the cost curves are measured wall times of the service's forward passes.
 QWEN_CODER = PlanInputs(
     name="qwen-coder",
-    # Target-only levels of docs/loadtest-qwen-coder-steps.json: decode steps (ITL p50) of
+    # Target-only levels of docs/runs/loadtest-qwen-coder-steps.json: decode steps (ITL p50) of
     # 165, 166, 174, 201 and 247 ms at 1, 2, 4, 8 and 16 streams, fitted as 155 ms + 5.7 ms a
     # token of the batch; prefills are priced apart (`prefill_s_per_token` below).
     target=DeviceProfile(
         base_s=0.155,
         per_token_s=5.7e-3,
         per_context_s=0.0,
-        source="fitted to docs/loadtest-qwen-coder-steps.json target-only ITL p50",
+        source="fitted to docs/runs/loadtest-qwen-coder-steps.json target-only ITL p50",
     ),
     drafters={
         # The draft's forward passes run on the same two cores as the target's: its block
@@ -137,19 +137,19 @@ QWEN_CODER = PlanInputs(
         "self-int4": SELF_INT4,
     },
     # Tandem's own CPU beside the forward passes: service_total less verifier and drafter,
-    # 3.5 ms a token at 8 streams target-only (docs/loadtest-qwen-coder-steps.json); the
+    # 3.5 ms a token at 8 streams target-only (docs/runs/loadtest-qwen-coder-steps.json); the
     # forward passes already hold the cores, which the fitted step times include.
     host=HostCost(
         usable_cores=2.0,
         cpu_ms_per_token=3.5,
-        source="docs/loadtest-qwen-coder-steps.json: service_total - verifier - drafter",
+        source="docs/runs/loadtest-qwen-coder-steps.json: service_total - verifier - drafter",
     ),
     acceptance={
-        # model: docs/bench-qwen-coder-service-64.json, 4-token blocks: code 0.88 of drafted
+        # model: docs/runs/bench-qwen-coder-service-64.json, 4-token blocks: code 0.88 of drafted
         # tokens accepted (alpha 0.95), prose 0.34 (alpha 0.62); the nearest categories stand
         # in. self-int4: its greedy agreement with the target (docs/models.md), code 97.2%,
         # prose 93.8%. suffix: on the agentic prompts it drafts nearly every round and 96% of
-        # its tokens are accepted (docs/drafter-kinds-qwen-coder-hf-assisted.json: alpha 0.99
+        # its tokens are accepted (docs/runs/drafter-kinds-qwen-coder-hf-assisted.json: alpha 0.99
         # at 8-token blocks); on summaries and reasoning it drafts in few rounds (53% and 24%
         # of what it drafts accepted), which per-round alphas of 0.4 and 0.05 stand for.
         "agentic": {"model": 0.95, "suffix": 0.99, "self-int4": 0.97},
@@ -160,20 +160,21 @@ QWEN_CODER = PlanInputs(
     prompt_tokens=94,
     output_tokens=32,
     # Prefills at one stream, target alone (time to first token at p50 less a step's base):
-    # ~190 ms for the default prompts' 94 tokens (docs/loadtest-qwen-coder-steps.json) and
-    # ~1,690 ms for the agentic prompts' 422 (docs/loadtest-qwen-coder-agentic-plan-check.json):
-    # 1.43 ms a prompt token plus 0.0061 ms a token squared (attention over the prompt).
+    # ~190 ms for the default prompts' 94 tokens (docs/runs/loadtest-qwen-coder-steps.json) and
+    # ~1,690 ms for the agentic prompts' 422
+    # (docs/runs/loadtest-qwen-coder-agentic-plan-check.json): 1.43 ms a prompt token plus
+    # 0.0061 ms a token squared (attention over the prompt).
     prefill_s_per_token=1.43e-3,
     prefill_s_per_token_squared=6.1e-6,
     device_is_host=True,
     sources={
-        "acceptance": "model: docs/bench-qwen-coder-service-64.json code (agentic) and prose "
+        "acceptance": "model: docs/runs/bench-qwen-coder-service-64.json code (agentic) and prose "
         "(summarise, reasoning) as stand-ins; self-int4: its agreement (docs/models.md); "
         "suffix: measured on agentic, per-round stand-ins elsewhere",
         "context": "the default prompts' ~94 tokens + half of 32 max_tokens",
         "prefill": "1.43 ms a prompt token + 0.0061 ms a token squared: one stream's time to "
-        "first token on 94-token (docs/loadtest-qwen-coder-steps.json) and 422-token prompts "
-        "(docs/loadtest-qwen-coder-agentic-plan-check.json)",
+        "first token on 94-token (docs/runs/loadtest-qwen-coder-steps.json) and 422-token prompts "
+        "(docs/runs/loadtest-qwen-coder-agentic-plan-check.json)",
     },
 )
 

@@ -42,8 +42,8 @@ async def stream_on_loop(
     merge: Callable[[list[T]], list[T]],
     start_on: ThreadPoolExecutor | None = None,
 ) -> AsyncGenerator[T, None]:
-    """`stream_in_thread` for a stream of steps (`cluster.routing.waits`) whose waits need no
-    thread: a task of the running loop runs them to their end, awaiting each wait, and the
+    """A stream of steps (`cluster.routing.waits`) whose waits need no thread, on the event loop:
+    a task of the running loop runs them to their end, awaiting each wait, and the
     reader gets what is pending merged, as there; the first step runs on `start_on`, if given
     (`drive`). Closing this cancels the task, which closes the steps (the request's sessions
     are freed)."""

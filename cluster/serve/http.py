@@ -30,9 +30,9 @@ TandemService, router and tenants as the gRPC API) and frames what comes back:
   after the step in flight (`is_active`).
 - `"stream": true`: server-sent events, `data: <chunk json>\\n\\n` per chunk and
   `data: [DONE]\\n\\n` at the end (`text/event-stream`). The stream is opened on the thread
-  pool (authentication, checks, tokenization: `OpenAIService.open_stream`), and its domain
-  chunks are bridged to the event loop by one thread (`stream_in_thread`), which merges what a
-  lagging client has pending into one chunk (`cluster.api.response.coalesce`) before it is
+  pool (authentication, checks, tokenization: `OpenAIService.open_stream`), and its steps run on
+  the event loop (`cluster.serve.calls.stream_merged`), which merges what a lagging client has
+  pending into one chunk (`cluster.api.response.coalesce`) before it is
   made into event bodies (`cluster.api.openai_stream.ChunkBodies`), the events of one merged
   chunk written at once: a client that reads slowly gets fewer, larger events with the same
   text, and the proxy carries fewer chunks. The first chunk is awaited before the response
