@@ -3,7 +3,7 @@ settings (`NgramConfig`) and the suffix drafter's (`SuffixConfig`).
 
 Plain data, validated when built, no I/O: no torch, no model, no component, so that a config
 file can be read (`cluster.config.TandemConfig`) without loading what it configures. The
-components take them: `drafter.drafter.Drafter` and `drafter.ngram.PromptLookup`.
+components take them: `drafter.drafter.Drafter` and `cluster.routing.prompt_lookup.PromptLookup`.
 """
 
 from __future__ import annotations

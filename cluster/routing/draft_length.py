@@ -3,67 +3,17 @@
 Pure arithmetic, no I/O: the router feeds it each verify pass's outcome and the measured
 draft and verify times, and asks it for the next round's plan.
 
-Model (Leviathan et al.): each drafted token is accepted with probability `a`, independently.
-A block of `k` tokens then commits E(k) = (1 - a^(k+1)) / (1 - a) tokens per verify pass. Its
-cost is k draft steps of `d` seconds and one verify pass of `v` seconds. Serial: T(k) = k d + v.
-Pipelined, the next block is drafted while this one is verified, so every round waits for the
-longer of the two, max(v, k d), and that draft survives only if all k are accepted
-(probability a^k); otherwise the next round first drafts afresh: T(k) = max(v, k d) +
-(1 - a^k) k d. A surviving draft takes the place of the bonus token (deferred), so a pipelined
-round commits E(k) - a^k tokens. The plan
-chosen is the k in 0..max_k, pipelined or not, with the most tokens per second E(k) / T(k):
-k = 0 (the target alone: one token per pass of `v`) wins when acceptance is low or drafting is
-slow, for example when a busy drafter's steps queue behind other requests'; a serial round wins
-over a pipelined one when a block takes longer to draft than to verify and is often rejected
-(the draft ahead is then mostly wasted wait). So the same rule turns speculation and pipelining
-down under load and back up when they pay.
+Contract: `DraftLength.next_plan()` (over `best_plan`) is the plan with the most tokens per second
+among k in 0..max_k, pipelined or serial, and, for a pipelined round, pre-drafting up to the
+request's `max_fan_out` branches. Each is priced with the Leviathan et al. model: acceptance `a`
+from a Beta estimate decaying towards its prior, E(k) = (1 - a^(k+1)) / (1 - a) tokens a verify
+pass, and the measured draft and verify times (kept apart for a side alone and for both at once),
+scaled by the replicas' reported step cost curves under the symmetric-batch assumption (every
+session of a step sends blocks like this one). k = 0 (the target alone) wins when drafting costs
+more than it saves; after a run of them the estimate drifts back to the prior and speculation is
+tried again. With no load reported, the measured constants price every plan.
 
-A pipelined round may instead pre-draft (`cluster.routing.predraft_budget`): the drafter drafts
-the next block for each of the F likeliest outcomes of the verify pass while it runs, and a
-verdict that hits one is verified next at once, bonus token kept. Its price: the longer of the
-verify pass and F branches' steps (priced on the drafter's cost curve with F times the rows, so
-a loaded drafter's steps grow with F), plus a draft alone after a miss; its odds of a hit are
-the branches', scaled by how often this request's have hit. Each F up to the request's
-`max_fan_out` is one more plan to price.
-
-Where the two sides share a machine, a draft and a verify pass that run at once each take
-longer than alone, so the latencies are measured apart: alone (serial rounds, a redraft after a
-miss) and beside each other (a pipelined round's verify pass and draft ahead). Each plan is
-priced with the ones it would run under.
-
-Estimating `a`: a block of k with n accepted is n successes and, if n < k, one failure. Counts
-decay by `decay` per pass, towards a Beta prior (`prior_accepted`, `prior_rejected`), so the
-estimate follows a request whose text changes character, and after a run of k = 0 passes (which
-observe nothing) the estimate drifts back to the prior and speculation is tried again.
-
-Load (a batching replica): a replica's engine runs one forward pass for the pending work of all
-its sessions, and reports with each call the batch of the step that served it and its measured
-step cost curve, step_s(n) = base + per_token n for a step of n tokens (`StepLoad`). A verify
-pass of a k-token block puts k + 1 tokens in a step (the drafted ones and the last committed
-one), so a longer block makes the step that every session of the batch waits for dearer. Priced
-with its own tokens alone, each stream's speculation looks nearly free at any load; if every
-stream speculates the steps grow B-fold and all are slower: a tragedy of the commons. So the
-plan takes the symmetric case: each of the step's B sessions (`batch_sequences`, this one
-included, smoothed) sends blocks like this one, a step holds B (k + 1) tokens, and every stream
-gets E(k) / T(k) with the verify pass priced at step_s(B (k + 1)). Maximising that also
-maximises the replica's B E(k) / T(k). Where the curve is flat (few sessions: reading the
-weights dominates) more tokens are nearly free and speculation pays; where B (k + 1) tokens cost
-far more than the base (large batches), E(k) <= k + 1 tokens cost up to k + 1 plain steps, k
-falls to 0, and it comes back when the batch shrinks.
-
-The measured time stays the anchor: a call's wall time holds what the curve leaves out
-(transport, the wait for the step in flight, sampling). Each measured verify time is divided by
-step_s of the step that served it (its `batch_tokens`), a ratio r of wall seconds per predicted
-step second, smoothed like the latencies, and v(k) = r step_s(B (k + 1)). Scaling rather than
-adding a constant keeps the wait for the step in flight (a step of the same batch) in
-proportion, and makes a curve off by a constant factor harmless; under a flat curve v(k) is the
-measured time, as without load. Measurements of different block lengths and loads become
-comparable, so smoothing them together is sound. A draft of k tokens is k steps of the drafter's
-engine, each holding one token of each drafting session whatever k is: block length does not
-make the drafter's steps dearer, only more of them. So the time per drafted token is the
-measured one normalised the same way and rescaled to the drafter's current (smoothed) step.
-With no load reported, or after a call that reported none (a replica that does not), the
-measured constants price every plan as before.
+The model, term by term, and why each choice: docs/architecture.md, "Adaptive plan: the model".
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from cluster.routing.draft_length import DraftLength, Plan, model_pays
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.draft_modes import ALONE, DraftModes, ModesConfig
 from cluster.routing.ports import DrafterPort, Pinned, StepCosts
+from cluster.routing.prompt_lookup import PromptLookup
 from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.routing.session_events import SessionEvents
 from cluster.routing.suffix_drafting import SuffixDrafting
@@ -36,7 +37,6 @@ from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.errors import DeadlineExceededError, InvalidArgumentError
 from cluster.runtime.kv_cache import common_prefix_length
 from drafter.config import NgramConfig
-from drafter.ngram import PromptLookup
 
 Decode = Callable[[Sequence[int]], str]
 """Token ids to text, special tokens left out."""

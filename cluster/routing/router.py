@@ -1,41 +1,28 @@
 """The router: owns a request's committed tokens and runs its loop over a drafter and a verifier.
 
-The router is the single source of truth for a request's token history (docs/architecture.md):
-replicas hold only caches of it. It pins each request to a verifier and a drafter, opens a
-session on each, and runs the request's loop (`cluster.routing.rounds`): the verifier's session
-runs (it advances on its own, in every verifier step, and reports each step), and the router
-reads what it committed, streams it, and posts draft blocks for it to verify while speculation
-pays. So the device never waits on the router: the router's work for a session (text, stop
-strings, the plan, metrics, streaming) runs beside the verifier's steps, never between them.
-No block, nor one drafted ahead, ever needs more context than the prompt plus `max_tokens`: a
-request within the verifier's context limit (the service refuses any other) never meets it.
-With `draft_tokens = 0` the drafter is never called: the verifier's session runs alone, plain
-target decoding through the same path.
+Contract:
+- The router is the single source of truth for a request's token history; replicas hold only
+  caches of it. It pins each request to a verifier and a drafter, opens a session on each and
+  runs the request's loop (`cluster.routing.rounds`): the verifier's session advances on its
+  own in every verifier step and reports each one; the router commits, streams, and posts draft
+  blocks while speculation pays, beside the device's steps, never between them.
+- No block needs more context than the prompt plus `max_tokens`. With `draft_tokens = 0` the
+  drafter is never called: plain target decoding through the same path.
+- Speculation: the suffix drafter, prompt lookup (`cluster.routing.prompt_lookup`) or the
+  draft model proposes; the adaptive plan (`cluster.routing.draft_length`) sets length,
+  pipelining and pre-drafting; the gate (`cluster.routing.speculation_gate`) holds the target
+  alone where speculating does not pay.
+- Failover (`cluster.routing.failover`): a failed replica's request moves to a spare on its
+  whole history, or goes on with the target alone when a drafter has none.
+- Deadlines: checked before the sessions open and whenever the loop wakes; past it,
+  `DeadlineExceededError` ends the request and closes its sessions; replicas are told the time
+  left. A deadline never fails over.
+- Audit: `reference` replays a finished request through the plain target on a pooled verifier.
+- It depends only on the `DrafterPort` and `VerifierPort` protocols: the same in-process and
+  across the network.
 
-Speculation (`cluster.routing.rounds`): the suffix drafter, prompt lookup (`drafter.ngram`: the
-router holds the history, so copying text that recurs needs no model and no network hop) or
-the draft model proposes a block; the adaptive plan (`cluster.routing.draft_length`) chooses
-its length and whether the next is drafted while it is verified (pipelining), or pre-drafted
-for its likeliest outcomes; the speculation gate (`cluster.routing.speculation_gate`) measures
-whether speculating pays for all this router's requests at once and holds the target alone
-where it does not. The first tokens come from the target alone (the verifier's session starts
-at once; the drafter reads the prompt meanwhile).
-
-Failover (`cluster.routing.failover`): a request whose replica fails it moves to a spare, on
-its whole history, or, for a drafter with none, goes on with the target alone.
-
-Deadlines: a request with a `deadline` is checked against it before its sessions open and
-whenever its loop wakes; past it, `DeadlineExceededError` ends the request and its sessions
-are closed like any other's, freeing their KV caches. The pool's ports are bound to the
-deadline too (over gRPC a call stops when the time runs out, and each replica is told how long
-the session may live, so it drops the session itself should the router die). A deadline is the
-caller's limit, not a replica failure: it never fails over.
-
-Audit: `reference` replays a finished request through the plain target on a verifier of the
-pool (`VerifierPort.reference`), for the service's audit (`cluster.api.audit`).
-
-The router depends only on the `DrafterPort` and `VerifierPort` protocols, so it runs the
-same in-process and across the network.
+The design, with the reasons: docs/architecture.md, "The verifier drives each session" and, under
+"Mechanisms", "Pipelining", "Adaptive plan", "Failover" and "Deadlines".
 """
 
 from __future__ import annotations

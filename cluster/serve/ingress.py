@@ -26,24 +26,13 @@ Context limit: the service is given `verifier_limits.max_context_tokens`, so a r
 prompt plus `max_tokens` cannot fit is INVALID_ARGUMENT before it runs
 (`cluster.api.request_reader`).
 
-Deadlines: Serve's gRPC proxy (Ray 2.60) passes this ingress the client's metadata
-(`RayServegRPCContext.invocation_metadata`) but not its gRPC deadline: `grpc-timeout` is a
-transport header that gRPC consumes, and the proxy's context keeps no `time_remaining`. So a
-client states its deadline in the `x-tandem-deadline-ms` metadata (`DEADLINE_METADATA_KEY`,
-read by `cluster.serve.calls.deadline_of`, which reads the HTTP face's header too): the
-milliseconds it has left when it sends the call, an integer (0 or less: already passed).
-`TandemClient` and `AsyncTandemClient` send it with every Generate and GenerateStream call
-that has a timeout. The deadline is then this replica's clock
-at arrival plus that many milliseconds (the time the call spent in the proxy is not counted,
-so it ends a little after the client's), and it is honoured exactly as on a plain gRPC front:
-one already passed is DEADLINE_EXCEEDED before the request is admitted; a queued request waits
-at most until it; the router checks it before every round and ends the request with
-DEADLINE_EXCEEDED (the stream's status) once it passes, closing both sessions; and each
-replica is told the time left (`time_limit_ms`), so it drops the session itself should the
-router die. A malformed value is INVALID_ARGUMENT. A client that sends only a gRPC timeout
-still has its call end on time (the proxy cancels it, which closes the generation after the
-step in flight), but its replicas learn no time limit. Serve's own `request_timeout_s` is not
-set by `tandem serve`.
+Deadlines: Serve's gRPC proxy (Ray 2.60) passes the client's metadata but not its gRPC
+deadline, so a client states it in `x-tandem-deadline-ms` (`DEADLINE_METADATA_KEY`: the
+milliseconds it has left when it sends the call; `TandemClient` sends it with every call that
+has a timeout), read by `cluster.serve.calls.deadline_of` as this replica's clock at arrival
+plus that, then honoured as on the router's own server; a malformed value is INVALID_ARGUMENT.
+A call with only a gRPC timeout still ends on time (the proxy cancels it), but its replicas
+learn no time limit. docs/architecture.md, "Deadlines".
 """
 
 from __future__ import annotations

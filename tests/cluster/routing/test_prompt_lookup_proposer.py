@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from cluster.routing.prompt_lookup import PromptLookup, propose
 from cluster.runtime.errors import InvalidArgumentError
 from drafter.config import NgramConfig
-from drafter.ngram import PromptLookup, propose
 
 CONFIG = NgramConfig(max_ngram=3, min_ngram=2)
 
