@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -356,15 +356,24 @@ def test_an_unexpected_exception_in_stats_is_internal_without_traceback(
 
 
 class AbortingContext:
-    """Stands in for grpc.ServicerContext: abort raises, as the real one does."""
+    """Stands in for grpc.ServicerContext: the status set on it, and abort raises, as the real
+    one does."""
 
     trailing: tuple[tuple[str, str], ...] = ()
+    code: grpc.StatusCode | None = None
+    details: str | None = None
 
     def __init__(self) -> None:
         self.callbacks: list[Callable[[], None]] = []
 
-    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
-        self.trailing = metadata
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
+        self.trailing = tuple(metadata)
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
 
     def add_callback(self, callback: Callable[[], None]) -> bool:
         """Called when the RPC ends (here: when a test says the caller went)."""
