@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 def _step_ratio_line() -> str | None:
     """The measured draft-to-target step ratio of the local service, if this machine runs
     one (`tandem status` shows it too); None otherwise."""
-    from cluster.cli.service import step_ratio_line
+    from cluster.cli.status_table import step_ratio_line
     from cluster.serve import local_cluster
 
     try:

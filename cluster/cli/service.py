@@ -16,7 +16,10 @@ and the resources Ray granted them (their group's: how they were placed), and a 
 metrics every node's metrics agent serves (`cluster.metrics`): acceptance, tokens per verify pass,
 pipeline hit rate, tokens generated, the queue, usage per tenant. `shutdown` removes the
 application and stops the cluster if Tandem started it. Ray is imported only after the cluster
-environment is set (see `cluster.serve.local_cluster`).
+environment is set (see `cluster.serve.local_cluster`). This module is the commands' I/O (the
+cluster, Serve, the metrics agents); the flags and the config they make are
+`cluster.cli.serve_flags`, the ports `cluster.cli.doors`, the status text
+`cluster.cli.status_table`.
 """
 
 from __future__ import annotations
@@ -31,106 +34,24 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster.metrics import parse_prometheus, replica_numbers, summarize
-from cluster.runtime.errors import InvalidArgumentError, TandemError
-from cluster.runtime.model_spec import QUANTIZATIONS
+from cluster.cli import doors
+from cluster.cli.serve_flags import add_serve_flags, config_from_flags
+from cluster.cli.status_table import status_lines
+from cluster.metrics import parse_prometheus, summarize
+from cluster.runtime.errors import TandemError
 from cluster.serve import local_cluster
 
 if TYPE_CHECKING:
-    from cluster.config import FrontConfig, ReplicaGroupConfig, TandemConfig
+    from cluster.config import ReplicaGroupConfig, TandemConfig
 
-DEFAULT_NUM_CPUS = 8
-"""Logical CPUs the local cluster advertises (replicas reserve none by default)."""
 LOCAL_CONCURRENT = 256
 """Concurrent requests of the `local` tenant: the router's whole capacity (the owner's)."""
 SCRAPE_TIMEOUT_S = 5.0
-DEFAULT_PROXY_HTTP_PORT = 8001
-"""Serve's HTTP proxy where the routers serve no HTTP of their own (`front.http_port: null`)
-and no flag names one; otherwise the routers' HTTP port + 1."""
-PORT_FLAGS = ("--port", "--http-port", "--proxy-port", "--proxy-http-port")
-"""The flags that set the four public ports: the routers' own gRPC and HTTP servers (the
-default door), Serve's gRPC and HTTP proxies (the second door)."""
 
 
 def add_to(commands: Any) -> None:
     serve = commands.add_parser("serve", help="start the service on a local Ray cluster")
-    serve.add_argument("--preset", help="model pair (default: tiny)")
-    serve.add_argument("--config", help="YAML file with a TandemConfig")
-    serve.add_argument("--drafters", type=int, help="drafter replicas")
-    serve.add_argument("--verifiers", type=int, help="verifier replicas")
-    serve.add_argument(
-        "--port",
-        type=_port,
-        metavar="PORT",
-        help="gRPC port of the public API, served by the router replicas themselves "
-        "(default 9000, or the config's front.grpc_port)",
-    )
-    serve.add_argument(
-        "--http-port",
-        type=_port,
-        metavar="PORT",
-        help="port of the OpenAI-compatible HTTP API, served by the router replicas "
-        "themselves (default 8000, or the config's front.http_port)",
-    )
-    serve.add_argument(
-        "--proxy-port",
-        type=_port,
-        metavar="PORT",
-        help="gRPC port of Serve's proxy, the same API through Serve: the second door "
-        "(default: --port + 1, or the config's proxy_grpc_port)",
-    )
-    serve.add_argument(
-        "--proxy-http-port",
-        type=_port,
-        metavar="PORT",
-        help="port of Serve's HTTP proxy, the same OpenAI-compatible API through Serve: the "
-        "second door (default: the HTTP port + 1)",
-    )
-    serve.add_argument(
-        "--prompt-lookup",
-        action=argparse.BooleanOptionalAction,
-        help="copy recurring text before drafting (default: the config's, on)",
-    )
-    serve.add_argument(
-        "--suffix-drafter",
-        action=argparse.BooleanOptionalAction,
-        help="draft from the tenant's earlier text on CPU-only replicas before the model "
-        "(default: the config's, on)",
-    )
-    serve.add_argument("--suffix-drafters", type=int, help="suffix drafter replicas")
-    serve.add_argument(
-        "--adaptive-draft",
-        action=argparse.BooleanOptionalAction,
-        help="choose each round's length and pipelining per request (default: the config's, on)",
-    )
-    serve.add_argument(
-        "--stream-interval-tokens",
-        type=int,
-        metavar="N",
-        help="let a stream's chunks out once N tokens have gathered; the first and last at "
-        "once (default: the config's, 0: every verifier step's)",
-    )
-    serve.add_argument(
-        "--stream-interval-ms",
-        type=float,
-        metavar="MS",
-        help="let a stream's chunks out once MS milliseconds have passed since the last "
-        "(default: the config's, 0: none)",
-    )
-    serve.add_argument(
-        "--draft-quantization",
-        choices=QUANTIZATIONS,
-        help="the draft model's weights (default: the config's, else the preset's)",
-    )
-    serve.add_argument(
-        "--draft-vocab",
-        type=int,
-        metavar="N",
-        help="the draft scores only the N most frequent token ids, 0 all of them "
-        "(default: the config's, else the preset's)",
-    )
-    serve.add_argument("--num-cpus", type=int, default=DEFAULT_NUM_CPUS, help="for a new cluster")
-    serve.add_argument("--detach", action="store_true", help="return once the service is up")
+    add_serve_flags(serve)
     serve.set_defaults(handler=serve_command)
 
     status = commands.add_parser("status", help="deployments, replicas, load and metrics")
@@ -139,93 +60,6 @@ def add_to(commands: Any) -> None:
 
     shutdown = commands.add_parser("shutdown", help="stop the service (and its local cluster)")
     shutdown.set_defaults(handler=shutdown_command)
-
-
-def _config(args: argparse.Namespace) -> TandemConfig:
-    # Imported here: it pulls in torch, which `tandem generate --address` must not wait for.
-    from cluster.config import FrontConfig, TandemConfig
-
-    config = TandemConfig.from_yaml(args.config) if args.config else TandemConfig()
-    changes: dict[str, Any] = {}
-    if args.preset:
-        changes["models"] = dataclasses.replace(config.models, preset=args.preset)
-    drafter = config.drafter
-    if args.drafters is not None:
-        drafter = dataclasses.replace(drafter, num_replicas=args.drafters)
-    if args.draft_quantization is not None:
-        drafter = dataclasses.replace(drafter, quantization=args.draft_quantization)
-    if args.draft_vocab is not None:
-        drafter = dataclasses.replace(drafter, trimmed_vocab=args.draft_vocab)
-    if drafter is not config.drafter:
-        changes["drafter"] = drafter
-    if args.verifiers is not None:
-        changes["verifier"] = dataclasses.replace(config.verifier, num_replicas=args.verifiers)
-    changes["front"] = FrontConfig(
-        grpc_port=_given(args.port, config.front.grpc_port),
-        http_port=_given(args.http_port, config.front.http_port),
-        host=local_cluster.LOOPBACK,
-    )
-    changes["proxy_grpc_port"] = _proxy_grpc_port(args, config, changes["front"])
-    if args.prompt_lookup is not None:
-        changes["prompt_lookup"] = dataclasses.replace(
-            config.prompt_lookup, enabled=args.prompt_lookup
-        )
-    if args.suffix_drafter is not None:
-        changes["suffix_drafter"] = dataclasses.replace(
-            config.suffix_drafter, enabled=args.suffix_drafter
-        )
-    if args.suffix_drafters is not None:
-        changes["suffix"] = dataclasses.replace(config.suffix, num_replicas=args.suffix_drafters)
-    if args.adaptive_draft is not None:
-        changes["draft_length"] = dataclasses.replace(
-            config.draft_length, enabled=args.adaptive_draft
-        )
-    interval = {
-        name: value
-        for name, value in (
-            ("stream_interval_tokens", args.stream_interval_tokens),
-            ("stream_interval_ms", args.stream_interval_ms),
-        )
-        if value is not None
-    }
-    if interval:
-        changes["api"] = dataclasses.replace(config.api, **interval)
-    return dataclasses.replace(config, **changes)
-
-
-def _port(text: str) -> int:
-    """A port flag's value: a TCP port number."""
-    try:
-        port = int(text)
-    except ValueError:
-        port = 0
-    if not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port (1..65535)")
-    return port
-
-
-def _given(flag: int | None, configured: int | None) -> int | None:
-    return configured if flag is None else flag
-
-
-def _proxy_grpc_port(args: argparse.Namespace, config: TandemConfig, front: FrontConfig) -> int:
-    """Serve's gRPC proxy: `--proxy-port`, else the config's `proxy_grpc_port` where it sets one
-    of its own, else one above the routers' gRPC port (9001 by default)."""
-    from cluster.config import DEFAULT_PROXY_GRPC_PORT
-
-    if args.proxy_port is not None:
-        return int(args.proxy_port)
-    if config.proxy_grpc_port != DEFAULT_PROXY_GRPC_PORT or front.grpc_port is None:
-        return config.proxy_grpc_port
-    return front.grpc_port + 1
-
-
-def _proxy_http_port(args: argparse.Namespace, config: TandemConfig) -> int:
-    """Serve's HTTP proxy: `--proxy-http-port`, else one above the routers' HTTP port."""
-    if args.proxy_http_port is not None:
-        return int(args.proxy_http_port)
-    http_port = config.front.http_port
-    return DEFAULT_PROXY_HTTP_PORT if http_port is None else http_port + 1
 
 
 def _with_local_tenant(config: TandemConfig) -> TandemConfig:
@@ -256,30 +90,6 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _public_ports(config: TandemConfig, proxy_http_port: int) -> list[tuple[int, str]]:
-    """The public ports `config` serves on, each with the flag that sets it (`PORT_FLAGS`):
-    the routers' own (none where the config turns one off), then Serve's proxies."""
-    ports = (config.front.grpc_port, config.front.http_port, config.proxy_grpc_port,
-             proxy_http_port)  # fmt: skip
-    return [(port, flag) for port, flag in zip(ports, PORT_FLAGS, strict=True) if port]
-
-
-def _check_ports_free(ports: list[tuple[int, str]]) -> None:
-    """Every public port differs from the others and is free, else the error names the flag
-    that sets it. As the servers bind them (SO_REUSEADDR): a port whose last server just
-    stopped is free, its closed connections in TIME_WAIT notwithstanding; one a server listens
-    on is not."""
-    flags: dict[int, str] = {}
-    for port, flag in ports:
-        if port in flags:
-            raise InvalidArgumentError(
-                f"{flags[port]} and {flag} are both port {port}; give each its own"
-            )
-        flags[port] = flag
-        if not local_cluster.port_is_free(port):
-            raise InvalidArgumentError(f"port {port} is in use; choose another with {flag}")
-
-
 def _live_state() -> local_cluster.ClusterState | None:
     state = local_cluster.load_state()
     gone = state is not None and not local_cluster.cluster_processes(state.temp_dir)
@@ -305,17 +115,17 @@ def _kept_proxies(
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    config = _config(args)
+    config = config_from_flags(args)
     if config.cluster_secret is None:
         config = dataclasses.replace(config, cluster_secret=local_cluster.cluster_secret())
     config = _with_local_tenant(config)
-    proxy_http_port = _proxy_http_port(args, config)
+    proxy_http_port = doors.proxy_http_port(args, config)
     started = time.monotonic()
     state = _live_state()
     ours = state is None
     if state is None:
-        ports = _public_ports(config, proxy_http_port)
-        _check_ports_free(ports)
+        ports = doors.public_ports(config, proxy_http_port)
+        doors.check_ports_free(ports)
         # Ray's own servers get free ports too; not the ones this service is about to bind.
         local_cluster.reserve_ports(*(port for port, _ in ports))
         _say(f"starting a local Ray cluster in {local_cluster.home()} ...")
@@ -335,7 +145,7 @@ def serve_command(args: argparse.Namespace) -> int:
     except Exception as error:
         raise local_cluster.ClusterError(_failed_start(state, ours, step, error)) from error
     _say(f"ready in {time.monotonic() - started:.1f} s")
-    for line in door_lines(state):
+    for line in doors.door_lines(state):
         print(line, flush=True)
     if args.detach:
         return 0
@@ -422,34 +232,6 @@ def _deploy(config: TandemConfig, state: local_cluster.ClusterState) -> local_cl
     return state
 
 
-def door_lines(state: local_cluster.ClusterState) -> list[str]:
-    """What `tandem serve` prints once the service is up: the default door first (the routers'
-    own servers: the gRPC API, then the OpenAI-compatible API's base URL), then the second
-    (Serve's proxies)."""
-    lines = []
-    if state.grpc_port:
-        lines.append(f"gRPC API on {grpc_address(state.grpc_port)} (tandem.v1.Tandem)")
-    if state.http_port:
-        lines.append(f"OpenAI-compatible API on {http_address(state.http_port)}")
-    proxies = [
-        *([f"gRPC {grpc_address(state.proxy_port)}"] if state.proxy_port else []),
-        *([f"HTTP {http_address(state.proxy_http_port)}"] if state.proxy_http_port else []),
-    ]
-    if proxies:
-        lines.append(f"through Serve's proxies: {', '.join(proxies)}")
-    return lines
-
-
-def grpc_address(port: int | None) -> str:
-    """The gRPC API's address on this machine (what `--address` takes)."""
-    return f"{local_cluster.LOOPBACK}:{port}"
-
-
-def http_address(port: int | None) -> str:
-    """The OpenAI-compatible API's base URL on this machine (what OpenAI clients take)."""
-    return f"http://{local_cluster.LOOPBACK}:{port}/v1"
-
-
 def _require_state() -> local_cluster.ClusterState:
     state = local_cluster.load_state()
     if state is None:
@@ -466,136 +248,9 @@ def status_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"Tandem app {summary['app']!r}: {summary['status']}")
-    print(f"  gRPC API on {summary['address']}; OpenAI-compatible API on {summary['http_address']}")
-    print(
-        f"  through Serve's proxies: gRPC {summary['proxy_address']}, "
-        f"HTTP {summary['proxy_http_address']}"
-    )
-    for name, deployment in summary["deployments"].items():
-        replicas = ", ".join(f"{n} {s}" for s, n in deployment["replicas"].items())
-        print(f"  {name:<9} {deployment['status']:<10} {replicas}")
-    _print_replicas(summary["replicas"])
-    ratio_line = step_ratio_line(summary["replicas"])
-    if ratio_line is not None:
-        print(ratio_line)
-    if summary["metrics"] is not None:
-        _print_metrics(summary["metrics"])
-    return 0
-
-
-def _print_replicas(replicas: list[dict[str, Any]]) -> None:
-    for line in replica_lines(replicas):
+    for line in status_lines(summary):
         print(line)
-
-
-NODE_ID_CHARS = 12
-"""How much of a Ray node id the replica table shows: enough to tell nodes apart (the ids are
-random); `--json` has the whole id."""
-
-
-def replica_lines(replicas: list[dict[str, Any]]) -> list[str]:
-    """The replica table of `tandem status`: a header, then one line per replica: its Ray node
-    (the id's first `NODE_ID_CHARS` hex digits) and internal gRPC address, its load fields, its
-    engine's batch (smoothed, and the most since start) and KV blocks used of total, and the
-    resources Ray granted it (its group's). `-` where there is nothing to show: no engine runs,
-    no resources were asked for, or a replica too old to report its node."""
-    shown = {"num_sessions", "num_cached_tokens"}
-    load = sorted({f for r in replicas for f in replica_numbers(r)} - shown)
-    lines = [
-        f"  {'replica':<22} {'side':<8} {'node':<{NODE_ID_CHARS}} {'address':<17} "
-        f"{'sessions':>8} {'cached tokens':>14}"
-        + "".join(f" {field:>{max(len(field), 12)}}" for field in load)
-        + f" {'batch (max)':>12} {'kv blocks':>15}  resources"
-    ]
-    for replica in replicas:
-        batch, kv_blocks = _engine_columns(replica.get("engine"))
-        node = str(replica.get("node_id") or "-")[:NODE_ID_CHARS]
-        lines.append(
-            f"  {replica['replica_id']:<22} {replica['side']:<8} {node:<{NODE_ID_CHARS}} "
-            f"{replica['address']:<17} "
-            f"{replica['num_sessions']:>8} {replica['num_cached_tokens']:>14}"
-            + "".join(f" {_number(replica.get(f)):>{max(len(f), 12)}}" for f in load)
-            + f" {batch:>12} {kv_blocks:>15}  {resource_list(replica.get('resources'))}"
-        )
-    return lines
-
-
-def step_ratio(replicas: list[dict[str, Any]]) -> tuple[float, float, float] | None:
-    """(draft step / target step, draft step s, target step s): one-token steps as the
-    replicas measured them at start-up (`EngineStats.startup_base_s`), the mean over each
-    side's model replicas; None where a side has none that measured (no drafter model, or
-    replicas too old to report it)."""
-    steps: dict[str, list[float]] = {"drafter": [], "verifier": []}
-    for replica in replicas:
-        engine = replica.get("engine")
-        if not isinstance(engine, dict) or replica.get("side") not in steps:
-            continue
-        step_s = float(engine.get("startup_base_s") or 0) + float(
-            engine.get("startup_per_token_s") or 0
-        )
-        if step_s > 0:
-            steps[str(replica["side"])].append(step_s)
-    if not steps["drafter"] or not steps["verifier"]:
-        return None
-    draft_s = sum(steps["drafter"]) / len(steps["drafter"])
-    target_s = sum(steps["verifier"]) / len(steps["verifier"])
-    return draft_s / target_s, draft_s, target_s
-
-
-def step_ratio_line(replicas: list[dict[str, Any]]) -> str | None:
-    """The measured draft-to-target step ratio in words; None where it is not known."""
-    ratio = step_ratio(replicas)
-    if ratio is None:
-        return None
-    value, draft_s, target_s = ratio
-    return (
-        f"  draft step / target step, measured at start-up: {value:.2f} "
-        f"(drafter {1000 * draft_s:.1f} ms, verifier {1000 * target_s:.1f} ms a one-token step)"
-    )
-
-
-def resource_list(resources: Any) -> str:
-    """Ray resources as `name=amount`, comma-separated by name (`-` for none)."""
-    if not isinstance(resources, dict) or not resources:
-        return "-"
-    return ",".join(f"{name}={amount:g}" for name, amount in sorted(resources.items()))
-
-
-def _engine_columns(engine: Any) -> tuple[str, str]:
-    """Batch and KV columns of a replica's `engine` object, `-` where it has none."""
-    if not isinstance(engine, dict):
-        return "-", "-"
-    figure = {name: _number(engine.get(name)) for name in _ENGINE_COLUMNS}
-    batch = f"{figure['batch_sequences']} ({figure['max_batch_sequences']})"
-    return batch, f"{figure['kv_blocks_used']}/{figure['kv_blocks_total']}"
-
-
-_ENGINE_COLUMNS = ("batch_sequences", "max_batch_sequences", "kv_blocks_used", "kv_blocks_total")
-
-
-def _number(value: Any) -> str:
-    if value is None:
-        return "-"
-    return (
-        f"{value:.2f}" if isinstance(value, float) and not value.is_integer() else str(int(value))
-    )
-
-
-def _print_metrics(metrics: dict[str, Any]) -> None:
-    by_position = " ".join(_number(a) for a in metrics["acceptance_by_position"])
-    print(
-        f"  metrics: {metrics['requests']} requests, {metrics['generated_tokens']} tokens "
-        f"generated; acceptance {_number(metrics['acceptance_rate'])} (by position: "
-        f"{by_position or '-'}); {_number(metrics['tokens_per_verify_pass'])} tokens per "
-        f"verify pass; pipeline hit rate {_number(metrics['pipeline_hit_rate'])}; "
-        f"{metrics['running_requests']} running, {metrics['queued_requests']} queued"
-    )
-    columns = ("requests", "refused", "prompt_tokens", "generated_tokens", "drafted_tokens",
-               "accepted_tokens")  # fmt: skip
-    print(f"  {'tenant':<16}" + "".join(f" {c.removesuffix('_tokens'):>10}" for c in columns))
-    for tenant, usage in metrics["tenants"].items():
-        print(f"  {tenant:<16}" + "".join(f" {usage[c]:>10}" for c in columns))
+    return 0
 
 
 def _status(state: local_cluster.ClusterState) -> dict[str, Any]:
@@ -617,10 +272,10 @@ def _status(state: local_cluster.ClusterState) -> dict[str, Any]:
         "app": app_name,
         # The default door (the routers' own servers; Serve's proxies where the config turns
         # one off), then the second (Serve's proxies).
-        "address": grpc_address(state.grpc_port or state.proxy_port),
-        "http_address": http_address(state.http_port or state.proxy_http_port),
-        "proxy_address": grpc_address(state.proxy_port),
-        "proxy_http_address": http_address(state.proxy_http_port),
+        "address": doors.grpc_address(state.grpc_port or state.proxy_port),
+        "http_address": doors.http_address(state.http_port or state.proxy_http_port),
+        "proxy_address": doors.grpc_address(state.proxy_port),
+        "proxy_http_address": doors.http_address(state.proxy_http_port),
         "status": _name(application.status),
         "deployments": {
             name: {

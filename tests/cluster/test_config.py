@@ -17,6 +17,7 @@ import yaml
 from cluster.cli import config as cli_config
 from cluster.cli import service as cli_service
 from cluster.cli.main import main
+from cluster.cli.serve_flags import config_from_flags
 from cluster.config import ReplicaGroupConfig, TandemConfig
 from cluster.config_parsing import ConfigError, json_schema
 from cluster.runtime.errors import InvalidArgumentError
@@ -37,9 +38,9 @@ def test_the_service_adapts_and_looks_up_by_default_and_the_cli_can_turn_either_
     assert example.prompt_lookup.enabled and example.draft_length.enabled
     parser = argparse.ArgumentParser()
     cli_service.add_to(parser.add_subparsers())
-    fixed = cli_service._config(parser.parse_args(["serve", "--no-adaptive-draft"]))
+    fixed = config_from_flags(parser.parse_args(["serve", "--no-adaptive-draft"]))
     assert fixed.prompt_lookup.enabled and not fixed.draft_length.enabled
-    bare = cli_service._config(parser.parse_args(["serve", "--no-prompt-lookup"]))
+    bare = config_from_flags(parser.parse_args(["serve", "--no-prompt-lookup"]))
     assert not bare.prompt_lookup.enabled and bare.draft_length.enabled
 
 
@@ -253,7 +254,7 @@ def test_the_draft_is_quantized_as_the_preset_the_config_or_the_cli_says() -> No
     parser = argparse.ArgumentParser()
     cli_service.add_to(parser.add_subparsers())
     args = parser.parse_args(["serve", "--draft-quantization", "int8-dynamic", "--drafters", "2"])
-    config = cli_service._config(args)
+    config = config_from_flags(args)
     assert config.drafter.num_replicas == 2
     assert config.pair().draft.quantization == "int8-dynamic"
 

@@ -25,7 +25,7 @@ from cluster.api.tenants import (
     Tenants,
     hash_api_key,
 )
-from cluster.cli.service import replica_lines
+from cluster.cli.status_table import replica_lines
 from cluster.local import LocalTandem
 from cluster.metrics import (
     ACCEPTED_BY_POSITION,

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import service as cli_service
+from cluster.cli.doors import PORT_FLAGS, door_lines, proxy_http_port
+from cluster.cli.serve_flags import config_from_flags
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.serve import local_cluster
 from cluster.serve.local_cluster import LOOPBACK, ClusterState, cluster_ports
@@ -27,13 +29,13 @@ def parse(*flags: str) -> argparse.Namespace:
 def doors(*flags: str) -> tuple[int | None, int | None, int, int]:
     """(routers' gRPC, routers' HTTP, Serve's gRPC proxy, Serve's HTTP proxy) of `flags`."""
     args = parse(*flags)
-    config = cli_service._config(args)
+    config = config_from_flags(args)
     assert config.front.host == LOOPBACK  # `tandem serve` serves this machine only
     return (
         config.front.grpc_port,
         config.front.http_port,
         config.proxy_grpc_port,
-        cli_service._proxy_http_port(args, config),
+        proxy_http_port(args, config),
     )
 
 
@@ -43,7 +45,7 @@ def test_the_help_names_the_four_ports_and_no_direct_port(
     with pytest.raises(SystemExit):
         parse("--help")
     text = " ".join(capsys.readouterr().out.split())
-    for flag in cli_service.PORT_FLAGS:
+    for flag in PORT_FLAGS:
         assert f"{flag} PORT" in text
     assert "served by the router replicas themselves (default 9000" in text
     assert "Serve's HTTP proxy" in text and "(default: the HTTP port + 1)" in text
@@ -80,11 +82,11 @@ def test_a_port_in_use_or_given_twice_is_refused_naming_its_flag(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(local_cluster.HOME_ENV, str(tmp_path))
-    ports = {flag: local_cluster.free_port() for flag in cli_service.PORT_FLAGS}
+    ports = {flag: local_cluster.free_port() for flag in PORT_FLAGS}
     with socket.socket() as held:
         held.bind((LOOPBACK, ports["--proxy-http-port"]))
         held.listen()
-        for flag in cli_service.PORT_FLAGS:
+        for flag in PORT_FLAGS:
             args = parse(*(word for f, p in ports.items() for word in (f, str(p))))
             if flag != "--proxy-http-port":
                 with socket.socket() as other:  # this one held too
@@ -107,21 +109,21 @@ def test_serve_prints_the_default_door_first_then_serves_proxies() -> None:
         "127.0.0.1:6379", "/tmp/x", True, grpc_port=9000, http_port=8000,
         proxy_port=9001, proxy_http_port=8001,
     )  # fmt: skip
-    assert cli_service.door_lines(state) == [
+    assert door_lines(state) == [
         "gRPC API on 127.0.0.1:9000 (tandem.v1.Tandem)",
         "OpenAI-compatible API on http://127.0.0.1:8000/v1",
         "through Serve's proxies: gRPC 127.0.0.1:9001, HTTP http://127.0.0.1:8001/v1",
     ]
     proxies_only = ClusterState("127.0.0.1:6379", "/tmp/x", True, proxy_port=9001,
                                 proxy_http_port=8001)  # fmt: skip
-    assert cli_service.door_lines(proxies_only) == [
+    assert door_lines(proxies_only) == [
         "through Serve's proxies: gRPC 127.0.0.1:9001, HTTP http://127.0.0.1:8001/v1",
     ]
 
 
 def test_a_running_cluster_keeps_its_proxies_ports(capsys: pytest.CaptureFixture[str]) -> None:
     args = parse("--proxy-port", "9500", "--proxy-http-port", "8500")
-    config = cli_service._config(args)
+    config = config_from_flags(args)
     running = ClusterState("127.0.0.1:6379", "/tmp/x", True, proxy_port=9001, proxy_http_port=8001)
     kept, http_port = cli_service._kept_proxies(config, 8500, running)
     assert (kept.proxy_grpc_port, http_port) == (9001, 8001)
@@ -159,11 +161,9 @@ def test_the_state_records_both_doors_and_reads_an_older_record(
 
 
 def test_the_stream_interval_flags_reach_the_api_config() -> None:
-    config = cli_service._config(
-        parse("--stream-interval-tokens", "4", "--stream-interval-ms", "50")
-    )
+    config = config_from_flags(parse("--stream-interval-tokens", "4", "--stream-interval-ms", "50"))
     assert (config.api.stream_interval_tokens, config.api.stream_interval_ms) == (4, 50.0)
-    default = cli_service._config(parse())
+    default = config_from_flags(parse())
     assert (default.api.stream_interval_tokens, default.api.stream_interval_ms) == (0, 0.0)
 
 
@@ -186,8 +186,8 @@ def failing_start(
         raise error
 
     monkeypatch.setattr(serve, "start", start)
-    free = [str(local_cluster.free_port()) for _ in cli_service.PORT_FLAGS]
-    args = parse(*(w for pair in zip(cli_service.PORT_FLAGS, free, strict=True) for w in pair))
+    free = [str(local_cluster.free_port()) for _ in PORT_FLAGS]
+    args = parse(*(w for pair in zip(PORT_FLAGS, free, strict=True) for w in pair))
     return state, stopped, args
 
 

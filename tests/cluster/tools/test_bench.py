@@ -11,6 +11,7 @@ import pytest
 
 from cluster.cli import service as cli_service
 from cluster.cli.main import main
+from cluster.cli.serve_flags import config_from_flags
 from cluster.tools.bench.run import RUNS, _serve_flags, bench_settings
 from cluster.tools.prompt_files import load_prompts
 
@@ -112,7 +113,7 @@ def test_the_benched_service_gets_each_setting_as_asked(lookup: bool) -> None:
     assert "--no-adaptive-draft" in flags and "--no-suffix-drafter" in flags
     parser = argparse.ArgumentParser()
     cli_service.add_to(parser.add_subparsers())
-    config = cli_service._config(parser.parse_args(["serve", *flags]))
+    config = config_from_flags(parser.parse_args(["serve", *flags]))
     assert config.prompt_lookup.enabled is lookup and not config.draft_length.enabled
     assert not config.suffix_drafter.enabled
     assert config.pair().draft.quantization == "int8-dynamic"
