@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from cluster.api.client_types import RequestStats, StreamChunk, TandemClientError
-from cluster.cli.loadtest import _cpu_scope
+from cluster.cli.loadtest_levels import cpu_scope
 from cluster.cli.main import main
 from cluster.serve import local_cluster
 from cluster.tools.bench.loadtest import run_load
@@ -160,13 +160,13 @@ def test_the_cpu_scope_is_the_cluster_of_the_service_started_here(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(local_cluster.HOME_ENV, str(tmp_path))
-    assert "every process of uid" in _cpu_scope("127.0.0.1:9000").description  # none recorded
+    assert "every process of uid" in cpu_scope("127.0.0.1:9000").description  # none recorded
     temp_dir = str(tmp_path / "ray")
     local_cluster.save_state(local_cluster.ClusterState("127.0.0.1:6379", temp_dir, True, 9000))
-    assert temp_dir in _cpu_scope("127.0.0.1:9000").description
+    assert temp_dir in cpu_scope("127.0.0.1:9000").description
     # Another port is another service: its processes are found by their titles.
-    assert "every process of uid" in _cpu_scope("127.0.0.1:9001").description
+    assert "every process of uid" in cpu_scope("127.0.0.1:9001").description
     # Serve's proxy, the second door, is the same service.
     state = local_cluster.ClusterState("127.0.0.1:6379", temp_dir, True, 9000, proxy_port=9005)
     local_cluster.save_state(state)
-    assert temp_dir in _cpu_scope("127.0.0.1:9005").description
+    assert temp_dir in cpu_scope("127.0.0.1:9005").description

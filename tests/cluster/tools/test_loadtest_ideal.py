@@ -17,7 +17,8 @@ import pytest
 from matplotlib.figure import Figure
 
 from cluster.api.client_types import StreamChunk
-from cluster.cli.loadtest import format_table, plot, run_modes
+from cluster.cli.loadtest_levels import run_modes
+from cluster.cli.loadtest_report import format_table, plot
 from cluster.cli.main import main
 from cluster.presets import PRESETS, resolve_pair
 from cluster.routing.draft_length_config import DEFAULT_DRAFT_TOKENS
