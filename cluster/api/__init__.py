@@ -7,7 +7,8 @@ validated and turned into the router's), `service_config` (the API's defaults an
 `convert` (router results <-> public messages), `tenants` (keys, limits, usage), `admission`
 (the bounded fair queue), `running` (which tenant owns which request), `status` (errors to gRPC
 status codes), `client` and `client_types` (the Python clients and what they return), `chat`
-(chat templates), `openai_schema` and `openai` (OpenAI request bodies validated, answered
-through `service`, and errors in OpenAI's shape). No HTTP server and no Ray here:
+(chat templates), `openai_schema` (with `openai_fields`, `openai_messages` and `openai_errors`)
+and `openai` (OpenAI request bodies validated, answered through `service`, and errors in
+OpenAI's shape). No HTTP server and no Ray here:
 `cluster.serve` adapts them.
 """

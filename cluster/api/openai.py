@@ -5,7 +5,8 @@
 with no HTTP and no Ray: an HTTP adapter parses the JSON, passes the body and the caller (API
 key, deadline) here, and frames what comes back. Every call is
 authenticated first, like the gRPC API; the body is then checked field by field
-(`cluster.api.openai_schema`: unsupported and unknown fields are errors naming the field).
+(`cluster.api.openai_schema`: unsupported and unknown fields are errors naming the field,
+`cluster.api.openai_errors`).
 
 The body goes straight to the service's domain request (`cluster.api.request.ApiRequest`), and
 its chunks (`cluster.api.response.ApiChunk`) straight to OpenAI's shapes: no protobuf on this
@@ -57,9 +58,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from cluster.api.audit import HTTP_FIELDS, audit_json
 from cluster.api.caller import ANONYMOUS_CALL, Caller
+from cluster.api.openai_errors import ModelNotFoundError, OpenAIError
 from cluster.api.openai_schema import (
-    ModelNotFoundError,
-    OpenAIError,
     OpenAIRequest,
     Route,
     body_object,
@@ -89,8 +89,6 @@ if TYPE_CHECKING:
     from cluster.api.tenants import Tenant
 
 __all__ = [
-    "ModelNotFoundError",
-    "OpenAIError",
     "OpenAIService",
     "Route",
     "error_response",

@@ -2,8 +2,9 @@
 
 `parse_request(route, body)` turns the JSON body of `POST /v1/completions` ("completions") or
 `POST /v1/chat/completions` ("chat.completions") into an `OpenAIRequest`, or raises
-`OpenAIError` (INVALID_ARGUMENT) whose `param` is the field at fault, as OpenAI's `param` is.
-It is pure: the model name, limits and tokenizer are `cluster.api.openai`'s business.
+`OpenAIError` (INVALID_ARGUMENT, `cluster.api.openai_errors`) whose `param` is the field at
+fault, as OpenAI's `param` is. It is pure: the model name, limits and tokenizer are
+`cluster.api.openai`'s business.
 
 A JSON `null` means the same as a field left out, everywhere. Fields taken:
 - both routes: `model` (required), `max_tokens`, `temperature` (default 1.0, as OpenAI's),
@@ -20,26 +21,22 @@ A JSON `null` means the same as a field left out, everywhere. Fields taken:
   `sampling_rule` (`auto`, `seed_exact` or `rejection`: `cluster.api.sampling_rule`);
 - completions: `prompt`, a non-empty string, a list of token ids, or a one-element list of
   either (several prompts per request are refused);
-- chat: `messages` (roles system, user, assistant and tool; content a string or a list of text
-  parts, joined with newlines as vLLM joins them; an assistant message may carry `tool_calls`
-  instead of content, and a tool message needs the `tool_call_id` it answers) and
-  `max_completion_tokens` (with `max_tokens` too, both must agree).
-Fields OpenAI has but Tandem cannot honour (`n` > 1, `logprobs`, `tools`, penalties...) are
-accepted only at the value that changes nothing (`NEUTRAL`), and so are vLLM's extra parameters
-that Tandem does not implement (`repetition_penalty`, `min_p`, `use_beam_search`, `bad_words`,
-`truncate_prompt_tokens`...: `VLLM_NEUTRAL`); any other field is unknown.
-Either way the error names the field: nothing is silently ignored that would change the output.
+- chat: `messages` (`cluster.api.openai_messages`) and `max_completion_tokens` (with
+  `max_tokens` too, both must agree).
+Any other field is accepted only at a value that changes nothing, or refused
+(`cluster.api.openai_fields`).
 """
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from cluster.api.chat import MESSAGE_ROLES
+from cluster.api.openai_errors import OpenAIError
+from cluster.api.openai_fields import check_fields
+from cluster.api.openai_messages import parse_messages
 from cluster.api.sampling_rule import AUTO, check_rule_name
 from cluster.routing.draft_length_config import MAX_DRAFT_TOKENS
 from cluster.routing.request import MAX_STOP_SEQUENCES
@@ -49,29 +46,6 @@ Route = Literal["completions", "chat.completions"]
 MAX_INT32 = 2**31 - 1
 DEFAULT_TEMPERATURE = 1.0
 """OpenAI's default: a request that sets no temperature samples (send 0 for greedy)."""
-
-
-class OpenAIError(InvalidArgumentError):
-    """A bad field: INVALID_ARGUMENT whose `param` names the field (OpenAI's error `param`)."""
-
-    code: str | None = None
-    """OpenAI's error `code`, where one fits better than none."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:
-        # Ray pickles a Serve replica's exceptions: rebuild from both arguments.
-        return (type(self), (self.message, self.param))
-
-
-class ModelNotFoundError(OpenAIError):
-    """The request names a model this server does not serve (NOT_FOUND, HTTP 404)."""
-
-    status = "NOT_FOUND"
-    code = "model_not_found"
 
 
 @dataclass(frozen=True)
@@ -118,138 +92,6 @@ class OpenAIRequest:
         return any(m["role"] == "tool" or "tool_calls" in m for m in self.conversation)
 
 
-def _is(*values: object) -> Callable[[object], bool]:
-    # `type(v) is type(x)` keeps True from passing for 1 and 0 for False.
-    return lambda v: any(type(v) is type(x) and v == x for x in values)
-
-
-def _is_zero(value: object) -> bool:
-    return type(value) in (int, float) and value == 0
-
-
-def _any_bool(value: object) -> bool:
-    return isinstance(value, bool)
-
-
-def _any_object(value: object) -> bool:
-    return isinstance(value, dict)
-
-
-def _never(value: object) -> bool:
-    return False
-
-
-def _is_one(value: object) -> bool:
-    return type(value) in (int, float) and value == 1
-
-
-STRUCTURED_FIELDS = frozenset(
-    {
-        "response_format",
-        "structured_outputs",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "guided_decoding_backend",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-    }
-)
-"""Fields that constrain the output or force a tool call: `cluster.api.openai_structured`
-reads them."""
-
-NEUTRAL: dict[str, dict[str, tuple[str, Callable[[object], bool]]]] = {
-    "completions": {
-        "best_of": ("1", _is(1)),
-        "logprobs": ("null", _never),
-        "echo": ("false", _is(False)),
-        "suffix": ('""', _is("")),
-    },
-    "chat.completions": {
-        "logprobs": ("false", _is(False)),
-        "top_logprobs": ("0", _is(0)),
-        "functions": ("[]", _is([])),
-        "function_call": ('"none"', _is("none")),
-        "modalities": ('["text"]', _is(["text"])),
-        "store": ("false", _is(False)),
-        "metadata": ("an object (nothing is stored)", _any_object),
-        "audio": ("null", _never),
-        "prediction": ("null", _never),
-        "reasoning_effort": ("null", _never),
-        "web_search_options": ("null", _never),
-    },
-}
-"""Per route: OpenAI fields Tandem cannot honour -> (the values accepted, their test). Null is
-always accepted; any other value changes the output, so it is refused."""
-_NEUTRAL_COMMON: dict[str, tuple[str, Callable[[object], bool]]] = {
-    "n": ("1", _is(1)),
-    "presence_penalty": ("0", _is_zero),
-    "frequency_penalty": ("0", _is_zero),
-    "logit_bias": ("{}", _is({})),
-    "service_tier": ('"auto" or "default"', _is("auto", "default")),
-}
-_VLLM_NEUTRAL_COMMON: dict[str, tuple[str, Callable[[object], bool]]] = {
-    "use_beam_search": ("false", _is(False)),
-    "best_of": ("1", _is(1)),
-    "length_penalty": ("1 (there is no beam search)", _is_one),
-    "min_p": ("0", _is_zero),
-    "repetition_penalty": ("1", _is_one),
-    "watermarking": ("false", _is(False)),
-    "include_stop_str_in_output": ("false", _is(False)),
-    "spaces_between_special_tokens": ("true", _is(True)),
-    "truncate_prompt_tokens": ("null (prompts are never truncated)", _never),
-    "truncation_side": ('"left" or "right" (prompts are never truncated)', _is("left", "right")),
-    "allowed_token_ids": ("null", _never),
-    "bad_words": ("[]", _is([])),
-    "prompt_logprobs": ("null", _never),
-    "logprob_token_ids": ("null", _never),
-    "return_tokens_as_token_ids": ("true or false (there are no logprobs)", _any_bool),
-    "return_token_ids": ("false", _is(False)),
-    "priority": ("0", _is(0)),
-    "repetition_detection": ("null", _never),
-    "thinking_token_budget": ("null or -1 (no limit)", _is(-1)),
-    "logits_processors": ("null", _never),
-    "vllm_xargs": ("null", _never),
-    "kv_transfer_params": ("null", _never),
-}
-VLLM_NEUTRAL: dict[str, dict[str, tuple[str, Callable[[object], bool]]]] = {
-    "completions": {
-        **_VLLM_NEUTRAL_COMMON,
-        "add_special_tokens": ("false (prompts are tokenized without them)", _is(False)),
-        "prompt_embeds": ("null", _never),
-    },
-    "chat.completions": {
-        **_VLLM_NEUTRAL_COMMON,
-        "add_special_tokens": ("false", _is(False)),
-        "echo": ("false", _is(False)),
-        "add_generation_prompt": ("true", _is(True)),
-        "continue_final_message": ("false", _is(False)),
-        "documents": ("null", _never),
-        "chat_template": ("null (the model's own template is used)", _never),
-        "chat_template_kwargs": ("{}", _is({})),
-        "mm_processor_kwargs": ("null", _never),
-    },
-}
-"""Per route: vLLM's extra parameters (its protocol's sampling and extra parameters) that
-Tandem does not implement -> (the values accepted, their test), as `NEUTRAL`: what would change
-the output, or what a client would expect of the response, is refused naming the field."""
-_COMMON_FIELDS = frozenset(
-    {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream"}
-    | {"stream_options", "user", "draft_tokens", "pipelined", "sampling_rule"}
-    | {"ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens"}
-)
-_ROUTE_FIELDS: dict[str, frozenset[str]] = {
-    "completions": frozenset({"prompt"}),
-    "chat.completions": frozenset({"messages", "max_completion_tokens"}),
-}
-_NULL_MESSAGE_FIELDS = frozenset(
-    {"name", "refusal", "tool_calls", "function_call", "audio", "annotations"}
-)
-"""Message fields a client may echo back from a response, accepted when null (or empty)."""
-
-
 def body_object(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
@@ -267,16 +109,7 @@ def parse_stream(body: object) -> bool:
 def parse_request(route: Route, body: object) -> OpenAIRequest:
     """The checked request of `body` for `route`; raises `OpenAIError` naming a bad field."""
     fields = body_object(body)
-    neutral = {**_NEUTRAL_COMMON, **VLLM_NEUTRAL[route], **NEUTRAL[route]}
-    for name, value in fields.items():
-        if name in neutral:
-            allowed, accepts = neutral[name]
-            if value is not None and not accepts(value):
-                raise OpenAIError(
-                    f"{name} is not supported: only {allowed} is accepted, got {value!r}", name
-                )
-        elif name not in _COMMON_FIELDS | _ROUTE_FIELDS[route] | STRUCTURED_FIELDS:
-            raise OpenAIError(f"unknown field {name!r} for /v1/{route.replace('.', '/')}", name)
+    check_fields(route, fields)
     got = {name: value for name, value in fields.items() if value is not None}
     model = got.get("model")
     if not isinstance(model, str) or not model:
@@ -290,7 +123,7 @@ def parse_request(route: Route, body: object) -> OpenAIRequest:
             raise OpenAIError("prompt is required", "prompt")
         prompt = _prompt(got["prompt"])
     else:
-        conversation = _messages(got.get("messages"))
+        conversation = parse_messages(got.get("messages"))
     stream = parse_stream(fields)
     max_tokens, max_tokens_field = _max_tokens(got)
     top_k = _int(got, "top_k", -1, MAX_INT32)
@@ -455,110 +288,3 @@ def _prompt(value: object) -> str | tuple[int, ...]:
             "prompt",
         )
     return ids
-
-
-def _messages(value: object) -> tuple[dict[str, Any], ...]:
-    if not isinstance(value, list) or not value:
-        raise OpenAIError("messages must be a non-empty list of messages", "messages")
-    return tuple(_message(i, message) for i, message in enumerate(value))
-
-
-_TOOL_TURN_FIELDS = {"assistant": "tool_calls", "tool": "tool_call_id"}
-"""The field only that role may carry."""
-
-
-def _message(i: int, message: object) -> dict[str, Any]:
-    where = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise OpenAIError(f"{where} must be an object with role and content", where)
-    role = message.get("role")
-    if role not in MESSAGE_ROLES:
-        raise OpenAIError(
-            f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}",
-            f"{where}.role",
-        )
-    own = _TOOL_TURN_FIELDS.get(role)
-    for key, value in message.items():
-        if key == own or (key == "name" and role == "tool"):
-            continue
-        if key in _NULL_MESSAGE_FIELDS and value not in (None, []):
-            raise OpenAIError(f"{where}.{key} is not supported", f"{where}.{key}")
-        if key not in _NULL_MESSAGE_FIELDS | {"role", "content"}:
-            raise OpenAIError(f"unknown field {key!r} in {where}", f"{where}.{key}")
-    calls = message.get("tool_calls") if role == "assistant" else None
-    if calls not in (None, []):
-        turn: dict[str, Any] = {"role": role, "tool_calls": _tool_calls(where, calls)}
-        content = message.get("content")
-        turn["content"] = "" if content is None else _content(f"{where}.content", content)
-        return turn
-    turn = {"role": role, "content": _content(f"{where}.content", message.get("content"))}
-    if role == "tool":
-        call_id = message.get("tool_call_id")
-        if not isinstance(call_id, str) or not call_id:
-            raise OpenAIError(
-                f"{where}.tool_call_id must be the id of the call it answers",
-                f"{where}.tool_call_id",
-            )
-        turn["tool_call_id"] = call_id
-        if isinstance(message.get("name"), str):
-            turn["name"] = message["name"]
-    return turn
-
-
-def _tool_calls(where: str, calls: object) -> list[dict[str, Any]]:
-    """An assistant message's calls, their arguments parsed (chat templates write them as
-    JSON objects, as vLLM hands them over)."""
-    where = f"{where}.tool_calls"
-    if not isinstance(calls, list):
-        raise OpenAIError(f"{where} must be a list of calls", where)
-    parsed = []
-    for j, call in enumerate(calls):
-        at = f"{where}[{j}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if (
-            not isinstance(call, dict)
-            or call.get("type", "function") != "function"
-            or not isinstance(function, dict)
-            or not isinstance(function.get("name"), str)
-            or not isinstance(call.get("id", ""), str)
-        ):
-            raise OpenAIError(
-                f'{at} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}',
-                at,
-            )
-        try:
-            arguments = json.loads(function.get("arguments") or "{}")
-        except (TypeError, json.JSONDecodeError):
-            arguments = None
-        if not isinstance(arguments, dict):
-            raise OpenAIError(
-                f"{at}.function.arguments must be a JSON object as text", f"{at}.function.arguments"
-            )
-        parsed.append(
-            {
-                "id": call.get("id", ""),
-                "type": "function",
-                "function": {"name": function["name"], "arguments": arguments},
-            }
-        )
-    return parsed
-
-
-def _content(where: str, content: object) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content:
-        texts = [
-            part.get("text")
-            for part in content
-            if isinstance(part, dict)
-            and part.get("type") == "text"
-            and set(part) <= {"type", "text"}
-        ]
-        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
-            return "\n".join(texts)  # type: ignore[arg-type]
-    raise OpenAIError(
-        f"{where} must be a string or a non-empty list of text parts "
-        '({"type": "text", "text": ...})',
-        where,
-    )

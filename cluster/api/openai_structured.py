@@ -35,7 +35,9 @@ from typing import Any
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
 from cluster.api.auto_tool_calls import auto_message
-from cluster.api.openai_schema import STRUCTURED_FIELDS, OpenAIError, Route
+from cluster.api.openai_errors import OpenAIError
+from cluster.api.openai_fields import STRUCTURED_FIELDS
+from cluster.api.openai_schema import Route
 from cluster.api.tool_format import ToolFormat
 from cluster.runtime.grammar import JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, Grammar
 

@@ -38,7 +38,8 @@ from starlette.types import Receive, Scope, Send
 
 from cluster.api.auto_tool_calls import AutoToolDeltas, auto_message
 from cluster.api.openai import OpenAIService
-from cluster.api.openai_schema import OpenAIError, parse_request
+from cluster.api.openai_errors import OpenAIError
+from cluster.api.openai_schema import parse_request
 from cluster.api.openai_structured import AUTO, parse_structured
 from cluster.api.service import TandemService
 from cluster.api.service_config import ServiceConfig

@@ -16,7 +16,8 @@ import pytest
 
 from cluster.api.client import TandemClientError, build_request
 from cluster.api.convert import request_from_proto
-from cluster.api.openai import OpenAIError, OpenAIService, Route, error_response
+from cluster.api.openai import OpenAIService, Route, error_response
+from cluster.api.openai_errors import OpenAIError
 from cluster.api.response import ApiChunk
 from cluster.api.service import TandemService
 from cluster.api.service_config import ServiceConfig

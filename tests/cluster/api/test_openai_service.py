@@ -15,13 +15,12 @@ from cluster.api.convert import prompt_from_proto
 from cluster.api.grpc_api import GrpcApi
 from cluster.api.openai import (
     DEFAULT_COMPLETION_MAX_TOKENS,
-    ModelNotFoundError,
-    OpenAIError,
     OpenAIService,
     Route,
     error_response,
     served_model_name,
 )
+from cluster.api.openai_errors import ModelNotFoundError, OpenAIError
 from cluster.api.running import RequestNotFoundError
 from cluster.api.service import RequestCancelledError, TandemService
 from cluster.api.service_config import ServiceConfig

@@ -19,7 +19,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from cluster.api.openai_schema import OpenAIError
+from cluster.api.openai_errors import OpenAIError
 from cluster.api.openai_structured import (
     NAMED,
     REQUIRED,

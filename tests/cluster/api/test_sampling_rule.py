@@ -20,7 +20,8 @@ import pytest
 
 from cluster.api.client_types import TandemClientError, build_request
 from cluster.api.convert import request_from_proto
-from cluster.api.openai import OpenAIError, OpenAIService, Route, error_response
+from cluster.api.openai import OpenAIService, Route, error_response
+from cluster.api.openai_errors import OpenAIError
 from cluster.api.sampling_rule import (
     AUTO,
     REJECTION,
