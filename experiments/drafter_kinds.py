@@ -118,7 +118,7 @@ def run(args: Any, say: Callable[[str], None]) -> dict[str, Any]:
     from cluster.routing.request import GenerationRequest
     from cluster.routing.router import Router
     from cluster.runtime.models import load_model
-    from cluster.tools.bench.run import _hf_runner
+    from cluster.tools.bench.runners import hf_runner
     from cluster.tools.prompt_files import load_prompts
     from drafter.config import NgramConfig, SuffixConfig
     from drafter.drafter import Drafter
@@ -170,7 +170,7 @@ def run(args: Any, say: Callable[[str], None]) -> dict[str, Any]:
         if args.hf_assisted:
             plain = dataclasses.replace(pair.draft, quantization="none", trimmed_vocab=0)
             draft = load_model(plain).model
-            hf = _hf_runner(target.model, args.max_tokens, assistant=draft)
+            hf = hf_runner(target.model, args.max_tokens, assistant=draft)
             modes["hf_assisted"] = lambda ids, tenant: (hf(ids)[0], None)
         ids = [tuple(local.tokenizer.encode(p.text, add_special_tokens=False)) for p in prompts]
         tallies = measure(modes, ids, args.repeats, say)

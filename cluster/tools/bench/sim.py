@@ -82,9 +82,9 @@ def _in_process(pair: Any, settings: dict[str, Any], max_tokens: int) -> Iterato
     """(encode, generate, engines) over drafter, verifier and router in this process."""
     from cluster.local import build_local
     from cluster.routing.request import GenerationRequest
-    from cluster.tools.bench.run import _router_settings
+    from cluster.tools.bench.settings import router_settings
 
-    local = build_local(pair, **_router_settings(settings))
+    local = build_local(pair, **router_settings(settings))
 
     def generate(
         prompt: tuple[int, ...], k: int, pipelined: bool, fan_out: int = 0, tenant: str = ""
@@ -108,8 +108,9 @@ def _through_service(
     args: Any, settings: dict[str, Any], progress: Callable[[str], None]
 ) -> Iterator[Any]:
     """(encode, generate, engines) through a `tandem serve` of one drafter and one verifier
-    started in a private home (`cluster.tools.bench.run._service`): requests go through the public
-    gRPC API, each replica's counters come from its Stats call, outside the timed region."""
+    started in a private home (`cluster.tools.bench.private_service`): requests go through the
+    public gRPC API, each replica's counters come from its Stats call, outside the timed
+    region."""
     from cluster.api.client import TandemClient
     from cluster.config import CLUSTER_SECRET_ENV
     from cluster.presets import resolve_pair
@@ -117,10 +118,11 @@ def _through_service(
     from cluster.runtime.models import load_tokenizer
     from cluster.serve import local_cluster
     from cluster.tools import cleanup
-    from cluster.tools.bench.run import _serve_flags, _service
+    from cluster.tools.bench.private_service import private_service
+    from cluster.tools.bench.settings import serve_flags
 
-    flags = [*_serve_flags(args, settings), "--drafters", "1", "--verifiers", "1"]
-    with _service(args.preset, flags, progress) as (address, api_key, home):
+    flags = [*serve_flags(args, settings), "--drafters", "1", "--verifiers", "1"]
+    with private_service(args.preset, flags, progress) as (address, api_key, home):
         # Asked of `tandem status` in its own process: a process that joined the cluster would
         # hold files in its temp dir and be stopped with it.
         status = subprocess.run(
@@ -139,7 +141,7 @@ def _through_service(
 
             def generate(
                 prompt: tuple[int, ...], k: int, pipelined: bool, fan_out: int = 0, tenant: str = ""
-            ) -> Any:  # the service's one tenant: the suffix drafter is off there (run.py)
+            ) -> Any:  # the service's one tenant: the suffix drafter is off there (settings.py)
                 result = client.generate(
                     list(prompt), max_tokens=args.max_tokens, draft_tokens=k,
                     pipelined=pipelined, predraft_fan_out=fan_out,
@@ -158,7 +160,7 @@ def _through_service(
 def run_sim_bench(args: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     from cluster.presets import resolve_pair
     from cluster.runtime import sim, sim_source
-    from cluster.tools.bench.run import bench_settings
+    from cluster.tools.bench.settings import bench_settings
 
     prompts: list[Prompt] = load_prompts(args.prompts)
     settings = bench_settings(args)

@@ -12,7 +12,8 @@ import pytest
 from cluster.cli import service as cli_service
 from cluster.cli.main import main
 from cluster.cli.serve_flags import config_from_flags
-from cluster.tools.bench.run import RUNS, _serve_flags, bench_settings
+from cluster.tools.bench.settings import bench_settings, serve_flags
+from cluster.tools.bench.summary import RUNS
 from cluster.tools.prompt_files import load_prompts
 
 PROMPTS = [
@@ -108,7 +109,7 @@ def test_the_benched_service_gets_each_setting_as_asked(lookup: bool) -> None:
     say so; the draft's form is stated too."""
     settings = {"prompt_lookup": lookup, "adaptive_draft": False, "suffix_drafter": False,
                 "draft_quantization": "int8-dynamic", "draft_vocab": 4096}  # fmt: skip
-    flags = _serve_flags(SimpleNamespace(serve_config=None), settings)
+    flags = serve_flags(SimpleNamespace(serve_config=None), settings)
     assert ("--prompt-lookup" in flags) is lookup and ("--no-prompt-lookup" in flags) is not lookup
     assert "--no-adaptive-draft" in flags and "--no-suffix-drafter" in flags
     parser = argparse.ArgumentParser()
