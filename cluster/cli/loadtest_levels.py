@@ -56,9 +56,11 @@ def run_levels(
     ideal): the result `tandem loadtest` writes, `goals` included."""
     from cluster.api.client import TandemClient
     from cluster.tools import cleanup
+    from cluster.tools.bench.cpu_table import cpu_line
+    from cluster.tools.bench.cpu_usage import cpu_fields
     from cluster.tools.bench.loadtest import run_load, speculation_line
     from cluster.tools.bench.loadtest_ideal import ideal_of_level
-    from cluster.tools.bench.process_cpu import CpuWindow, cpu_fields, cpu_line
+    from cluster.tools.bench.process_cpu import CpuWindow
     from cluster.tools.bench.replica_traffic import read_traffic, traffic_line, traffic_per_token
 
     modes = run_modes(args.draft_tokens, args.compare, args.predraft)

@@ -59,7 +59,7 @@ def format_table(result: dict[str, Any]) -> str:
     """Markdown: a row per level and mode, then the level's speedups; with a sim preset, each
     mode's ideal tokens/s and achieved/ideal ("–": unbounded, or no ideal for the mode); then
     CPU ms per generated token by process role, a row per level and mode."""
-    from cluster.tools.bench.process_cpu import cpu_section
+    from cluster.tools.bench.cpu_table import cpu_section
 
     with_ideal = any("ideal" in level for level in result["levels"])
     with_occupancy = any(

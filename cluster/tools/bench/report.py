@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster.tools.bench.process_cpu import cpu_section
+from cluster.tools.bench.cpu_table import cpu_section
 
 # Printed in place of a value the run did not measure (HF runs have no acceptance rate).
 MISSING = "–"

@@ -32,7 +32,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from cluster.runtime.engine_stats import EngineStats
-from cluster.tools.bench.process_cpu import CpuCalls, cluster_scope, cpu_section
+from cluster.tools.bench.cpu_table import cpu_section
+from cluster.tools.bench.process_cpu import CpuCalls, cluster_scope
 from cluster.tools.prompt_files import Prompt, load_prompts
 
 SIM_RUNS = ("tandem_target", "tandem_serial", "tandem_pipelined")

@@ -26,7 +26,7 @@ from cluster.runtime import sim, sim_source
 from cluster.runtime.limits import MAX_PREDRAFT_FAN_OUT
 from cluster.runtime.models import load_tokenizer
 from cluster.tools.bench.loadtest_ideal import SimIdeal, achieved_over_ideal, ideal_of_level
-from cluster.tools.bench.process_cpu import CLIENT, ROLES, SERVICE_TOTAL
+from cluster.tools.bench.process_roles import CLIENT, ROLES, SERVICE_TOTAL
 from cluster.tools.prompt_files import load_prompts
 from tests.cluster.tools.load_fakes import as_async
 

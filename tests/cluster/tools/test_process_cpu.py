@@ -13,26 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from cluster.tools.bench import process_cpu
-from cluster.tools.bench.process_cpu import (
-    CLIENT,
-    ROLES,
-    SERVICE_TOTAL,
-    CpuCalls,
-    CpuWindow,
-    Reading,
-    Scope,
-    add_usage,
-    classify,
-    cpu_line,
-    cpu_table,
-    descendants,
-    parse_stat,
-    process_name,
-    read_snapshot,
-    usage,
-    user_scope,
-)
+from cluster.tools.bench import process_cpu, process_roles
+from cluster.tools.bench.cpu_table import cpu_line, cpu_table
+from cluster.tools.bench.cpu_usage import Reading, add_usage, descendants, parse_stat, usage
+from cluster.tools.bench.process_cpu import CpuCalls, CpuWindow, Scope, read_snapshot, user_scope
+from cluster.tools.bench.process_roles import CLIENT, ROLES, SERVICE_TOTAL, classify, process_name
 
 REPO = Path(__file__).resolve().parents[3]
 VENV = "/work/x/.venv/lib/python3.11/site-packages/ray"
@@ -81,7 +66,7 @@ def test_processes_with_no_role(cmdline: str) -> None:
 def test_the_roles_name_what_tandem_deploys() -> None:
     """The deployment and actor names the roles go by are those the service uses."""
     app = (REPO / "cluster/serve/app.py").read_text()
-    assert all(f'"{name}"' in app for name in process_cpu.DEPLOYMENT_ROLES)
+    assert all(f'"{name}"' in app for name in process_roles.DEPLOYMENT_ROLES)
     registry = (REPO / "cluster/routing/registry.py").read_text()
     assert "class ReplicaRegistry" in registry
 
