@@ -75,7 +75,7 @@ endif
 	$(BIN)/tandem serve --preset $(PRESET) --port $(PORT) --http-port $(HTTP_PORT) --detach
 	status=0; \
 	$(BIN)/tandem demo --address 127.0.0.1:$(PORT) $(if $(PROMPT),'$(PROMPT)') && \
-	key=$$($(BIN)/python -c 'from cluster.serve.local_cluster import api_key; print(api_key() or "")') && \
+	key=$$($(BIN)/python -c 'from cluster.serve.ray_cluster import api_key; print(api_key() or "")') && \
 	echo "One chat completion through the OpenAI-compatible API:" && \
 	echo 'curl -sS http://127.0.0.1:$(HTTP_PORT)/v1/chat/completions -H "Authorization: Bearer <key>" -H "Content-Type: application/json" -d '\''$(CHAT_REQUEST)'\''' && \
 	{ reply=$$(curl -sS --fail-with-body http://127.0.0.1:$(HTTP_PORT)/v1/chat/completions \

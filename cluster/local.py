@@ -2,7 +2,7 @@
 
 The transport is a direct method call: `InProcess` makes a plain `Drafter`, `SuffixDrafter`
 or `Verifier` one of the router's ports, each call the component's `submit_*` future waited on
-as steps (no thread of the router's waits). Everything else (router loop, sessions,
+as waits (no thread of the router's waits). Everything else (router loop, sessions,
 acceptance) is the code the distributed service runs.
 """
 
@@ -19,7 +19,7 @@ from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.generation import Decode
 from cluster.routing.router import Router, RouterOptions
 from cluster.routing.session_events import SessionEvents
-from cluster.routing.waits import Steps, answer
+from cluster.routing.waits import Waits, answer
 from cluster.runtime.advance import Advance
 from cluster.runtime.audit import Replay
 from cluster.runtime.constraint import grammar_tokenizer_of
@@ -37,13 +37,13 @@ from verifier.verifier import Verifier
 
 class InProcess:
     """A plain component in this process as the router's port (`cluster.routing.ports`): a
-    drafter's or a verifier's calls, as steps over its futures. A verifier's running session
+    drafter's or a verifier's calls, as waits over its futures. A verifier's running session
     reports to the request's `SessionEvents` from the engine thread."""
 
     def __init__(self, component: Any) -> None:
         self.component = component
 
-    def open_session_steps(
+    def open_session(
         self,
         session_id: str,
         prompt_tokens: Sequence[int],
@@ -53,17 +53,17 @@ class InProcess:
         advance: Advance | None = None,
         events: SessionEvents | None = None,
         **options: Any,
-    ) -> Steps[int]:
+    ) -> Waits[int]:
         if advance is not None:
             assert events is not None, "a running session reports to its events"
             options.update(advance=advance, sink=events.report)
         opening = self.component.submit_open(session_id, prompt_tokens, sampling, seed, **options)
         return (yield from answer(opening))
 
-    def draft_steps(self, *args: Any) -> Steps[DraftBlock]:
+    def draft(self, *args: Any) -> Waits[DraftBlock]:
         return (yield from answer(self.component.submit_draft(*args)))
 
-    def predraft_steps(self, *args: Any, **kwargs: Any) -> Steps[list[PreDraft]]:
+    def predraft(self, *args: Any, **kwargs: Any) -> Waits[list[PreDraft]]:
         submit = getattr(self.component, "submit_predraft", None)
         if submit is None:
             raise InvalidArgumentError("this drafter does not pre-draft")
@@ -79,7 +79,7 @@ class InProcess:
     ) -> None:
         events.answer(post_id, self.component.submit_verify(session_id, block, defer_bonus))
 
-    def close_session_steps(self, session_id: str) -> Steps[bool]:
+    def close_session(self, session_id: str) -> Waits[bool]:
         return (yield from answer(self.component.submit_close(session_id)))
 
     def reference(self, *args: Any, **kwargs: Any) -> Replay:

@@ -34,7 +34,7 @@ from cluster.routing.ports import DrafterPort, VerifierPort
 from cluster.routing.session_events import SessionEvents
 from cluster.routing.waits import answer, run
 from cluster.runtime.sampling import SamplingParams
-from cluster.serve import local_cluster
+from cluster.serve import ray_cluster
 from cluster.tools.cleanup import signals_raise
 
 PROMPT = tuple(b"def add(a, b):\n    return a + b\n\n")
@@ -64,14 +64,14 @@ def _session_rounds(
     """Block times (s) of one greedy session of `rounds` draft/verify rounds, one at a time
     (the verifier's session does not advance on its own)."""
     session = uuid.uuid4().hex
-    run(verifier.open_session_steps(session, PROMPT, GREEDY, 0))
-    run(drafter.open_session_steps(session, PROMPT, GREEDY, 0))
+    run(verifier.open_session(session, PROMPT, GREEDY, 0))
+    run(drafter.open_session(session, PROMPT, GREEDY, 0))
     base, behind, times = len(PROMPT), list[int](), list[float]()
     events = SessionEvents()
     try:
         for post_id in range(rounds):
             start = time.perf_counter()
-            block = run(drafter.draft_steps(session, base, behind, draft_tokens))
+            block = run(drafter.draft(session, base, behind, draft_tokens))
             verifier.post(session, block, False, events, post_id)
             run(answer(events.ready()))
             verdict = events.take()[0].item
@@ -80,8 +80,8 @@ def _session_rounds(
             times.append(time.perf_counter() - start)
             base, behind = block.base_length, list(verdict.tokens)
     finally:
-        run(drafter.close_session_steps(session))
-        run(verifier.close_session_steps(session))
+        run(drafter.close_session(session))
+        run(verifier.close_session(session))
     return times
 
 
@@ -118,12 +118,12 @@ def choose_pair(
     replicas: Sequence[Mapping[str, Any]], nodes: Mapping[str, str], across_nodes: bool
 ) -> dict[str, Mapping[str, Any]]:
     """One replica per side to measure. By default the last listed of each side (what
-    `local_cluster.replica_addresses` returns); `across_nodes`: the first drafter and verifier
+    `ray_cluster.replica_addresses` returns); `across_nodes`: the first drafter and verifier
     known to be on different nodes. Raises `ClusterError` when there is no such pair."""
     by_side = {side: [r for r in replicas if r["side"] == side] for side in SIDES}
     missing = [side for side in SIDES if not by_side[side]]
     if missing:
-        raise local_cluster.ClusterError(f"the service has no live {' or '.join(missing)} replica")
+        raise ray_cluster.ClusterError(f"the service has no live {' or '.join(missing)} replica")
     if not across_nodes:
         return {side: by_side[side][-1] for side in SIDES}
     for drafter in by_side["drafter"]:
@@ -132,7 +132,7 @@ def choose_pair(
             verifier_node = nodes.get(verifier["replica_id"], UNKNOWN_NODE)
             if UNKNOWN_NODE not in (drafter_node, verifier_node) and drafter_node != verifier_node:
                 return {"drafter": drafter, "verifier": verifier}
-    raise local_cluster.ClusterError(
+    raise ray_cluster.ClusterError(
         "--across-nodes: no drafter and verifier replicas on different Ray nodes "
         f"(replica nodes: {dict(nodes)})"
     )
@@ -141,7 +141,7 @@ def choose_pair(
 def measure(
     sessions: int, rounds: int, draft_tokens: int, threads: int, across_nodes: bool = False
 ) -> dict[str, Any]:
-    replicas = local_cluster.live_replicas()  # joins the cluster
+    replicas = ray_cluster.live_replicas()  # joins the cluster
     import ray
 
     nodes = replica_nodes(replicas)
@@ -164,7 +164,7 @@ def measure(
     remote: list[float] = []
     in_process: list[float] = []
     bare: list[float] = []
-    secret = local_cluster.cluster_secret()
+    secret = ray_cluster.cluster_secret()
     with (
         GrpcDrafter(address["drafter"], secret=secret) as remote_drafter,
         GrpcVerifier(address["verifier"], secret=secret) as remote_verifier,

@@ -18,7 +18,7 @@ from cluster.routing.router import Router
 from cluster.runtime.model_spec import TINY_DRAFT, TINY_TARGET, ModelSpec
 from cluster.runtime.models import LoadedModel, load_model
 from cluster.runtime.pack_catalog import CACHE_ENV
-from cluster.serve.local_cluster import SERVER_PORTS, SERVER_PORTS_ENV
+from cluster.serve.loopback import SERVER_PORTS, SERVER_PORTS_ENV
 from tests.ray_guard import RayGuard
 from tests.xdist_groups import GroupScheduling, name_groups_file, write_groups
 

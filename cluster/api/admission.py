@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from cluster.api.tenants import QuotaExceededError
-from cluster.routing.waits import Steps, Wait, run
+from cluster.routing.waits import Wait, Waits, run
 from cluster.runtime.errors import DeadlineExceededError, InvalidArgumentError
 
 QUEUE_FULL_RETRY_S = 1.0
@@ -35,7 +35,7 @@ class _Waiter:
     weight: float
     order: int
     granted: Future[None] = field(default_factory=Future)
-    """Done once the request may run (a driver of steps waits on it without a thread)."""
+    """Done once the request may run (a driver of waits waits on it without a thread)."""
 
 
 class Admission:
@@ -78,8 +78,8 @@ class Admission:
         tenant: str,
         weight: float = 1.0,
         deadline: float | None = None,
-    ) -> Steps[None]:
-        """`enter` as steps (`cluster.routing.waits`): a queued request waits without a
+    ) -> Waits[None]:
+        """`enter` as waits (`cluster.routing.waits`): a queued request waits without a
         thread of its own."""
         with self._cond:
             if not self._waiting and self.running < self.max_running:

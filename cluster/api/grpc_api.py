@@ -49,19 +49,19 @@ class GrpcApi:
         whole = self.service.generate(tenant, request, caller.deadline, is_active)
         return response_to_proto(whole)
 
-    def chunk_steps(
+    def chunk_waits(
         self, message: generate_pb2.GenerateRequest, caller: Caller = ANONYMOUS_CALL
     ) -> Generator[ApiChunk | Wait, None, None]:
-        """The request's stream in domain chunks, as steps (`TandemService.stream_steps`), for
+        """The request's stream in domain chunks, as waits (`TandemService.stream_waits`), for
         a face that merges or converts them itself; authenticated and validated at once."""
         tenant = self.service.authenticate(caller)
-        return self.service.stream_steps(tenant, request_from_proto(message), caller.deadline)
+        return self.service.stream_waits(tenant, request_from_proto(message), caller.deadline)
 
     def stream(
         self, message: generate_pb2.GenerateRequest, caller: Caller = ANONYMOUS_CALL
     ) -> Generator[generate_pb2.GenerateChunk, None, None]:
-        """`chunk_steps` as `GenerateChunk` messages, one per chunk, blocking at each wait."""
-        return _converted(blocking(self.chunk_steps(message, caller)))
+        """`chunk_waits` as `GenerateChunk` messages, one per chunk, blocking at each wait."""
+        return _converted(blocking(self.chunk_waits(message, caller)))
 
     def audit(
         self,

@@ -228,8 +228,8 @@ class OpenAIService:
     def open_stream(
         self, route: Route, body: object, caller: Caller = ANONYMOUS_CALL
     ) -> tuple[Generator[ApiChunk | Wait, None, None], ChunkBodies]:
-        """The service's stream of domain chunks for `body` as steps
-        (`TandemService.stream_steps`), and what turns each chunk into chunk bodies, for a face
+        """The service's stream of domain chunks for `body` as waits
+        (`TandemService.stream_waits`), and what turns each chunk into chunk bodies, for a face
         that merges pending chunks before it converts them (`cluster.serve.http`).
         Authenticates, checks and validates at once; closing the stream ends the Tandem
         request."""
@@ -239,7 +239,7 @@ class OpenAIService:
         bodies = ChunkBodies(
             route, request, structured, len(message.prompt), self.model_name, created
         )
-        return self.service.stream_steps(tenant, message, caller.deadline), bodies
+        return self.service.stream_waits(tenant, message, caller.deadline), bodies
 
     def to_api_request(
         self, route: Route, body: object, caller: Caller = ANONYMOUS_CALL

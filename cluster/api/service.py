@@ -181,9 +181,9 @@ class TandemService:
         `on_finished` is called with the request as served if it finishes normally (length or
         stop), before its last chunk is yielded (the audit's hook).
         """
-        return blocking(self.stream_steps(tenant, message, deadline, on_finished=on_finished))
+        return blocking(self.stream_waits(tenant, message, deadline, on_finished=on_finished))
 
-    def stream_steps(
+    def stream_waits(
         self,
         tenant: Tenant,
         message: ApiRequest,
@@ -191,7 +191,7 @@ class TandemService:
         *,
         on_finished: Callable[[Served], None] | None = None,
     ) -> Generator[ApiChunk | Wait, None, None]:
-        """`stream` as steps (`cluster.routing.waits`): the chunks, with a `Wait` wherever the
+        """`stream` as waits (`cluster.routing.waits`): the chunks, with a `Wait` wherever the
         request waits (in the router's queue, for a replica), for a driver that runs many
         requests without a thread each (the router replica's own gRPC server)."""
         request, pipelined = self.reader.to_request(message, deadline)
@@ -256,7 +256,7 @@ class TandemService:
         request = dataclasses.replace(
             request, tenant=tenant.name, suffix_index=tenant.config.suffix_index
         )
-        chunks = self._router.steps(request, stats, pipelined=pipelined)
+        chunks = self._router.stream_waits(request, stats, pipelined=pipelined)
         interval = StreamInterval(
             self.config.stream_interval_tokens, self.config.stream_interval_ms
         )

@@ -98,9 +98,9 @@ def run(args: argparse.Namespace) -> int:
     reference = load_model(pair.target)
     if args.address is not None:
         from cluster.api.client import TandemClient
-        from cluster.serve import local_cluster
+        from cluster.serve import ray_cluster
 
-        with TandemClient(args.address, api_key=local_cluster.api_key()) as client:
+        with TandemClient(args.address, api_key=ray_cluster.api_key()) as client:
             return _audit(args, reference, client.generate_request, "service")
     return _run_local(args, preset, reference)
 

@@ -59,7 +59,7 @@ def add_to(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cluster.api.client import TandemClient
-    from cluster.serve import local_cluster
+    from cluster.serve import ray_cluster
     from cluster.tools.demo import format_report, run_demo
 
     def write(text: str) -> None:
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     cases = [(args.prompt or DEFAULT_PROMPT, args.max_tokens or DEFAULT_MAX_TOKENS)]
     if args.prompt is None:
         cases.append((EDIT_PROMPT, args.max_tokens or EDIT_MAX_TOKENS))
-    with TandemClient(args.address, api_key=local_cluster.api_key()) as client:
+    with TandemClient(args.address, api_key=ray_cluster.api_key()) as client:
         for number, (prompt, max_tokens) in enumerate(cases):
             if number:
                 print("\nThe edit of a given file (most of the output repeats the prompt):\n")
@@ -87,9 +87,9 @@ def _step_ratio_line() -> str | None:
     """The measured draft-to-target step ratio of the local service, if this machine runs
     one (`tandem status` shows it too); None otherwise."""
     from cluster.cli.status_table import step_ratio_line
-    from cluster.serve import local_cluster
+    from cluster.serve import ray_cluster
 
     try:
-        return step_ratio_line(local_cluster.live_replicas())
+        return step_ratio_line(ray_cluster.live_replicas())
     except Exception:  # a remote or stopped service: the line is left out
         return None

@@ -16,7 +16,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.serve import local_cluster
+from cluster.serve import loopback, ray_cluster
 
 if TYPE_CHECKING:
     from cluster.config import FrontConfig, TandemConfig
@@ -80,11 +80,11 @@ def check_ports_free(ports: list[tuple[int, str]]) -> None:
                 f"{flags[port]} and {flag} are both port {port}; give each its own"
             )
         flags[port] = flag
-        if not local_cluster.port_is_free(port):
+        if not loopback.port_is_free(port):
             raise InvalidArgumentError(f"port {port} is in use; choose another with {flag}")
 
 
-def door_lines(state: local_cluster.ClusterState) -> list[str]:
+def door_lines(state: ray_cluster.ClusterState) -> list[str]:
     """What `tandem serve` prints once the service is up: the default door first (the routers'
     own servers: the gRPC API, then the OpenAI-compatible API's base URL), then the second
     (Serve's proxies)."""
@@ -104,9 +104,9 @@ def door_lines(state: local_cluster.ClusterState) -> list[str]:
 
 def grpc_address(port: int | None) -> str:
     """The gRPC API's address on this machine (what `--address` takes)."""
-    return f"{local_cluster.LOOPBACK}:{port}"
+    return f"{loopback.LOOPBACK}:{port}"
 
 
 def http_address(port: int | None) -> str:
     """The OpenAI-compatible API's base URL on this machine (what OpenAI clients take)."""
-    return f"http://{local_cluster.LOOPBACK}:{port}/v1"
+    return f"http://{loopback.LOOPBACK}:{port}/v1"

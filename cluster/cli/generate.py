@@ -35,7 +35,7 @@ from cluster.api.client_types import (
 )
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.grammar import JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, Grammar
-from cluster.serve import local_cluster
+from cluster.serve import ray_cluster
 from protos import generate_pb2
 
 JSON_KEYS = (
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         grammar=_grammar(args),
     )
     if args.address is not None:
-        with TandemClient(args.address, api_key=local_cluster.api_key()) as client:
+        with TandemClient(args.address, api_key=ray_cluster.api_key()) as client:
             return _output(
                 args.json,
                 lambda: client.generate_request(request),

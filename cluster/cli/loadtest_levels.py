@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.cli.loadtest_report import HF_MODE, fixed, goals, ideal_text
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.serve import local_cluster
+from cluster.serve import ray_cluster
 from cluster.tools import faults
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def run_levels(
     memory_before = faults.memory(replicas) if replicas is not None else None
     scope = cpu_scope(args.address)
     with (
-        TandemClient(args.address, timeout_s=600, api_key=local_cluster.api_key()) as client,
+        TandemClient(args.address, timeout_s=600, api_key=ray_cluster.api_key()) as client,
         _async_client(args.address, args.connections) as (loop, load_client),
     ):
         reference = None
@@ -92,7 +92,7 @@ def run_levels(
                 if args.kill is not None and name == "speculative":
                     assert replicas is not None
                     midway = faults.kill_busiest(args.kill, replicas, kills)
-                secret = local_cluster.cluster_secret() if replicas is not None else None
+                secret = ray_cluster.cluster_secret() if replicas is not None else None
                 traffic = read_traffic(replicas, secret) if replicas is not None else None
                 window = CpuWindow(scope)
                 window.start()
@@ -183,7 +183,7 @@ def cpu_scope(address: str) -> Scope:
     (`cluster.tools.bench.process_cpu`)."""
     from cluster.tools.bench.process_cpu import cluster_scope, user_scope
 
-    state = local_cluster.load_state()
+    state = ray_cluster.load_state()
     if state is not None and state.serves_grpc_on(address.rpartition(":")[2]):
         return cluster_scope(state.temp_dir)
     return user_scope()
@@ -201,7 +201,7 @@ def _async_client(
     async def open_clients() -> list[AsyncTandemClient]:
         return [
             AsyncTandemClient(
-                address, timeout_s=600, api_key=local_cluster.api_key(), own_connection=True
+                address, timeout_s=600, api_key=ray_cluster.api_key(), own_connection=True
             )
             for _ in range(connections)
         ]
@@ -222,13 +222,13 @@ def say(started: float, message: str) -> None:
 
 def _local_replicas(required: bool) -> faults.Replicas | None:
     """The live replicas of the service `tandem serve` started here, if there is one."""
-    from cluster.serve import local_cluster
+    from cluster.serve import ray_cluster
 
-    if local_cluster.load_state() is None:
+    if ray_cluster.load_state() is None:
         if required:
             raise InvalidArgumentError("--kill needs the service tandem serve started here")
         return None
-    return local_cluster.live_replicas
+    return ray_cluster.live_replicas
 
 
 def _drained_memory(replicas: faults.Replicas, timeout_s: float = 30.0) -> dict[str, Any]:

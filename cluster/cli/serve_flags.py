@@ -4,7 +4,7 @@
 reads the config file (`--config`, else the defaults) and changes only what a flag gives:
 replica counts, the draft's quantization and vocabulary, the router's features (prompt lookup,
 the suffix drafter, the adaptive plan), the stream interval, and the two doors' ports
-(`cluster.cli.doors`). The routers serve this machine only (`local_cluster.LOOPBACK`). Pure:
+(`cluster.cli.doors`). The routers serve this machine only (`loopback.LOOPBACK`). Pure:
 no cluster is joined and no port is probed; `cluster.config` is imported inside, so that
 commands that never serve do not wait for torch.
 """
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.cli.doors import port_number, proxy_grpc_port
 from cluster.runtime.model_spec import QUANTIZATIONS
-from cluster.serve import local_cluster
+from cluster.serve import loopback
 
 if TYPE_CHECKING:
     from cluster.config import TandemConfig
@@ -130,7 +130,7 @@ def config_from_flags(args: argparse.Namespace) -> TandemConfig:
     changes["front"] = FrontConfig(
         grpc_port=_given(args.port, config.front.grpc_port),
         http_port=_given(args.http_port, config.front.http_port),
-        host=local_cluster.LOOPBACK,
+        host=loopback.LOOPBACK,
     )
     changes["proxy_grpc_port"] = proxy_grpc_port(args, config, changes["front"])
     if args.prompt_lookup is not None:

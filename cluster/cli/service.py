@@ -16,7 +16,7 @@ and the resources Ray granted them (their group's: how they were placed), and a 
 metrics every node's metrics agent serves (`cluster.metrics`): acceptance, tokens per verify pass,
 pipeline hit rate, tokens generated, the queue, usage per tenant. `shutdown` removes the
 application and stops the cluster if Tandem started it. Ray is imported only after the cluster
-environment is set (see `cluster.serve.local_cluster`). This module is the commands' I/O (the
+environment is set (see `cluster.serve.ray_cluster`). This module is the commands' I/O (the
 cluster, Serve, the metrics agents); the flags and the config they make are
 `cluster.cli.serve_flags`, the ports `cluster.cli.doors`, the status text
 `cluster.cli.status_table`.
@@ -39,7 +39,7 @@ from cluster.cli.serve_flags import add_serve_flags, config_from_flags
 from cluster.cli.status_table import status_lines
 from cluster.metrics import parse_prometheus, summarize
 from cluster.runtime.errors import TandemError
-from cluster.serve import local_cluster
+from cluster.serve import loopback, ray_cluster
 
 if TYPE_CHECKING:
     from cluster.config import ReplicaGroupConfig, TandemConfig
@@ -69,11 +69,11 @@ def _with_local_tenant(config: TandemConfig) -> TandemConfig:
 
     if not config.auth.enabled or config.auth.tenants:
         return config
-    key_hash = hash_api_key(local_cluster.local_api_key())
-    local = TenantConfig(local_cluster.LOCAL_TENANT, key_hash, max_concurrent=LOCAL_CONCURRENT)
+    key_hash = hash_api_key(ray_cluster.local_api_key())
+    local = TenantConfig(ray_cluster.LOCAL_TENANT, key_hash, max_concurrent=LOCAL_CONCURRENT)
     _say(
         f"no tenants configured: serving tenant '{local.name}', API key in "
-        f"{local_cluster.home() / 'api_key'}"
+        f"{ray_cluster.home() / 'api_key'}"
     )
     return dataclasses.replace(config, auth=AuthConfig(tenants=(local,)))
 
@@ -90,17 +90,17 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _live_state() -> local_cluster.ClusterState | None:
-    state = local_cluster.load_state()
-    gone = state is not None and not local_cluster.cluster_processes(state.temp_dir)
+def _live_state() -> ray_cluster.ClusterState | None:
+    state = ray_cluster.load_state()
+    gone = state is not None and not ray_cluster.cluster_processes(state.temp_dir)
     if state is not None and gone and state.started_by_tandem:
-        local_cluster.clear_state()  # that cluster is gone; start afresh
+        ray_cluster.clear_state()  # that cluster is gone; start afresh
         return None
     return state
 
 
 def _kept_proxies(
-    config: TandemConfig, proxy_http_port: int, state: local_cluster.ClusterState
+    config: TandemConfig, proxy_http_port: int, state: ray_cluster.ClusterState
 ) -> tuple[TandemConfig, int]:
     """`config` and Serve's HTTP proxy port, with the proxies' ports of a running cluster:
     Serve starts its proxies once per cluster, and they keep their ports."""
@@ -117,7 +117,7 @@ def _kept_proxies(
 def serve_command(args: argparse.Namespace) -> int:
     config = config_from_flags(args)
     if config.cluster_secret is None:
-        config = dataclasses.replace(config, cluster_secret=local_cluster.cluster_secret())
+        config = dataclasses.replace(config, cluster_secret=ray_cluster.cluster_secret())
     config = _with_local_tenant(config)
     proxy_http_port = doors.proxy_http_port(args, config)
     started = time.monotonic()
@@ -127,14 +127,14 @@ def serve_command(args: argparse.Namespace) -> int:
         ports = doors.public_ports(config, proxy_http_port)
         doors.check_ports_free(ports)
         # Ray's own servers get free ports too; not the ones this service is about to bind.
-        local_cluster.reserve_ports(*(port for port, _ in ports))
-        _say(f"starting a local Ray cluster in {local_cluster.home()} ...")
-        state = local_cluster.start_cluster(args.num_cpus)
+        loopback.reserve_ports(*(port for port, _ in ports))
+        _say(f"starting a local Ray cluster in {ray_cluster.home()} ...")
+        state = ray_cluster.start_cluster(args.num_cpus)
     else:
         config, proxy_http_port = _kept_proxies(config, proxy_http_port, state)
     step = "connecting to the local Ray cluster"
     try:
-        local_cluster.connect(state)
+        ray_cluster.connect(state)
         step = "starting Serve's proxies"
         state = _start_proxies(config, proxy_http_port, state)
         step = "deploying the service"
@@ -143,7 +143,7 @@ def serve_command(args: argparse.Namespace) -> int:
         _say(_failed_start(state, ours, step, error))
         raise  # a TandemError keeps its status: a bad model is the input's fault, not Ray's
     except Exception as error:
-        raise local_cluster.ClusterError(_failed_start(state, ours, step, error)) from error
+        raise ray_cluster.ClusterError(_failed_start(state, ours, step, error)) from error
     _say(f"ready in {time.monotonic() - started:.1f} s")
     for line in doors.door_lines(state):
         print(line, flush=True)
@@ -159,7 +159,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
 
 def _failed_start(
-    state: local_cluster.ClusterState, ours: bool, step: str, error: BaseException
+    state: ray_cluster.ClusterState, ours: bool, step: str, error: BaseException
 ) -> str:
     """Stop what a start that failed at `step` started (the local cluster, if this command
     started it; one already running is left as it was) and return the one line that says what
@@ -170,7 +170,7 @@ def _failed_start(
         ray.shutdown()  # this process's connection, before its cluster goes
     logs = Path(state.temp_dir) / "session_latest" / "logs"
     if ours:
-        count = local_cluster.stop_cluster(state)
+        count = ray_cluster.stop_cluster(state)
         stopped = f"the local Ray cluster it started is stopped ({count} processes)"
     else:
         stopped = "the Ray cluster running before keeps running (`tandem shutdown` stops it)"
@@ -186,8 +186,8 @@ def _failed_start(
 
 
 def _start_proxies(
-    config: TandemConfig, proxy_http_port: int, state: local_cluster.ClusterState
-) -> local_cluster.ClusterState:
+    config: TandemConfig, proxy_http_port: int, state: ray_cluster.ClusterState
+) -> ray_cluster.ClusterState:
     from ray import serve
     from ray.serve.config import gRPCOptions
 
@@ -198,16 +198,16 @@ def _start_proxies(
         grpc_options=gRPCOptions(
             port=config.proxy_grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)
         ),
-        http_options={"host": local_cluster.LOOPBACK, "port": proxy_http_port},
+        http_options={"host": loopback.LOOPBACK, "port": proxy_http_port},
     )
     state = dataclasses.replace(
         state, proxy_port=config.proxy_grpc_port, proxy_http_port=proxy_http_port
     )
-    local_cluster.save_state(state)  # the proxies run now, whatever becomes of the deployment
+    ray_cluster.save_state(state)  # the proxies run now, whatever becomes of the deployment
     return state
 
 
-def _deploy(config: TandemConfig, state: local_cluster.ClusterState) -> local_cluster.ClusterState:
+def _deploy(config: TandemConfig, state: ray_cluster.ClusterState) -> ray_cluster.ClusterState:
     from ray import serve
 
     from cluster.serve.app import build_app
@@ -228,22 +228,22 @@ def _deploy(config: TandemConfig, state: local_cluster.ClusterState) -> local_cl
         http_port=config.front.http_port,
         app_name=config.app_name,
     )
-    local_cluster.save_state(state)
+    ray_cluster.save_state(state)
     return state
 
 
-def _require_state() -> local_cluster.ClusterState:
-    state = local_cluster.load_state()
+def _require_state() -> ray_cluster.ClusterState:
+    state = ray_cluster.load_state()
     if state is None:
-        raise local_cluster.ClusterError(
-            f"no Tandem service recorded in {local_cluster.home()}; start one with tandem serve"
+        raise ray_cluster.ClusterError(
+            f"no Tandem service recorded in {ray_cluster.home()}; start one with tandem serve"
         )
     return state
 
 
 def status_command(args: argparse.Namespace) -> int:
     state = _require_state()
-    local_cluster.connect(state)
+    ray_cluster.connect(state)
     summary = _status(state)
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -253,7 +253,7 @@ def status_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status(state: local_cluster.ClusterState) -> dict[str, Any]:
+def _status(state: ray_cluster.ClusterState) -> dict[str, Any]:
     import ray
     from ray import serve
 
@@ -262,7 +262,7 @@ def _status(state: local_cluster.ClusterState) -> dict[str, Any]:
     app_name = state.app_name or "tandem"
     application = serve.status().applications.get(app_name)
     if application is None:
-        raise local_cluster.ClusterError(f"no application {app_name!r} is deployed")
+        raise ray_cluster.ClusterError(f"no application {app_name!r} is deployed")
     try:
         replicas = ray.get(get_registry(app_name).replicas.remote(), timeout=10)
     except ValueError:
@@ -326,9 +326,9 @@ def shutdown_command(args: argparse.Namespace) -> int:
     return _shutdown(_require_state())
 
 
-def _shutdown(state: local_cluster.ClusterState) -> int:
+def _shutdown(state: ray_cluster.ClusterState) -> int:
     try:
-        local_cluster.connect(state)
+        ray_cluster.connect(state)
         import ray
         from ray import serve
 
@@ -341,9 +341,9 @@ def _shutdown(state: local_cluster.ClusterState) -> int:
     except TandemError as error:
         _say(f"the cluster did not answer ({error}); stopping its processes")
     if state.started_by_tandem:
-        count = local_cluster.stop_cluster(state)
+        count = ray_cluster.stop_cluster(state)
         _say(f"stopped the local Ray cluster ({count} processes)")
     else:
-        local_cluster.clear_state()
+        ray_cluster.clear_state()
     print("Tandem is shut down", flush=True)
     return 0

@@ -4,7 +4,7 @@ A block now (`DraftCalls.now`): the suffix drafter's, if asked and long enough, 
 lookup's, else the draft model's. A block ahead (`DraftCalls.ahead`): the block after a posted
 one, as if all of it were accepted, looked up or drafted while that one is verified.
 Pre-drafted blocks (`DraftCalls.predraft`): the next block after each of the likeliest outcomes
-of the verify pass (`cluster.routing.predrafting`). Each is steps (`cluster.routing.waits`)
+of the verify pass (`cluster.routing.predrafting`). Each is waits (`cluster.routing.waits`)
 the router's loop runs beside its reading of the verifier's reports; each times what the
 drafter took for the request's adaptive plan and the metrics, and fails over a drafter that
 failed (`cluster.routing.failover`). The drafter's session is brought to what it must hold by
@@ -23,7 +23,7 @@ from cluster.routing.generation import Draft, DrafterView, Generation
 from cluster.routing.ports import DrafterPort
 from cluster.routing.predraft_budget import hit_odds
 from cluster.routing.predrafting import Branches, choose_branches
-from cluster.routing.waits import Steps
+from cluster.routing.waits import Waits
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.limits import MAX_BLOCK_TOKENS
@@ -45,7 +45,7 @@ class DraftCalls:
         by_drafter: bool = True,
         suffix: bool = False,
         suffix_longest: int = MAX_BLOCK_TOKENS,
-    ) -> Steps[Draft]:
+    ) -> Waits[Draft]:
         """A block to verify now: proposed by the suffix drafter (if `suffix`: up to
         `suffix_longest`, at least `num_tokens`), else up to `num_tokens` looked up, else
         drafted (if `by_drafter`), else empty."""
@@ -70,9 +70,7 @@ class DraftCalls:
             port = yield from gen.ready_drafter()
             base, truncate_to, appended = gen.drafter.call(gen.history)
             started = time.perf_counter()
-            block = yield from port.draft_steps(
-                gen.session_id, base, appended, num_tokens, truncate_to
-            )
+            block = yield from port.draft(gen.session_id, base, appended, num_tokens, truncate_to)
         except DRAFTER_FAILED as error:
             self._failover.replace(gen, "drafter", error)
             return (yield from self.now(gen, num_tokens, by_drafter))
@@ -81,7 +79,7 @@ class DraftCalls:
         self._metrics().drafted(draft_s)
         return Draft(block, by_drafter=True)
 
-    def ahead(self, gen: Generation, block: DraftBlock, num_tokens: int) -> Steps[Draft | None]:
+    def ahead(self, gen: Generation, block: DraftBlock, num_tokens: int) -> Waits[Draft | None]:
         """The block after `block` (as posted, based where the history ends: its assumed and
         own tokens are not committed yet) as if all of it were accepted: looked up, else
         drafted while `block` is verified; None if neither can. The drafted block assumes
@@ -99,9 +97,7 @@ class DraftCalls:
         base, truncate_to, appended = gen.drafter.call(gen.history, after)
         sent_at = time.perf_counter()
         try:
-            drafted = yield from port.draft_steps(
-                gen.session_id, base, appended, num_tokens, truncate_to
-            )
+            drafted = yield from port.draft(gen.session_id, base, appended, num_tokens, truncate_to)
         except DRAFTER_FAILED as error:
             self._failover.replace(gen, "drafter", error)
             return None
@@ -112,7 +108,7 @@ class DraftCalls:
 
     def predraft(
         self, gen: Generation, block: DraftBlock, num_tokens: int, fan_out: int
-    ) -> Steps[Branches | None] | None:
+    ) -> Waits[Branches | None] | None:
         """Ask the drafter for the next block after each of the `fan_out` likeliest outcomes
         of verifying `block` (`cluster.routing.predrafting`; `block` has no assumed tokens);
         None where the request or its drafter does not pre-draft. The steps return None when
@@ -123,9 +119,9 @@ class DraftCalls:
 
     def _predrafted(
         self, gen: Generation, block: DraftBlock, num_tokens: int, fan_out: int
-    ) -> Steps[Branches | None]:
+    ) -> Waits[Branches | None]:
         port = yield from self._ready_drafter_ahead(gen)
-        predraft = getattr(port, "predraft_steps", None)
+        predraft = getattr(port, "predraft", None)
         if predraft is None or gen.committed != block.base_length:
             return Branches((), 0.0)
         alpha, k = gen.lengths.acceptance, len(block.tokens)
@@ -154,7 +150,7 @@ class DraftCalls:
         gen.lengths.observe_predraft(elapsed, len(drafted), num_tokens, load)
         return Branches(drafted, hit_odds(alpha, k, len(drafted)))
 
-    def _ready_drafter_ahead(self, gen: Generation) -> Steps[DrafterPort | None]:
+    def _ready_drafter_ahead(self, gen: Generation) -> Waits[DrafterPort | None]:
         """The request's drafter, once its session is open, for drafting ahead; None (the
         round goes on without) if it failed, after failing over."""
         try:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from cluster.routing.generation import DrafterView, Generation
 from cluster.routing.ports import DrafterPort, ReplicaPool, VerifierPort
-from cluster.routing.waits import Started, Steps, finishing, run
+from cluster.routing.waits import Started, Waits, finishing, run
 from cluster.runtime.errors import (
     ReplicaUnavailableError,
     ResourceExhaustedError,
@@ -62,17 +62,17 @@ class Failover:
         self._replicas = replicas
         self._drafter_degraded = drafter_degraded
 
-    def open_verifier(self, gen: Generation, resumed: bool = False) -> Steps[None]:
+    def open_verifier(self, gen: Generation, resumed: bool = False) -> Waits[None]:
         """Open the request's session on its verifier, over the whole history (the prompt at
         first; after a failover, every committed token too), planned to grow by what is left
         of `max_tokens`, running (`Generation.advance`) and reporting to `gen.events`; fail
         over while that fails or the verifier has no room for it. `resumed`: the request
         already ran on another verifier (a failover), so no plan may refuse it: it would fail
-        midway. Steps (`cluster.routing.waits`)."""
+        midway. Yields its waits (`cluster.routing.waits`)."""
         while True:
             request = gen.request
             try:
-                yield from gen.verifier.open_session_steps(
+                yield from gen.verifier.open_session(
                     gen.session_id,
                     gen.history,
                     request.sampling,
@@ -89,9 +89,9 @@ class Failover:
             except VERIFIER_MOVES as error:
                 self.replace(gen, "verifier", error)
 
-    def move_verifier(self, gen: Generation, error: Exception) -> Steps[None]:
+    def move_verifier(self, gen: Generation, error: Exception) -> Waits[None]:
         """The request's verifier failed it with `error`: go on on a spare (re-raising
-        `error` when none may take it), opened on the history. Steps."""
+        `error` when none may take it), opened on the history. Yields its waits."""
         if not isinstance(error, VERIFIER_MOVES):
             raise error
         self.replace(gen, "verifier", error)
@@ -161,7 +161,7 @@ class Failover:
         gen.stats.drafters.append(spare.replica_id)
         request = gen.request
         gen.drafter_opening = Started(
-            spare.port.open_session_steps(
+            spare.port.open_session(
                 gen.session_id,
                 list(gen.history),
                 request.sampling,
@@ -172,9 +172,9 @@ class Failover:
         )
 
     @classmethod
-    def close_drafter(cls, gen: Generation) -> Steps[None]:
+    def close_drafter(cls, gen: Generation) -> Waits[None]:
         """Close the drafter's session, once it has opened (if opening failed, nothing is).
-        Steps."""
+        Yields its waits."""
         if gen.drafter_port is None or gen.open_drafter is not None:  # never opened
             return
         opening, gen.drafter_opening = gen.drafter_opening, None
@@ -186,10 +186,11 @@ class Failover:
         yield from cls.closed_quietly("drafter", gen.drafter_port, gen.session_id)
 
     @staticmethod
-    def closed_quietly(side: str, port: DrafterPort | VerifierPort, session_id: str) -> Steps[None]:
+    def closed_quietly(side: str, port: DrafterPort | VerifierPort, session_id: str) -> Waits[None]:
         """Close a session, best effort: a replica that cannot be reached, is too busy to take
-        the call or fails it drops the session itself after its time limit or TTL. Steps."""
+        the call or fails it drops the session itself after its time limit or TTL. Yields its
+        waits."""
         try:
-            yield from port.close_session_steps(session_id)
+            yield from port.close_session(session_id)
         except Exception as error:
             logger.warning("could not close session %s on the %s: %s", session_id, side, error)

@@ -30,7 +30,7 @@ from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.routing.session_events import SessionEvents
 from cluster.routing.suffix_drafting import SuffixDrafting
 from cluster.routing.text import TextAssembler
-from cluster.routing.waits import Pending, Started, Steps
+from cluster.routing.waits import Pending, Started, Waits
 from cluster.runtime.advance import Advance
 from cluster.runtime.constraint import Constraint, TokenMatcher, tokenizer_size
 from cluster.runtime.draft_block import DraftBlock, Verdict
@@ -228,8 +228,8 @@ class Generation:
                 f"{self.request.max_tokens} tokens"
             )
 
-    def ready_drafter(self) -> Steps[DrafterPort]:
-        """Steps returning the drafter once its session is open (opening it first if that was
+    def ready_drafter(self) -> Waits[DrafterPort]:
+        """Waits, returning the drafter once its session is open (opening it first if that was
         deferred; waiting for it; raising what opening raised)."""
         assert self.drafter_port is not None
         if self.open_drafter is not None:

@@ -1,6 +1,6 @@
 """The interfaces through which the router drives a drafter and a verifier.
 
-Every call is steps (`cluster.routing.waits`): a generator that yields a `Wait` on a future
+Every call is waits (`cluster.routing.waits`): a generator that yields a `Wait` on a future
 wherever it waits for the replica, so that one driver runs any number of requests without a
 thread each. The gRPC clients implement these protocols over each replica's Frames stream
 (`cluster.routing.replica_client`); in one process, `cluster.local.InProcess` adapts the plain
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cluster.routing.session_events import SessionEvents
-from cluster.routing.waits import Steps
+from cluster.routing.waits import Waits
 from cluster.runtime.advance import Advance
 from cluster.runtime.constraint import Constraint
 from cluster.runtime.draft_block import DraftBlock
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 class DrafterPort(Protocol):
     """A drafter (a model's, or a suffix drafter) as the router calls it."""
 
-    def open_session_steps(
+    def open_session(
         self,
         session_id: str,
         prompt_tokens: Sequence[int],
@@ -49,7 +49,7 @@ class DrafterPort(Protocol):
         resumed: bool = False,
         constraint: Constraint | None = None,
         tenant: str = "",
-    ) -> Steps[int]:
+    ) -> Waits[int]:
         """Open a session; returns its committed length. `max_new_tokens`: how far it may grow
         past the prompt (admission plans for it; None: a block); `resumed`: the request already
         runs (a failover), so the plan does not refuse it; `constraint`: what its generated
@@ -57,29 +57,29 @@ class DrafterPort(Protocol):
         drafts from that tenant's text only)."""
         ...
 
-    def draft_steps(
+    def draft(
         self,
         session_id: str,
         base_length: int,
         appended_tokens: Sequence[int],
         num_tokens: int,
         truncate_to: int | None = None,
-    ) -> Steps[DraftBlock]:
+    ) -> Waits[DraftBlock]:
         """Check the session is at `base_length`; drop its tokens from `truncate_to` on (a
         speculative block the verdict rejected); append `appended_tokens`; draft
         `num_tokens`."""
         ...
 
-    def close_session_steps(self, session_id: str) -> Steps[bool]:
+    def close_session(self, session_id: str) -> Waits[bool]:
         """Free the session; True if it existed."""
         ...
 
 
 class PredraftPort(Protocol):
     """What a drafter port offers if it pre-drafts (outcome-keyed pre-drafting): optional, so
-    not part of `DrafterPort`; the router asks a port that has `predraft_steps`."""
+    not part of `DrafterPort`; the router asks a port that has `predraft`."""
 
-    def predraft_steps(
+    def predraft(
         self,
         session_id: str,
         base_length: int,
@@ -88,8 +88,8 @@ class PredraftPort(Protocol):
         branches: Sequence[Branch],
         num_tokens: int,
         truncate_to: int | None = None,
-    ) -> Steps[list[PreDraft]]:
-        """Bring the session to its committed tokens as `draft_steps` does, then draft
+    ) -> Waits[list[PreDraft]]:
+        """Bring the session to its committed tokens as `draft` does, then draft
         `num_tokens` after each of `branches`, likely outcomes of verifying `block`; the
         branches drafted (some may be left out). The session keeps only its committed
         tokens."""
@@ -99,7 +99,7 @@ class PredraftPort(Protocol):
 class VerifierPort(Protocol):
     """A verifier as the router calls it."""
 
-    def open_session_steps(
+    def open_session(
         self,
         session_id: str,
         prompt_tokens: Sequence[int],
@@ -111,8 +111,8 @@ class VerifierPort(Protocol):
         constraint: Constraint | None = None,
         advance: Advance | None = None,
         events: SessionEvents | None = None,
-    ) -> Steps[int]:
-        """Open a session; returns its committed length (`DrafterPort.open_session_steps`).
+    ) -> Waits[int]:
+        """Open a session; returns its committed length (`DrafterPort.open_session`).
         With `advance`, the session runs: it advances on its own until its output ends, and
         reports each of its own steps to `events`."""
         ...
@@ -146,7 +146,7 @@ class VerifierPort(Protocol):
         "float32" a float32 copy of them. Blocking (the audit's, off the hot path)."""
         ...
 
-    def close_session_steps(self, session_id: str) -> Steps[bool]:
+    def close_session(self, session_id: str) -> Waits[bool]:
         """Free the session; True if it existed."""
         ...
 

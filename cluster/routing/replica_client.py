@@ -8,7 +8,7 @@ gRPC to the pinned replica, no Serve hop). Each wraps one `grpc.Channel`, given 
 Every session call (open, draft, predraft, verify, close) is an entry of one long-lived Frames
 stream per client (`cluster.routing.frame_channel.FrameChannel`), shared by every `bounded`
 view of it, so a router sends one frame per replica for whatever its sessions have pending, not
-one call per session (docs/architecture.md, "Frame stream"), and each call is steps
+one call per session (docs/architecture.md, "Frame stream"), and each call yields its waits
 (`cluster.routing.waits`) that wait on its entry's answer without a thread. A client is kept per
 replica address (`cluster.routing.directory`), so one router process holds one stream per
 replica and service. A verifier session opened with an `Advance` runs: the client hands every
@@ -31,7 +31,7 @@ UNAUTHENTICATED, raised as `ClusterSecretError`).
 
 Deadlines: `bounded(deadline)` gives one request's view of a client, sharing its channel. Its
 calls wait no longer than the request has left, raise `DeadlineExceededError` without calling
-once nothing is left (or when the time runs out during the call), and its `open_session_steps`
+once nothing is left (or when the time runs out during the call), and its `open_session`
 sends the time left (`time_limit_ms`), so the replica drops the session itself even if the
 router dies. Closing a session ignores the deadline: freeing it after the deadline is the point.
 """
@@ -51,7 +51,7 @@ import grpc
 from cluster.routing.frame_channel import FrameChannel
 from cluster.routing.liveness import PROBE_TIMEOUT_S, Liveness, Progress
 from cluster.routing.session_events import SessionEvents
-from cluster.routing.waits import Steps, Wait
+from cluster.routing.waits import Wait, Waits
 from cluster.runtime.advance import Advance
 from cluster.runtime.audit import Replay
 from cluster.runtime.constraint import Constraint
@@ -174,8 +174,8 @@ class _ReplicaClient:
 
     def _send(
         self, call: str, request: Any, timeout_s: float | None, bounded: bool = True
-    ) -> Steps[Any]:
-        """`request` as a frame entry whose `call` field is `call`; steps returning the
+    ) -> Waits[Any]:
+        """`request` as a frame entry whose `call` field is `call`; yields its waits, returning the
         answer's message. The same waits and errors as `_call`: at most min(timeout, the time
         left), then `DeadlineExceededError` once the request's time is up, else
         `ReplicaUnavailableError` (the replica was too slow)."""
@@ -187,7 +187,7 @@ class _ReplicaClient:
 
     def _answer(
         self, future: Future[Any], tag: int, own_timeout_s: float | None, left: float | None
-    ) -> Steps[Any]:
+    ) -> Waits[Any]:
         """Wait for entry `tag`'s `future` until the request's time is `left`; each time
         `own_timeout_s` passes without an answer, the replica's liveness decides: busy (heard
         from, or its engine stepped), the wait goes on; dead or stalled, it fails over."""
@@ -242,7 +242,7 @@ class _ReplicaClient:
         call.add_done_callback(done)
         return counted
 
-    def open_session_steps(
+    def open_session(
         self,
         session_id: str,
         prompt_tokens: Sequence[int],
@@ -254,8 +254,9 @@ class _ReplicaClient:
         constraint: Constraint | None = None,
         timeout_s: float | None = None,
         tenant: str = "",
-    ) -> Steps[int]:
-        """Open a session; steps returning its committed length (`cluster.routing.waits`).
+    ) -> Waits[int]:
+        """Open a session; yields its waits (`cluster.routing.waits`), returning its committed
+        length.
         `tenant`: whose request it is (a suffix drafter drafts from that tenant's text only)."""
         request = requests.open_request_to_wire(
             session_id,
@@ -273,10 +274,8 @@ class _ReplicaClient:
         )
         return response.committed_length
 
-    def close_session_steps(
-        self, session_id: str, *, timeout_s: float | None = None
-    ) -> Steps[bool]:
-        """Free the session; steps returning True if it existed."""
+    def close_session(self, session_id: str, *, timeout_s: float | None = None) -> Waits[bool]:
+        """Free the session; yields its waits, returning True if it existed."""
         request = requests.close_request_to_wire(session_id)
         # Not bounded: a session is freed even after its request's deadline.
         response: replica_pb2.CloseSessionResponse = yield from self._send(
@@ -317,7 +316,7 @@ class GrpcDrafter(_ReplicaClient):
     _service = "tandem.v1.Drafter"
     _stub_class = replica_pb2_grpc.DrafterStub
 
-    def draft_steps(
+    def draft(
         self,
         session_id: str,
         base_length: int,
@@ -326,8 +325,8 @@ class GrpcDrafter(_ReplicaClient):
         truncate_to: int | None = None,
         *,
         timeout_s: float | None = None,
-    ) -> Steps[DraftBlock]:
-        """See `DrafterPort.draft`; steps. The block's q stays as received
+    ) -> Waits[DraftBlock]:
+        """See `DrafterPort.draft`; yields its waits. The block's q stays as received
         (`convert.WireRows`)."""
         request = requests.draft_request_to_wire(
             session_id, base_length, appended_tokens, num_tokens, truncate_to
@@ -335,7 +334,7 @@ class GrpcDrafter(_ReplicaClient):
         block = yield from self._send("draft", request, timeout_s)
         return convert.block_from_wire(block, lazy_rows=True)
 
-    def predraft_steps(
+    def predraft(
         self,
         session_id: str,
         base_length: int,
@@ -346,8 +345,8 @@ class GrpcDrafter(_ReplicaClient):
         truncate_to: int | None = None,
         *,
         timeout_s: float | None = None,
-    ) -> Steps[list[PreDraft]]:
-        """See `DrafterPort.predraft`; steps. Each branch's q stays as received
+    ) -> Waits[list[PreDraft]]:
+        """See `DrafterPort.predraft`; yields its waits. Each branch's q stays as received
         (`convert.WireRows`)."""
         request = requests.predraft_request_to_wire(
             session_id, base_length, appended_tokens, block, branches, num_tokens, truncate_to
@@ -363,7 +362,7 @@ class GrpcVerifier(_ReplicaClient):
     _service = "tandem.v1.Verifier"
     _stub_class = replica_pb2_grpc.VerifierStub
 
-    def open_session_steps(  # type: ignore[override]
+    def open_session(  # type: ignore[override]
         self,
         session_id: str,
         prompt_tokens: Sequence[int],
@@ -376,13 +375,13 @@ class GrpcVerifier(_ReplicaClient):
         advance: Advance | None = None,
         events: SessionEvents | None = None,
         timeout_s: float | None = None,
-    ) -> Steps[int]:
-        """See `VerifierPort.open_session_steps`: with `advance`, every later result under the
+    ) -> Waits[int]:
+        """See `VerifierPort.open_session`: with `advance`, every later result under the
         open entry's tag (the session's own steps, or the error that stopped it) goes to
         `events`, until the session is closed."""
         if advance is None:
             return (
-                yield from super().open_session_steps(
+                yield from super().open_session(
                     session_id,
                     prompt_tokens,
                     sampling,
@@ -435,15 +434,13 @@ class GrpcVerifier(_ReplicaClient):
         request = requests.verify_request_to_wire(session_id, block, defer_bonus)
         self._frames.send(replica_pb2.FrameEntry(verify=request), partial(_posted, events, post_id))
 
-    def close_session_steps(
-        self, session_id: str, *, timeout_s: float | None = None
-    ) -> Steps[bool]:
-        """Free the session; steps returning True if it existed. A running session's reports
-        stop being read first."""
+    def close_session(self, session_id: str, *, timeout_s: float | None = None) -> Waits[bool]:
+        """Free the session; yields its waits, returning True if it existed. A running session's
+        reports stop being read first."""
         tag = self._running.pop(session_id, None)
         if tag is not None:
             self._frames.release(tag)
-        return (yield from super().close_session_steps(session_id, timeout_s=timeout_s))
+        return (yield from super().close_session(session_id, timeout_s=timeout_s))
 
     def reference(
         self,

@@ -28,8 +28,8 @@ alone), and waits for its verdict, as a lockstep loop does; the first round then
 drafter too.
 
 Timing for the adaptive plan: a verify pass is the time between two reports of the session
-(about one verifier step), a draft the call's own time. Pure orchestration: its waits are
-steps (`cluster.routing.waits`), so one driver runs any number of requests.
+(about one verifier step), a draft the call's own time. Pure orchestration: it yields its waits
+(`cluster.routing.waits`), so one driver runs any number of requests.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from cluster.routing.output import emit
 from cluster.routing.predrafting import Branches, predrafted
 from cluster.routing.request import GenerationChunk
 from cluster.routing.speculation_gate import SpeculationGate
-from cluster.routing.waits import Pending, Steps, Wait, first_done
+from cluster.routing.waits import Pending, Wait, Waits, first_done
 from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.errors import ReplicaUnavailableError
 from cluster.runtime.limits import MAX_BLOCK_TOKENS
@@ -175,8 +175,8 @@ class Rounds:
 
     # ------------------------------------------------------------------ reading
 
-    def _read(self, gen: Generation) -> Steps[list[int]]:
-        """Commit what the session reported; the tokens committed (steps: a failover may
+    def _read(self, gen: Generation) -> Waits[list[int]]:
+        """Commit what the session reported; the tokens committed (yields its waits: a failover may
         wait)."""
         tokens: list[int] = []
         last: Verdict | None = None

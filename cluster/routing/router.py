@@ -50,7 +50,7 @@ from cluster.routing.request import (
 )
 from cluster.routing.rounds import Rounds
 from cluster.routing.speculation_gate import GateConfig, SpeculationGate
-from cluster.routing.waits import Started, Steps, Wait, blocking, finishing, run
+from cluster.routing.waits import Started, Wait, Waits, blocking, finishing, run
 from cluster.runtime.advance import Advance
 from cluster.runtime.errors import DeadlineExceededError
 from drafter.config import NgramConfig
@@ -209,17 +209,17 @@ class Router:
         `stats`, when given, is updated in place as the generation runs. `pipelined` overrides
         the router's default for this request. Closing the iterator early (a cancelled client)
         frees the request's sessions. Blocks the consumer's thread while replicas work
-        (`steps` does not).
+        (`stream_waits` does not).
         """
-        return blocking(self.steps(request, stats, pipelined))
+        return blocking(self.stream_waits(request, stats, pipelined))
 
-    def steps(
+    def stream_waits(
         self,
         request: GenerationRequest,
         stats: SpeculationStats | None = None,
         pipelined: bool | None = None,
     ) -> Generator[GenerationChunk | Wait, None, None]:
-        """`stream` as steps (`cluster.routing.waits`): the chunks, with a `Wait` wherever the
+        """`stream` as waits (`cluster.routing.waits`): the chunks, with a `Wait` wherever the
         request waits for a replica, so that one driver runs any number of requests."""
         return self._run(request, stats if stats is not None else SpeculationStats(), pipelined)
 
@@ -314,7 +314,7 @@ class Router:
 
             def open_drafter() -> Started:
                 return Started(
-                    port.open_session_steps(
+                    port.open_session(
                         gen.session_id,
                         prompt,
                         request.sampling,
@@ -353,7 +353,7 @@ class Router:
             raise
         yield from finishing(closing)
 
-    def _close_sessions(self, gen: Generation) -> Steps[None]:
+    def _close_sessions(self, gen: Generation) -> Waits[None]:
         """Close the request's sessions on both sides, best effort."""
         gen.events.close()
         yield from self._failover.closed_quietly("verifier", gen.verifier, gen.session_id)
@@ -366,6 +366,6 @@ class Router:
         step by step, which branches do not follow): the plan then never prices one."""
         asked = gen.request.predraft_fan_out
         port = gen.drafter_port
-        if port is None or not hasattr(port, "predraft_steps") or gen.constraint is not None:
+        if port is None or not hasattr(port, "predraft") or gen.constraint is not None:
             return 0
         return self.predraft_fan_out if asked is None else asked

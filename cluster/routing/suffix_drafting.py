@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from cluster.routing.ports import DrafterPort
 from cluster.routing.request import GenerationRequest
-from cluster.routing.waits import Steps, quietly
+from cluster.routing.waits import Waits, quietly
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import DeadlineExceededError, TandemError
 
@@ -105,7 +105,7 @@ class SuffixDrafting:
         history: Sequence[int],
         num_tokens: int,
         shortest: int = 1,
-    ) -> Steps[DraftBlock | None]:
+    ) -> Waits[DraftBlock | None]:
         """Its block continuing `history` (the committed tokens), or None: nothing proposed,
         fewer than `shortest` tokens (the block the model would draft instead: a shorter
         proposal earns less than it, and counts as fruitless), not asked this round, or it
@@ -116,7 +116,7 @@ class SuffixDrafting:
         try:
             if self.sent is None:
                 self.open_sent = True
-                self.sent = yield from port.open_session_steps(
+                self.sent = yield from port.open_session(
                     self.session_id,
                     tuple(history),
                     request.sampling,
@@ -126,7 +126,7 @@ class SuffixDrafting:
                 )
             sent = len(history)
             appended = history[self.sent : sent]
-            block: DraftBlock = yield from port.draft_steps(
+            block: DraftBlock = yield from port.draft(
                 self.session_id, self.sent, appended, num_tokens
             )
         except DeadlineExceededError:
@@ -141,10 +141,10 @@ class SuffixDrafting:
         self.use.proposed(len(block.tokens) if worth else 0)
         return block if block.tokens and worth else None
 
-    def close(self) -> Steps[None]:
+    def close(self) -> Waits[None]:
         """Close its session, if an open was sent (a consumer that leaves while it is in flight
         still closes it: over a Frames stream the close follows the open); best effort."""
         port, self.port = self.port, None
         if port is None or not self.open_sent:
             return
-        yield from quietly(port.close_session_steps(self.session_id))
+        yield from quietly(port.close_session(self.session_id))

@@ -1,27 +1,28 @@
-"""Waiting on replicas without a thread: a request's loop as steps that yield their waits.
+"""Waiting on replicas without a thread: a request's loop as work that yields its waits.
 
 A request's router loop spends nearly all its time waiting for a replica's answer (a frame
 entry's future). Written as a plain function it must hold a thread while it waits, so 1,000
-streams would cost 1,000 threads and a thread wake for every answer. Written as **steps** (a
-generator that yields a `Wait` wherever it would block, and goes on once it is resumed), one
-driver can run any number of requests:
+streams would cost 1,000 threads and a thread wake for every answer. Written as **waits** (a
+generator, `Waits[T]`, that yields a `Wait` wherever it would block, and goes on once it is
+resumed), one driver can run any number of requests:
 
-- `run(steps)` and `blocking(stream)` resume each wait on the calling thread, blocking until
+- `run(work)` and `blocking(stream)` resume each wait on the calling thread, blocking until
   it is over: the synchronous APIs (`Router.stream`, `TandemService.stream`), tests and the
   in-process transport, unchanged in what they do;
 - `drive(stream)` awaits each wait on an asyncio event loop: the router replica's own gRPC
   server runs every stream this way on one loop (`cluster.serve.front`).
 
-A wait ends when its future is done or its `timeout_s` has passed, whichever is first: the step
-that yielded it reads the future next and decides (a timeout is its own to raise). Steps never
-receive a value from the driver, so a generator of steps is run with `next` alone, and
-`yield from` composes them. A stream of steps yields its output (chunks) between its waits.
+A wait ends when its future is done or its `timeout_s` has passed, whichever is first: the code
+that yielded it reads the future next and decides (a timeout is its own to raise). The work
+never receives a value from the driver, so it is run with `next` alone, and `yield from`
+composes it. A stream yields its output (chunks) between its waits. ("Step" is the engine's
+word, one forward pass of a replica; the work here runs between them.)
 
-`Started` begins steps at once and finishes them later. `Pending` runs steps beside a
-request's own loop: the loop waits on whichever comes first (`first_done`) of its own events
-and the pending steps' current wait, and `poll`s them forward once theirs is over (a draft in
-flight while the request goes on reading its verifier's steps). `done_steps` and `answer` make
-steps of values and futures that need no thread.
+`Started` begins work at once and finishes it later. `Pending` runs work beside a request's
+own loop: the loop waits on whichever comes first (`first_done`) of its own events and the
+pending work's current wait, and `poll`s it forward once that is over (a draft in flight while
+the request goes on reading its verifier's reports). `returning` and `answer` make waits of
+values and futures that need no thread.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 T = TypeVar("T")
-Steps = Generator["Wait", None, T]
-"""Work that yields a `Wait` wherever it would block and returns its result."""
+Waits = Generator["Wait", None, T]
+"""Work that yields a `Wait` wherever it would block and returns its result (see above)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,19 +125,19 @@ def _wake(woken: asyncio.Future[None]) -> None:
         woken.set_result(None)
 
 
-def run(steps: Steps[T]) -> T:
-    """Run `steps` to their result on this thread, blocking at each wait."""
+def run(work: Waits[T]) -> T:
+    """Run `work` to its result on this thread, blocking at each wait."""
     try:
-        wait = next(steps)
+        wait = next(work)
         while True:
             wait.block()
-            wait = next(steps)
+            wait = next(work)
     except StopIteration as stop:
         return stop.value
 
 
 def blocking(stream: Iterator[T | Wait]) -> Generator[T, None, None]:
-    """The output of a stream of steps, blocking at each wait on the consumer's thread.
+    """The output of a stream, blocking at each wait on the consumer's thread.
     Closing this closes `stream` (what frees a request's sessions)."""
     try:
         for item in stream:
@@ -151,10 +152,10 @@ def blocking(stream: Iterator[T | Wait]) -> Generator[T, None, None]:
 
 
 async def drive(stream: Iterator[T | Wait], start_on: Executor | None = None) -> AsyncIterator[T]:
-    """The output of a stream of steps on the running event loop: each step runs on the loop's
-    thread and each wait is awaited there. `start_on`: the first step (a request's set-up up to
+    """The output of a stream on the running event loop: its code runs on the loop's
+    thread and each wait is awaited there. `start_on`: the stream's start (a request's set-up up to
     its first wait: validation, tokenization, its sessions' opening) runs there instead, so
-    that starting requests never holds up the others' steps on the loop. Closing (or
+    that starting requests never holds up the others' streams on the loop. Closing (or
     cancelling) this closes `stream`, on `start_on` if given (`_close`)."""
     starting: Future[Any] | None = None
     ended = False
@@ -182,9 +183,9 @@ async def drive(stream: Iterator[T | Wait], start_on: Executor | None = None) ->
 
 
 def _close(close: Callable[[], None], starting: Future[Any] | None, on: Executor | None) -> None:
-    """Close a stream `drive` left: after its first step if that still runs (`starting`); on
+    """Close a stream `drive` left: after its start if that still runs (`starting`); on
     `on` if given, since closing may block (the request's sessions close, and an open in flight
-    ends first), and not on the loop the other requests' steps run on."""
+    ends first), and not on the loop the other requests' streams run on."""
     if starting is not None and not starting.done():
         starting.add_done_callback(lambda _: close())
         return
@@ -198,18 +199,18 @@ def _close(close: Callable[[], None], starting: Future[Any] | None, on: Executor
 
 
 _NO_MORE = object()
-"""What `next` returns for a stream that ended in its first step."""
+"""What `next` returns for a stream that ended before its first wait."""
 
 
-def finishing(steps: Steps[T]) -> Steps[T]:
-    """`steps` that must run whatever happens (closing a request's sessions, or opening one
+def finishing(work: Waits[T]) -> Waits[T]:
+    """`work` that must run whatever happens (closing a request's sessions, or opening one
     that must then be closed): if their consumer closes them at a wait (it left), they finish
     on the closing thread, blocking, and what they raise then is dropped."""
     wait: Wait | None = None
     try:
         while True:
             try:
-                wait = next(steps)
+                wait = next(work)
             except StopIteration as stop:
                 return stop.value
             yield wait
@@ -217,50 +218,50 @@ def finishing(steps: Steps[T]) -> Steps[T]:
         with contextlib.suppress(Exception):  # nobody is left to be told
             if wait is not None:
                 wait.block()
-            run(steps)
+            run(work)
         raise
 
 
-def quietly(steps: Steps[object]) -> Steps[None]:
-    """`steps` run for their effect alone: what they raise is dropped."""
+def quietly(work: Waits[object]) -> Waits[None]:
+    """`work` run for its effect alone: what they raise is dropped."""
     try:
-        yield from steps
+        yield from work
     except Exception:
         return
 
 
-def done_steps(value: T) -> Steps[T]:
-    """Steps that wait for nothing and return `value`."""
+def returning(value: T) -> Waits[T]:
+    """Work that waits for nothing and returns `value`."""
     return value
     yield  # pragma: no cover - makes this a generator
 
 
-def answer(future: Future[T], timeout_s: float | None = None) -> Steps[T]:
-    """Steps that wait for `future` and return its result (or raise its error); a future not
+def answer(future: Future[T], timeout_s: float | None = None) -> Waits[T]:
+    """Work that waits for `future` and returns its result (or raises its error); a future not
     done within `timeout_s` raises `concurrent.futures.TimeoutError`."""
     if not future.done():
         yield Wait(future, timeout_s)
     return future.result(timeout=0)
 
 
-def call_steps(call: Callable[[], T]) -> Steps[T]:
-    """Steps that make a blocking `call` when run (a port with no steps of its own)."""
+def calling(call: Callable[[], T]) -> Waits[T]:
+    """Work that makes a blocking `call` when run (a port with no waits of its own)."""
     return call()
     yield  # pragma: no cover - makes this a generator
 
 
 class Started:
-    """Steps begun now, up to their first wait (the request behind it is sent at once), and
+    """Work begun now, up to its first wait (the request behind it is sent at once), and
     finished later by `yield from started.finish()`."""
 
-    def __init__(self, steps: Steps[T]) -> None:
-        self._steps = steps
+    def __init__(self, work: Waits[T]) -> None:
+        self._work = work
         self._first: Wait | None = None
         self._result: Any = None
         self._error: BaseException | None = None
         self._finished_at: float | None = None
         try:
-            self._first = next(steps)
+            self._first = next(work)
         except StopIteration as stop:
             self._result, self._finished_at = stop.value, time.perf_counter()
         except Exception as error:  # raised again by `finish`, on the request's own path
@@ -280,14 +281,14 @@ class Started:
         """When that answer came (`time.perf_counter()`), if it has."""
         return self._finished_at
 
-    def finish(self) -> Steps[Any]:
-        """The rest of the steps: their result, or what they raised."""
+    def finish(self) -> Waits[Any]:
+        """The rest of the work: its result, or what they raised."""
         if self._error is not None:
             raise self._error
         if self._first is None:
             return self._result
         yield self._first
-        return (yield from self._steps)
+        return (yield from self._work)
 
 
 def first_done(futures: list[Future[Any]]) -> Future[Any]:
@@ -307,12 +308,12 @@ def first_done(futures: list[Future[Any]]) -> Future[Any]:
 
 
 class Pending:
-    """Steps run beside a request's loop (see the module docstring): begun at once, up to their
-    first wait; `poll` resumes them whenever the wait they stopped at is over (its future done,
-    or its timeout passed, which the steps then handle themselves), until they return."""
+    """Work run beside a request's loop (see the module docstring): begun at once, up to its
+    first wait; `poll` resumes it whenever the wait it stopped at is over (its future done,
+    or its timeout passed, which the work then handles itself), until it returns."""
 
-    def __init__(self, steps: Steps[Any], clock: Callable[[], float] = time.monotonic) -> None:
-        self._steps = steps
+    def __init__(self, work: Waits[Any], clock: Callable[[], float] = time.monotonic) -> None:
+        self._work = work
         self._clock = clock
         self._wait: Wait | None = None
         self._until: float | None = None
@@ -323,16 +324,16 @@ class Pending:
 
     @property
     def future(self) -> Future[Any] | None:
-        """What the steps wait for now (None once they have returned)."""
+        """What the work waits for now (None once it has returned)."""
         return None if self._wait is None else self._wait.future
 
     @property
     def until(self) -> float | None:
-        """When the wait they stopped at times out (None: never, or no wait)."""
+        """When the wait it stopped at times out (None: never, or no wait)."""
         return self._until
 
     def poll(self) -> bool:
-        """Resume the steps if their wait is over; whether they have returned."""
+        """Resume the work if its wait is over; whether it has returned."""
         if self.done or self._wait is None:
             return self.done
         over = self._until is not None and self._clock() >= self._until
@@ -341,21 +342,21 @@ class Pending:
         return self.done
 
     def result(self) -> Any:
-        """What the steps returned (or raise what they raised); only once `done`."""
+        """What the work returned (or raise what it raised); only once `done`."""
         assert self.done
         if self._error is not None:
             raise self._error
         return self._result
 
     def close(self) -> None:
-        """Give the steps up (closing the generator)."""
-        self._steps.close()
+        """Give the work up (closing the generator)."""
+        self._work.close()
         self._wait = None
 
     def _resume(self) -> None:
         while True:
             try:
-                wait = next(self._steps)
+                wait = next(self._work)
             except StopIteration as stop:
                 self._finish(stop.value, None)
                 return

@@ -8,16 +8,16 @@ import each other's helpers (the ingress builds the HTTP face; nothing imports b
 - `deadline_of`: the deadline a caller states in `x-tandem-deadline-ms` (gRPC metadata or HTTP
   headers alike: pairs of name and value), as an instant of the local clock; the ingress's
   docstring says how it is honoured.
-- `stream_on_loop` (`stream_merged`): a Tandem stream as steps (`cluster.routing.waits`) on the
-  event loop, with what a lagging reader has pending merged. A task of the loop runs the steps,
+- `stream_on_loop` (`stream_merged`): a Tandem stream as waits (`cluster.routing.waits`) on the
+  event loop, with what a lagging reader has pending merged. A task of the loop runs the stream,
   awaiting each wait, so no thread is held per request; each time the reader asks for the next
   item it gets everything pending merged by `merge` (`cluster.api.response.coalesce` for
   Tandem chunks: tokens and text concatenated, a finish reason ends a merge), as vLLM's
   per-request output collector does. So a client that reads slower than tokens are committed
   gets fewer, larger chunks, and each chunk that crosses Serve's proxy (about 1 ms of CPU
-  each) carries as many tokens as are ready; the steps never wait for the reader. An error is
+  each) carries as many tokens as are ready; the stream never waits for the reader. An error is
   raised to the reader after the items before it. Closing the async iterator (a cancelled
-  call, a client gone) cancels the task, which closes the steps: the request's sessions are
+  call, a client gone) cancels the task, which closes the stream: the request's sessions are
   freed.
 """
 
@@ -42,10 +42,10 @@ async def stream_on_loop(
     merge: Callable[[list[T]], list[T]],
     start_on: ThreadPoolExecutor | None = None,
 ) -> AsyncGenerator[T, None]:
-    """A stream of steps (`cluster.routing.waits`) whose waits need no thread, on the event loop:
+    """A stream of waits (`cluster.routing.waits`) whose waits need no thread, on the event loop:
     a task of the running loop runs them to their end, awaiting each wait, and the
     reader gets what is pending merged, as there; the first step runs on `start_on`, if given
-    (`drive`). Closing this cancels the task, which closes the steps (the request's sessions
+    (`drive`). Closing this cancels the task, which closes the stream (the request's sessions
     are freed)."""
     pending: list[tuple[str, Any]] = []
     arrived = asyncio.Event()

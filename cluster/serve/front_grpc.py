@@ -2,7 +2,7 @@
 
 `GrpcFront` runs a `grpc.aio` server on an asyncio event loop of its own thread in the router
 replica, with the public API's one servicer (`cluster.serve.tandem_servicer.TandemServicer`:
-generation as steps on the loop, so 1,000 streams cost the same threads as one) and gRPC
+generation as waits on the loop, so 1,000 streams cost the same threads as one) and gRPC
 health (`AsyncHealthServicer`). Here the client's gRPC deadline is the request's
 (`caller_of`), and a failed call is aborted with its status (`abort_call`). The health check's
 look at the replicas runs on the loop's default executor.

@@ -15,10 +15,10 @@ differs between doors, how it reads a call's caller and how it fails a call:
   `abort_call` (the context aborts); through Serve's proxy the status is set on its context
   and the error raised (`cluster.serve.ingress`).
 
-Generate and GenerateStream run as steps (`cluster.routing.waits`) on the loop
+Generate and GenerateStream run as waits (`cluster.routing.waits`) on the loop
 (`cluster.serve.calls.stream_merged`): the request's router loop runs on the loop's thread
 between its waits, so no thread is held per call, and what a slow reader has pending is merged
-into one chunk. A client that goes away cancels its call's task, which closes the steps: the
+into one chunk. A client that goes away cancels its call's task, which closes the stream: the
 request's sessions are freed. Cancel and GetUsage are quick and run on the loop; Audit (a
 replay through the plain target, which may wait long) runs on `threads`, told to stop when the
 call is cancelled.
@@ -95,11 +95,11 @@ class TandemServicer(generate_pb2_grpc.TandemServicer):
     ) -> AsyncGenerator[ApiChunk, None]:
         caller = self._caller(context)
 
-        def steps() -> Iterator[ApiChunk | Wait]:
-            # Made in the first step, so that validating and tokenizing run off the loop.
-            yield from self._api.chunk_steps(request, caller)
+        def waits() -> Iterator[ApiChunk | Wait]:
+            # Made when first resumed, so that validating and tokenizing run off the loop.
+            yield from self._api.chunk_waits(request, caller)
 
-        return stream_merged(steps(), self._threads, coalesce)
+        return stream_merged(waits(), self._threads, coalesce)
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: Any = None

@@ -1,7 +1,7 @@
 """`python -m cluster.serve.worker_node OPTIONS_JSON`: one more node of a local Ray cluster.
 
 What `ray start --address` does for a worker node, with the head's address taken as given:
-start a Ray `Node` from `RayParams(**options)` (`local_cluster.worker_node_options` makes them)
+start a Ray `Node` from `RayParams(**options)` (`ray_cluster.worker_node_options` makes them)
 and return once it runs; its processes outlive this one, as `ray start`'s do. Ray's own
 one-machine clusters (`ray.cluster_utils`) start their nodes the same way.
 

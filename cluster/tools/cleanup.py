@@ -37,7 +37,7 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
-from cluster.serve.local_cluster import STOP_GRACE_S, cluster_processes
+from cluster.serve.ray_cluster import STOP_GRACE_S, cluster_processes
 
 SHUTDOWN_TIMEOUT_S = 180.0
 """The longest `tandem shutdown` may take before its processes are signalled directly."""
@@ -109,8 +109,8 @@ def stop_private_service(home: Path, env: Mapping[str, str]) -> int:
 
 def stop_processes(temp_dir: str, grace_s: float = STOP_GRACE_S) -> int:
     """SIGTERM every process of the Ray temp dir `temp_dir` (as
-    `local_cluster.cluster_processes` finds them), SIGKILL what is left after `grace_s`;
-    returns how many were signalled. Unlike `local_cluster.stop_cluster` it touches no
+    `ray_cluster.cluster_processes` finds them), SIGKILL what is left after `grace_s`;
+    returns how many were signalled. Unlike `ray_cluster.stop_cluster` it touches no
     `cluster.json`: that belongs to this process's own TANDEM_HOME, not to `temp_dir`'s."""
     signalled: set[int] = set()
     for pid in cluster_processes(temp_dir):

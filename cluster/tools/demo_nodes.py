@@ -22,7 +22,7 @@ Serve would put on a fixed port gets a free one per node: the dashboard and metr
 client's server, the workers' ports, and the worker nodes' Serve proxies (Serve runs a proxy on
 every node that holds a replica, as on a real cluster; `RAY_SERVE_WORKER_PROXY_*_PORT`), so the
 public API's ports are the head's alone. All three run with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
-(`local_cluster.ray_environment`), which keeps Ray from swapping 127.0.0.1 for the machine's
+(`ray_cluster.ray_environment`), which keeps Ray from swapping 127.0.0.1 for the machine's
 address.
 """
 
@@ -46,7 +46,7 @@ from typing import Any
 from cluster.config import ReplicaGroupConfig, TandemConfig
 from cluster.routing.registry import HEAD_NODE_RESOURCE
 from cluster.runtime.errors import InvalidArgumentError, TandemError
-from cluster.serve import local_cluster
+from cluster.serve import loopback, ray_cluster
 from cluster.tools import cleanup
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "placement" / "nodes.yaml"
@@ -54,7 +54,7 @@ PRESET = "tiny"
 SIDES = ("drafter", "verifier")
 HEAD = "head"
 HEAD_TEMP_DIR = "ray"
-"""The head's temp dir in the home (`local_cluster.start_cluster`'s); each worker node's is
+"""The head's temp dir in the home (`ray_cluster.start_cluster`'s); each worker node's is
 named after its side."""
 NODE_CPUS = 2
 """Logical CPUs each node advertises (replicas reserve none unless the config says so)."""
@@ -102,25 +102,25 @@ def node_types(config: TandemConfig) -> list[NodeType]:
 
 
 def head_arguments() -> list[str]:
-    """`ray start --head` flags beyond `local_cluster.start_cluster`'s: no fixed ports (Ray's
+    """`ray start --head` flags beyond `ray_cluster.start_cluster`'s: no fixed ports (Ray's
     defaults put every node's dashboard agent on 52365, its workers on 10002-19999 and the
     client server on 10001)."""
     return [
-        f"--ray-client-server-port={local_cluster.free_port()}",
-        f"--dashboard-agent-listen-port={local_cluster.free_port()}",
+        f"--ray-client-server-port={loopback.free_port()}",
+        f"--dashboard-agent-listen-port={loopback.free_port()}",
         "--min-worker-port=0", "--max-worker-port=0",
         f"--object-store-memory={OBJECT_STORE_BYTES}",
     ]  # fmt: skip
 
 
 def worker_options(head_address: str, temp_dir: Path, node: NodeType) -> dict[str, Any]:
-    """The Ray options of `node`, joining `head_address` (`local_cluster.worker_node_options`),
+    """The Ray options of `node`, joining `head_address` (`ray_cluster.worker_node_options`),
     with its own Serve proxy ports: Serve runs a proxy on every node that holds a replica."""
     proxy_ports = {
-        "RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(local_cluster.free_port()),
-        "RAY_SERVE_WORKER_PROXY_GRPC_PORT": str(local_cluster.free_port()),
+        "RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(loopback.free_port()),
+        "RAY_SERVE_WORKER_PROXY_GRPC_PORT": str(loopback.free_port()),
     }
-    return local_cluster.worker_node_options(
+    return ray_cluster.worker_node_options(
         head_address, temp_dir, NODE_CPUS, node.resources, proxy_ports, OBJECT_STORE_BYTES
     )
 
@@ -165,9 +165,9 @@ def check_placement(
 
 
 @contextmanager
-def _driver(state: local_cluster.ClusterState) -> Iterator[Any]:
+def _driver(state: ray_cluster.ClusterState) -> Iterator[Any]:
     """This process as a driver of the cluster (yields the `ray` module); disconnects after."""
-    local_cluster.connect(state)
+    ray_cluster.connect(state)
     import ray
 
     try:
@@ -218,22 +218,22 @@ def run(config_path: Path, home: Path, say: Callable[[str], None]) -> str:
     types = node_types(config)
     head_dir = home / HEAD_TEMP_DIR
     say(f"starting the head node (Serve's controller and proxy, the router) in {head_dir} ...")
-    state = local_cluster.start_cluster(NODE_CPUS, head_arguments())
+    state = ray_cluster.start_cluster(NODE_CPUS, head_arguments())
     for node in types:
         offered = ", ".join(f"{k}: {v}" for k, v in node.resources.items())
         say(f"starting the {node.side} node ({offered}) in {home / node.side} ...")
-        local_cluster.start_worker_node(worker_options(state.address, home / node.side, node))
+        ray_cluster.start_worker_node(worker_options(state.address, home / node.side, node))
     with _driver(state) as ray:
         node_ids = _wait_for_nodes(ray, types)
         say("nodes up: " + ", ".join(f"{name} {node_id}" for name, node_id in node_ids.items()))
-        grpc_port = local_cluster.free_port()
+        grpc_port = loopback.free_port()
         say(f"deploying the {PRESET} preset placed by {config_path} (tandem serve) ...")
         _tandem(
             "serve", "--config", str(config_path), "--preset", PRESET,
-            "--port", str(grpc_port), "--http-port", str(local_cluster.free_port()), "--detach",
+            "--port", str(grpc_port), "--http-port", str(loopback.free_port()), "--detach",
             timeout_s=DEPLOY_TIMEOUT_S,
         )  # fmt: skip
-        _generate(f"{local_cluster.LOOPBACK}:{grpc_port}", (home / "api_key").read_text(), say)
+        _generate(f"{loopback.LOOPBACK}:{grpc_port}", (home / "api_key").read_text(), say)
         say("tandem status:")
         _tandem("status", timeout_s=STATUS_TIMEOUT_S)
         from cluster.routing.registry import get_registry
@@ -270,9 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     with cleanup.signals_raise():
         home = Path(tempfile.mkdtemp(prefix="tandem-nodes-", dir="/tmp"))  # short: Ray's sockets
-        # This process's own home: `local_cluster` and the `tandem` commands run here find the
+        # This process's own home: `ray_cluster` and the `tandem` commands run here find the
         # cluster in it.
-        os.environ[local_cluster.HOME_ENV] = str(home)
+        os.environ[ray_cluster.HOME_ENV] = str(home)
         try:
             verdict, status = run(args.config.resolve(), home, _say), 0
         except (DemoFailed, TandemError) as error:

@@ -19,7 +19,7 @@ from cluster.runtime.errors import InvalidArgumentError
 SIDES = ("drafter", "verifier")
 
 Replicas = Callable[[], Sequence[dict[str, Any]]]
-"""The registry's live replicas (`ReplicaInfo` dicts); `local_cluster.live_replicas` by
+"""The registry's live replicas (`ReplicaInfo` dicts); `ray_cluster.live_replicas` by
 default, injected in tests."""
 
 

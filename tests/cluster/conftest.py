@@ -26,7 +26,8 @@ from cluster.api.client import TandemClient
 from cluster.api.tenants import hash_api_key, new_api_key
 from cluster.config import CLUSTER_SECRET_ENV
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
-from cluster.serve.local_cluster import API_KEY_ENV, cluster_processes, free_port
+from cluster.serve.loopback import free_port
+from cluster.serve.ray_cluster import API_KEY_ENV, cluster_processes
 
 TENANT_KEYS = {"main": new_api_key(), "small": new_api_key(), "private": new_api_key()}
 SMALL_LIMITS = {"max_concurrent": 1, "max_tokens_per_request": 400}

@@ -1,7 +1,7 @@
 """A Ray cluster of several nodes on this machine, for tests, with Tandem deployed on it.
 
 `local_nodes(home)` starts a `ray.cluster_utils.Cluster` the way `tandem serve` starts its
-one-node cluster (`cluster.serve.local_cluster`): every node on 127.0.0.1, Ray's token
+one-node cluster (`cluster.serve.ray_cluster`): every node on 127.0.0.1, Ray's token
 authentication on (the token in `home`), workers at normal priority, the Ray temp dir under
 `home`, so that runs never collide. The driver is this process, connected to the head node.
 
@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from cluster.config import CLUSTER_SECRET_ENV, ReplicaGroupConfig, TandemConfig
-from cluster.serve import local_cluster
+from cluster.serve import loopback, ray_cluster
 from experiments.overhead import replica_nodes
 from tests.polling import wait_until
 
@@ -70,7 +70,7 @@ class LocalNodes:
         """Start a node offering one replica's share of each of `node_types` (a drafter and a
         verifier node at once, say); returns its node id."""
         node = self._cluster.add_node(
-            node_ip_address=local_cluster.LOOPBACK,
+            node_ip_address=loopback.LOOPBACK,
             temp_dir=str(self._temp_dir),
             num_cpus=HEAD_CPUS if not self._nodes else 0,
             resources=dict.fromkeys(node_types, REPLICA_SHARE),
@@ -112,19 +112,19 @@ class LocalNodes:
 
         from cluster.serve.app import GRPC_SERVICER_FUNCTIONS, build_app
 
-        proxy_http_port = local_cluster.free_port()
+        proxy_http_port = loopback.free_port()
         serve.start(
             proxy_location="HeadOnly",
             grpc_options=gRPCOptions(
                 port=config.proxy_grpc_port,
                 grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS),
             ),
-            http_options={"host": local_cluster.LOOPBACK, "port": proxy_http_port},
+            http_options={"host": loopback.LOOPBACK, "port": proxy_http_port},
         )
         serve.run(build_app(config), name=config.app_name, route_prefix="/")
-        state = local_cluster.load_state()
+        state = ray_cluster.load_state()
         assert state is not None
-        local_cluster.save_state(
+        ray_cluster.save_state(
             dataclasses.replace(
                 state,
                 grpc_port=config.front.grpc_port,
@@ -137,7 +137,7 @@ class LocalNodes:
 
     def replicas(self, side: str | None = None) -> list[dict[str, Any]]:
         """The registry's live replicas (of `side`, if given), each with its `node_id`."""
-        replicas = [r for r in local_cluster.live_replicas() if side in (None, r["side"])]
+        replicas = [r for r in ray_cluster.live_replicas() if side in (None, r["side"])]
         nodes = replica_nodes(replicas)
         return [{**r, "node_id": nodes[r["replica_id"]]} for r in replicas]
 
@@ -195,10 +195,10 @@ def local_nodes(home: Path, secret: str) -> Iterator[LocalNodes]:
 def _started(home: Path, temp_dir: Path, secret: str) -> Iterator[LocalNodes]:
     """`local_nodes` within `home`, which exists."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(local_cluster.HOME_ENV, str(home))
+        patch.setenv(ray_cluster.HOME_ENV, str(home))
         patch.setenv(CLUSTER_SECRET_ENV, secret)
         patch.setenv("RAY_TMPDIR", str(home))  # Ray's default temp dir: <home>/ray
-        for name, value in local_cluster.ray_environment().items():
+        for name, value in ray_cluster.ray_environment().items():
             patch.setenv(name, value)  # inherited by every node's processes
         from ray._private import ray_constants
         from ray._private.authentication_test_utils import reset_auth_token_state
@@ -214,11 +214,11 @@ def _started(home: Path, temp_dir: Path, secret: str) -> Iterator[LocalNodes]:
         try:
             nodes = LocalNodes(cluster, temp_dir)
             nodes.add(ROUTER_NODE)
-            state = local_cluster.ClusterState(
+            state = ray_cluster.ClusterState(
                 address=nodes.address, temp_dir=str(temp_dir), started_by_tandem=False
             )
-            local_cluster.save_state(state)
-            local_cluster.connect(state)
+            ray_cluster.save_state(state)
+            ray_cluster.connect(state)
             yield nodes
         finally:
             _stop(cluster, temp_dir)
@@ -232,7 +232,7 @@ def _stop(cluster: Any, temp_dir: Path) -> None:
         ray.shutdown()
         cluster.shutdown()
     finally:
-        leftover = local_cluster.ClusterState(
+        leftover = ray_cluster.ClusterState(
             address="", temp_dir=str(temp_dir), started_by_tandem=True
         )
-        local_cluster.stop_cluster(leftover)
+        ray_cluster.stop_cluster(leftover)

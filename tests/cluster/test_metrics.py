@@ -63,7 +63,7 @@ from cluster.routing.registry import ReplicaRegistry
 from cluster.routing.request import SpeculationStats
 from cluster.routing.router import Router
 from cluster.runtime.engine_stats import EngineStats
-from cluster.serve import local_cluster
+from cluster.serve import ray_cluster
 from cluster.wire.replica_info import ReplicaInfo
 from protos import generate_pb2
 from tests.conftest import CODE_PROMPT
@@ -548,9 +548,9 @@ def test_metric_kinds_map_to_prometheus_names() -> None:
 def test_an_older_cluster_json_without_a_metrics_port_still_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(local_cluster.HOME_ENV, str(tmp_path))
+    monkeypatch.setenv(ray_cluster.HOME_ENV, str(tmp_path))
     old = {"address": "127.0.0.1:1", "temp_dir": "/tmp/x", "started_by_tandem": True,
            "grpc_port": 9000, "http_port": 8000, "app_name": "tandem"}  # fmt: skip
     (tmp_path / "cluster.json").write_text(json.dumps(old))
-    state = local_cluster.load_state()
+    state = ray_cluster.load_state()
     assert state is not None and state.metrics_port is None and state.grpc_port == 9000

@@ -5,7 +5,7 @@ file's `args.front`, the default door) and Serve's proxies (its `grpc_options` a
 `http_options`), each with its gRPC API and its OpenAI-compatible API.
 
 The cluster is this test's own: its own TANDEM_HOME (Ray temp dir and token, as
-`cluster.serve.local_cluster` keeps them), free ports for everything Ray would otherwise put on a
+`cluster.serve.ray_cluster` keeps them), free ports for everything Ray would otherwise put on a
 fixed one (GCS, dashboard, dashboard agent, client server) and for the public APIs' four
 ports (the config is copied with its ports rewritten), so it runs beside the session's `tandem
 serve` cluster (tests/cluster/conftest.py). It is stopped by signalling exactly its own processes.
@@ -30,13 +30,12 @@ import yaml
 
 from cluster.api.client import TandemClient
 from cluster.config import CLUSTER_SECRET_ENV
-from cluster.serve.local_cluster import (
+from cluster.serve.loopback import LOOPBACK, free_port
+from cluster.serve.ray_cluster import (
     API_KEY_ENV,
     HOME_ENV,
-    LOOPBACK,
     ClusterState,
     cluster_processes,
-    free_port,
     ray_environment,
     stop_cluster,
 )

@@ -28,16 +28,16 @@ def drafts_failed(drafter: Drafter, error_fraction: float, seed: int) -> list[bo
     failed = []
     try:
         with GrpcDrafter(f"127.0.0.1:{port}", timeout_s=30) as client:
-            run(client.open_session_steps("s", PROMPT, SamplingParams(), seed=0))
+            run(client.open_session("s", PROMPT, SamplingParams(), seed=0))
             for _ in range(CALLS):
                 try:
                     # Drafts are tentative: the session stays at the prompt's length.
-                    run(client.draft_steps("s", len(PROMPT), (), 2))
+                    run(client.draft("s", len(PROMPT), (), 2))
                     failed.append(False)
                 except ReplicaUnavailableError as error:
                     assert "INTERNAL" in str(error) and "on purpose" in str(error)
                     failed.append(True)
-            assert run(client.close_session_steps("s"))  # the session calls are never failed
+            assert run(client.close_session("s"))  # the session calls are never failed
     finally:
         server.stop(None)
     return failed

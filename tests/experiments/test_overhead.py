@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.serve.local_cluster import ClusterError
+from cluster.serve.ray_cluster import ClusterError
 from experiments.overhead import UNKNOWN_NODE, choose_pair, replica_nodes
 
 

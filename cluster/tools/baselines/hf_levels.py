@@ -26,7 +26,7 @@ from typing import Any
 
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.model_spec import ModelSpec
-from cluster.serve import local_cluster
+from cluster.serve import loopback, ray_cluster
 from cluster.tools.baselines.hf_baseline import METHODS, TargetBaseline, choose_method
 
 AUTO = "auto"
@@ -75,15 +75,15 @@ def reported_model(address: str) -> str | None:
     """The model the service at `address` (its proxy's or its routers' own gRPC port) reports
     (`GET /v1/models`), when `tandem serve` started it here (that records its HTTP port); None
     if it cannot be asked."""
-    state = local_cluster.load_state()
+    state = ray_cluster.load_state()
     host, _, port = address.rpartition(":")
     if state is None or state.http_port is None or not state.serves_grpc_on(port):
         return None
-    if host not in (local_cluster.LOOPBACK, "localhost"):
+    if host not in (loopback.LOOPBACK, "localhost"):
         return None
-    key = local_cluster.api_key()
+    key = ray_cluster.api_key()
     request = urllib.request.Request(
-        f"http://{local_cluster.LOOPBACK}:{state.http_port}/v1/models",
+        f"http://{loopback.LOOPBACK}:{state.http_port}/v1/models",
         headers={"Authorization": f"Bearer {key}"} if key else {},
     )
     try:

@@ -28,7 +28,8 @@ def private_service(
     made for its local tenant and the home. Whatever ends the block (its end, an error,
     Ctrl-C, SIGTERM), everything the service runs is stopped and the home removed
     (`cluster.tools.cleanup`)."""
-    from cluster.serve.local_cluster import HOME_ENV, free_port
+    from cluster.serve.loopback import free_port
+    from cluster.serve.ray_cluster import HOME_ENV
     from cluster.tools import cleanup
 
     with cleanup.signals_raise():

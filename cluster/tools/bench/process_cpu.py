@@ -2,7 +2,7 @@
 
 Scope (which processes count): `cluster_scope(temp_dir)` takes the processes of the Ray
 cluster whose temp dir that is (those naming it on their command line or holding a file open in
-it, `cluster.serve.local_cluster.cluster_processes`) and their descendants: exactly one
+it, `cluster.serve.ray_cluster.cluster_processes`) and their descendants: exactly one
 service's processes, even beside another Ray cluster of the same user. `user_scope()` is the
 fallback for a service this machine did not start with `tandem serve` (no temp dir to go by):
 every process of the current user whose command line has a role
@@ -51,7 +51,7 @@ class Scope:
 
 def cluster_scope(temp_dir: str) -> Scope:
     """The processes of the Ray cluster of `temp_dir` and their descendants."""
-    from cluster.serve.local_cluster import cluster_processes
+    from cluster.serve.ray_cluster import cluster_processes
 
     def select(parents: Mapping[int, int], cmdlines: Mapping[int, str]) -> set[int]:
         return descendants(parents, cluster_processes(temp_dir))

@@ -117,7 +117,7 @@ def _through_service(
     from cluster.presets import resolve_pair
     from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
     from cluster.runtime.models import load_tokenizer
-    from cluster.serve import local_cluster
+    from cluster.serve import ray_cluster
     from cluster.tools import cleanup
     from cluster.tools.bench.private_service import private_service
     from cluster.tools.bench.settings import serve_flags
@@ -128,7 +128,7 @@ def _through_service(
         # hold files in its temp dir and be stopped with it.
         status = subprocess.run(
             [cleanup.tandem_command(), "status", "--json"],
-            env={**os.environ, local_cluster.HOME_ENV: str(home)},
+            env={**os.environ, ray_cluster.HOME_ENV: str(home)},
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         replicas = {r["side"]: r["address"] for r in json.loads(status.stdout)["replicas"]}

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from cluster.metrics import DRAFTER_DEGRADED, parse_prometheus
-from cluster.serve.local_cluster import LOOPBACK, cluster_processes
+from cluster.serve.loopback import LOOPBACK
+from cluster.serve.ray_cluster import cluster_processes
 
 SERVE_REPLICA_TITLE = "ray::ServeReplica:"
 """How Ray titles a Serve replica's process: `ray::ServeReplica:<app>:<deployment>`."""

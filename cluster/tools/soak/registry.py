@@ -86,7 +86,7 @@ class RegistryWatch:
 
 def _watch(interval_s: float, out: IO[str]) -> None:
     """The child: a reading every `interval_s` until stdin closes."""
-    from cluster.serve import local_cluster
+    from cluster.serve import ray_cluster
 
     closed = threading.Event()
 
@@ -98,7 +98,7 @@ def _watch(interval_s: float, out: IO[str]) -> None:
     while not closed.is_set():
         reading: dict[str, Any] = {"at": time.time()}
         try:
-            reading["replicas"] = local_cluster.live_replicas()
+            reading["replicas"] = ray_cluster.live_replicas()
         except Exception as error:  # the registry between restarts: say so, read again
             reading["error"] = f"{type(error).__name__}: {error}"
         try:

@@ -22,14 +22,8 @@ from typing import Any
 import yaml
 
 from cluster.runtime.errors import TandemError
-from cluster.serve.local_cluster import (
-    API_KEY_ENV,
-    HOME_ENV,
-    LOOPBACK,
-    ClusterState,
-    cluster_processes,
-    free_port,
-)
+from cluster.serve.loopback import LOOPBACK, free_port
+from cluster.serve.ray_cluster import API_KEY_ENV, HOME_ENV, ClusterState, cluster_processes
 from cluster.tools import cleanup
 
 SERVE_TIMEOUT_S = 300.0

@@ -187,20 +187,20 @@ def test_serve_without_tenants_serves_a_local_tenant_whose_key_the_home_keeps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from cluster.cli import service as cli_service
-    from cluster.serve import local_cluster
+    from cluster.serve import ray_cluster
 
-    monkeypatch.setenv(local_cluster.HOME_ENV, str(tmp_path))
-    monkeypatch.delenv(local_cluster.API_KEY_ENV, raising=False)
-    assert local_cluster.api_key() is None  # nothing served yet: the CLI sends no key
+    monkeypatch.setenv(ray_cluster.HOME_ENV, str(tmp_path))
+    monkeypatch.delenv(ray_cluster.API_KEY_ENV, raising=False)
+    assert ray_cluster.api_key() is None  # nothing served yet: the CLI sends no key
     config = cli_service._with_local_tenant(TandemConfig())
-    key = local_cluster.api_key()
-    assert key is not None and local_cluster.local_api_key() == key
-    assert (local_cluster.home() / "api_key").stat().st_mode & 0o777 == 0o600
+    key = ray_cluster.api_key()
+    assert key is not None and ray_cluster.local_api_key() == key
+    assert (ray_cluster.home() / "api_key").stat().st_mode & 0o777 == 0o600
     (local,) = config.auth.tenants
     assert local.name == "local" and local.key_sha256 == hash_api_key(key)
     assert Tenants(config.auth).authenticate(f"Bearer {key}").name == "local"
-    monkeypatch.setenv(local_cluster.API_KEY_ENV, "tdm_from-env")
-    assert local_cluster.api_key() == "tdm_from-env"  # the environment wins
+    monkeypatch.setenv(ray_cluster.API_KEY_ENV, "tdm_from-env")
+    assert ray_cluster.api_key() == "tdm_from-env"  # the environment wins
     # A config that names its tenants, or turns auth off, is served as it is.
     named = TandemConfig(auth=AuthConfig(tenants=(TenantConfig("a", hash_api_key("k")),)))
     assert cli_service._with_local_tenant(named) is named

@@ -16,8 +16,9 @@ from cluster.cli import service as cli_service
 from cluster.cli.doors import PORT_FLAGS, door_lines, proxy_http_port
 from cluster.cli.serve_flags import config_from_flags
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.serve import local_cluster
-from cluster.serve.local_cluster import LOOPBACK, ClusterState, cluster_ports
+from cluster.serve import loopback, ray_cluster
+from cluster.serve.loopback import LOOPBACK
+from cluster.serve.ray_cluster import ClusterState, cluster_ports
 
 
 def parse(*flags: str) -> argparse.Namespace:
@@ -81,8 +82,8 @@ def test_a_port_flag_takes_port_numbers_only(
 def test_a_port_in_use_or_given_twice_is_refused_naming_its_flag(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(local_cluster.HOME_ENV, str(tmp_path))
-    ports = {flag: local_cluster.free_port() for flag in PORT_FLAGS}
+    monkeypatch.setenv(ray_cluster.HOME_ENV, str(tmp_path))
+    ports = {flag: loopback.free_port() for flag in PORT_FLAGS}
     with socket.socket() as held:
         held.bind((LOOPBACK, ports["--proxy-http-port"]))
         held.listen()
@@ -101,7 +102,7 @@ def test_a_port_in_use_or_given_twice_is_refused_naming_its_flag(
                   "--proxy-port", str(ports["--port"]))  # fmt: skip
     with pytest.raises(InvalidArgumentError, match="--port and --proxy-port are both port"):
         cli_service.serve_command(twice)
-    assert local_cluster.load_state() is None  # refused before any cluster was started
+    assert ray_cluster.load_state() is None  # refused before any cluster was started
 
 
 def test_serve_prints_the_default_door_first_then_serves_proxies() -> None:
@@ -138,7 +139,7 @@ def test_a_running_cluster_keeps_its_proxies_ports(capsys: pytest.CaptureFixture
 def test_the_state_records_both_doors_and_reads_an_older_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(local_cluster.HOME_ENV, str(tmp_path))
+    monkeypatch.setenv(ray_cluster.HOME_ENV, str(tmp_path))
     state = ClusterState(
         "127.0.0.1:6379", "/tmp/x", True, grpc_port=9000, http_port=8000,
         proxy_port=9001, proxy_http_port=8001, metrics_port=7000,
@@ -146,14 +147,14 @@ def test_the_state_records_both_doors_and_reads_an_older_record(
     assert sorted(cluster_ports(state)) == [6379, 7000, 8000, 8001, 9000, 9001]
     assert state.serves_grpc_on(9000) and state.serves_grpc_on("9001")
     assert not state.serves_grpc_on(8000) and not state.serves_grpc_on(9002)
-    local_cluster.save_state(state)
-    assert local_cluster.load_state() == state
+    ray_cluster.save_state(state)
+    assert ray_cluster.load_state() == state
     # Written when Serve's proxies were the first door and the routers' own the `direct` one.
     old = {"address": "127.0.0.1:6379", "temp_dir": "/tmp/x", "started_by_tandem": True,
            "grpc_port": 9000, "http_port": 8000, "app_name": "tandem",
            "direct_port": 9001, "direct_http_port": 8001}  # fmt: skip
     (tmp_path / "cluster.json").write_text(json.dumps(old))
-    read = local_cluster.load_state()
+    read = ray_cluster.load_state()
     assert read is not None
     assert (read.grpc_port, read.http_port, read.proxy_port, read.proxy_http_port) == (
         9001, 8001, 9000, 8000,
@@ -174,19 +175,19 @@ def failing_start(
     starts (or finds, `running_before`), the states it stopped, and its arguments."""
     from ray import serve
 
-    monkeypatch.setenv(local_cluster.HOME_ENV, str(tmp_path))
+    monkeypatch.setenv(ray_cluster.HOME_ENV, str(tmp_path))
     state = ClusterState("127.0.0.1:6379", str(tmp_path / "ray"), True)
     stopped: list[ClusterState] = []
-    monkeypatch.setattr(local_cluster, "start_cluster", lambda num_cpus: state)
+    monkeypatch.setattr(ray_cluster, "start_cluster", lambda num_cpus: state)
     monkeypatch.setattr(cli_service, "_live_state", lambda: state if running_before else None)
-    monkeypatch.setattr(local_cluster, "connect", lambda state: None)
-    monkeypatch.setattr(local_cluster, "stop_cluster", lambda state: stopped.append(state) or 7)
+    monkeypatch.setattr(ray_cluster, "connect", lambda state: None)
+    monkeypatch.setattr(ray_cluster, "stop_cluster", lambda state: stopped.append(state) or 7)
 
     def start(**options: object) -> None:
         raise error
 
     monkeypatch.setattr(serve, "start", start)
-    free = [str(local_cluster.free_port()) for _ in PORT_FLAGS]
+    free = [str(loopback.free_port()) for _ in PORT_FLAGS]
     args = parse(*(w for pair in zip(PORT_FLAGS, free, strict=True) for w in pair))
     return state, stopped, args
 
@@ -197,7 +198,7 @@ def test_a_failed_start_says_what_failed_in_one_line_and_stops_what_it_started(
 ) -> None:
     died = RuntimeError("The proxy actor died unexpectedly\n  File ...\n  raise ...")
     state, stopped, args = failing_start(tmp_path, monkeypatch, died, running_before)
-    with pytest.raises(local_cluster.ClusterError) as failed:
+    with pytest.raises(ray_cluster.ClusterError) as failed:
         cli_service.serve_command(args)
     message = str(failed.value)
     assert "\n" not in message

@@ -45,7 +45,7 @@ def test_calls_without_the_secret_are_refused(guarded: tuple[str, str], secret: 
     ):
         with client:
             with pytest.raises(ClusterSecretError, match="x-tandem-cluster-secret") as caught:
-                run(client.open_session_steps("intruder", [1, 2, 3], SamplingParams(), 0))
+                run(client.open_session("intruder", [1, 2, 3], SamplingParams(), 0))
             assert "wrong-secret" not in str(caught.value)  # never echoed
             with pytest.raises(ClusterSecretError):
                 client.stats()

@@ -290,14 +290,14 @@ def test_32_sessions_share_frames_at_most_two_per_engine_step(served: Served) ->
     def session(index: int) -> None:
         session_id = f"load-{index}"
         try:
-            length = run(client.open_session_steps(session_id, [1, 2, 3, index % 200], GREEDY, 0))
+            length = run(client.open_session(session_id, [1, 2, 3, index % 200], GREEDY, 0))
             opened.wait(WAIT_S)
             go.wait(WAIT_S)  # once the counters before the rounds are read
             for _ in range(ROUNDS):
                 length = verify(client, session_id, DraftBlock(length, ())).committed_length
             rounds_done.wait(WAIT_S)
             counted.wait(WAIT_S)  # once the counters after the rounds are read
-            run(client.close_session_steps(session_id))
+            run(client.close_session(session_id))
         except BaseException as error:
             errors.append(error)
             raise
@@ -342,7 +342,7 @@ def test_a_replica_stopped_mid_run_fails_every_pending_call_promptly(
 
     def session(index: int) -> None:
         session_id = f"doomed-{index}"
-        length = run(client.open_session_steps(session_id, [4, 5, 6], GREEDY, 0))
+        length = run(client.open_session(session_id, [4, 5, 6], GREEDY, 0))
         running.wait(WAIT_S)
         try:
             while True:  # rounds until the replica goes
@@ -428,7 +428,7 @@ def test_a_call_the_router_stops_waiting_for_is_cancelled_on_the_replica(served:
         received = client.stats().entries_received
         held = HeldEngine(served)
         with pytest.raises(ReplicaUnavailableError, match="no answer within"):
-            run(client.open_session_steps("given-up", [1, 2, 3], GREEDY, 0, timeout_s=0.2))
+            run(client.open_session("given-up", [1, 2, 3], GREEDY, 0, timeout_s=0.2))
         # The router's next frame carries the cancel: once the replica has read it (the open
         # and the cancel: two entries), the engine may go on.
         deadline = time.monotonic() + WAIT_S
@@ -442,8 +442,8 @@ def test_a_call_the_router_stops_waiting_for_is_cancelled_on_the_replica(served:
             time.sleep(0.01)
         # The open never ran: nothing is held under the name, which opens afresh and serves.
         assert served.verifier.stats().num_sessions == 0
-        assert run(client.open_session_steps("given-up", [1, 2, 3], GREEDY, 0)) == 3
+        assert run(client.open_session("given-up", [1, 2, 3], GREEDY, 0)) == 3
         assert verify(client, "given-up", DraftBlock(3, ())).committed_length == 4
-        assert run(client.close_session_steps("given-up"))
+        assert run(client.close_session("given-up"))
     finally:
         client.close()

@@ -1,7 +1,7 @@
 """Port fakes for router tests: in-process ports (`cluster.local.InProcess`) with some of their
 calls, or some of a verifier's answers, changed.
 
-A port call is steps (`cluster.routing.waits`), and a verifier answers through the request's
+A port call is waits (`cluster.routing.waits`), and a verifier answers through the request's
 events (`cluster.routing.session_events`): the verdict of each block posted to it, and each
 step its running session takes alone. So a fake fails a call by raising from inside its steps
 (they stay a generator), and fails a verifier's answer by pushing the error into the events in
@@ -26,7 +26,7 @@ from typing import Any
 
 from cluster.local import InProcess
 from cluster.routing.session_events import SessionEvents
-from cluster.routing.waits import Steps
+from cluster.routing.waits import Waits
 from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.errors import ReplicaUnavailableError
 from cluster.runtime.predraft import PreDraft
@@ -58,26 +58,26 @@ class Wrapper:
         or of a step alone: None), or None for nothing. Called on the thread that answered."""
         return answer
 
-    def open_session_steps(
+    def open_session(
         self,
         session_id: str,
         prompt_tokens: Sequence[int],
         *args: Any,
         events: SessionEvents | None = None,
         **kwargs: Any,
-    ) -> Steps[int]:
+    ) -> Waits[int]:
         self.calls["open"] += 1
         if events is not None:
             kwargs["events"] = Handed(events, session_id, self.hand)
-        return (yield from self.port.open_session_steps(session_id, prompt_tokens, *args, **kwargs))
+        return (yield from self.port.open_session(session_id, prompt_tokens, *args, **kwargs))
 
-    def draft_steps(self, *args: Any) -> Steps[DraftBlock]:
+    def draft(self, *args: Any) -> Waits[DraftBlock]:
         self.calls["draft"] += 1
-        return (yield from self.port.draft_steps(*args))
+        return (yield from self.port.draft(*args))
 
-    def predraft_steps(self, *args: Any, **kwargs: Any) -> Steps[list[PreDraft]]:
+    def predraft(self, *args: Any, **kwargs: Any) -> Waits[list[PreDraft]]:
         self.calls["predraft"] += 1
-        return (yield from self.port.predraft_steps(*args, **kwargs))
+        return (yield from self.port.predraft(*args, **kwargs))
 
     def post(
         self,
@@ -91,9 +91,9 @@ class Wrapper:
         handed = Handed(events, session_id, self.hand)
         self.port.post(session_id, block, defer_bonus, handed, post_id)  # type: ignore[arg-type]
 
-    def close_session_steps(self, session_id: str) -> Steps[bool]:
+    def close_session(self, session_id: str) -> Waits[bool]:
         self.calls["close"] += 1
-        return (yield from self.port.close_session_steps(session_id))
+        return (yield from self.port.close_session(session_id))
 
     def reference(self, *args: Any, **kwargs: Any) -> Any:
         return self.port.reference(*args, **kwargs)
@@ -166,20 +166,20 @@ class Dying(Wrapper):
             self._told.add(session_id)
         return self._gone("session")
 
-    def open_session_steps(self, *args: Any, **kwargs: Any) -> Steps[int]:
+    def open_session(self, *args: Any, **kwargs: Any) -> Waits[int]:
         if not self._answers():
             raise self._gone("open_session")
-        return (yield from super().open_session_steps(*args, **kwargs))
+        return (yield from super().open_session(*args, **kwargs))
 
-    def draft_steps(self, *args: Any) -> Steps[DraftBlock]:
+    def draft(self, *args: Any) -> Waits[DraftBlock]:
         if not self._answers():
             raise self._gone("draft")
-        return (yield from super().draft_steps(*args))
+        return (yield from super().draft(*args))
 
-    def predraft_steps(self, *args: Any, **kwargs: Any) -> Steps[list[PreDraft]]:
+    def predraft(self, *args: Any, **kwargs: Any) -> Waits[list[PreDraft]]:
         if not self._answers():
             raise self._gone("predraft")
-        return (yield from super().predraft_steps(*args, **kwargs))
+        return (yield from super().predraft(*args, **kwargs))
 
     def post(
         self,
@@ -196,10 +196,10 @@ class Dying(Wrapper):
             return
         super().post(session_id, block, defer_bonus, events, post_id)
 
-    def close_session_steps(self, session_id: str) -> Steps[bool]:
+    def close_session(self, session_id: str) -> Waits[bool]:
         if not self._answers():
             raise self._gone("close_session")
-        return (yield from super().close_session_steps(session_id))
+        return (yield from super().close_session(session_id))
 
 
 class Refusing(Wrapper):

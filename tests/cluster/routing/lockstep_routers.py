@@ -29,7 +29,7 @@ from typing import Any, Unpack
 from cluster.local import InProcess, local_router, text_decoder
 from cluster.routing.router import Router, RouterOptions
 from cluster.routing.session_events import SessionEvents
-from cluster.routing.waits import Steps
+from cluster.routing.waits import Waits
 from cluster.runtime.constraint import grammar_tokenizer_of
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.models import LoadedModel
@@ -84,9 +84,9 @@ class HeldVerifier(InProcess):
             if send_it:
                 send()  # under the lock: a later post of the session cannot overtake it
 
-    def close_session_steps(self, session_id: str) -> Steps[bool]:
+    def close_session(self, session_id: str) -> Waits[bool]:
         self._release(session_id, send_it=False)  # nobody reads its verdict any more
-        return (yield from super().close_session_steps(session_id))
+        return (yield from super().close_session(session_id))
 
 
 def held_lockstep_router(

@@ -7,7 +7,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from cluster.routing.waits import Steps, answer, run
+from cluster.routing.waits import Waits, answer, run
 from tests.cluster.routing.fake_ports import Wrapper
 
 
@@ -24,12 +24,12 @@ class OpensOnSteps(Wrapper):
         self._pool = ThreadPoolExecutor(1)
         self.opening: list[Future[int]] = []
 
-    def open_session_steps(self, *args: Any, **kwargs: Any) -> Steps[int]:
+    def open_session(self, *args: Any, **kwargs: Any) -> Waits[int]:
         def open_once_released() -> int:
             assert self.released.wait(30), "never released"
             if self._error is not None:
                 raise self._error
-            return run(super(OpensOnSteps, self).open_session_steps(*args, **kwargs))
+            return run(super(OpensOnSteps, self).open_session(*args, **kwargs))
 
         opening = self._pool.submit(open_once_released)
         self.opening.append(opening)

@@ -1,7 +1,7 @@
 """Request deadlines: the router stops a request past its deadline and frees both sessions;
 over gRPC, bounded clients stop calls when the time runs out, never call with none left, and
-tell replicas the time left, so a replica drops the session on its own. The clients' calls are
-steps (`cluster.routing.waits`), run here to their end with `run`; a verifier's block is
+tell replicas the time left, so a replica drops the session on its own. The clients' calls yield
+their waits (`cluster.routing.waits`), run here to their end with `run`; a verifier's block is
 posted, its verdict (or the error) pushed to the request's events."""
 
 from __future__ import annotations
@@ -162,9 +162,9 @@ def test_a_bounded_client_sends_the_time_left_and_the_replica_drops_the_session_
 ) -> None:
     component, client = served.side(side)
     limits = _spy_open(monkeypatch, component)
-    run(client.open_session_steps("plain", PROMPT, GREEDY, 0))
+    run(client.open_session("plain", PROMPT, GREEDY, 0))
     assert client.bounded(None) is client
-    run(client.bounded(time.monotonic() + 2.0).open_session_steps("bounded", PROMPT, GREEDY, 0))
+    run(client.bounded(time.monotonic() + 2.0).open_session("bounded", PROMPT, GREEDY, 0))
     plain_limit, bounded_limit = limits
     assert plain_limit is None
     assert bounded_limit is not None and 0 < bounded_limit <= 2.0
@@ -172,8 +172,8 @@ def test_a_bounded_client_sends_the_time_left_and_the_replica_drops_the_session_
     # The router never closes it: the replica's own sweep drops it once its time is up.
     assert _wait_for(lambda: component.evict_idle() == 1)
     assert component.stats().num_sessions == 1
-    assert run(client.close_session_steps("plain"))
-    assert not run(client.close_session_steps("bounded"))
+    assert run(client.close_session("plain"))
+    assert not run(client.close_session("bounded"))
 
 
 def test_a_bounded_client_with_no_time_left_never_calls_the_replica(
@@ -194,9 +194,9 @@ def test_a_bounded_client_with_no_time_left_never_calls_the_replica(
                 monkeypatch.setattr(component, method, lambda *a, m=method, **k: calls.append(m))
     late = served.verifier_client.bounded(time.monotonic() - 0.001)
     with pytest.raises(DeadlineExceededError, match="deadline passed before its call"):
-        run(late.open_session_steps("s", PROMPT, GREEDY, 0))
+        run(late.open_session("s", PROMPT, GREEDY, 0))
     with pytest.raises(DeadlineExceededError):
-        run(served.drafter_client.bounded(time.monotonic() - 0.001).draft_steps("s", 4, [], 1))
+        run(served.drafter_client.bounded(time.monotonic() - 0.001).draft("s", 4, [], 1))
     # A post is fire and forget: the error is its answer, in the request's events.
     events = SessionEvents()
     late.post("s", DraftBlock(base_length=4, tokens=()), False, events, 1)
@@ -208,9 +208,9 @@ def test_a_bounded_client_with_no_time_left_never_calls_the_replica(
 
 def test_closing_a_session_ignores_the_deadline(served: Served) -> None:
     client = served.verifier_client
-    run(client.open_session_steps("late", PROMPT, GREEDY, 0))
+    run(client.open_session("late", PROMPT, GREEDY, 0))
     late = client.bounded(time.monotonic() - 1.0)
-    assert run(late.close_session_steps("late"))  # freed all the same
+    assert run(late.close_session("late"))  # freed all the same
     _assert_nothing_held(served.verifier)
 
 
@@ -227,13 +227,13 @@ def test_a_call_outlasting_the_deadline_raises_deadline_exceeded_not_unavailable
     monkeypatch.setattr(served.verifier, "submit_open", slow_open)
     client = served.verifier_client
     with pytest.raises(DeadlineExceededError, match="deadline passed while waiting"):
-        run(client.bounded(time.monotonic() + 0.1).open_session_steps("s", PROMPT, GREEDY, 0))
+        run(client.bounded(time.monotonic() + 0.1).open_session("s", PROMPT, GREEDY, 0))
     # The client's own timeout running out with the replica stalled (the open never ends,
     # its engine takes no step): fail over, within a few windows.
     monkeypatch.setattr(served.verifier, "submit_open", lambda *a, **k: Future())
     bounded = client.bounded(time.monotonic() + WAIT_S)
     with pytest.raises(ReplicaUnavailableError, match=r"DEADLINE_EXCEEDED.*no progress"):
-        run(bounded.open_session_steps("s", PROMPT, GREEDY, 0, timeout_s=0.1))
+        run(bounded.open_session("s", PROMPT, GREEDY, 0, timeout_s=0.1))
 
 
 def test_a_busy_verifier_is_waited_for_past_the_timeout_not_failed_over(
@@ -243,7 +243,7 @@ def test_a_busy_verifier_is_waited_for_past_the_timeout_not_failed_over(
     # another session's blocks (another router's stream: nothing is heard on this one): each
     # window's probe finds it stepping, so the call is waited for.
     other = GrpcVerifier(served.verifier_client._frames._replica.split(" at ")[1], timeout_s=WAIT_S)
-    run(other.open_session_steps("other", PROMPT, GREEDY, 0))
+    run(other.open_session("other", PROMPT, GREEDY, 0))
     stop = threading.Event()
 
     def keep_stepping() -> None:
@@ -255,8 +255,8 @@ def test_a_busy_verifier_is_waited_for_past_the_timeout_not_failed_over(
             [verdict] = events.take()
             committed = verdict.item.committed_length
             if committed > 60:  # the tiny target's context is short: start again
-                run(other.close_session_steps("other"))
-                run(other.open_session_steps("other", PROMPT, GREEDY, 0))
+                run(other.close_session("other"))
+                run(other.open_session("other", PROMPT, GREEDY, 0))
                 committed = len(PROMPT)
 
     stepper = threading.Thread(target=keep_stepping, daemon=True)
@@ -277,15 +277,15 @@ def test_a_busy_verifier_is_waited_for_past_the_timeout_not_failed_over(
             served.verifier_client._frames._replica.split(" at ")[1], timeout_s=0.6
         )
         try:
-            assert run(client.open_session_steps("busy", PROMPT, GREEDY, 0)) == len(PROMPT)
+            assert run(client.open_session("busy", PROMPT, GREEDY, 0)) == len(PROMPT)
         finally:
             client.close()
     finally:
         stop.set()
         stepper.join(WAIT_S)
         monkeypatch.undo()
-        run(other.close_session_steps("other"))
-        run(served.verifier_client.close_session_steps("busy"))
+        run(other.close_session("other"))
+        run(served.verifier_client.close_session("busy"))
         other.close()
     # Stalled (nothing steps) it fails over within a few windows: the test above, with 0.1 s.
 
@@ -299,7 +299,7 @@ def test_a_replica_refusing_an_expired_session_raises_deadline_exceeded(
     monkeypatch.setattr(served.drafter, "submit_draft", expired)
     with pytest.raises(DeadlineExceededError, match=r"^session 's' passed its deadline$"):
         # The client has no deadline of its own.
-        run(served.drafter_client.draft_steps("s", 4, [], 1))
+        run(served.drafter_client.draft("s", 4, [], 1))
 
 
 def test_the_registry_pool_pins_clients_bound_to_the_request_deadline() -> None:
@@ -317,7 +317,7 @@ def test_the_registry_pool_pins_clients_bound_to_the_request_deadline() -> None:
         # Raised by the clients before any call (nothing listens at these addresses).
         for port in (pinned.verifier, pinned.drafter, spare.port):
             with pytest.raises(DeadlineExceededError):
-                run(port.open_session_steps("s", PROMPT, GREEDY, 0))
+                run(port.open_session("s", PROMPT, GREEDY, 0))
     finally:
         pool.close()
 

@@ -27,7 +27,7 @@ from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.routing.session_events import SessionEvents
-from cluster.routing.waits import Steps, answer, done_steps
+from cluster.routing.waits import Waits, answer, returning
 from cluster.runtime.draft_block import DraftBlock, StepLoad, Verdict
 from cluster.runtime.errors import InvalidArgumentError
 from tests.cluster.routing.lockstep_routers import held_lockstep_router
@@ -175,7 +175,7 @@ class SlowDrafter(InProcess):
         self.delay_s = delay_s
         self._pool = ThreadPoolExecutor(2)
 
-    def draft_steps(self, *args: Any) -> Steps[DraftBlock]:
+    def draft(self, *args: Any) -> Waits[DraftBlock]:
         num_tokens = args[3]
 
         def slow_draft() -> DraftBlock:
@@ -428,28 +428,28 @@ class OracleDrafter:
         """The prompt, then the target's output."""
         self.lengths: dict[str, int] = {}
 
-    def open_session_steps(
+    def open_session(
         self, session_id: str, prompt_tokens: Any, *rest: Any, **kw: Any
-    ) -> Steps[int]:
+    ) -> Waits[int]:
         self.lengths[session_id] = len(prompt_tokens)
-        return (yield from done_steps(len(prompt_tokens)))
+        return (yield from returning(len(prompt_tokens)))
 
-    def draft_steps(
+    def draft(
         self,
         session_id: str,
         base_length: int,
         appended: Any,
         num_tokens: int,
         truncate_to: int | None = None,
-    ) -> Steps[DraftBlock]:
+    ) -> Waits[DraftBlock]:
         assert self.lengths[session_id] == base_length
         length = (base_length if truncate_to is None else truncate_to) + len(appended)
         self.lengths[session_id] = length
         block = DraftBlock(length, tuple(self.sequence[length : length + num_tokens]))
-        return (yield from done_steps(block))
+        return (yield from returning(block))
 
-    def close_session_steps(self, session_id: str) -> Steps[bool]:
-        return (yield from done_steps(self.lengths.pop(session_id, None) is not None))
+    def close_session(self, session_id: str) -> Waits[bool]:
+        return (yield from returning(self.lengths.pop(session_id, None) is not None))
 
 
 class LoadedVerifier(InProcess):

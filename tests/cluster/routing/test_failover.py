@@ -16,7 +16,7 @@ from cluster.local import InProcess, LocalTandem
 from cluster.routing.ports import Pinned, Spare
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
-from cluster.routing.waits import Steps, Wait
+from cluster.routing.waits import Wait, Waits
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import (
     DeadlineExceededError,
@@ -343,11 +343,11 @@ class DraftCutOff(Wrapper):
         super().__init__(drafter)
         self._cut_at = calls
 
-    def draft_steps(self, *args: Any) -> Steps[DraftBlock]:
+    def draft(self, *args: Any) -> Waits[DraftBlock]:
         if self.calls["draft"] + 1 == self._cut_at:
             self.calls["draft"] += 1
             raise CUT_OFF
-        return (yield from super().draft_steps(*args))
+        return (yield from super().draft(*args))
 
 
 @pytest.mark.parametrize("side", ["verifier", "drafter"])
@@ -391,7 +391,7 @@ def test_a_consumer_that_leaves_while_a_spare_verifier_opens_leaves_no_session(
     router = _router(local_tandem, Pool([lost, spare], [local_tandem.drafter]), pipelined=False)
     try:
         request = GenerationRequest(encode(local_tandem, "def add(a, b):"), MAX_TOKENS)
-        steps = router.steps(request)
+        steps = router.stream_waits(request)
         for item in steps:
             if isinstance(item, Wait):
                 if item.future in spare.opening:

@@ -157,13 +157,13 @@ def test_a_bounded_client_predrafts_as_the_drafter_itself_does(
     view: PredraftPort = drafter.bounded(time.monotonic() + 30)
     branches = [Branch(0, 0), Branch(2, 0), Branch(1, 1)]
     for session_id in ("over-grpc", "in-process"):
-        run(drafter.open_session_steps(session_id, [1, 2, 3], GREEDY, seed=0))
+        run(drafter.open_session(session_id, [1, 2, 3], GREEDY, seed=0))
     try:
-        got = run(view.predraft_steps("over-grpc", 3, [4], [5, 6], branches, 3))
+        got = run(view.predraft("over-grpc", 3, [4], [5, 6], branches, 3))
         want = replicas.drafter.predraft("in-process", 3, [4], [5, 6], branches, 3)
     finally:
         for session_id in ("over-grpc", "in-process"):
-            run(drafter.close_session_steps(session_id))
+            run(drafter.close_session(session_id))
     # The same branches; each carries its drafter's load at the time (not compared).
     assert all(b.load is not None for b in got)
     unloaded = [dataclasses.replace(b, load=None) for b in got]
@@ -177,14 +177,14 @@ def test_a_bad_predraft_is_invalid_argument(
     replicas: Replicas, clients: tuple[GrpcDrafter, GrpcVerifier]
 ) -> None:
     drafter = clients[0]
-    run(drafter.open_session_steps("bad-branch", [1, 2, 3], GREEDY, seed=0))
+    run(drafter.open_session("bad-branch", [1, 2, 3], GREEDY, seed=0))
     try:
         with pytest.raises(InvalidArgumentError, match=r"0 <= accepted <= 2"):
-            run(drafter.predraft_steps("bad-branch", 3, [], [5, 6], [Branch(3, 0)], 2))
+            run(drafter.predraft("bad-branch", 3, [], [5, 6], [Branch(3, 0)], 2))
         # The session and the stream carry on.
-        assert run(drafter.draft_steps("bad-branch", 3, [], 2)).base_length == 3
+        assert run(drafter.draft("bad-branch", 3, [], 2)).base_length == 3
     finally:
-        run(drafter.close_session_steps("bad-branch"))
+        run(drafter.close_session("bad-branch"))
 
 
 def test_a_bad_predraft_entry_fails_alone_in_its_frame(replicas: Replicas) -> None:
@@ -228,11 +228,11 @@ def test_chaos_fails_predrafts_as_it_fails_drafts(replicas: Replicas) -> None:
     server, port = serve_replica(DrafterServicer(replicas.drafter, error_fraction=1.0))
     try:
         with GrpcDrafter(f"127.0.0.1:{port}", timeout_s=30.0) as drafter:
-            run(drafter.open_session_steps("chaos", [1, 2, 3], GREEDY, seed=0))
+            run(drafter.open_session("chaos", [1, 2, 3], GREEDY, seed=0))
             with pytest.raises(ReplicaUnavailableError, match="Predraft failed on purpose"):
-                run(drafter.predraft_steps("chaos", 3, [], [5], [Branch(0, 0)], 2))
+                run(drafter.predraft("chaos", 3, [], [5], [Branch(0, 0)], 2))
             with pytest.raises(ReplicaUnavailableError, match="Draft failed on purpose"):
-                run(drafter.draft_steps("chaos", 3, [], 2))
-            assert run(drafter.close_session_steps("chaos"))
+                run(drafter.draft("chaos", 3, [], 2))
+            assert run(drafter.close_session("chaos"))
     finally:
         server.stop(None)

@@ -184,16 +184,16 @@ def test_seed_exact_sampling_over_grpc_equals_in_process_with_running_sessions(
 @pytest.fixture
 def session(remote: Remote, request: pytest.FixtureRequest) -> Iterator[str]:
     session_id = request.node.name
-    run(remote.drafter.open_session_steps(session_id, [1, 2, 3], GREEDY, seed=0))
-    run(remote.verifier.open_session_steps(session_id, [1, 2, 3], GREEDY, seed=0))
+    run(remote.drafter.open_session(session_id, [1, 2, 3], GREEDY, seed=0))
+    run(remote.verifier.open_session(session_id, [1, 2, 3], GREEDY, seed=0))
     yield session_id
-    run(remote.drafter.close_session_steps(session_id))
-    run(remote.verifier.close_session_steps(session_id))
+    run(remote.drafter.close_session(session_id))
+    run(remote.verifier.close_session(session_id))
 
 
 def test_stale_base_raises_stale_base_error(remote: Remote, session: str) -> None:
     with pytest.raises(StaleBaseError, match=r"has committed length 3, but .* based on length 5"):
-        run(remote.drafter.draft_steps(session, 5, [], 2))
+        run(remote.drafter.draft(session, 5, [], 2))
     # A verifier refuses a block based past its session (its verdict event is the error).
     with pytest.raises(StaleBaseError, match=r"has committed length 3, but .* based on length 5"):
         verify(remote.verifier, session, DraftBlock(base_length=5, tokens=()))
@@ -209,32 +209,32 @@ def test_a_block_based_before_the_session_comes_back_dropped(remote: Remote, ses
 def test_unknown_session_raises_session_not_found(remote: Remote) -> None:
     with pytest.raises(SessionNotFoundError, match=r"^no open session 'nobody' \(closed, evicted"):
         verify(remote.verifier, "nobody", DraftBlock(base_length=1, tokens=()))
-    assert run(remote.drafter.close_session_steps("nobody")) is False
+    assert run(remote.drafter.close_session("nobody")) is False
 
 
 def test_invalid_arguments_raise_invalid_argument_error(remote: Remote, session: str) -> None:
     with pytest.raises(InvalidArgumentError, match=r"block.tokens\[0\] = 999 is outside"):
         verify(remote.verifier, session, DraftBlock(base_length=3, tokens=(999,)))
     with pytest.raises(InvalidArgumentError, match=re.escape("truncate_to must be in 1..3")):
-        run(remote.drafter.draft_steps(session, 3, [], 1, truncate_to=0))
+        run(remote.drafter.draft(session, 3, [], 1, truncate_to=0))
     # Values the wire cannot hold are refused by the client before anything is sent.
     with pytest.raises(InvalidArgumentError, match=re.escape("base_length must be in 0..")):
-        run(remote.drafter.draft_steps(session, -1, [], 1))
+        run(remote.drafter.draft(session, -1, [], 1))
     with pytest.raises(InvalidArgumentError, match=r"prompt_tokens\[1\] = -4"):
-        run(remote.verifier.open_session_steps("other", [1, -4], GREEDY, seed=0))
+        run(remote.verifier.open_session("other", [1, -4], GREEDY, seed=0))
 
 
 def test_duplicate_session_raises_session_exists(remote: Remote, session: str) -> None:
     with pytest.raises(SessionExistsError, match="already open"):
-        run(remote.verifier.open_session_steps(session, [1], GREEDY, seed=0))
+        run(remote.verifier.open_session(session, [1], GREEDY, seed=0))
 
 
 def test_truncate_to_drops_a_rejected_speculative_tail(remote: Remote, session: str) -> None:
     # The drafter assumed block [a, b] accepted (length 5); the verdict kept none and committed
     # one token instead: truncate to 3, append it, and draft on from length 4.
-    ahead = run(remote.drafter.draft_steps(session, 3, [7, 8], 1))
+    ahead = run(remote.drafter.draft(session, 3, [7, 8], 1))
     assert ahead.base_length == 5
-    block = run(remote.drafter.draft_steps(session, 5, [9], 2, truncate_to=3))
+    block = run(remote.drafter.draft(session, 5, [9], 2, truncate_to=3))
     assert block.base_length == 4
 
 
@@ -267,7 +267,7 @@ def test_internal_error_raises_replica_unavailable_with_the_generic_message(
     # `submit_draft`: what a draft entry goes through.
     monkeypatch.setattr(remote.drafter_component, "submit_draft", broken_draft)
     with pytest.raises(ReplicaUnavailableError) as caught:
-        run(remote.drafter.draft_steps(session, 3, [], 1))
+        run(remote.drafter.draft(session, 3, [], 1))
     assert str(caught.value) == (
         f"drafter at {remote.drafter_address}: INTERNAL: internal error; see the replica's log"
     )
@@ -309,7 +309,7 @@ def test_streams_driven_on_one_event_loop_hold_no_thread_each(
     remote: Remote, local_tandem: LocalTandem, target_only: dict[str, tuple[int, ...]]
 ) -> None:
     # The routers' own gRPC server runs every stream this way (`cluster.serve.front_grpc`):
-    # 32 pipelined requests as steps on one loop; each wait for a frame's answer is awaited
+    # 32 pipelined requests as waits on one loop; each wait for a frame's answer is awaited
     # there, so no thread is started or held per request, and the output is the target's.
     requests = [
         (prompt, GenerationRequest(encode(local_tandem, prompt), REFERENCE_TOKENS, draft_tokens=k))
@@ -325,7 +325,7 @@ def test_streams_driven_on_one_event_loop_hold_no_thread_each(
 
         async def collect(request: GenerationRequest) -> list[int]:
             tokens: list[int] = []
-            async for chunk in drive(remote.router.steps(request)):
+            async for chunk in drive(remote.router.stream_waits(request)):
                 nonlocal most_threads
                 most_threads = max(most_threads, threading.active_count())
                 tokens.extend(chunk.tokens)

@@ -26,7 +26,7 @@ from cluster.routing.request import FinishReason, GenerationRequest
 from cluster.routing.router import Router
 from cluster.routing.session_events import SessionEvents
 from cluster.routing.speculation_gate import SpeculationGate
-from cluster.routing.waits import Steps, Wait
+from cluster.routing.waits import Wait, Waits
 from cluster.runtime import tiny
 from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.errors import (
@@ -138,8 +138,8 @@ class _DraftSizes(Wrapper):
         super().__init__(drafter)
         self.drafted = 0
 
-    def draft_steps(self, *args: Any) -> Steps[DraftBlock]:
-        block = yield from super().draft_steps(*args)
+    def draft(self, *args: Any) -> Waits[DraftBlock]:
+        block = yield from super().draft(*args)
         self.drafted += len(block.tokens)
         return block
 
@@ -336,13 +336,13 @@ def test_drafts_cut_short_by_confidence_stay_exact(
 def test_a_consumer_that_leaves_while_the_verifier_opens_leaves_no_session(
     local_tandem: LocalTandem,
 ) -> None:
-    """Driven as steps, a request's consumer may leave at any wait, the verifier's open among
+    """Driven as waits, a request's consumer may leave at any wait, the verifier's open among
     them: the open ends, then both sessions close (none is left to its TTL)."""
     verifier = OpensOnSteps(local_tandem.verifier)
     router = _router_over(local_tandem, InProcess(local_tandem.drafter), verifier)
     try:
         request = GenerationRequest(encode(local_tandem, CODE_PROMPT), 50, draft_tokens=4)
-        steps = router.steps(request)
+        steps = router.stream_waits(request)
         first = next(steps)
         assert isinstance(first, Wait) and not first.future.done()  # the open, in flight
         threading.Timer(0.05, verifier.released.set).start()
@@ -410,11 +410,11 @@ class _FailingDrafter(Wrapper):
         self._error = error
         self._after = after
 
-    def draft_steps(self, *args: Any) -> Steps[DraftBlock]:
+    def draft(self, *args: Any) -> Waits[DraftBlock]:
         if self.calls["draft"] + 1 >= self._after:
             self.calls["draft"] += 1
             raise self._error
-        return (yield from super().draft_steps(*args))
+        return (yield from super().draft(*args))
 
 
 @pytest.mark.parametrize(
@@ -666,7 +666,7 @@ def test_closing_a_predrafting_stream_leaves_no_session_or_branch(
 class _RefusesPredrafts(Wrapper):
     """A drafter that refuses every pre-draft, as a replica from before pre-drafting does."""
 
-    def predraft_steps(self, *args: Any, **kwargs: Any) -> Steps[list[PreDraft]]:
+    def predraft(self, *args: Any, **kwargs: Any) -> Waits[list[PreDraft]]:
         self.calls["predraft"] += 1
         raise InvalidArgumentError("a frame entry must carry a call")
         yield  # pragma: no cover - steps, as every port call is
@@ -689,11 +689,11 @@ def test_a_drafter_that_refuses_predrafts_keeps_the_request_exact_and_stops_the_
 class _PredraftsThenFails(Wrapper):
     """A drafter whose replica is lost during its third pre-draft."""
 
-    def predraft_steps(self, *args: Any, **kwargs: Any) -> Steps[list[PreDraft]]:
+    def predraft(self, *args: Any, **kwargs: Any) -> Waits[list[PreDraft]]:
         if self.calls["predraft"] == 2:
             self.calls["predraft"] += 1
             raise ReplicaUnavailableError("the drafter replica is gone")
-        return (yield from super().predraft_steps(*args, **kwargs))
+        return (yield from super().predraft(*args, **kwargs))
 
 
 def test_a_drafter_lost_while_predrafting_drops_its_branches_and_stays_exact(

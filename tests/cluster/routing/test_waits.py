@@ -1,4 +1,4 @@
-"""Steps that yield their waits: both drivers, work begun early, and cleanup that must finish."""
+"""Work that yields its waits: both drivers, work begun early, and cleanup that must finish."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import pytest
 
 from cluster.routing.waits import (
     Started,
-    Steps,
     Wait,
+    Waits,
     answer,
     blocking,
-    done_steps,
     drive,
     finishing,
+    returning,
     run,
 )
 
@@ -28,7 +28,7 @@ def later(value: Any, delay_s: float = 0.01) -> Future[Any]:
     return future
 
 
-def adder(a: int, b: int) -> Steps[int]:
+def adder(a: int, b: int) -> Waits[int]:
     x = yield from answer(later(a))
     y = yield from answer(later(b))
     return x + y
@@ -45,7 +45,7 @@ def counting(n: int, log: list[str]) -> Any:
 
 def test_run_and_blocking_resume_each_wait_on_this_thread() -> None:
     assert run(adder(2, 3)) == 5
-    assert run(done_steps(7)) == 7
+    assert run(returning(7)) == 7
     log: list[str] = []
     assert list(blocking(counting(3, log))) == [1, 2, 3]
     assert log == ["closed"]
@@ -56,7 +56,7 @@ def test_drive_runs_many_streams_on_one_loop() -> None:
     resumed_on: set[str] = set()
 
     def recorded(steps: Any) -> Any:
-        """`steps`, noting the thread each of its steps is resumed on."""
+        """`work`, noting the thread it is resumed on at each wait."""
         try:
             item = next(steps)
             while True:
@@ -99,7 +99,7 @@ def test_a_wait_that_times_out_leaves_the_decision_to_the_step() -> None:
 def test_started_sends_at_once_and_finishes_later() -> None:
     sent: list[str] = []
 
-    def request() -> Steps[str]:
+    def request() -> Waits[str]:
         sent.append("sent")
         return (yield from answer(later("answer")))
 
@@ -113,7 +113,7 @@ def test_started_sends_at_once_and_finishes_later() -> None:
         run(failed.finish())
 
 
-def _raises() -> Steps[int]:
+def _raises() -> Waits[int]:
     raise ValueError("at once")
     yield  # pragma: no cover
 
@@ -121,7 +121,7 @@ def _raises() -> Steps[int]:
 def test_cleanup_closed_at_a_wait_finishes_blocking() -> None:
     closed: list[bool] = []
 
-    def cleanup() -> Steps[None]:
+    def cleanup() -> Waits[None]:
         closed.append((yield from answer(later(True, 0.05))))
 
     def stream() -> Any:

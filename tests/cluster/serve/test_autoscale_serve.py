@@ -27,7 +27,8 @@ from cluster.api.client import TandemClient
 from cluster.config import CLUSTER_SECRET_ENV
 from cluster.local import LocalTandem
 from cluster.routing.request import GenerationRequest
-from cluster.serve.local_cluster import API_KEY_ENV, cluster_processes, free_port
+from cluster.serve.loopback import free_port
+from cluster.serve.ray_cluster import API_KEY_ENV, cluster_processes
 from tests.cluster.conftest import SERVE_TIMEOUT_S, TANDEM
 from tests.conftest import PROMPTS, encode
 

@@ -592,8 +592,8 @@ def test_a_stopping_replica_leaves_the_registry_then_serves_its_sessions_until_t
 ) -> None:
     replica, registry = verifier_replica
     with GrpcVerifier(replica.address, timeout_s=30, secret=SECRET) as client:
-        run(client.open_session_steps("s1", [1, 2, 3], SamplingParams(), 0))
-        run(client.open_session_steps("s2", [4, 5, 6], SamplingParams(), 0))
+        run(client.open_session("s1", [1, 2, 3], SamplingParams(), 0))
+        run(client.open_session("s2", [4, 5, 6], SamplingParams(), 0))
         stopping = threading.Thread(target=replica.stop, kwargs={"drain_timeout_s": 60})
         stopping.start()
         assert registry.removed.wait(timeout=30)
@@ -611,9 +611,9 @@ def test_a_stopping_replica_leaves_the_registry_then_serves_its_sessions_until_t
         assert registry.events.count(("remove", replica.replica_id)) == 1
         # Draining: the server still serves the sessions it holds.
         assert client.stats().num_sessions == 2
-        assert run(client.close_session_steps("s1"))
+        assert run(client.close_session("s1"))
         assert stopping.is_alive()
-        assert run(client.close_session_steps("s2"))
+        assert run(client.close_session("s2"))
         stopping.join(timeout=30)
         assert not stopping.is_alive() and replica.stopped
         with pytest.raises(ReplicaUnavailableError):
@@ -623,7 +623,7 @@ def test_a_stopping_replica_leaves_the_registry_then_serves_its_sessions_until_t
 def test_a_drain_gives_up_after_its_timeout(verifier_replica: Any) -> None:
     replica, registry = verifier_replica
     with GrpcVerifier(replica.address, timeout_s=30, secret=SECRET) as client:
-        run(client.open_session_steps("forgotten", [1, 2, 3], SamplingParams(), 0))
+        run(client.open_session("forgotten", [1, 2, 3], SamplingParams(), 0))
         started = time.monotonic()
         replica.stop(drain_timeout_s=0.5)
         # It waited out the drain timeout for the session nobody closes, then stopped

@@ -98,7 +98,7 @@ def test_a_slow_reader_gets_fewer_merged_chunks_with_the_same_content() -> None:
 
 
 def stepped(answers: list[Future[int]], closed: list[bool]) -> Generator[int | Wait, None, None]:
-    """Steps yielding each answer once it is in (their waits need no thread)."""
+    """Waits yielding each answer once it is in (their waits need no thread)."""
     try:
         for future in answers:
             if not future.done():

@@ -14,7 +14,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from cluster.replica.rpc import start_server
 from cluster.serve.front import _HttpThread
-from cluster.serve.local_cluster import free_port, port_is_free
+from cluster.serve.loopback import free_port, port_is_free
 
 
 def no_servicer(server: grpc.Server) -> None:

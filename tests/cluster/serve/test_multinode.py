@@ -33,7 +33,8 @@ from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.runtime.errors import ClusterSecretError
-from cluster.serve.local_cluster import LOOPBACK, cluster_processes, free_port
+from cluster.serve.loopback import LOOPBACK, free_port
+from cluster.serve.ray_cluster import cluster_processes
 from drafter.config import NgramConfig, SuffixConfig
 from experiments.overhead import actor_table_nodes, measure
 from tests.cluster.multinode import (

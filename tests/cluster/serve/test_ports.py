@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import socket
 
-from cluster.serve.local_cluster import (
-    ClusterState,
-    cluster_ports,
-    port_is_free,
-    wait_ports_free,
-)
+from cluster.serve.loopback import port_is_free, wait_ports_free
+from cluster.serve.ray_cluster import ClusterState, cluster_ports
 
 
 def listener() -> socket.socket:

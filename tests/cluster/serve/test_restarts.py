@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from cluster.config import CLUSTER_SECRET_ENV
-from cluster.serve.local_cluster import API_KEY_ENV, cluster_processes, free_port, port_is_free
+from cluster.serve.loopback import free_port, port_is_free
+from cluster.serve.ray_cluster import API_KEY_ENV, cluster_processes
 from tests.cluster.conftest import SERVE_TIMEOUT_S, TANDEM
 
 CYCLES = int(os.environ.get("TANDEM_RESTART_CYCLES", "2" if os.environ.get("CI") else "5"))

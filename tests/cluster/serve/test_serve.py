@@ -31,7 +31,7 @@ from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.waits import run
 from cluster.runtime.errors import ClusterSecretError
-from cluster.serve.local_cluster import cluster_processes
+from cluster.serve.ray_cluster import cluster_processes
 from cluster.tools.demo import format_report, run_demo
 from tests.cluster.conftest import (
     MAX_TOKENS,
@@ -99,12 +99,12 @@ def test_replicas_refuse_calls_without_the_cluster_secret(service: dict[str, obj
                 with pytest.raises(ClusterSecretError):
                     port.stats()
                 with pytest.raises(ClusterSecretError):  # the Frames stream, as sessions go
-                    run(port.close_session_steps("anyone's"))
+                    run(port.close_session("anyone's"))
 
 
 def test_replicas_run_at_normal_priority(service: dict[str, object]) -> None:
     """Ray starts workers at niceness 15; Tandem's cluster runs them at 0 (the replicas are
-    the workload, see `local_cluster.WORKER_NICENESS`)."""
+    the workload, see `ray_cluster.WORKER_NICENESS`)."""
     home = service["home"]
     assert isinstance(home, Path)
     replicas = [

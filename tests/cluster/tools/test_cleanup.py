@@ -4,7 +4,7 @@ The bench runs as a user runs it, a process of its own, and starts `tandem serve
 cluster) in a private TANDEM_HOME, which it names on stderr. The test waits for a moment when
 that cluster is up, signals the bench alone (as `kill PID` would; the service's processes get
 nothing from the test), and then checks that the bench exits with the signal's status and that
-no process of that home is left (`local_cluster.cluster_processes`: the processes whose command
+no process of that home is left (`ray_cluster.cluster_processes`: the processes whose command
 line names its Ray temp dir or that hold a file in it), and the home is gone.
 
 - SIGTERM while the service is still starting: the cluster is up (`cluster.json` written, Ray's
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.serve.local_cluster import cluster_processes
+from cluster.serve.ray_cluster import cluster_processes
 from cluster.tools.cleanup import stop_processes, tandem_command
 from tests.polling import wait_until
 

@@ -22,7 +22,7 @@ import pytest
 
 from cluster.config import ReplicaGroupConfig, TandemConfig
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.serve.local_cluster import HOME_ENV, cluster_processes
+from cluster.serve.ray_cluster import HOME_ENV, cluster_processes
 from cluster.tools import demo_nodes
 from cluster.tools.cleanup import stop_processes
 from cluster.tools.demo_nodes import (
@@ -40,7 +40,7 @@ DRAFTER_NODE = "d" * 56  # Ray node ids: 28 bytes in hex
 VERIFIER_NODE = "e" * 56
 HEAD_NODE = "f" * 56
 NODE_DIRS = ("ray", "drafter", "verifier")
-"""The temp dir of each node of the demo's home: the head's (`local_cluster`'s), then one per
+"""The temp dir of each node of the demo's home: the head's (`ray_cluster`'s), then one per
 side."""
 
 

@@ -188,21 +188,21 @@ class _Models(http.server.BaseHTTPRequestHandler):
 def test_the_load_test_asks_the_service_it_started_here_for_its_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cluster.serve import local_cluster
+    from cluster.serve import ray_cluster
 
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
-    monkeypatch.setenv(local_cluster.API_KEY_ENV, "secret")
+    monkeypatch.setenv(ray_cluster.API_KEY_ENV, "secret")
     assert reported_model("127.0.0.1:9000") is None  # no service recorded
     server = http.server.HTTPServer(("127.0.0.1", 0), _Models)
     thread = threading.Thread(target=server.serve_forever)
     thread.start()
     try:
-        state = local_cluster.ClusterState("127.0.0.1:1", str(tmp_path), True, grpc_port=9000,
+        state = ray_cluster.ClusterState("127.0.0.1:1", str(tmp_path), True, grpc_port=9000,
                                            http_port=server.server_address[1])  # fmt: skip
-        local_cluster.save_state(state)
+        ray_cluster.save_state(state)
         assert reported_model("127.0.0.1:9000") == "tiny"
         assert reported_model("127.0.0.1:9001") is None  # another service than the recorded
-        monkeypatch.setenv(local_cluster.API_KEY_ENV, "wrong")
+        monkeypatch.setenv(ray_cluster.API_KEY_ENV, "wrong")
         assert reported_model("127.0.0.1:9000") is None
     finally:
         server.shutdown()

@@ -14,7 +14,7 @@ import pytest
 from cluster.api.client_types import RequestStats, StreamChunk, TandemClientError
 from cluster.cli.loadtest_levels import cpu_scope
 from cluster.cli.main import main
-from cluster.serve import local_cluster
+from cluster.serve import ray_cluster
 from cluster.tools.bench.loadtest import run_load
 
 CHUNK_GAP_S = 0.01
@@ -159,14 +159,14 @@ def test_bad_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[
 def test_the_cpu_scope_is_the_cluster_of_the_service_started_here(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(local_cluster.HOME_ENV, str(tmp_path))
+    monkeypatch.setenv(ray_cluster.HOME_ENV, str(tmp_path))
     assert "every process of uid" in cpu_scope("127.0.0.1:9000").description  # none recorded
     temp_dir = str(tmp_path / "ray")
-    local_cluster.save_state(local_cluster.ClusterState("127.0.0.1:6379", temp_dir, True, 9000))
+    ray_cluster.save_state(ray_cluster.ClusterState("127.0.0.1:6379", temp_dir, True, 9000))
     assert temp_dir in cpu_scope("127.0.0.1:9000").description
     # Another port is another service: its processes are found by their titles.
     assert "every process of uid" in cpu_scope("127.0.0.1:9001").description
     # Serve's proxy, the second door, is the same service.
-    state = local_cluster.ClusterState("127.0.0.1:6379", temp_dir, True, 9000, proxy_port=9005)
-    local_cluster.save_state(state)
+    state = ray_cluster.ClusterState("127.0.0.1:6379", temp_dir, True, 9000, proxy_port=9005)
+    ray_cluster.save_state(state)
     assert temp_dir in cpu_scope("127.0.0.1:9005").description

@@ -20,7 +20,7 @@ import pytest
 from cluster.api.client_types import StreamChunk, TandemClientError
 from cluster.cli.main import main as tandem_main
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.serve.local_cluster import cluster_processes
+from cluster.serve.ray_cluster import cluster_processes
 from cluster.tools.soak import probes as soak_probes
 from cluster.tools.soak.clients import run_request, run_stream
 from cluster.tools.soak.outcomes import (
