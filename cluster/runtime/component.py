@@ -305,7 +305,7 @@ class SessionComponent(Generic[C]):
     def stats(self) -> ReplicaStats:
         engine = self._engine.stats()
         engine = replace(engine, refusals=engine.refusals + self._sessions.num_refused)
-        return self._sessions.stats(busy_s=self._engine.busy_s, engine=engine)
+        return self._sessions.stats(busy_s=self._engine.counters.busy_s, engine=engine)
 
     @property
     def alive(self) -> bool:

@@ -1,44 +1,41 @@
-"""The engine's scheduling policy: what goes into a step, and whom a step waits for.
+"""The engine's scheduler: it owns the engine's tasks and decides what goes into a step and whom
+a step waits for. A plain class (no thread, never waits), driven directly in tests and on the
+engine thread by the `Stepper` (`cluster.runtime.stepper`) and the `Engine`; its collections
+change only through its own methods, the others read them.
 
-A plain class over the engine's running tasks (`cluster.runtime.task.Running`) and its model
-runner's block counts; it starts no thread and never waits, so it can be driven directly. The
-engine (`cluster.runtime.engine`) calls it on its own thread only.
+The tasks (`admit`, `finished`, `next_keyless`, `next_running`, `drain`). Each key (a session
+id) has at most one *active* task; later ones of the key queue behind it in submission order
+and become active one after another as each finishes. A task with no key waits in the keyless
+queue and runs between steps. A running key (`keep_running`) has a maker of its next task,
+asked whenever the key has no task active or queued; a maker that returns None is unregistered.
 
-Packing (`Scheduler.pack`). Each step has a budget in tokens and in sequences. Small items
-(decodes, draft steps, verify blocks: up to `SMALL_ITEM_TOKENS`) go first, oldest first; long
-items (prefill chunks) fill what is left, and the oldest of them always gets a share
-(`LONG_SHARE`), so neither kind starves. A long item is split into chunks over several steps
-(chunked prefill), so it never stalls the others for long. An item whose KV blocks do not fit
-beside the others waits for the next step; one that cannot fit even alone is handed to the
-caller's `refuse` at once (the engine fails it with RESOURCE_EXHAUSTED and a retry hint), never
-an out-of-memory crash.
+Packing (`pack`). Each step has a budget in tokens and in sequences. Small items (decodes, draft
+steps, verify blocks: up to `SMALL_ITEM_TOKENS`) go first, oldest first; long items (prefill
+chunks) fill what is left, the oldest always getting a share (`LONG_SHARE`). An item whose KV
+blocks do not fit beside the others waits for the next step; one that cannot fit even alone
+goes to the caller's `refuse` at once. Short of blocks, the step is packed oldest session first
+and newer (or idle) sessions are handed to `preempt` to make room.
 
-Gathering (`Scheduler.to_gather`). Sessions drift out of phase: one's next call arrives just
-after a step has started without it, so it waits a whole step, and the batch splits into small
-alternating steps. A session whose calls usually come back quickly after its last one finished
-(its return time: the client's turnaround, a few milliseconds for a decode loop) is expected
-back when it is due within a share of the predicted step time (`GATHER_SHARE`, at most
-`MAX_GATHER_S`), and a step waits for it that long at most; one whose return takes longer than
-a step (a router drafting before its next verify) is not, and one stream never waits at all (a
-step waits only when some other session is ready). A session whose last task closed it is not
-expected at all. The scheduler decides whom to wait for and how long; the engine does the
-waiting.
-
-Admission bookkeeping (`Scheduler.arrived`, `Scheduler.finished`): when each key's last task
-finished, and each key's smoothed return time (from a task finishing to its key's next
-arriving), forgotten when a task closes its key or when the key has been gone a minute while
-too many are kept.
+Gathering (`to_gather`). Sessions drift out of phase: one's next call arrives just after a step
+started without it, and the batch splits into small alternating steps. A session whose calls
+usually come back quickly after its last one finished (its smoothed return time) is expected
+back when due within a share of the predicted step time (`GATHER_SHARE`, at most
+`MAX_GATHER_S`); one slower than a step is not, one stream never waits, and one whose last task
+closed it is forgotten (as is one gone a minute while too many are kept). The scheduler decides
+whom to wait for and how long; the engine does the waiting.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from cluster.runtime.cost_curve import smooth
 from cluster.runtime.kv_pool import blocks_for
 from cluster.runtime.limits import DEFAULT_MAX_STEP_SEQUENCES, DEFAULT_MAX_STEP_TOKENS, GATHER_SHARE
 from cluster.runtime.runner import ModelRunner, SequenceWork
-from cluster.runtime.task import Forward, Running
+from cluster.runtime.task import Forward, Running, Task
 
 SMALL_ITEM_TOKENS = 33
 """Items of up to this many tokens (a decode, a draft step, a verify block of up to 32 drafts)
@@ -52,8 +49,8 @@ any session, older or not: its router is slow to come back, or gone until the id
 
 
 class Scheduler:
-    """The step budgets, the packing and gather decisions, and the return-time bookkeeping
-    (see the module docstring)."""
+    """The engine's tasks, the step budgets, the packing and gather decisions, and the
+    return-time bookkeeping (see the module docstring)."""
 
     def __init__(
         self,
@@ -69,14 +66,136 @@ class Scheduler:
         self.max_step_sequences = max_step_sequences
         self.gather_share = gather_share
         self._clock = clock
+        self._active: dict[str, Running] = {}
+        """Each key's task started and not finished."""
+        self._queued: dict[str, deque[Running]] = {}
+        """Each key's tasks waiting for its active one, in submission order."""
+        self._num_queued = 0
+        self._keyless: deque[Running] = deque()
+        self._running: dict[str, Callable[[], Task[Any] | None]] = {}
+        """Per running key, the maker of its next task (`keep_running`)."""
         self.finished_at: dict[str, float] = {}
         """When each key's last task finished (until its next arrives)."""
         self.return_s: dict[str, float] = {}
         """Each key's smoothed turnaround: from a task finishing to its next arriving."""
 
-    # ------------------------------------------------------------------ admission bookkeeping
+    # ------------------------------------------------------------------ the tasks
 
-    def arrived(self, running: Running) -> None:
+    @property
+    def active(self) -> Mapping[str, Running]:
+        """The active task of each key (read only: the scheduler changes it)."""
+        return self._active
+
+    @property
+    def num_queued(self) -> int:
+        """Keyed tasks waiting behind their key's active one."""
+        return self._num_queued
+
+    def active_keys(self) -> frozenset[str]:
+        """Keys with a task active or queued."""
+        return frozenset(self._active.keys() | self._queued.keys())
+
+    def has_work(self) -> bool:
+        """Whether a task is active or keyless (any thread may ask: a snapshot)."""
+        return bool(self._active or self._keyless)
+
+    def has_forward(self) -> bool:
+        """Whether an active task waits on a Forward (a step has something to run)."""
+        return any(isinstance(r.waiting, Forward) for r in self._active.values())
+
+    def admit(self, running: Running) -> Running | None:
+        """Take a submitted task: returned when it becomes its key's active task (the caller
+        starts it), else None (queued behind its key's active task, or keyless)."""
+        self._arrived(running)
+        key = running.key
+        if key is None:
+            self._keyless.append(running)
+            return None
+        if key in self._active:
+            self._queued.setdefault(key, deque()).append(running)
+            self._num_queued += 1
+            return None
+        self._active[key] = running
+        return running
+
+    def next_keyless(self) -> Running | None:
+        """The oldest keyless task, taken off its queue (None: none waits)."""
+        return self._keyless.popleft() if self._keyless else None
+
+    def finished(self, running: Running) -> Running | None:
+        """A task finished: its key's next queued task, now active (the caller starts it), or
+        None. Notes when the key's last task finished, for its return time."""
+        key = running.key
+        if key is None:
+            return None
+        del self._active[key]
+        queue = self._queued.get(key)
+        if running.closes:  # the session ended: waiting for it to come back would be for nothing
+            self.finished_at.pop(key, None)
+            self.return_s.pop(key, None)
+        elif not queue:
+            self.finished_at[key] = self._clock()
+        if len(self.finished_at) > 4 * max(len(self._active), 64):  # sessions gone unclosed
+            horizon = self._clock() - 60.0
+            for gone in [k for k, t in self.finished_at.items() if t < horizon]:
+                del self.finished_at[gone]
+                self.return_s.pop(gone, None)
+        if not queue:
+            return None
+        following = queue.popleft()
+        self._num_queued -= 1
+        if not queue:
+            del self._queued[key]
+        self._active[key] = following
+        return following
+
+    def keep_running(self, key: str, make: Callable[[], Task[Any] | None]) -> None:
+        """`key` advances on its own: `make()` gives its next task (None: nothing more)."""
+        self._running[key] = make
+
+    def stop_running(self, key: str) -> None:
+        """`key` no longer advances on its own (unknown keys: nothing)."""
+        self._running.pop(key, None)
+
+    def is_running(self, key: str) -> bool:
+        return key in self._running
+
+    @property
+    def num_running(self) -> int:
+        """Running keys registered now."""
+        return len(self._running)
+
+    def running_keys(self) -> list[str]:
+        return list(self._running)
+
+    def next_running(self, key: str, now: float) -> Running | None:
+        """The running `key`'s next task, made active (the caller starts it), when the key has
+        none active or queued; None otherwise, or when its maker has nothing more (the key is
+        then unregistered)."""
+        if key in self._active or key in self._queued:
+            return None
+        make = self._running.get(key)
+        task = make() if make is not None else None
+        if task is None:
+            self._running.pop(key, None)
+            return None
+        running = Running(task, key, None, now)
+        running.waited = True  # no caller queued it
+        self._active[key] = running
+        return running
+
+    def drain(self) -> list[Running]:
+        """Every task held (active, keyless, queued), forgotten with the running keys."""
+        pending = [*self._active.values(), *self._keyless]
+        pending += [r for queue in self._queued.values() for r in queue]
+        self._active.clear()
+        self._queued.clear()
+        self._num_queued = 0
+        self._keyless.clear()
+        self._running.clear()
+        return pending
+
+    def _arrived(self, running: Running) -> None:
         """A task arrived: its gap since its key's last task finished updates the key's
         return time."""
         finished = self.finished_at.pop(running.key, None) if running.key is not None else None
@@ -85,31 +204,13 @@ class Scheduler:
             old = self.return_s.get(running.key)
             self.return_s[running.key] = gap_s if old is None else smooth(old, gap_s)
 
-    def finished(self, running: Running, *, active: int, queued: bool) -> None:
-        """A keyed task finished, `active` keys are left running and `queued`: another task of
-        its key is waiting to start."""
-        key = running.key
-        if key is None:
-            return
-        if running.closes:  # the session ended: waiting for it to come back would be for nothing
-            self.finished_at.pop(key, None)
-            self.return_s.pop(key, None)
-        elif not queued:
-            self.finished_at[key] = self._clock()
-        if len(self.finished_at) > 4 * max(active, 64):  # sessions gone unclosed
-            horizon = self._clock() - 60.0
-            for gone in [k for k, t in self.finished_at.items() if t < horizon]:
-                del self.finished_at[gone]
-                self.return_s.pop(gone, None)
-
     # ------------------------------------------------------------------ gathering
 
-    def to_gather(
-        self, active: Mapping[str | None, Running], predicted_step_s: float
-    ) -> tuple[set[str], float]:
+    def to_gather(self, predicted_step_s: float) -> tuple[set[str], float]:
         """The keys a step about to run should wait for, and the longest it may wait (s); no
-        keys when the step is full already or nobody is about to come back. `active`: the
-        running task of each key; `predicted_step_s`: the cost curve at the usual step size."""
+        keys when the step is full already or nobody is about to come back.
+        `predicted_step_s`: the cost curve at the usual step size."""
+        active = self._active
         ready = sum(isinstance(r.waiting, Forward) for r in active.values())
         if ready >= self.max_step_sequences or self.gather_share <= 0:
             return set(), 0.0
@@ -129,12 +230,11 @@ class Scheduler:
 
     def pack(
         self,
-        active: Iterable[Running],
         runner: ModelRunner,
         refuse: Callable[[Running, int], None],
         preempt: Callable[[str], None] | None = None,
     ) -> tuple[list[Running], list[SequenceWork]]:
-        """Choose this step's items among the `active` tasks waiting on a Forward, under the
+        """Choose this step's items among the active tasks waiting on a Forward, under the
         budgets and `runner`'s free KV blocks: the tasks and the chunk each runs. A task that
         could not fit even alone goes to `refuse(task, blocks it needs)` at once.
 
@@ -142,7 +242,7 @@ class Scheduler:
         Given, a step short of blocks is packed oldest session first and makes room by
         preempting newer sessions (`_pack_by_age`); a task is then refused only when it could
         not fit in the whole pool."""
-        active = list(active)
+        active = list(self._active.values())  # refuse and preempt may finish tasks
         ready = [r for r in active if isinstance(r.waiting, Forward)]
         small = sorted(
             (r for r in ready if remaining(r) <= SMALL_ITEM_TOKENS), key=lambda r: r.ready_since

@@ -16,8 +16,9 @@ what it needs next and is resumed with the answer:
   exception).
 
 `Running` is where one task stands: what it waits on, since when, and how much of a chunked
-Forward has run. The engine thread alone reads and writes it; the scheduler
-(`cluster.runtime.scheduler`) reads it to pack a step. Plain data, no threads, no I/O.
+Forward has run. The engine thread alone reads and writes it: the scheduler
+(`cluster.runtime.scheduler`) holds it and reads it to pack a step, the stepper
+(`cluster.runtime.stepper`) drives it. Plain data, no threads, no I/O.
 """
 
 from __future__ import annotations

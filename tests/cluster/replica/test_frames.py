@@ -393,7 +393,7 @@ def test_a_cancelled_entry_is_dropped_before_it_runs_and_never_answered_itself(
     try:
         stream.send(frame(open_entry(1, "cancelled")))
         assert stream.results(1)[1].opened.committed_length == 3
-        abandoned = engine.abandoned
+        abandoned = engine.counters.abandoned
         held = HeldEngine(served)
         cancel = replica_pb2.FrameEntry(tag=3, cancel=replica_pb2.CancelEntry(tag=2))
         received = stats.stats().entries_received
@@ -405,7 +405,7 @@ def test_a_cancelled_entry_is_dropped_before_it_runs_and_never_answered_itself(
         held.release()
         result = stream.results(1)[2]
         assert result.error.status == "CANCELLED"
-        assert engine.abandoned == abandoned + 1
+        assert engine.counters.abandoned == abandoned + 1
         # The verify never ran: the session is still at 3, and goes on from there.
         stream.send(frame(verify_entry(4, "cancelled", 3)))
         got = stream.results(1)
@@ -424,7 +424,7 @@ def test_a_call_the_router_stops_waiting_for_is_cancelled_on_the_replica(served:
     engine = served.verifier.engine
     client = GrpcVerifier(served.address, timeout_s=WAIT_S, secret=SECRET)
     try:
-        abandoned = engine.abandoned
+        abandoned = engine.counters.abandoned
         received = client.stats().entries_received
         held = HeldEngine(served)
         with pytest.raises(ReplicaUnavailableError, match="no answer within"):
@@ -437,7 +437,8 @@ def test_a_call_the_router_stops_waiting_for_is_cancelled_on_the_replica(served:
             time.sleep(0.01)
         held.release()
         deadline = time.monotonic() + WAIT_S
-        while engine.abandoned == abandoned:  # the cancel arrives with the router's next frame
+        # The cancel arrives with the router's next frame.
+        while engine.counters.abandoned == abandoned:
             assert time.monotonic() < deadline, "the replica ran the call nobody waited for"
             time.sleep(0.01)
         # The open never ran: nothing is held under the name, which opens afresh and serves.

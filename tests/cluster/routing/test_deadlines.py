@@ -354,7 +354,7 @@ def test_a_running_session_on_a_busy_verifier_is_waited_for_on_a_stalled_one_fai
     router = Router.over_pool(pool, local._decode, local._eos_token_ids)
     prompt = encode(local_tandem, CODE_PROMPT)
     engine = served.verifier.engine
-    run_batch = engine._run_batch
+    run_batch = engine._stepper.run_batch
 
     def slow_batch(*args: Any) -> None:
         time.sleep(0.5)
@@ -362,7 +362,7 @@ def test_a_running_session_on_a_busy_verifier_is_waited_for_on_a_stalled_one_fai
 
     try:
         want = local.generate(GenerationRequest(prompt, 6, draft_tokens=0))
-        monkeypatch.setattr(engine, "_run_batch", slow_batch)
+        monkeypatch.setattr(engine._stepper, "run_batch", slow_batch)
         busy = router.generate(GenerationRequest(prompt, 6, draft_tokens=0))
         assert busy.tokens == want.tokens
         monkeypatch.undo()
@@ -407,7 +407,7 @@ def test_eight_streams_on_a_verifier_six_windows_a_step_all_end_exactly_none_mov
     router = Router.over_pool(pool, local._decode, local._eos_token_ids)
     prompt = encode(local_tandem, CODE_PROMPT)
     engine = served.verifier.engine
-    run_batch = engine._run_batch
+    run_batch = engine._stepper.run_batch
     spares: list[str] = []
     spare = pool.spare
 
@@ -421,7 +421,7 @@ def test_eight_streams_on_a_verifier_six_windows_a_step_all_end_exactly_none_mov
 
     try:
         want = local.generate(GenerationRequest(prompt, 2, draft_tokens=0))
-        monkeypatch.setattr(engine, "_run_batch", slow_batch)
+        monkeypatch.setattr(engine._stepper, "run_batch", slow_batch)
         monkeypatch.setattr(pool, "spare", counted_spare)
         results: list[Any] = [None] * STREAMS
 

@@ -362,7 +362,7 @@ def test_a_task_whose_caller_has_gone_is_dropped_before_its_step(
         after.result(timeout=10)  # the key's next call, from the same caller, goes too
     ran = {work.seq_id for step in runner.steps for work in step}
     assert "abandoned" not in ran and "kept" in ran
-    assert engine.abandoned == 2
+    assert engine.counters.abandoned == 2
 
 
 def test_step_listeners_run_once_per_step_after_its_done_callbacks(
