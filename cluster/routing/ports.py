@@ -19,6 +19,7 @@ checks the deadline before every round.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -33,6 +34,8 @@ from cluster.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from cluster.runtime.audit import Replay
+
+logger = logging.getLogger(__name__)
 
 
 class DrafterPort(Protocol):
@@ -149,6 +152,16 @@ class VerifierPort(Protocol):
     def close_session_steps(self, session_id: str) -> Steps[bool]:
         """Free the session; True if it existed."""
         ...
+
+
+def closed_quietly(side: str, port: DrafterPort | VerifierPort, session_id: str) -> Steps[None]:
+    """Close a session on `port` (the `side`'s), best effort: a replica that cannot be reached,
+    is too busy to take the call or fails it drops the session itself after its time limit or
+    TTL. Steps."""
+    try:
+        yield from port.close_session_steps(session_id)
+    except Exception as error:
+        logger.warning("could not close session %s on the %s: %s", session_id, side, error)
 
 
 def _nothing() -> None:

@@ -356,7 +356,7 @@ class Rounds:
         ahead_k = self._ahead_k(gen, block)
         chained = plan.pipelined and bool(block.tokens) and not draft.by_suffix and ahead_k > 0
         predraft = chained and plan.fan_out > 0 and not block.assumed
-        deferred = chained and not predraft and gen.drafter_port is not None
+        deferred = chained and not predraft and gen.drafter.port is not None
         post_id = gen.next_post_id()
         gen.posts[post_id] = Posted(block, draft, time.perf_counter(), deferred)
         gen.verifier.post(gen.session_id, block, deferred, gen.events, post_id)
