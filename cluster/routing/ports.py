@@ -3,9 +3,10 @@
 Every call is steps (`cluster.routing.waits`): a generator that yields a `Wait` on a future
 wherever it waits for the replica, so that one driver runs any number of requests without a
 thread each. The gRPC clients implement these protocols over each replica's Frames stream
-(`cluster.routing.replica_client`); in one process, `cluster.local.InProcess` adapts the plain
-`Drafter`, `SuffixDrafter` and `Verifier` (their `submit_*` futures). The router depends on
-these protocols only, so the same router code runs in-process and distributed.
+(`cluster.routing.grpc_drafter`, `cluster.routing.grpc_verifier`); in one process,
+`cluster.local.InProcess` adapts the plain `Drafter`, `SuffixDrafter` and `Verifier` (their
+`submit_*` futures). The router depends on these protocols only, so the same router code runs
+in-process and distributed. `closed_quietly` closes a session on either, best effort.
 
 A verifier session is *running* when opened with an `Advance` (`cluster.runtime.advance`): it
 advances on its own, and reports each step, and the verdict of every block the router posts
