@@ -154,7 +154,8 @@ def measure(
     placement["tool_node_id"] = ray.get_runtime_context().get_node_id()
     from cluster.local import InProcess, build_local
     from cluster.presets import resolve_pair
-    from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+    from cluster.routing.grpc_drafter import GrpcDrafter
+    from cluster.routing.grpc_verifier import GrpcVerifier
 
     local = build_local(resolve_pair("tiny", device="cpu"))
     import torch

@@ -1,8 +1,10 @@
 """Routing: a request's committed tokens and the draft/verify loop over pinned replicas.
 
-`router` (the loop), `generation` (one request's state), `request` (request, chunk and stats
-types), `text` (tokens to streamed text, stop sequences), `draft_length` (the adaptive plan,
-pure arithmetic), `draft_length_config` (its config and a request's draft bounds, plain data),
-`ports` (the drafter and verifier interfaces), `replica_client` (those ports over gRPC),
-`registry` (where the replicas are), `directory` (pinning requests to replicas).
+`router` (a request's path: pin, open, run, close), `rounds` (its loop), `generation` (one
+request's state) and `drafter_link` (its drafter), `request` (request, chunk and stats types),
+`text` (tokens to streamed text, stop sequences), `draft_length` (the adaptive plan, pure
+arithmetic), `draft_length_config` (its config and a request's draft bounds, plain data),
+`ports` (the drafter and verifier interfaces), `grpc_drafter` and `grpc_verifier` (those ports
+over gRPC, on `grpc_replica`), `registry` (where the replicas are), `directory` (pinning
+requests to replicas).
 """

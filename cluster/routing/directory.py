@@ -26,8 +26,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from cluster.routing.grpc_drafter import GrpcDrafter
+from cluster.routing.grpc_verifier import GrpcVerifier
 from cluster.routing.ports import Pinned, Spare, StepCosts
-from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.runtime.errors import ReplicaUnavailableError
 from cluster.wire.replica_info import ReplicaInfo
 

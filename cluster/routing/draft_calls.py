@@ -8,8 +8,8 @@ of the verify pass (`cluster.routing.predrafting`). Each is waits (`cluster.rout
 the router's loop runs beside its reading of the verifier's reports; each times what the
 drafter took for the request's adaptive plan and the metrics, and fails over a drafter that
 failed (`cluster.routing.failover`). The drafter's session is brought to what it must hold by
-its view (`DrafterView.call`). The loop that decides which to ask for is the router's
-(`cluster.routing.router`).
+the request's link to it (`DrafterLink.call`). The loop that decides which to ask for is the
+router's (`cluster.routing.rounds`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from cluster.metrics import TandemMetrics
 from cluster.routing.failover import DRAFTER_FAILED, Failover
-from cluster.routing.generation import Draft, DrafterView, Generation
+from cluster.routing.generation import Draft, Generation
 from cluster.routing.ports import DrafterPort
 from cluster.routing.predraft_budget import hit_odds
 from cluster.routing.predrafting import Branches, choose_branches
@@ -63,11 +63,11 @@ class DraftCalls:
         if num_tokens <= 0:
             return Draft(DraftBlock(base_length=gen.committed, tokens=()), by_drafter=False)
         looked_up = gen.look_up(num_tokens)
-        if looked_up is not None or gen.drafter_port is None or not by_drafter:
+        if looked_up is not None or gen.drafter.port is None or not by_drafter:
             empty = DraftBlock(base_length=gen.committed, tokens=())
             return Draft(looked_up or empty, by_drafter=False)
         try:
-            port = yield from gen.ready_drafter()
+            port = yield from gen.drafter.ready()
             base, truncate_to, appended = gen.drafter.call(gen.history)
             started = time.perf_counter()
             block = yield from port.draft(gen.session_id, base, appended, num_tokens, truncate_to)
@@ -89,7 +89,7 @@ class DraftCalls:
         looked_up = gen.look_up(num_tokens, ahead=after)
         if looked_up is not None:
             return Draft(_assuming(looked_up, block), by_drafter=False, ahead=True)
-        if gen.drafter_port is None:
+        if gen.drafter.port is None:
             return None
         port = yield from self._ready_drafter_ahead(gen)
         if port is None or gen.committed != block.base_length:
@@ -113,7 +113,7 @@ class DraftCalls:
         of verifying `block` (`cluster.routing.predrafting`; `block` has no assumed tokens);
         None where the request or its drafter does not pre-draft. The steps return None when
         the drafter was lost meanwhile (it drafted nothing to hit: neither a hit nor a miss)."""
-        if fan_out <= 0 or gen.drafter_port is None or gen.lengths.max_fan_out <= 0:
+        if fan_out <= 0 or gen.drafter.port is None or gen.lengths.max_fan_out <= 0:
             return None
         return self._predrafted(gen, block, num_tokens, fan_out)
 
@@ -126,9 +126,8 @@ class DraftCalls:
             return Branches((), 0.0)
         alpha, k = gen.lengths.acceptance, len(block.tokens)
         branches = choose_branches(alpha, k, fan_out)
-        view = gen.drafter
-        before = DrafterView(view.agreed, list(view.assumed))
-        base, truncate_to, appended = view.call(gen.history)
+        held = gen.drafter.held()
+        base, truncate_to, appended = gen.drafter.call(gen.history)
         sent_at = time.perf_counter()
         try:
             drafted: list[PreDraft] = yield from predraft(
@@ -138,7 +137,7 @@ class DraftCalls:
             # A drafter that refuses the call (a replica from before pre-drafting, or a
             # pre-draft past its limits) took none of it: its view is as before the call,
             # and the request stops asking. Output is unchanged.
-            gen.drafter = before
+            gen.drafter.refused(held)
             gen.lengths.max_fan_out = 0
             return Branches((), 0.0)
         except DRAFTER_FAILED as error:
@@ -154,7 +153,7 @@ class DraftCalls:
         """The request's drafter, once its session is open, for drafting ahead; None (the
         round goes on without) if it failed, after failing over."""
         try:
-            return (yield from gen.ready_drafter())
+            return (yield from gen.drafter.ready())
         except DRAFTER_FAILED as error:
             self._failover.replace(gen, "drafter", error)
             return None

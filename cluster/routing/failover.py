@@ -15,9 +15,10 @@ rejection-rule output keeps its distribution (the spare's generator starts afres
 request is no longer repeatable across the failure). At most
 `MAX_FAILOVERS` per request, then the error goes to the caller.
 
-`Failover` does this for one router: it opens a request's verifier session, replaces a
-failed replica in the request's `Generation`, and closes sessions, best effort; a session left
-on a replica the request moved from is closed in the background, off the request's path.
+`Failover` does this for one router: it opens a request's verifier session and replaces a
+failed replica in the request's `Generation` (a drafter through its `DrafterLink`: `move_to` a
+spare, or `drop`); a session left on a replica the request moved from is closed in the
+background, best effort, off the request's path.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from cluster.routing.generation import DrafterView, Generation
-from cluster.routing.ports import DrafterPort, ReplicaPool, VerifierPort
+from cluster.routing.generation import Generation
+from cluster.routing.ports import ReplicaPool, closed_quietly
 from cluster.routing.waits import Started, Waits, finishing, run
 from cluster.runtime.errors import (
     ReplicaUnavailableError,
@@ -117,11 +118,10 @@ class Failover:
                 error,
             )
             self._drafter_degraded(cause)
-            run(self.close_drafter(gen))
-            gen.drafter_port, gen.drafter_opening, gen.open_drafter = None, None, None
-            gen.drafter = DrafterView(agreed=gen.committed)
+            run(gen.drafter.close())
+            gen.drafter.drop(gen.committed)
             return
-        failed_id = gen.verifier_id if side == "verifier" else gen.drafter_id
+        failed_id = gen.verifier_id if side == "verifier" else gen.drafter.replica_id
         full = isinstance(error, ResourceExhaustedError)
         (gen.full if full else gen.failed).add(failed_id)
         logger.log(
@@ -133,11 +133,11 @@ class Failover:
             "had no room" if full else "failed",
             error,
         )
-        failed_port = gen.verifier if side == "verifier" else gen.drafter_port
+        failed_port = gen.verifier if side == "verifier" else gen.drafter.port
         if failed_port is not None and not isinstance(error, SessionNotFoundError):
             # It may only have been slow or cut off: free the session it may still hold now
             # rather than at its idle TTL, without holding up the request.
-            Started(self.closed_quietly(side, failed_port, gen.session_id))  # sent, not awaited
+            Started(closed_quietly(side, failed_port, gen.session_id))  # sent, not awaited
         spare = None
         if len(gen.failed) + len(gen.full) <= MAX_FAILOVERS:
             # A replica lost this request is never tried again; one that was full only when
@@ -152,45 +152,21 @@ class Failover:
             gen.verifier, gen.verifier_id = spare.port, spare.replica_id
             gen.restart_verifier()
             return
-        gen.drafter_opening, gen.open_drafter = None, None
-        gen.drafter = DrafterView(agreed=gen.committed)
         if spare is None:
-            gen.drafter_port = None  # on with the target alone (and prompt lookup)
+            gen.drafter.drop(gen.committed)  # on with the target alone (and prompt lookup)
             return
-        gen.drafter_port, gen.drafter_id = spare.port, spare.replica_id
         gen.stats.drafters.append(spare.replica_id)
         request = gen.request
-        gen.drafter_opening = Started(
-            spare.port.open_session(
+        gen.drafter.move_to(
+            spare.port,
+            spare.replica_id,
+            gen.committed,
+            lambda port: port.open_session(
                 gen.session_id,
                 list(gen.history),
                 request.sampling,
                 request.seed,
                 max_new_tokens=gen.remaining,
                 constraint=gen.constraint,
-            )
+            ),
         )
-
-    @classmethod
-    def close_drafter(cls, gen: Generation) -> Waits[None]:
-        """Close the drafter's session, once it has opened (if opening failed, nothing is).
-        Yields its waits."""
-        if gen.drafter_port is None or gen.open_drafter is not None:  # never opened
-            return
-        opening, gen.drafter_opening = gen.drafter_opening, None
-        if opening is not None:
-            try:
-                yield from opening.finish()
-            except Exception:  # it never opened: nothing to close
-                return
-        yield from cls.closed_quietly("drafter", gen.drafter_port, gen.session_id)
-
-    @staticmethod
-    def closed_quietly(side: str, port: DrafterPort | VerifierPort, session_id: str) -> Waits[None]:
-        """Close a session, best effort: a replica that cannot be reached, is too busy to take
-        the call or fails it drops the session itself after its time limit or TTL. Yields its
-        waits."""
-        try:
-            yield from port.close_session(session_id)
-        except Exception as error:
-            logger.warning("could not close session %s on the %s: %s", session_id, side, error)

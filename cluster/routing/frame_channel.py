@@ -79,7 +79,7 @@ class FrameChannel:
         the answer's message (`OpenSessionResponse`, `DraftBlock`, `Verdict`,
         `CloseSessionResponse`) or of the error the replica or the stream failed it with."""
         future: Future[Any] = Future()
-        self.send(entry, partial(_settle, future))
+        self.send(entry, partial(settle, future))
         return future
 
     def send(self, entry: replica_pb2.FrameEntry, deliver: Deliver, *, stays: bool = False) -> int:
@@ -253,7 +253,8 @@ Deliver = Callable[[Any], None]
 """Where an entry's answer goes: a response message, or the `TandemError` it failed with."""
 
 
-def _settle(future: Future[Any], answer: Any) -> None:
+def settle(future: Future[Any], answer: Any) -> None:
+    """An entry's answer into its future: the message, or the error it failed with."""
     if isinstance(answer, TandemError):
         future.set_exception(answer)
     else:

@@ -1,5 +1,6 @@
-"""One request's state inside the router: what is committed, where its sessions are, and
-what the drafter's session holds as far as the router knows.
+"""One request's state inside the router: what is committed, where its sessions are (its
+drafter's, with what that session holds as far as the router knows, in its `DrafterLink`:
+`cluster.routing.drafter_link`), and its rounds' drafts, posts and plan.
 
 Plain data and bookkeeping, no I/O: `cluster.routing.router` drives it. `history` is the single
 source of truth of the request's tokens (docs/architecture.md): the replicas' sessions are caches
@@ -17,63 +18,29 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from llguidance import LLTokenizer
 
 from cluster.routing.draft_length import DraftLength, Plan, model_pays
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.draft_modes import ALONE, DraftModes, ModesConfig
-from cluster.routing.ports import DrafterPort, Pinned, StepCosts
+from cluster.routing.drafter_link import DrafterLink
+from cluster.routing.ports import Pinned, StepCosts
 from cluster.routing.prompt_lookup import PromptLookup
 from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.routing.session_events import SessionEvents
 from cluster.routing.suffix_drafting import SuffixDrafting
 from cluster.routing.text import TextAssembler
-from cluster.routing.waits import Pending, Started, Waits
+from cluster.routing.waits import Pending
 from cluster.runtime.advance import Advance
 from cluster.runtime.constraint import Constraint, TokenMatcher, tokenizer_size
 from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.errors import DeadlineExceededError, InvalidArgumentError
-from cluster.runtime.kv_cache import common_prefix_length
 from drafter.config import NgramConfig
 
 Decode = Callable[[Sequence[int]], str]
 """Token ids to text, special tokens left out."""
-
-
-@dataclass
-class DrafterView:
-    """What the drafter's session holds, as far as the router knows: the committed history up
-    to `agreed`, then `assumed` (blocks drafted ahead, taken as accepted)."""
-
-    agreed: int
-    """The drafter's session holds the history's first `agreed` tokens."""
-    assumed: list[int] = field(default_factory=list)
-    """What it holds after them: tokens not (yet) committed."""
-
-    @property
-    def length(self) -> int:
-        """The drafter session's committed length (a call's `base_length`)."""
-        return self.agreed + len(self.assumed)
-
-    def call(
-        self, history: Sequence[int], ahead: Sequence[int] = ()
-    ) -> tuple[int, int | None, list[int]]:
-        """What a call must send for the drafter's session to hold `history` then `ahead`:
-        (its base length, where to truncate it (None: nowhere), the tokens to append); the
-        view then holds that. O(tokens since the last call)."""
-        wanted = [*history[self.agreed :], *ahead]
-        kept = common_prefix_length(self.assumed, wanted)
-        base = self.length
-        truncate_to = self.agreed + kept if kept < len(self.assumed) else None
-        appended = wanted[kept:]
-        self.agreed, self.assumed = len(history), list(ahead)
-        return base, truncate_to, appended
-
-    def committed(self, history: Sequence[int]) -> tuple[int, int | None, list[int]]:
-        """`call` for a session that keeps only the committed `history` (a pre-draft)."""
-        return self.call(history)
 
 
 @dataclass(frozen=True)
@@ -158,8 +125,6 @@ class Generation:
         self._clock = clock
         self.verifier = pinned.verifier
         self.verifier_id = pinned.verifier_id
-        self.drafter_port = pinned.drafter
-        self.drafter_id = pinned.drafter_id
         self.failed: set[str] = set()
         """Replicas that failed this request: never pinned to it again."""
         self.full: set[str] = set()
@@ -169,6 +134,7 @@ class Generation:
         """Pool releases to call when the request ends: the first pin's, then each spare's."""
         self.pipelined = pipelined
         self.session_id = uuid.uuid4().hex
+        """The request's session id on each of its replicas."""
         self.stats = stats
         self.text = TextAssembler(decode, request.stop, min_tokens=request.min_tokens)
         self.lengths = DraftLength(draft_length, request.draft_tokens, pipelined)
@@ -178,7 +144,11 @@ class Generation:
         """Every committed token: what prompt lookup searches. Only `commit` changes it."""
         self.lookup = PromptLookup(ngram) if ngram is not None else None
         """Prompt lookup's index over `history`."""
-        self.drafter = DrafterView(agreed=len(self.history))
+        self.drafter = DrafterLink(
+            pinned.drafter, pinned.drafter_id, self.session_id, committed=len(self.history)
+        )
+        """Its drafter: the replica, its session's opening and what the session holds (None
+        port: none)."""
         asks_suffix = constraint is None and request.suffix_index
         self.suffix = SuffixDrafting(
             pinned.suffix if asks_suffix else None, pinned.suffix_id, self.session_id
@@ -186,12 +156,6 @@ class Generation:
         """The suffix drafter, asked before the drafter (none for a constrained request: its
         blocks would have to follow the grammar, which it does not track; none where the
         tenant keeps its text out of the suffix index)."""
-        self.drafter_opening: Started | None = None
-        """The drafter's session being opened in the background; None once known open."""
-        self.open_drafter: Callable[[], Started] | None = None
-        """Opens the drafter's session when first needed (`ready_drafter`); None: it is open
-        or opening already. Set while the gate holds the target alone at the request's start:
-        until then, the session does not exist and nothing closes it."""
         self.events = SessionEvents()
         """What the verifier's running session reports (replaced with its session on a
         failover)."""
@@ -227,17 +191,6 @@ class Generation:
                 f"the request's deadline passed after {self.text.num_tokens} of its "
                 f"{self.request.max_tokens} tokens"
             )
-
-    def ready_drafter(self) -> Waits[DrafterPort]:
-        """Waits, returning the drafter once its session is open (opening it first if that was
-        deferred; waiting for it; raising what opening raised)."""
-        assert self.drafter_port is not None
-        if self.open_drafter is not None:
-            self.drafter_opening, self.open_drafter = self.open_drafter(), None
-        if self.drafter_opening is not None:
-            yield from self.drafter_opening.finish()
-            self.drafter_opening = None
-        return self.drafter_port
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Append verified tokens to `history`."""

@@ -3,9 +3,10 @@
 Every call is waits (`cluster.routing.waits`): a generator that yields a `Wait` on a future
 wherever it waits for the replica, so that one driver runs any number of requests without a
 thread each. The gRPC clients implement these protocols over each replica's Frames stream
-(`cluster.routing.replica_client`); in one process, `cluster.local.InProcess` adapts the plain
-`Drafter`, `SuffixDrafter` and `Verifier` (their `submit_*` futures). The router depends on
-these protocols only, so the same router code runs in-process and distributed.
+(`cluster.routing.grpc_drafter`, `cluster.routing.grpc_verifier`); in one process,
+`cluster.local.InProcess` adapts the plain `Drafter`, `SuffixDrafter` and `Verifier` (their
+`submit_*` futures). The router depends on these protocols only, so the same router code runs
+in-process and distributed. `closed_quietly` closes a session on either, best effort.
 
 A verifier session is *running* when opened with an `Advance` (`cluster.runtime.advance`): it
 advances on its own, and reports each step, and the verdict of every block the router posts
@@ -19,6 +20,7 @@ checks the deadline before every round.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -33,6 +35,8 @@ from cluster.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from cluster.runtime.audit import Replay
+
+logger = logging.getLogger(__name__)
 
 
 class DrafterPort(Protocol):
@@ -149,6 +153,16 @@ class VerifierPort(Protocol):
     def close_session(self, session_id: str) -> Waits[bool]:
         """Free the session; True if it existed."""
         ...
+
+
+def closed_quietly(side: str, port: DrafterPort | VerifierPort, session_id: str) -> Waits[None]:
+    """Close a session on `port` (the `side`'s), best effort: a replica that cannot be reached,
+    is too busy to take the call or fails it drops the session itself after its time limit or
+    TTL. Yields its waits."""
+    try:
+        yield from port.close_session(session_id)
+    except Exception as error:
+        logger.warning("could not close session %s on the %s: %s", session_id, side, error)
 
 
 def _nothing() -> None:

@@ -40,7 +40,13 @@ from cluster.routing.draft_modes import MODEL
 from cluster.routing.failover import Failover
 from cluster.routing.generation import Decode, Generation
 from cluster.routing.output import decode_for
-from cluster.routing.ports import DrafterPort, FixedReplicas, ReplicaPool, VerifierPort
+from cluster.routing.ports import (
+    DrafterPort,
+    FixedReplicas,
+    ReplicaPool,
+    VerifierPort,
+    closed_quietly,
+)
 from cluster.routing.request import (
     FinishReason,
     GenerationChunk,
@@ -50,7 +56,7 @@ from cluster.routing.request import (
 )
 from cluster.routing.rounds import Rounds
 from cluster.routing.speculation_gate import GateConfig, SpeculationGate
-from cluster.routing.waits import Started, Wait, Waits, blocking, finishing, run
+from cluster.routing.waits import Wait, Waits, blocking, finishing, run
 from cluster.runtime.advance import Advance
 from cluster.runtime.errors import DeadlineExceededError
 from drafter.config import NgramConfig
@@ -304,31 +310,24 @@ class Router:
     def _session(self, gen: Generation) -> Iterator[GenerationChunk | Wait]:
         request = gen.request
         prompt = request.prompt_tokens
-        port = gen.drafter_port
         gen.check_deadline()
-        if port is not None:
+        if gen.drafter.port is not None:
             # The drafter reads the prompt in the background; while the gate holds the target
             # alone, only once a round may speculate (on the prompt: the committed tokens then
             # reach it as the view's catch-up, as after any round without it).
             max_new_tokens = gen.remaining  # as at the start, however late it opens
-
-            def open_drafter() -> Started:
-                return Started(
-                    port.open_session(
-                        gen.session_id,
-                        prompt,
-                        request.sampling,
-                        request.seed,
-                        max_new_tokens=max_new_tokens,
-                        constraint=gen.constraint,
-                    )
-                )
-
-            if self.gate.holds_target() or gen.modes.mode != MODEL:
+            gen.drafter.open(
+                lambda port: port.open_session(
+                    gen.session_id,
+                    prompt,
+                    request.sampling,
+                    request.seed,
+                    max_new_tokens=max_new_tokens,
+                    constraint=gen.constraint,
+                ),
                 # Nothing asks the draft model yet: its prefill would only take the cores.
-                gen.open_drafter = open_drafter
-            else:
-                gen.drafter_opening = open_drafter()
+                deferred=self.gate.holds_target() or gen.modes.mode != MODEL,
+            )
         try:
             # The open must end before the request does: a session the verifier opens after
             # its consumer left would stay until its TTL.
@@ -340,7 +339,7 @@ class Router:
             yield from finishing(self._close_sessions(gen))
             raise
         except BaseException:
-            yield from finishing(self._failover.close_drafter(gen))
+            yield from finishing(gen.drafter.close())
             raise
         closing = self._close_sessions(gen)
         try:
@@ -356,8 +355,8 @@ class Router:
     def _close_sessions(self, gen: Generation) -> Waits[None]:
         """Close the request's sessions on both sides, best effort."""
         gen.events.close()
-        yield from self._failover.closed_quietly("verifier", gen.verifier, gen.session_id)
-        yield from self._failover.close_drafter(gen)
+        yield from closed_quietly("verifier", gen.verifier, gen.session_id)
+        yield from gen.drafter.close()
         yield from gen.suffix.close()
 
     def _max_fan_out(self, gen: Generation) -> int:
@@ -365,7 +364,7 @@ class Router:
         its drafter cannot, or it is constrained (a structured output's drafts are masked
         step by step, which branches do not follow): the plan then never prices one."""
         asked = gen.request.predraft_fan_out
-        port = gen.drafter_port
+        port = gen.drafter.port
         if port is None or not hasattr(port, "predraft") or gen.constraint is not None:
             return 0
         return self.predraft_fan_out if asked is None else asked

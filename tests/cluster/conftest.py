@@ -25,7 +25,8 @@ import yaml
 from cluster.api.client import TandemClient
 from cluster.api.tenants import hash_api_key, new_api_key
 from cluster.config import CLUSTER_SECRET_ENV
-from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.routing.grpc_drafter import GrpcDrafter
+from cluster.routing.grpc_verifier import GrpcVerifier
 from cluster.serve.loopback import free_port
 from cluster.serve.ray_cluster import API_KEY_ENV, cluster_processes
 

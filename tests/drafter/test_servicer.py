@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from cluster.routing.replica_client import GrpcDrafter
+from cluster.routing.grpc_drafter import GrpcDrafter
 from cluster.routing.waits import run
 from cluster.runtime.errors import InvalidArgumentError, ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from cluster.routing.grpc_verifier import GrpcVerifier
 from cluster.routing.ports import VerifierPort
-from cluster.routing.replica_client import GrpcVerifier
 from cluster.runtime.errors import (
     CancelledError,
     InvalidArgumentError,

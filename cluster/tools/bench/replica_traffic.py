@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.routing.grpc_drafter import GrpcDrafter
+from cluster.routing.grpc_verifier import GrpcVerifier
 from cluster.runtime.errors import TandemError
 
 COUNTERS = (

@@ -115,7 +115,8 @@ def _through_service(
     from cluster.api.client import TandemClient
     from cluster.config import CLUSTER_SECRET_ENV
     from cluster.presets import resolve_pair
-    from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+    from cluster.routing.grpc_drafter import GrpcDrafter
+    from cluster.routing.grpc_verifier import GrpcVerifier
     from cluster.runtime.models import load_tokenizer
     from cluster.serve import ray_cluster
     from cluster.tools import cleanup

@@ -10,7 +10,8 @@ import pytest
 
 from cluster.config import CLUSTER_SECRET_ENV, TandemConfig
 from cluster.local import LocalTandem, text_decoder
-from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.routing.grpc_drafter import GrpcDrafter
+from cluster.routing.grpc_verifier import GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.routing.waits import run

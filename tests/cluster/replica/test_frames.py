@@ -21,7 +21,7 @@ import grpc
 import pytest
 import torch
 
-from cluster.routing.replica_client import GrpcVerifier
+from cluster.routing.grpc_verifier import GrpcVerifier
 from cluster.routing.waits import run
 from cluster.runtime.advance import Advance
 from cluster.runtime.draft_block import DraftBlock

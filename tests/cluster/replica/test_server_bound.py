@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from cluster.replica.rpc import start_server
-from cluster.routing.replica_client import GrpcVerifier
+from cluster.routing.grpc_verifier import GrpcVerifier
 from cluster.runtime.errors import ResourceExhaustedError
 from protos import replica_pb2, replica_pb2_grpc
 

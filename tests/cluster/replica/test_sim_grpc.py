@@ -10,7 +10,8 @@ import torch
 
 from cluster.local import text_decoder
 from cluster.presets import resolve_pair
-from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.routing.grpc_drafter import GrpcDrafter
+from cluster.routing.grpc_verifier import GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.runtime.models import load_model

@@ -17,7 +17,8 @@ import pytest
 
 from cluster.local import LocalTandem, local_router
 from cluster.routing.directory import RegistryPool
-from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.routing.grpc_drafter import GrpcDrafter
+from cluster.routing.grpc_verifier import GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.routing.session_events import SessionEvents

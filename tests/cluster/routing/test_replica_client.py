@@ -21,8 +21,9 @@ import grpc
 import pytest
 
 from cluster.local import LocalTandem, text_decoder
+from cluster.routing.grpc_drafter import GrpcDrafter
+from cluster.routing.grpc_verifier import GrpcVerifier
 from cluster.routing.ports import DrafterPort, VerifierPort
-from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.routing.waits import drive, run

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import pytest
 
 from cluster.local import InProcess, LocalTandem, text_decoder
-from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.routing.grpc_drafter import GrpcDrafter
+from cluster.routing.grpc_verifier import GrpcVerifier
 from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.routing.router import Router
 from cluster.routing.suffix_drafting import MAX_SKIPPED_ROUNDS, SuffixDrafting, SuffixUse

@@ -37,7 +37,7 @@ from cluster.replica.host import (
     ReplicaShell,
     kv_cache_bytes_per_token,
 )
-from cluster.routing.replica_client import GrpcVerifier
+from cluster.routing.grpc_verifier import GrpcVerifier
 from cluster.routing.waits import run
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import InvalidArgumentError, ReplicaUnavailableError

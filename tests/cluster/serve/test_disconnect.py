@@ -31,7 +31,8 @@ import grpc
 import pytest
 
 from cluster.api.client import TandemClient, TandemClientError
-from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.routing.grpc_drafter import GrpcDrafter
+from cluster.routing.grpc_verifier import GrpcVerifier
 from protos import generate_pb2, generate_pb2_grpc
 from tests.cluster.conftest import TENANT_KEYS, live_replicas
 from tests.conftest import CODE_PROMPT

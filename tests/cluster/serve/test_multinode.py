@@ -30,7 +30,8 @@ from cluster.api.tenants import AuthConfig
 from cluster.config import FrontConfig, ModelsConfig, ReplicaGroupConfig, TandemConfig
 from cluster.local import LocalTandem
 from cluster.routing.draft_length_config import DraftLengthConfig
-from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.routing.grpc_drafter import GrpcDrafter
+from cluster.routing.grpc_verifier import GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.runtime.errors import ClusterSecretError
 from cluster.serve.loopback import LOOPBACK, free_port

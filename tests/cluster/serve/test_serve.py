@@ -27,7 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cluster.api.client import TandemClient
 from cluster.api.client_types import TandemClientError
 from cluster.local import LocalTandem
-from cluster.routing.replica_client import GrpcDrafter, GrpcVerifier
+from cluster.routing.grpc_drafter import GrpcDrafter
+from cluster.routing.grpc_verifier import GrpcVerifier
 from cluster.routing.request import GenerationRequest
 from cluster.routing.waits import run
 from cluster.runtime.errors import ClusterSecretError

@@ -1,9 +1,11 @@
-"""gRPC clients for drafter and verifier replicas: the router's ports over the network.
+"""What the router's gRPC replica clients share: `ReplicaClient`, the base of `GrpcDrafter`
+(`cluster.routing.grpc_drafter`) and `GrpcVerifier` (`cluster.routing.grpc_verifier`), the
+router's ports over the network.
 
-`GrpcDrafter` implements `DrafterPort` and `GrpcVerifier` implements `VerifierPort`, so the
-router runs unchanged over replicas in other processes (docs/architecture.md, invariant 4: direct
-gRPC to the pinned replica, no Serve hop). Each wraps one `grpc.Channel`, given or opened from a
-"host:port" address, and converts values with `cluster.wire.convert`.
+The clients implement `DrafterPort` and `VerifierPort`, so the router runs unchanged over
+replicas in other processes (docs/architecture.md, invariant 4: direct gRPC to the pinned
+replica, no Serve hop). Each wraps one `grpc.Channel`, given or opened from a "host:port"
+address, and converts values with `cluster.wire.convert`.
 
 Every session call (open, draft, predraft, verify, close) is an entry of one long-lived Frames
 stream per client (`cluster.routing.frame_channel.FrameChannel`), shared by every `bounded`
@@ -11,11 +13,7 @@ view of it, so a router sends one frame per replica for whatever its sessions ha
 one call per session (docs/architecture.md, "Frame stream"), and each call yields its waits
 (`cluster.routing.waits`) that wait on its entry's answer without a thread. A client is kept per
 replica address (`cluster.routing.directory`), so one router process holds one stream per
-replica and service. A verifier session opened with an `Advance` runs: the client hands every
-later result under its open entry's tag (its own steps) to the request's `SessionEvents`, and
-the verdicts of the blocks `post` sends there too. Stats and Reference are unary calls. A
-drafter's q rows are kept as received (`convert.WireRows`) and sent on to the verifier as
-bytes: the router never decodes q.
+replica and service. Stats and Reference are unary calls.
 
 Errors: a failed call (or frame entry) raises the `TandemError` subclass the replica raised
 (matched by status code, with the replica's message; `cluster.wire.status.error_from_entry`),
@@ -48,28 +46,23 @@ from typing import Any, Self
 
 import grpc
 
-from cluster.routing.frame_channel import FrameChannel
+from cluster.routing.frame_channel import FrameChannel, settle
 from cluster.routing.liveness import PROBE_TIMEOUT_S, Liveness, Progress
-from cluster.routing.session_events import SessionEvents
 from cluster.routing.waits import Wait, Waits
-from cluster.runtime.advance import Advance
-from cluster.runtime.audit import Replay
 from cluster.runtime.constraint import Constraint
-from cluster.runtime.draft_block import DraftBlock
-from cluster.runtime.errors import DeadlineExceededError, ReplicaUnavailableError, TandemError
-from cluster.runtime.predraft import Branch, PreDraft
+from cluster.runtime.errors import DeadlineExceededError, ReplicaUnavailableError
 from cluster.runtime.sampling import SamplingParams
 from cluster.runtime.session import ReplicaStats
 from cluster.wire import convert, requests
 from cluster.wire.metadata import MESSAGE_SIZE_OPTIONS, SECRET_METADATA_KEY
 from cluster.wire.status import error_from_rpc
-from protos import replica_pb2, replica_pb2_grpc
+from protos import replica_pb2
 
 NO_TIMEOUT = None
 """`timeout_s` value that waits for an answer as long as it takes."""
 
 
-class _ReplicaClient:
+class ReplicaClient:
     """The channel, timeouts and error handling both clients share, and the common calls.
 
     `timeout_s` is every call's timeout in seconds (`NO_TIMEOUT`: none); a call's own
@@ -182,7 +175,7 @@ class _ReplicaClient:
         own_timeout_s = self.timeout_s if timeout_s is None else timeout_s
         left = self._time_left() if bounded else None
         future: Future[Any] = Future()
-        tag = self._frames.send(replica_pb2.FrameEntry(**{call: request}), partial(_settle, future))
+        tag = self._frames.send(replica_pb2.FrameEntry(**{call: request}), partial(settle, future))
         return (yield from self._answer(future, tag, own_timeout_s, left))
 
     def _answer(
@@ -307,205 +300,3 @@ class _ReplicaClient:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
-
-
-class GrpcDrafter(_ReplicaClient):
-    """A drafter replica over gRPC; a `DrafterPort`."""
-
-    _kind = "drafter"
-    _service = "tandem.v1.Drafter"
-    _stub_class = replica_pb2_grpc.DrafterStub
-
-    def draft(
-        self,
-        session_id: str,
-        base_length: int,
-        appended_tokens: Sequence[int],
-        num_tokens: int,
-        truncate_to: int | None = None,
-        *,
-        timeout_s: float | None = None,
-    ) -> Waits[DraftBlock]:
-        """See `DrafterPort.draft`; yields its waits. The block's q stays as received
-        (`convert.WireRows`)."""
-        request = requests.draft_request_to_wire(
-            session_id, base_length, appended_tokens, num_tokens, truncate_to
-        )
-        block = yield from self._send("draft", request, timeout_s)
-        return convert.block_from_wire(block, lazy_rows=True)
-
-    def predraft(
-        self,
-        session_id: str,
-        base_length: int,
-        appended_tokens: Sequence[int],
-        block: Sequence[int],
-        branches: Sequence[Branch],
-        num_tokens: int,
-        truncate_to: int | None = None,
-        *,
-        timeout_s: float | None = None,
-    ) -> Waits[list[PreDraft]]:
-        """See `DrafterPort.predraft`; yields its waits. Each branch's q stays as received
-        (`convert.WireRows`)."""
-        request = requests.predraft_request_to_wire(
-            session_id, base_length, appended_tokens, block, branches, num_tokens, truncate_to
-        )
-        response = yield from self._send("predraft", request, timeout_s)
-        return convert.predrafts_from_wire(response, lazy_rows=True)
-
-
-class GrpcVerifier(_ReplicaClient):
-    """A verifier replica over gRPC; a `VerifierPort`."""
-
-    _kind = "verifier"
-    _service = "tandem.v1.Verifier"
-    _stub_class = replica_pb2_grpc.VerifierStub
-
-    def open_session(  # type: ignore[override]
-        self,
-        session_id: str,
-        prompt_tokens: Sequence[int],
-        sampling: SamplingParams,
-        seed: int,
-        *,
-        max_new_tokens: int | None = None,
-        resumed: bool = False,
-        constraint: Constraint | None = None,
-        advance: Advance | None = None,
-        events: SessionEvents | None = None,
-        timeout_s: float | None = None,
-    ) -> Waits[int]:
-        """See `VerifierPort.open_session`: with `advance`, every later result under the
-        open entry's tag (the session's own steps, or the error that stopped it) goes to
-        `events`, until the session is closed."""
-        if advance is None:
-            return (
-                yield from super().open_session(
-                    session_id,
-                    prompt_tokens,
-                    sampling,
-                    seed,
-                    max_new_tokens=max_new_tokens,
-                    resumed=resumed,
-                    constraint=constraint,
-                    timeout_s=timeout_s,
-                )
-            )
-        assert events is not None, "a running session reports to its events"
-        request = requests.open_request_to_wire(
-            session_id,
-            prompt_tokens,
-            sampling,
-            seed,
-            max_new_tokens=max_new_tokens,
-            resumed=resumed,
-            constraint=constraint,
-            time_left_s=self._time_left(),
-            advance=advance,
-        )
-        own_timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        left = self._time_left()
-        opened: Future[Any] = Future()
-        tag = self._frames.send(
-            replica_pb2.FrameEntry(open=request), _Running(opened, events), stays=True
-        )
-        self._running[session_id] = tag
-        response: replica_pb2.OpenSessionResponse = yield from self._answer(
-            opened, tag, own_timeout_s, left
-        )
-        return response.committed_length
-
-    def post(
-        self,
-        session_id: str,
-        block: DraftBlock,
-        defer_bonus: bool,
-        events: SessionEvents,
-        post_id: int,
-    ) -> None:
-        """See `VerifierPort.post`. A drafter's q rows are sent on as received; on a view with
-        no time left, nothing is sent and `DeadlineExceededError` is the post's answer."""
-        try:
-            self._time_left()
-        except DeadlineExceededError as error:
-            events.push(post_id, error)
-            return
-        request = requests.verify_request_to_wire(session_id, block, defer_bonus)
-        self._frames.send(replica_pb2.FrameEntry(verify=request), partial(_posted, events, post_id))
-
-    def close_session(self, session_id: str, *, timeout_s: float | None = None) -> Waits[bool]:
-        """Free the session; yields its waits, returning True if it existed. A running session's
-        reports stop being read first."""
-        tag = self._running.pop(session_id, None)
-        if tag is not None:
-            self._frames.release(tag)
-        return (yield from super().close_session(session_id, timeout_s=timeout_s))
-
-    def reference(
-        self,
-        prompt_tokens: Sequence[int],
-        served_tokens: Sequence[int],
-        sampling: SamplingParams,
-        seed: int,
-        dtype: str = "",
-        *,
-        timeout_s: float | None = None,
-    ) -> Replay:
-        """See `VerifierPort.reference`. A replay waits while the replica serves calls, so
-        under load it may take long: its timeout and deadline are those of any call."""
-        request = replica_pb2.ReferenceRequest(
-            prompt_token_ids=convert.token_ids_to_wire(prompt_tokens, "prompt_tokens"),
-            served_token_ids=convert.token_ids_to_wire(served_tokens, "served_tokens"),
-            sampling=convert.sampling_to_wire(sampling),
-            seed=convert.uint_to_wire(seed, "seed"),
-            dtype=dtype,
-        )
-        response: replica_pb2.ReferenceResponse = self._call(
-            self._stub.Reference, request, timeout_s
-        )
-        tokens = tuple(response.token_ids)
-        gaps = convert.floats_from_wire(response.gaps, "gaps")
-        served_gaps = convert.floats_from_wire(response.served_gaps, "served_gaps")
-        if len(gaps) != len(tokens) or len(served_gaps) not in (0, len(tokens)):
-            raise ReplicaUnavailableError(
-                f"{self._replica}: a reference of {len(tokens)} tokens came with {len(gaps)} "
-                f"gaps and {len(served_gaps)} served gaps"
-            )
-        return Replay(tokens, gaps, response.dtype, served_gaps)
-
-
-def _settle(future: Future[Any], answer: Any) -> None:
-    """An entry's answer into its future: the message, or the error it failed with."""
-    if isinstance(answer, TandemError):
-        future.set_exception(answer)
-    else:
-        future.set_result(answer)
-
-
-class _Running:
-    """Where a running session's open entry delivers: its answer to `opened`, then each of the
-    session's own steps (or the error that stopped it) to `events`."""
-
-    __slots__ = ("_events", "_opened")
-
-    def __init__(self, opened: Future[Any], events: SessionEvents) -> None:
-        self._opened = opened
-        self._events = events
-
-    def __call__(self, answer: Any) -> None:
-        if not self._opened.done():
-            _settle(self._opened, answer)  # an open that failed reports nothing further
-            return
-        if isinstance(answer, TandemError):
-            self._events.report(answer)
-        else:
-            self._events.report(convert.verdict_from_wire(answer))
-
-
-def _posted(events: SessionEvents, post_id: int, answer: Any) -> None:
-    """A posted block's verdict, or the error it failed with, into the request's events."""
-    if isinstance(answer, TandemError):
-        events.push(post_id, answer)
-    else:
-        events.push(post_id, convert.verdict_from_wire(answer))
