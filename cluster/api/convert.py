@@ -22,7 +22,7 @@ from cluster.api.sampling_rule import rule_from_proto
 from cluster.api.tenants import TenantUsage
 from cluster.routing.request import FinishReason, SpeculationStats
 from cluster.runtime.audit import cause
-from cluster.wire.convert import grammar_from_wire, sampling_from_wire
+from cluster.wire.sampling_settings import grammar_from_wire, sampling_from_wire
 from protos import generate_pb2
 
 _FINISH_REASON_PREFIX = "FINISH_REASON_"

@@ -3,7 +3,7 @@
 A router keeps one long-lived bidirectional stream to each replica it uses (`rpc Frames` in
 `protos/replica.proto`; docs/architecture.md, "Frame stream"). Each `RouterFrame` holds the
 work the router had pending for any number of sessions; `FrameStream.receive` reads each of
-its entries with `cluster.wire.convert` and submits it to the component (its future-returning
+its entries with `cluster.wire.requests` and submits it to the component (its future-returning
 calls, `submit_open`, `submit_draft`...) inside `call_scope(gone)`, so that the engine drops
 whatever work the stream leaves behind once it ends. Results gather in an outbox as their
 futures complete; the engine's step listener flushes the outbox as ONE `ReplicaFrame` at the

@@ -22,8 +22,8 @@
   leaves more than `MAX_UNSENT_RESULTS` results unread has its stream cancelled.
 
 Both servicers are thin adapters over a plain component (docs/architecture.md, "Layers"): they
-convert with `cluster.wire.convert`, call the component inside `CallGuard.run`, and convert the
-result back.
+convert with `cluster.wire`'s conversions, call the component inside `CallGuard.run`, and
+convert the result back.
 """
 
 from __future__ import annotations

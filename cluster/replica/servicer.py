@@ -40,7 +40,8 @@ from cluster.replica.frames import (
 from cluster.replica.rpc import CallGuard
 from cluster.runtime.errors import TandemError
 from cluster.runtime.session import ReplicaStats
-from cluster.wire import convert, requests
+from cluster.wire import requests
+from cluster.wire.replica_stats import stats_to_wire
 from cluster.wire.status import status_code
 from protos import replica_pb2
 
@@ -88,7 +89,7 @@ class SessionServicer(Generic[K]):
         return self._guard.run(
             context,
             "Stats",
-            lambda: convert.stats_to_wire(self.frame_counters.add_to(self.component.stats())),
+            lambda: stats_to_wire(self.frame_counters.add_to(self.component.stats())),
         )
 
     def Frames(

@@ -60,8 +60,13 @@ from cluster.runtime.errors import DeadlineExceededError, ReplicaUnavailableErro
 from cluster.runtime.predraft import Branch, PreDraft
 from cluster.runtime.sampling import SamplingParams
 from cluster.runtime.session import ReplicaStats
-from cluster.wire import convert, requests
+from cluster.wire import requests
+from cluster.wire.blocks import block_from_wire, predrafts_from_wire, verdict_from_wire
+from cluster.wire.distributions import floats_from_wire
+from cluster.wire.fields import token_ids_to_wire, uint_to_wire
 from cluster.wire.metadata import MESSAGE_SIZE_OPTIONS, SECRET_METADATA_KEY
+from cluster.wire.replica_stats import stats_from_wire
+from cluster.wire.sampling_settings import sampling_to_wire
 from cluster.wire.status import error_from_rpc
 from protos import replica_pb2, replica_pb2_grpc
 
@@ -286,7 +291,7 @@ class _ReplicaClient:
 
     def stats(self, *, timeout_s: float | None = None) -> ReplicaStats:
         """What the replica holds right now."""
-        return convert.stats_from_wire(
+        return stats_from_wire(
             self._call(self._stub.Stats, replica_pb2.StatsRequest(), timeout_s, bounded=False)
         )
 
@@ -333,7 +338,7 @@ class GrpcDrafter(_ReplicaClient):
             session_id, base_length, appended_tokens, num_tokens, truncate_to
         )
         block = yield from self._send("draft", request, timeout_s)
-        return convert.block_from_wire(block, lazy_rows=True)
+        return block_from_wire(block, lazy_rows=True)
 
     def predraft_steps(
         self,
@@ -353,7 +358,7 @@ class GrpcDrafter(_ReplicaClient):
             session_id, base_length, appended_tokens, block, branches, num_tokens, truncate_to
         )
         response = yield from self._send("predraft", request, timeout_s)
-        return convert.predrafts_from_wire(response, lazy_rows=True)
+        return predrafts_from_wire(response, lazy_rows=True)
 
 
 class GrpcVerifier(_ReplicaClient):
@@ -458,18 +463,18 @@ class GrpcVerifier(_ReplicaClient):
         """See `VerifierPort.reference`. A replay waits while the replica serves calls, so
         under load it may take long: its timeout and deadline are those of any call."""
         request = replica_pb2.ReferenceRequest(
-            prompt_token_ids=convert.token_ids_to_wire(prompt_tokens, "prompt_tokens"),
-            served_token_ids=convert.token_ids_to_wire(served_tokens, "served_tokens"),
-            sampling=convert.sampling_to_wire(sampling),
-            seed=convert.uint_to_wire(seed, "seed"),
+            prompt_token_ids=token_ids_to_wire(prompt_tokens, "prompt_tokens"),
+            served_token_ids=token_ids_to_wire(served_tokens, "served_tokens"),
+            sampling=sampling_to_wire(sampling),
+            seed=uint_to_wire(seed, "seed"),
             dtype=dtype,
         )
         response: replica_pb2.ReferenceResponse = self._call(
             self._stub.Reference, request, timeout_s
         )
         tokens = tuple(response.token_ids)
-        gaps = convert.floats_from_wire(response.gaps, "gaps")
-        served_gaps = convert.floats_from_wire(response.served_gaps, "served_gaps")
+        gaps = floats_from_wire(response.gaps, "gaps")
+        served_gaps = floats_from_wire(response.served_gaps, "served_gaps")
         if len(gaps) != len(tokens) or len(served_gaps) not in (0, len(tokens)):
             raise ReplicaUnavailableError(
                 f"{self._replica}: a reference of {len(tokens)} tokens came with {len(gaps)} "
@@ -503,7 +508,7 @@ class _Running:
         if isinstance(answer, TandemError):
             self._events.report(answer)
         else:
-            self._events.report(convert.verdict_from_wire(answer))
+            self._events.report(verdict_from_wire(answer))
 
 
 def _posted(events: SessionEvents, post_id: int, answer: Any) -> None:
@@ -511,4 +516,4 @@ def _posted(events: SessionEvents, post_id: int, answer: Any) -> None:
     if isinstance(answer, TandemError):
         events.push(post_id, answer)
     else:
-        events.push(post_id, convert.verdict_from_wire(answer))
+        events.push(post_id, verdict_from_wire(answer))
