@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from cluster.runtime.draft_block import DraftBlock, StepLoad, Verdict
-from cluster.runtime.sampling import SparseDistribution
+from cluster.runtime.sparse_distribution import SparseDistribution
 from protos import replica_pb2
 
 FRAME_VERSION = 1

@@ -37,11 +37,9 @@ from cluster.runtime.errors import InvalidArgumentError, StaleBaseError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.rebase import reconcile
 from cluster.runtime.runner import ModelRunner
-from cluster.runtime.sampling import (
-    SamplingParams,
-    to_dense,
-)
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import ReplicaSession, check_token_ids
+from cluster.runtime.sparse_distribution import to_dense
 from cluster.runtime.task import each_alone_if_refused
 from verifier.audit_replica import ReferenceReplayer
 from verifier.batch_rejection import (

@@ -58,7 +58,7 @@ from cluster.runtime.constraint import Constraint
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import DeadlineExceededError, ReplicaUnavailableError, TandemError
 from cluster.runtime.predraft import Branch, PreDraft
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import ReplicaStats
 from cluster.wire import requests
 from cluster.wire.blocks import block_from_wire, predrafts_from_wire, verdict_from_wire

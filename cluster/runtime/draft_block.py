@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cluster.runtime.sampling import SparseDistribution
+from cluster.runtime.sparse_distribution import SparseDistribution
 
 
 @dataclass(frozen=True)

@@ -72,9 +72,9 @@ from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import CancelledError, InvalidArgumentError, ResourceExhaustedError
 from cluster.runtime.limits import DEFAULT_MAX_STEP_SEQUENCES, DEFAULT_MAX_STEP_TOKENS, GATHER_SHARE
 from cluster.runtime.runner import ModelRunner, PoolExhaustedError, SequenceWork
-from cluster.runtime.sampling import greedy_tokens, row_argmax
 from cluster.runtime.scheduler import Scheduler, remaining
 from cluster.runtime.task import Batched, Forward, Preempted, Running, Task
+from cluster.runtime.token_choice import greedy_tokens, row_argmax
 
 __all__ = [
     "Batched",

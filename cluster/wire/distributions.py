@@ -4,7 +4,7 @@ a drafted block's rows as its repeated field, and raw float32 arrays.
 Contract: a row coming off the wire is checked only for its byte arrays being whole values
 and its ids and probabilities agreeing in count (`check_sparse`), and a block's rows for
 being one per drafted token or none; its contents (empty, repeated ids, negative or NaN
-probabilities, ids outside the vocabulary) are `sampling.to_dense`'s to refuse, on the
+probabilities, ids outside the vocabulary) are `sparse_distribution.to_dense`'s to refuse, on the
 replica. Each refusal is an `InvalidArgumentError` naming the row.
 
 Exactness: ids travel as int32 bytes and probabilities as float32 bytes, both little-endian,
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.sampling import SparseDistribution
+from cluster.runtime.sparse_distribution import SparseDistribution
 from cluster.wire.fields import MAX_INT32
 from protos import replica_pb2
 

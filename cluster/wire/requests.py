@@ -18,7 +18,7 @@ from cluster.runtime.advance import Advance
 from cluster.runtime.constraint import Constraint
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.predraft import Branch
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.wire.blocks import block_from_wire, block_to_wire, branch_from_wire, branch_to_wire
 from cluster.wire.fields import (
     MAX_UINT32,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from cluster.runtime.constraint import JSON_OBJECT, Constraint, Grammar
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.sampling import NO_TOP_P, SamplingParams
+from cluster.runtime.sampling_params import NO_TOP_P, SamplingParams
 from cluster.wire.fields import MAX_UINT32, token_ids_to_wire, uint_to_wire
 from protos import replica_pb2, sampling_pb2
 

@@ -11,7 +11,7 @@ from cluster.routing.replica_client import GrpcDrafter
 from cluster.routing.waits import run
 from cluster.runtime.errors import InvalidArgumentError, ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from drafter.config import DrafterConfig
 from drafter.drafter import Drafter
 from drafter.servicer import DrafterServicer

@@ -52,7 +52,7 @@ from cluster.routing.router import Router
 from cluster.runtime.audit import AuditReport
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.serve.http import OpenAIHttp
 from cluster.wire.replica_info import ReplicaInfo
 from drafter.drafter import Drafter

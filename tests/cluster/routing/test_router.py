@@ -37,7 +37,7 @@ from cluster.runtime.errors import (
 )
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.predraft import PreDraft
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from drafter.config import DrafterConfig, NgramConfig
 from drafter.drafter import Drafter
 from tests.cluster.routing.fake_ports import Answer, Wrapper

@@ -15,7 +15,7 @@ from cluster.runtime.errors import (
     SessionNotFoundError,
 )
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import TIME_LIMIT_GRACE_S, SessionTable
 from cluster.wire.fields import MAX_UINT32, time_limit_from_wire, time_limit_to_wire
 from drafter.drafter import Drafter

@@ -42,7 +42,7 @@ from cluster.routing.waits import run
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import InvalidArgumentError, ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import ReplicaStats
 from cluster.serve import autoscaling
 from cluster.serve.app import GRACEFUL_SHUTDOWN_S, replica_count

@@ -20,8 +20,9 @@ from cluster.runtime.errors import (
     TandemError,
 )
 from cluster.runtime.predraft import Branch, PreDraft
-from cluster.runtime.sampling import SamplingParams, SparseDistribution
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import ReplicaStats
+from cluster.runtime.sparse_distribution import SparseDistribution
 from cluster.wire import requests
 from cluster.wire.blocks import (
     block_from_wire,

@@ -14,8 +14,9 @@ from google.protobuf.message import Message
 from cluster.runtime.draft_block import DraftBlock, StepLoad, Verdict
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.sampling import SamplingParams, SparseDistribution, to_dense
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import ReplicaStats
+from cluster.runtime.sparse_distribution import SparseDistribution, to_dense
 from cluster.wire.blocks import block_from_wire, block_to_wire, verdict_from_wire, verdict_to_wire
 from cluster.wire.distributions import sparse_from_wire, sparse_to_wire
 from cluster.wire.fields import MAX_UINT32, session_id_from_wire, uint_to_wire
