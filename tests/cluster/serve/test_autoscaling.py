@@ -29,14 +29,9 @@ import torch
 from cluster.api.tenants import AuthConfig
 from cluster.autoscaling_config import POLICY_PATH, AutoscalingConfig
 from cluster.config import ReplicaGroupConfig, TandemConfig
-from cluster.replica.host import (
-    DEREGISTER_TIMEOUT_S,
-    DRAIN_TIMEOUT_S,
-    SHUTDOWN_GRACE_S,
-    ReplicaHost,
-    ReplicaShell,
-    kv_cache_bytes_per_token,
-)
+from cluster.replica.host import DRAIN_TIMEOUT_S, SHUTDOWN_GRACE_S, ReplicaHost, ReplicaShell
+from cluster.replica.load import kv_cache_bytes_per_token
+from cluster.replica.registration import DEREGISTER_TIMEOUT_S
 from cluster.routing.replica_client import GrpcVerifier
 from cluster.routing.waits import run
 from cluster.runtime.engine_stats import EngineStats
