@@ -31,7 +31,8 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster.metrics import parse_prometheus, replica_numbers, summarize
+from cluster.metrics.catalog import replica_numbers
+from cluster.metrics.scrape import parse_prometheus, summarize
 from cluster.runtime.errors import InvalidArgumentError, TandemError
 from cluster.runtime.model_spec import QUANTIZATIONS
 from cluster.serve import local_cluster

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from cluster.metrics import TandemMetrics
+from cluster.metrics.recorder import TandemMetrics
 from cluster.routing.draft_calls import DraftCalls
 from cluster.routing.draft_length import Plan
 from cluster.routing.draft_modes import ALONE, LOOKUP, MODEL

@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from cluster.local import InProcess, LocalTandem, local_router, text_decoder
-from cluster.metrics import DRAFTER_DEGRADED, MemorySink, TandemMetrics, series
+from cluster.metrics.catalog import DRAFTER_DEGRADED
+from cluster.metrics.recorder import TandemMetrics
+from cluster.metrics.sinks import MemorySink, series
 from cluster.routing.request import FinishReason, GenerationRequest
 from cluster.routing.router import Router
 from cluster.routing.session_events import SessionEvents
