@@ -1,8 +1,9 @@
 """Routing: a request's committed tokens and the draft/verify loop over pinned replicas.
 
 `router` (the loop), `generation` (one request's state), `request` (request, chunk and stats
-types), `text` (tokens to streamed text, stop sequences), `draft_length` (the adaptive plan,
-pure arithmetic), `draft_length_config` (its config and a request's draft bounds, plain data),
-`ports` (the drafter and verifier interfaces), `replica_client` (those ports over gRPC),
-`registry` (where the replicas are), `directory` (pinning requests to replicas).
+types), `text` (tokens to streamed text, stop sequences), `draft_length` (the adaptive plan's
+estimates, pure arithmetic), `goodput` (the plan's model: a plan's tokens per second, the best
+plan), `draft_length_config` (its config and a request's draft bounds, plain data), `ports` (the
+drafter and verifier interfaces), `replica_client` (those ports over gRPC), `registry` (where
+the replicas are), `directory` (pinning requests to replicas).
 """

@@ -41,10 +41,10 @@ from typing import Any
 
 from cluster.metrics.recorder import TandemMetrics
 from cluster.routing.draft_calls import DraftCalls
-from cluster.routing.draft_length import Plan
 from cluster.routing.draft_modes import ALONE, LOOKUP, MODEL
 from cluster.routing.failover import Failover
 from cluster.routing.generation import Draft, Generation, Posted
+from cluster.routing.goodput import Plan
 from cluster.routing.liveness import PROBE_TIMEOUT_S
 from cluster.routing.outcome import record
 from cluster.routing.output import emit
