@@ -27,7 +27,7 @@ from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel, load_model
 from cluster.runtime.predraft import PreDraft
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from drafter.config import DrafterConfig, NgramConfig, SuffixConfig
 from drafter.drafter import Drafter
 from drafter.suffix import SuffixDrafter

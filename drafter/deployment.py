@@ -9,7 +9,7 @@ its siblings keep the healthy path beside it.
 from __future__ import annotations
 
 from cluster.replica.deployment import ComponentReplica
-from cluster.replica.host import serve_rank
+from cluster.replica.placement import serve_rank
 from cluster.runtime.models import LoadedModel
 from drafter.config import DrafterConfig
 from drafter.drafter import Drafter

@@ -52,7 +52,7 @@ from cluster.runtime.limits import MAX_PREDRAFT_FAN_OUT
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.predraft import Branch, PreDraft
 from cluster.runtime.runner import ModelRunner, PoolExhaustedError
-from cluster.runtime.sampling import SamplingParams, SparseDistribution, argmax_rows
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import (
     DRAFTER_SEED_SALT,
     ReplicaSession,
@@ -60,6 +60,8 @@ from cluster.runtime.session import (
     check_token_ids,
     make_generator,
 )
+from cluster.runtime.sparse_distribution import SparseDistribution
+from cluster.runtime.token_choice import argmax_rows
 from drafter.branches import BranchDraw, branch_task, fork_id
 from drafter.config import DrafterConfig
 from drafter.draws import DraftRow, sample_step, seed_exact_step

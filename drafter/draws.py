@@ -22,14 +22,11 @@ import torch
 
 from cluster.runtime.gumbel import gumbel_tokens
 from cluster.runtime.saguaro import saguaro_probs
-from cluster.runtime.sampling import (
-    SamplingParams,
-    SparseDistribution,
-    logits_to_probs_rows,
-    sample_rows,
-    to_sparse,
-)
+from cluster.runtime.sampling import logits_to_probs_rows
+from cluster.runtime.sampling_params import SamplingParams
+from cluster.runtime.sparse_distribution import SparseDistribution, to_sparse
 from cluster.runtime.task import each_alone_if_refused
+from cluster.runtime.token_choice import sample_rows
 
 
 @dataclass(frozen=True)

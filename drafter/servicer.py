@@ -24,7 +24,8 @@ from cluster.replica.servicer import SessionServicer
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import InvalidArgumentError, TandemError
 from cluster.runtime.predraft import PreDraft
-from cluster.wire import convert, requests
+from cluster.wire import requests
+from cluster.wire.blocks import block_to_wire, predrafts_to_wire
 from drafter.drafter import Drafter
 from protos import replica_pb2, replica_pb2_grpc
 
@@ -91,8 +92,8 @@ class DrafterServicer(SessionServicer[Drafter], replica_pb2_grpc.DrafterServicer
 
 
 def drafted(block: DraftBlock) -> replica_pb2.FrameResult:
-    return replica_pb2.FrameResult(block=convert.block_to_wire(block))
+    return replica_pb2.FrameResult(block=block_to_wire(block))
 
 
 def _predrafted(branches: list[PreDraft]) -> replica_pb2.FrameResult:
-    return replica_pb2.FrameResult(predrafted=convert.predrafts_to_wire(branches))
+    return replica_pb2.FrameResult(predrafted=predrafts_to_wire(branches))

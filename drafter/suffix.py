@@ -43,7 +43,7 @@ from cluster.runtime.errors import (
     StaleBaseError,
 )
 from cluster.runtime.limits import MAX_BLOCK_TOKENS
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import TIME_LIMIT_GRACE_S, ReplicaStats
 from drafter.config import SuffixConfig
 from drafter.suffix_store import StoreStats, SuffixStore

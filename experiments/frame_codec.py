@@ -45,7 +45,7 @@ from google.protobuf import __version__ as protobuf_version
 from google.protobuf.internal import api_implementation
 
 from cluster.runtime.draft_block import DraftBlock, StepLoad, Verdict
-from cluster.runtime.sampling import SparseDistribution
+from cluster.runtime.sparse_distribution import SparseDistribution
 from cluster.tools.bench.output import figure, progress
 from experiments.frame_forms import CODECS, Result, VerifyEntry
 

@@ -1,7 +1,8 @@
 """The two candidate encodings of a stream frame's body, for the frame codec bench.
 
 - `ProtobufFrames`: `protos/replica.proto`'s `RouterFrame` / `ReplicaFrame`, filled and read
-  field by field, q rows as `bytes` fields laid out as `cluster/wire/convert.py` lays them out.
+  field by field, q rows as `bytes` fields laid out as `cluster/wire/distributions.py` lays
+  them out.
 - `MsgpackFrames`: msgspec Structs mirroring the same messages field for field
   (`array_like=True`: a Struct is a msgpack array, no field names on the wire; `gc=False`: the
   collector never scans them), a oneof as a tagged union (the tag is the array's first item), q
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from cluster.runtime.draft_block import DraftBlock, StepLoad, Verdict
-from cluster.runtime.sampling import SparseDistribution
+from cluster.runtime.sparse_distribution import SparseDistribution
 from protos import replica_pb2
 
 FRAME_VERSION = 1

@@ -33,7 +33,7 @@ from typing import Any
 from cluster.routing.ports import DrafterPort, VerifierPort
 from cluster.routing.session_events import SessionEvents
 from cluster.routing.waits import answer, run
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.serve import ray_cluster
 from cluster.tools.cleanup import signals_raise
 

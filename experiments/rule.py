@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from cluster.presets import resolve_pair
     from cluster.routing.draft_length_config import DraftLengthConfig
     from cluster.routing.request import GenerationRequest
-    from cluster.runtime.sampling import SamplingParams
+    from cluster.runtime.sampling_params import SamplingParams
     from drafter.config import NgramConfig
 
     prompts: list[Prompt] = load_prompts(args.prompts)
@@ -149,7 +149,8 @@ def noise_cost(args: argparse.Namespace) -> dict[str, Any]:
     from cluster.presets import resolve_pair
     from cluster.runtime.gumbel import CANDIDATE_RATIO, gumbel_tokens
     from cluster.runtime.models import load_model
-    from cluster.runtime.sampling import SamplingParams, logits_to_probs
+    from cluster.runtime.sampling import logits_to_probs
+    from cluster.runtime.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
     target = load_model(resolve_pair(args.preset, None, None, args.dtype, args.device).target)

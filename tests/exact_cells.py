@@ -15,7 +15,8 @@ import torch
 from scipy import stats
 
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams, logits_to_probs
+from cluster.runtime.sampling import logits_to_probs
+from cluster.runtime.sampling_params import SamplingParams
 
 Prefix = tuple[int, ...]
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from cluster.runtime.call_scope import Gone, caller_gone
 from cluster.runtime.errors import CancelledError, InvalidArgumentError
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import check_seed
 from verifier.config import FLOAT32, OWN_DTYPE, check_reference_dtype
 from verifier.reference import DEFAULT_CHUNK_TOKENS, Replay, fp32_copy, replay

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.sampling import SparseDistribution
+from cluster.runtime.sparse_distribution import SparseDistribution
 
 DeferredRow = int | SparseDistribution | Tensor
 """p at the position after a fully accepted block whose bonus was deferred, stored exactly and

@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from cluster.runtime.sampling import SparseDistribution, argmax_rows
+from cluster.runtime.sparse_distribution import SparseDistribution
+from cluster.runtime.token_choice import argmax_rows
 from verifier.batch_inputs import (
     BatchSession,
     Checks,

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cluster.runtime.sampling import SparseDistribution
+from cluster.runtime.sparse_distribution import SparseDistribution
 from verifier.batch_inputs import BatchSession, DeferredRow, SparseQ
 from verifier.batch_layout import Batch
 

@@ -36,7 +36,9 @@ from cluster.runtime.audit import Replay
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.gumbel import exponential_row, gumbel_tokens
 from cluster.runtime.models import DTYPES, LoadedModel
-from cluster.runtime.sampling import SamplingParams, greedy_tokens, logits_to_probs
+from cluster.runtime.sampling import logits_to_probs
+from cluster.runtime.sampling_params import SamplingParams
+from cluster.runtime.token_choice import greedy_tokens
 
 DEFAULT_CHUNK_TOKENS = 64
 

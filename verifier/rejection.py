@@ -110,9 +110,9 @@ def rejection_sample(
     (one-hot rows for a greedy target). `draft_probs[i]` is the q that draft token i was
     sampled from; None means the drafter chose deterministically, so q is one-hot at each
     draft token. A drafter that sent a sparse (truncated) q is expanded by the caller with
-    `cluster.runtime.sampling.to_dense` first: this function takes dense rows only, so there is one
-    code path and the residual max(0, p - q) is a plain vector difference. p and q are
-    compared in float32 whatever their dtype.
+    `cluster.runtime.sparse_distribution.to_dense` first: this function takes dense rows
+    only, so there is one code path and the residual max(0, p - q) is a plain vector
+    difference. p and q are compared in float32 whatever their dtype.
 
     Draft token i is accepted iff `u[i] < p_i(x_i) / q_i(x_i)`, so p = 0 is always rejected and
     p >= q always accepted. At the first rejection the recovered token is sampled from

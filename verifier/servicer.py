@@ -3,10 +3,11 @@
 A thin adapter: Stats and the Frames stream come from `SessionServicer`
 (cluster/replica/servicer.py); its own entries: open (a session opened with `advance` runs,
 and each of its own steps is reported under the entry's tag: `_submit_open_running`) and
-verify (the block converted with `cluster.wire.convert`, submitted to the verifier, the
+verify (the block converted with `cluster.wire.requests`, submitted to the verifier, the
 verdict converted back; calls run concurrently, batched by the verifier's engine). Reference
 (the audit's replay) runs in the handler's own thread, between the engine's calls
-(`verifier.audit_replica`); its gaps travel as raw float32 bytes (`convert.floats_to_wire`).
+(`verifier.audit_replica`); its gaps travel as raw float32 bytes
+(`cluster.wire.distributions.floats_to_wire`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import grpc
 from cluster.replica.frames import EntryHandler
 from cluster.replica.servicer import SessionServicer, opened
 from cluster.runtime.draft_block import Verdict
-from cluster.wire import convert, requests
+from cluster.wire import requests
+from cluster.wire.blocks import verdict_to_wire
+from cluster.wire.distributions import floats_to_wire
+from cluster.wire.sampling_settings import sampling_from_wire
 from protos import replica_pb2, replica_pb2_grpc
 from verifier.verifier import Verifier
 
@@ -74,14 +78,14 @@ class VerifierServicer(SessionServicer[Verifier], replica_pb2_grpc.VerifierServi
             replay = self.component.reference(
                 tuple(request.prompt_token_ids),
                 tuple(request.served_token_ids),
-                convert.sampling_from_wire(request.sampling),
+                sampling_from_wire(request.sampling),
                 request.seed,
                 dtype=request.dtype,
             )
             return replica_pb2.ReferenceResponse(
                 token_ids=replay.tokens,
-                gaps=convert.floats_to_wire(replay.gaps),
-                served_gaps=convert.floats_to_wire(replay.served_gaps),
+                gaps=floats_to_wire(replay.gaps),
+                served_gaps=floats_to_wire(replay.served_gaps),
                 dtype=replay.dtype,
             )
 
@@ -89,4 +93,4 @@ class VerifierServicer(SessionServicer[Verifier], replica_pb2_grpc.VerifierServi
 
 
 def _verified(verdict: Verdict) -> replica_pb2.FrameResult:
-    return replica_pb2.FrameResult(verdict=convert.verdict_to_wire(verdict))
+    return replica_pb2.FrameResult(verdict=verdict_to_wire(verdict))

@@ -17,13 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from cluster.runtime.gumbel import gumbel_tokens
-from cluster.runtime.sampling import (
-    SamplingParams,
-    SparseDistribution,
-    greedy_tokens,
-    logits_to_probs_rows,
-)
+from cluster.runtime.sampling import logits_to_probs_rows
+from cluster.runtime.sampling_params import SamplingParams
+from cluster.runtime.sparse_distribution import SparseDistribution
 from cluster.runtime.task import each_alone_if_refused
+from cluster.runtime.token_choice import greedy_tokens
 from verifier.batch_rejection import (
     BatchSession,
     DeferredRow,

@@ -13,6 +13,8 @@ block needs only the argmaxes of its rows: its task takes them and applies the g
 committed and the cache rolled back past the rejected positions (whole KV blocks freed). A block
 with no tokens is plain target decoding through the same path. A deferred bonus keeps only what
 the next block needs (`SessionOutcome.deferred_row`: an argmax, the nonzero entries, or a row).
+A session opened with an `Advance` runs: it advances on its own in every engine step
+(`verifier.running_sessions`), each step alone this same verify pass over an empty block.
 `reference` is the audit's: a finished request replayed through the plain target, in the
 caller's thread and between the engine's calls (`verifier.audit_replica`).
 """
@@ -28,7 +30,7 @@ import torch
 
 from cluster.runtime.advance import Advance
 from cluster.runtime.audit import Replay
-from cluster.runtime.call_scope import Gone, caller_gone
+from cluster.runtime.call_scope import caller_gone
 from cluster.runtime.component import SessionComponent, submitted
 from cluster.runtime.constraint import Constraint, mask_logits, masks_ahead, wait_for
 from cluster.runtime.draft_block import DraftBlock, StepLoad, Verdict
@@ -37,11 +39,9 @@ from cluster.runtime.errors import InvalidArgumentError, StaleBaseError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.rebase import reconcile
 from cluster.runtime.runner import ModelRunner
-from cluster.runtime.sampling import (
-    SamplingParams,
-    to_dense,
-)
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import ReplicaSession, check_token_ids
+from cluster.runtime.sparse_distribution import to_dense
 from cluster.runtime.task import each_alone_if_refused
 from verifier.audit_replica import ReferenceReplayer
 from verifier.batch_rejection import (
@@ -50,6 +50,7 @@ from verifier.batch_rejection import (
 )
 from verifier.config import OWN_DTYPE, VerifierConfig
 from verifier.rejection import greedy_accept
+from verifier.running_sessions import RunningSessions
 from verifier.step_outcomes import (
     Acceptance,
     Keyed,
@@ -78,6 +79,8 @@ class Verifier(SessionComponent[VerifierConfig]):
             target, self._engine.has_work, max_context_tokens=self.config.max_context_tokens
         )
         """The audit's replays (`reference`), off the engine's thread."""
+        self._running = RunningSessions(self._engine, self._sessions, self._verify_at)
+        """Sessions opened with an `Advance`, stepped on their own."""
 
     def _headroom_tokens(self) -> int:
         return self.config.max_block_tokens + 1
@@ -109,14 +112,15 @@ class Verifier(SessionComponent[VerifierConfig]):
         """`SessionComponent.submit_open`; with `advance` (and `sink`, where its own steps
         report), the session is running: once open, it is in every engine step, verifying a
         block sent to it if one is there, else taking the target's own next token, until
-        `advance` says its output has ended (`cluster.runtime.advance`)."""
+        `advance` says its output has ended (`cluster.runtime.advance`;
+        `verifier.running_sessions`)."""
         if (advance is None) != (sink is None):
             raise InvalidArgumentError("a running session needs both advance and sink")
         # Its own steps stop once whoever opened it has gone (a stream ended, an open given up).
         on_open = (
             None
             if advance is None or sink is None
-            else partial(self._start_running, advance, sink, caller_gone())
+            else partial(self._running.start, advance, sink, caller_gone())
         )
         return super().submit_open(
             session_id,
@@ -269,46 +273,6 @@ class Verifier(SessionComponent[VerifierConfig]):
         committed; InvalidArgumentError if the grammar refuses them."""
         if session.matcher is not None:
             session.matcher.consume(tokens)
-
-    # ------------------------------------------------------------------ running sessions
-
-    def _start_running(
-        self,
-        advance: Advance,
-        sink: Callable[[Verdict | Exception], None],
-        gone: Gone | None,
-        session_id: str,
-        session: ReplicaSession,
-    ) -> None:
-        """Make an opened session running (engine thread): from its next step on, the engine
-        asks `_next_step` for its work whenever no call of it is queued."""
-        if session.committed_length >= advance.max_length:
-            return  # nothing left to generate
-        session.advance, session.sink = advance, sink
-        self._engine.keep_running(session_id, lambda: self._next_step(session_id, gone))
-
-    def _next_step(self, session_id: str, gone: Gone | None) -> Task[None] | None:
-        """A running session's own next step (the target's next token, or its deferred bonus
-        token), or None once it has ended, been closed, run out of time or lost its caller."""
-        session = self._sessions.find(session_id)
-        if session is None or session.advance is None or session.sink is None:
-            return None
-        if gone is not None and gone.is_set():
-            session.advance = None
-            return None
-        return self._step_alone(session, session.sink)
-
-    def _step_alone(
-        self, session: ReplicaSession, sink: Callable[[Verdict | Exception], None]
-    ) -> Task[None]:
-        empty = DraftBlock(base_length=session.committed_length, tokens=())
-        try:
-            verdict = yield from self._verify_at(session, empty, defer_bonus=False)
-        except Exception as error:  # its router hears of it; the session stops advancing
-            session.advance = None
-            sink(error)
-            return
-        sink(verdict)
 
     def _masks_ahead(
         self, session: ReplicaSession, drafts: tuple[int, ...]

@@ -43,7 +43,7 @@ from cluster.api.sampling_rule import SEED_EXACT as SEED_EXACT_RULE
 from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.runtime.audit import AuditReport, compare, report_json
 from cluster.runtime.errors import CancelledError, InvalidArgumentError
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from verifier.config import OWN_DTYPE, check_reference_dtype
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@
 Serve ingress and the test gRPC front serve) speaks protobuf, and this is where its messages
 are read and written: requests in (`request_from_proto`), chunks,
 responses, usage and audit reports out, and the router's `FinishReason` and
-`SpeculationStats` on the public wire (as `cluster.wire.convert` is for the replicas' API).
+`SpeculationStats` on the public wire (as the `cluster.wire` modules are for the replicas' API).
 The OpenAI-compatible face goes from JSON to domain types and back without it.
 
 Pure: reading a request checks only what the wire itself can get wrong (a rule value that is no
@@ -22,7 +22,7 @@ from cluster.api.sampling_rule import rule_from_proto
 from cluster.api.tenants import TenantUsage
 from cluster.routing.request import FinishReason, SpeculationStats
 from cluster.runtime.audit import cause
-from cluster.wire.convert import grammar_from_wire, sampling_from_wire
+from cluster.wire.sampling_settings import grammar_from_wire, sampling_from_wire
 from protos import generate_pb2
 
 _FINISH_REASON_PREFIX = "FINISH_REASON_"

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 from cluster.api.audit import Served, replay_rule
 from cluster.api.audit_config import AuditConfig
-from cluster.metrics import TandemMetrics
+from cluster.metrics.recorder import TandemMetrics
 from cluster.runtime.audit import AuditReport, cause
 
 logger = logging.getLogger(__name__)

@@ -81,7 +81,7 @@ from cluster.api.tool_format import ToolFormat
 from cluster.api.tool_formats import choose_format
 from cluster.routing.waits import Wait, blocking
 from cluster.runtime.errors import InvalidArgumentError, TandemError
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from verifier.config import OWN_DTYPE, check_reference_dtype
 
 if TYPE_CHECKING:

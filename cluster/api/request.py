@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from cluster.api.chat import Message
 from cluster.api.sampling_rule import AUTO
 from cluster.runtime.constraint import Grammar
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ from cluster.api.running import RunningRequests
 from cluster.api.service_config import ServiceConfig
 from cluster.api.stream_interval import StreamInterval
 from cluster.api.tenants import Tenant, Tenants, TenantUsage
-from cluster.metrics import TandemMetrics
+from cluster.metrics.recorder import TandemMetrics
 from cluster.routing.request import (
     FinishReason,
     GenerationChunk,

@@ -32,7 +32,7 @@ from cluster.runtime.errors import InvalidArgumentError
 
 if TYPE_CHECKING:  # torch and transformers load in the handler, not when the CLI starts
     from cluster.runtime.models import LoadedModel
-    from cluster.runtime.sampling import SamplingParams
+    from cluster.runtime.sampling_params import SamplingParams
     from cluster.tools.audit.run import Generate
 
 LOCAL_FLAGS = ("draft", "service_dtype", "prompt_lookup", "adaptive_draft")
@@ -161,7 +161,7 @@ def _run_local(args: argparse.Namespace, preset: str, reference: LoadedModel) ->
 def _audit(
     args: argparse.Namespace, reference: LoadedModel, generate: Generate, drafter: str
 ) -> int:
-    from cluster.runtime.sampling import SamplingParams
+    from cluster.runtime.sampling_params import SamplingParams
     from cluster.tools.audit import run as audit_run
 
     sampled = SamplingParams(

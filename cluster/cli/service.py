@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from cluster.cli import doors
 from cluster.cli.serve_flags import add_serve_flags, config_from_flags
 from cluster.cli.status_table import status_lines
-from cluster.metrics import parse_prometheus, summarize
+from cluster.metrics.scrape import parse_prometheus, summarize
 from cluster.runtime.errors import TandemError
 from cluster.serve import loopback, ray_cluster
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.metrics import replica_numbers
+from cluster.metrics.catalog import replica_numbers
 
 
 def status_lines(summary: dict[str, Any]) -> list[str]:

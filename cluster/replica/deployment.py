@@ -15,7 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
-from cluster.replica.host import ReplicaShell, kv_cache_bytes_per_token, place_threads
+from cluster.replica.host import ReplicaShell
+from cluster.replica.load import kv_cache_bytes_per_token
+from cluster.replica.placement import place_threads
 from cluster.replica.servicer import SessionServicer
 from cluster.runtime.constraint import warm_up
 from cluster.runtime.limits import SessionLimits

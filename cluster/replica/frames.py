@@ -3,63 +3,47 @@
 A router keeps one long-lived bidirectional stream to each replica it uses (`rpc Frames` in
 `protos/replica.proto`; docs/architecture.md, "Frame stream"). Each `RouterFrame` holds the
 work the router had pending for any number of sessions; `FrameStream.receive` reads each of
-its entries with `cluster.wire.convert` and submits it to the component (its future-returning
+its entries with `cluster.wire.requests` and submits it to the component (its future-returning
 calls, `submit_open`, `submit_draft`...) inside `call_scope(gone)`, so that the engine drops
 whatever work the stream leaves behind once it ends. Results gather in an outbox as their
 futures complete; the engine's step listener flushes the outbox as ONE `ReplicaFrame` at the
 end of each step, so everything a step produced for this router leaves in one message (or
 several, each under `MAX_FRAME_BYTES`: `cluster.wire.frame_budget`).
-Results that complete off the engine thread (an entry refused when read, before any step) go
-out when the frame that brought them has been read, together.
+Results that complete off the engine thread (an entry refused when read) go out together once
+the frame that brought them has been read.
 
-Cancelling: an entry `cancel` (the tag of an earlier entry) gives that entry up. Each entry is
-submitted in a `call_scope` of its own (`_EntryGone`), set by its cancel or by the stream's
-end, so the engine drops its work before its next step; its result, if it still has one, is a
-CANCELLED error the router no longer waits for. A cancel is never answered.
+Cancelling: an entry `cancel` (the tag of an earlier entry) gives that entry up: its own
+`call_scope` (`_EntryGone`), set by its cancel or the stream's end, has the engine drop its work
+before its next step; its result, if any, is a CANCELLED error no one waits for. A cancel is
+never answered.
 
 Errors are per entry: an entry's failure becomes its `FrameResult.error` (the `TandemError`'s
 status name and message, its retry hint; anything unexpected INTERNAL with a fixed message,
 logged, as `CallGuard` does) and the stream and the other sessions carry on. A frame of another
-layout version is the stream's error (`InvalidArgumentError` out of `receive`: the adapter ends
-the stream with INVALID_ARGUMENT). Entries of one session keep their order: the engine runs the
-tasks of one key in submission order.
+layout version, or with more entries than its limit, is the stream's error
+(`InvalidArgumentError` out of `receive`: the adapter ends the stream with INVALID_ARGUMENT).
+Entries of one session keep their order: the engine runs the tasks of one key in submission
+order. What a stream may hold: `cluster.replica.stream_limits`; the queue its frames leave by:
+`cluster.replica.outgoing_frames`.
 
-Bounds (`StreamLimits`; each a module constant that says why its value). The replica's server
-counts a stream as one call however much its frames bring, so the stream bounds that itself:
-
-- entries in one frame, `MAX_FRAME_ENTRIES`: a frame with more is the stream's error
-  (`InvalidArgumentError`, INVALID_ARGUMENT, naming the limit), refused before any of its
-  entries is read, like a frame of another version: refusing each entry instead would still
-  cost a result per entry, millions of them for one 64 MiB frame of empty entries.
-- entries pending (submitted and not answered yet), `MAX_PENDING_ENTRIES`: an entry read
-  beyond it is refused alone, RESOURCE_EXHAUSTED naming the limit, and the stream reads on.
-  Refusing rather than not reading further frames (backpressure) because the frames the
-  stream would stop reading also carry the cancels and closes that drain the work; because a
-  router held back batches what it holds into larger frames, towards `MAX_FRAME_ENTRIES`; and
-  because errors are per entry everywhere else on the stream.
-- results its router has not read yet, `MAX_UNSENT_RESULTS` (`OutgoingFrames`, the queue
-  between `send` and the transport): a router that leaves more unread ends its stream. Not
-  bounded by the pending limit: a running session's own steps report on without any entry
-  pending; and the producer cannot wait for the router (see `OutgoingFrames`).
-
-A plain class over an `Engine`, the entry handlers and a `send` callback: no gRPC here (the
-servicer's `Frames` handler is the adapter: `cluster.replica.servicer`).
+A plain class over an engine, entry handlers and a `send` callback: no gRPC (the adapter is
+`cluster.replica.servicer`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Protocol
 
+from cluster.replica.outgoing_frames import END
+from cluster.replica.stream_limits import StreamLimits, check_frame, pending_limit_error
 from cluster.runtime.call_scope import call_scope
-from cluster.runtime.errors import InvalidArgumentError, ResourceExhaustedError, TandemError
-from cluster.runtime.limits import DEFAULT_MAX_SESSIONS
+from cluster.runtime.errors import InvalidArgumentError, TandemError
 from cluster.runtime.session import ReplicaStats
 from cluster.wire.frame_budget import split_by_size
 from cluster.wire.requests import FRAME_VERSION
@@ -70,64 +54,6 @@ logger = logging.getLogger(__name__)
 
 INTERNAL_ERROR_MESSAGE = "internal error; see the replica's log"
 """The only details a router gets for an unexpected failure of an entry (as `CallGuard`)."""
-
-MAX_PENDING_ENTRIES = 32 * DEFAULT_MAX_SESSIONS
-"""Entries one stream may have submitted and not yet answered (8192); one more is refused with
-RESOURCE_EXHAUSTED. A router has at most 4 entries pending per session on a replica (an open or
-a close, a draft call or up to two posted blocks: docs/architecture.md, "Ordering"), for at
-most the sessions it runs (`max_running_requests`, 64 by default) and never usefully more than
-a replica holds (`max_sessions`, `DEFAULT_MAX_SESSIONS` = 256 by default): 256 sessions' 1024
-entries are an eighth of it; it takes 2048 sessions on one stream to reach it. At the limit a
-stream holds 8192 futures and tasks: some megabytes, not the replica's memory."""
-
-MAX_FRAME_ENTRIES = MAX_PENDING_ENTRIES
-"""Entries one `RouterFrame` may carry (8192); a frame with more ends its stream with
-INVALID_ARGUMENT. A router's frame is whatever it has pending for the replica when gRPC takes
-the next one: at most the pending entries above plus the cancels of entries it gave up (one per
-entry at most), 8 a session, so 2048 for 256 sessions, a quarter of the limit. A frame that
-alone would fill the pending limit is no router's; and the limit caps what one frame of empty
-entries (4 bytes each: 16 million within the 64 MiB message limit) can make the stream do."""
-
-MAX_UNSENT_RESULTS = 8 * MAX_FRAME_ENTRIES
-"""Results a stream may have made that its router has not read (65536); one more ends the
-stream (`OutgoingFrames`). A router's receiver reads each frame as it comes, so results wait
-only while the transport is behind or the router stalls: at 256 running sessions and 100
-steps a second (a GPU's small-batch decode) this is 2.5 s of steps unread, 10 s at 64 sessions;
-and it is 8 times what one frame's entries can be answered with. About 200 bytes a result
-(one-token verdicts), some 13 MB at the limit."""
-
-
-@dataclass(frozen=True)
-class StreamLimits:
-    """What one Frames stream may hold (see the module docstring); the defaults are the module's
-    constants, which tests narrow."""
-
-    frame_entries: int = MAX_FRAME_ENTRIES
-    pending_entries: int = MAX_PENDING_ENTRIES
-    unsent_results: int = MAX_UNSENT_RESULTS
-
-
-def check_frame(frame: replica_pb2.RouterFrame, limits: StreamLimits) -> None:
-    """Raise `InvalidArgumentError` for a frame its stream must end on: one of another layout
-    version, or with more than `limits.frame_entries` entries (naming the limit)."""
-    if frame.version != FRAME_VERSION:
-        raise InvalidArgumentError(
-            f"frame version {frame.version} is not supported (this replica speaks "
-            f"version {FRAME_VERSION})"
-        )
-    if len(frame.entries) > limits.frame_entries:
-        raise InvalidArgumentError(
-            f"a frame carries at most {limits.frame_entries} entries (MAX_FRAME_ENTRIES), "
-            f"got {len(frame.entries)}"
-        )
-
-
-def pending_limit_error(limits: StreamLimits) -> ResourceExhaustedError:
-    """An entry's refusal when its stream already has `limits.pending_entries` pending."""
-    return ResourceExhaustedError(
-        f"this stream already has {limits.pending_entries} entries pending, the most it may "
-        "have (MAX_PENDING_ENTRIES); send more once they are answered"
-    )
 
 
 @dataclass(frozen=True)
@@ -177,10 +103,6 @@ class FrameCounters:
                 frames_received=self.frames_received,
                 entries_received=self.entries_received,
             )
-
-
-END = None
-"""What `send` is given once the stream has nothing more to send (see `FrameStream`)."""
 
 
 class StepSource(Protocol):
@@ -409,94 +331,6 @@ class FrameStream:
                 self._send(replica_pb2.ReplicaFrame(version=FRAME_VERSION, results=group))
             if finished:
                 self._send(END)
-
-
-def unread_limit_error(limit: int) -> ResourceExhaustedError:
-    """What ends a stream whose router left more than `limit` results unread."""
-    return ResourceExhaustedError(
-        f"the router left more than {limit} results unread (MAX_UNSENT_RESULTS): the stream "
-        "is ended"
-    )
-
-
-class OutgoingFrames:
-    """A stream's frames that its transport has not taken yet: at most `limit` results in all
-    (besides the one frame the transport is sending).
-
-    The stream's `send` is `put` (any thread; it never waits) and the transport takes the
-    frames in order with `get`. Past the limit the stream ends: the frames still queued are
-    dropped, `get` returns a `ResourceExhaustedError` naming the limit (the transport ends the
-    stream with it), and `overflowed` is called once (the servicer cancels the call: a status
-    would only be sent after the frames the router is not reading). After that, an END or an
-    error, nothing more is queued.
-
-    Why not backpressure (the producer waiting for room): frames are made on the engine's
-    thread, at the end of each step, and that thread steps every stream's sessions, so waiting
-    there for one router to read would stall every other router's sessions on the replica.
-    Why not a bound that follows from the pending limit: a running session reports each of its
-    own steps with no entry pending, until its end, however long the router reads nothing.
-    """
-
-    def __init__(self, limit: int, overflowed: Callable[[], None]) -> None:
-        self._limit = limit
-        self._overflowed = overflowed
-        self._condition = threading.Condition()
-        self._items: deque[replica_pb2.ReplicaFrame | TandemError | None] = deque()
-        self._unsent = 0
-        """Results in the frames queued (at most `limit`)."""
-        self._closed = False
-        """An END or an error is queued: nothing more is."""
-
-    @property
-    def unsent(self) -> int:
-        """Results in the frames queued now."""
-        with self._condition:
-            return self._unsent
-
-    def put(self, frame: replica_pb2.ReplicaFrame | None) -> None:
-        """Queue `frame` for the transport (`END`: the stream is done once the frames before
-        it are sent); past the limit, end the stream instead (see the class docstring)."""
-        if frame is END:
-            self._close_with(END)
-            return
-        with self._condition:
-            if self._closed:
-                return
-            over = self._unsent + len(frame.results) > self._limit
-            if over:
-                self._items.clear()
-                self._unsent = 0
-                self._items.append(unread_limit_error(self._limit))
-                self._closed = True
-            else:
-                self._items.append(frame)
-                self._unsent += len(frame.results)
-            self._condition.notify()
-        if over:
-            self._overflowed()
-
-    def fail(self, error: TandemError) -> None:
-        """End the stream with `error` once the frames queued before it are sent."""
-        self._close_with(error)
-
-    def get(self) -> replica_pb2.ReplicaFrame | TandemError | None:
-        """The next frame to send, waiting for one; an error (end the stream with it) or END
-        (end it: done) last."""
-        with self._condition:
-            while not self._items:
-                self._condition.wait()
-            item = self._items.popleft()
-            if isinstance(item, replica_pb2.ReplicaFrame):
-                self._unsent -= len(item.results)
-            return item
-
-    def _close_with(self, last: TandemError | None) -> None:
-        with self._condition:
-            if self._closed:
-                return
-            self._items.append(last)
-            self._closed = True
-            self._condition.notify()
 
 
 class _EntryGone:

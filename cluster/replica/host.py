@@ -3,25 +3,24 @@
 Per-block traffic must not go through Serve (docs/architecture.md, invariant 4), so every replica
 serves the internal API on its own port (to callers holding the cluster's shared secret only),
 evicts sessions left idle past their TTL or past their request's time limit, and tells the cluster's
-replica registry (a named Ray actor that the app builder creates) where it is (its address, its
-Ray node and the resources Ray granted it) and how loaded it is, once per heartbeat. The
-registry forgets a replica whose heartbeats stop, so a dead replica drops out by itself.
+replica registry (`cluster.replica.registration`) where it is (its address, its Ray node and the
+resources Ray granted it: `cluster.replica.placement`) and how loaded it is, once per heartbeat.
+The registry forgets a replica whose heartbeats stop, so a dead replica drops out by itself.
 
 Load is measured here, where it is real: open sessions, the share of the last heartbeat interval
 the component spent computing (`busy_fraction`, from its `ReplicaStats.busy_s`), calls waiting
-for it (`queue_depth`), the bytes its KV caches hold (`kv_bytes`) and its batching engine's own
-figures (`engine`: batch, KV pool, queue wait; `EngineStats`). Serve's request counts see none
-of it, since blocks bypass Serve; the registry gets it in every heartbeat and Serve's
-autoscaler through `ReplicaShell.record_autoscaling_stats` (see cluster/serve/autoscaling.py).
+for it (`queue_depth`), the bytes its KV caches hold (`kv_bytes`; `cluster.replica.load`) and its
+batching engine's own figures (`engine`: batch, KV pool, queue wait; `EngineStats`). Serve's
+request counts see none of it, since blocks bypass Serve; the registry gets it in every heartbeat
+and Serve's autoscaler through `ReplicaShell.record_autoscaling_stats` (see
+cluster/serve/autoscaling.py).
 
 A replica that Serve stops (scaled down, redeployed) drains: it leaves the registry first, so no
 new request is pinned to it, keeps serving while the sessions it holds end with their requests,
 for up to `DRAIN_TIMEOUT_S`, and only then stops its server. A request still pinned to it after
 that fails over in the router (re-pinned, re-prefilled from its token history), so a scale-down
-costs time at worst, never tokens.
-
-The registry is reached by name through Ray, imported lazily: this module is the adapter
-layer, and the components below it never import Ray.
+costs time at worst, never tokens. This is the adapter layer: the components below it never
+import Ray.
 """
 
 from __future__ import annotations
@@ -31,17 +30,17 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import grpc
-import torch
-from transformers import PreTrainedModel
 
+from cluster.replica.load import InFlightCalls
+from cluster.replica.placement import node_ip_address, ray_placement
+from cluster.replica.registration import RayRegistry, Registry
 from cluster.replica.rpc import start_server
-from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.session import ReplicaStats
-from cluster.wire.replica_info import REGISTRY_NAMESPACE, ReplicaInfo
+from cluster.wire.replica_info import ReplicaInfo
 
 logger = logging.getLogger(__name__)
 
@@ -54,162 +53,6 @@ shutdown period, `cluster.serve.app.GRACEFUL_SHUTDOWN_S`, which must cover this,
 and
 deregistering)."""
 DRAIN_POLL_S = 0.1
-REGISTER_TIMEOUT_S = 30.0
-DEREGISTER_TIMEOUT_S = 5.0
-
-
-def kv_cache_bytes_per_token(model: PreTrainedModel) -> int:
-    """KV cache bytes per cached token: layers x 2 (key and value) x KV heads x head size x
-    element size, from the model's config; 0 if the config lacks one of them."""
-    config = model.config
-    layers = getattr(config, "num_hidden_layers", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None)
-    hidden = getattr(config, "hidden_size", None)
-    if head_dim is None and hidden is not None and heads:
-        head_dim = hidden // heads
-    if not (layers and kv_heads and head_dim):
-        return 0
-    return int(layers) * 2 * int(kv_heads) * int(head_dim) * model.dtype.itemsize
-
-
-class Registry(Protocol):
-    """Where a replica announces itself (the registry actor, or a fake in tests)."""
-
-    def heartbeat(self, info: ReplicaInfo, wait: bool) -> None: ...
-
-    def remove(self, replica_id: str, wait: bool) -> None: ...
-
-
-class RayRegistry:
-    """The application's registry actor, looked up by name (again after a failed call: the
-    actor may have restarted)."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._actor: Any = None
-
-    def heartbeat(self, info: ReplicaInfo, wait: bool) -> None:
-        self._call("heartbeat", info.to_dict(), timeout_s=REGISTER_TIMEOUT_S if wait else None)
-
-    def remove(self, replica_id: str, wait: bool) -> None:
-        self._call("remove", replica_id, timeout_s=DEREGISTER_TIMEOUT_S if wait else None)
-
-    def _call(self, method: str, argument: Any, timeout_s: float | None) -> None:
-        import ray
-
-        try:
-            if self._actor is None:
-                self._actor = ray.get_actor(self._name, namespace=REGISTRY_NAMESPACE)
-            ref = getattr(self._actor, method).remote(argument)
-            if timeout_s is not None:
-                ray.get(ref, timeout=timeout_s)
-        except Exception:
-            self._actor = None
-            raise
-
-
-class InFlightCalls(grpc.ServerInterceptor):
-    """Counts the calls inside a server's unary handlers (running, or waiting for the
-    component's lock): cheap, exact, and what tells a queue from a busy replica."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._count = 0
-
-    @property
-    def count(self) -> int:
-        return self._count
-
-    def _add(self, delta: int) -> None:
-        with self._lock:
-            self._count += delta
-
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        unary = handler.unary_unary
-
-        def counted(request: Any, context: grpc.ServicerContext) -> Any:
-            self._add(1)
-            try:
-                return unary(request, context)
-            finally:
-                self._add(-1)
-
-        return grpc.unary_unary_rpc_method_handler(
-            counted,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-
-
-def node_ip_address() -> str:
-    """The address other nodes reach this one at, as Ray knows it (127.0.0.1 on a local
-    cluster started on loopback)."""
-    import ray
-
-    return str(ray.util.get_node_ip_address())
-
-
-def ray_placement() -> tuple[str, dict[str, float]]:
-    """Where Ray placed this replica: its node's id (hex) and the resources Ray granted its
-    process (what `ReplicaInfo.node_id` and `resources` report); outside Ray (a process with
-    no Ray connection, as in tests), nothing."""
-    import ray
-
-    if not ray.is_initialized():
-        return "", {}
-    context = ray.get_runtime_context()
-    granted = context.get_assigned_resources()
-    return str(context.get_node_id()), {str(k): float(v) for k, v in granted.items()}
-
-
-def serve_rank() -> int | None:
-    """This replica's rank within its Serve deployment (0 to replicas - 1; a replica Serve
-    restarts takes the rank of the one it replaces); None outside a Serve replica."""
-    import ray
-
-    if not ray.is_initialized():
-        return None
-    from ray import serve
-    from ray.serve.exceptions import RayServeException
-
-    try:
-        rank: Any = serve.get_replica_context().rank  # a `ReplicaRank`; a plain int in older Ray
-    except RayServeException:
-        return None
-    return int(getattr(rank, "rank", rank))
-
-
-def place_threads(num_threads: int, cpus: Sequence[int] = ()) -> int:
-    """Pin this replica process to `cpus` (empty: wherever the OS likes) and set torch's
-    intra-op threads; returns the thread count. 0 fits the machine: one thread per CPU the
-    process may run on (after pinning), as a model in one plain process would use. Ray
-    otherwise gives a replica with no reserved CPUs a single thread, which made the target
-    alone slower through the service than in one process. On a small machine, a drafter and a
-    verifier that each own a core stop evicting each other's caches while they run at once."""
-    if cpus:
-        try:
-            os.sched_setaffinity(0, set(cpus))
-        except (OSError, ValueError) as error:
-            raise InvalidArgumentError(
-                f"cannot pin the replica to CPUs {sorted(cpus)}: {error}"
-            ) from error
-    threads = num_threads if num_threads > 0 else fitted_threads()
-    torch.set_num_threads(threads)
-    return threads
-
-
-def fitted_threads() -> int:
-    """One intra-op thread per CPU this process may run on."""
-    return max(1, len(os.sched_getaffinity(0)))
 
 
 class ReplicaHost:

@@ -9,7 +9,7 @@
   forward pass), so the pool is as large as the calls the server holds: it never caps the batch.
   It holds at most `max_concurrent_rpcs` calls at once, running or queued, and answers
   RESOURCE_EXHAUSTED to one more. That bounds the calls, not the work one call brings: a
-  Frames stream bounds its own (`cluster.replica.frames`; below). Given the
+  Frames stream bounds its own (`cluster.replica.stream_limits`; below). Given the
   cluster's shared secret, it answers UNAUTHENTICATED to every call that does not carry it
   (`SecretCheck`; a Frames stream as well as a unary call), so nothing but the router can drive
   a replica; and it parses each request itself (`ParseCheck`), so bytes that are not the
@@ -22,8 +22,8 @@
   leaves more than `MAX_UNSENT_RESULTS` results unread has its stream cancelled.
 
 Both servicers are thin adapters over a plain component (docs/architecture.md, "Layers"): they
-convert with `cluster.wire.convert`, call the component inside `CallGuard.run`, and convert the
-result back.
+convert with `cluster.wire`'s conversions, call the component inside `CallGuard.run`, and
+convert the result back.
 """
 
 from __future__ import annotations

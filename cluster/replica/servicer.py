@@ -28,19 +28,14 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
-from cluster.replica.frames import (
-    END,
-    EntryHandler,
-    FrameCounters,
-    FrameStream,
-    OutgoingFrames,
-    StepSource,
-    StreamLimits,
-)
+from cluster.replica.frames import EntryHandler, FrameCounters, FrameStream, StepSource
+from cluster.replica.outgoing_frames import END, OutgoingFrames
 from cluster.replica.rpc import CallGuard
+from cluster.replica.stream_limits import StreamLimits
 from cluster.runtime.errors import TandemError
 from cluster.runtime.session import ReplicaStats
-from cluster.wire import convert, requests
+from cluster.wire import requests
+from cluster.wire.replica_stats import stats_to_wire
 from cluster.wire.status import status_code
 from protos import replica_pb2
 
@@ -76,7 +71,7 @@ class SessionServicer(Generic[K]):
         """Frames sent and received over every Frames stream of this servicer."""
         self.stream_limits = StreamLimits()
         """What each Frames stream may hold: entries a frame, entries pending, results its
-        router has not read (`cluster.replica.frames`)."""
+        router has not read (`cluster.replica.stream_limits`)."""
 
     def add_to_server(self, server: grpc.Server) -> None:
         """Register this servicer on `server` (what `start_server` takes as `add_servicer`)."""
@@ -88,7 +83,7 @@ class SessionServicer(Generic[K]):
         return self._guard.run(
             context,
             "Stats",
-            lambda: convert.stats_to_wire(self.frame_counters.add_to(self.component.stats())),
+            lambda: stats_to_wire(self.frame_counters.add_to(self.component.stats())),
         )
 
     def Frames(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from cluster.metrics import TandemMetrics
+from cluster.metrics.recorder import TandemMetrics
 from cluster.routing.failover import DRAFTER_FAILED, Failover
 from cluster.routing.generation import Draft, Generation
 from cluster.routing.ports import DrafterPort

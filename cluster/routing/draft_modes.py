@@ -1,7 +1,7 @@
 """Which drafting pays for one request, by its own committed tokens per second: never below the
 target alone, on measurement.
 
-Pure arithmetic, no I/O. The adaptive plan (`cluster.routing.draft_length`) prices a block from
+Pure arithmetic, no I/O. The adaptive plan (`cluster.routing.goodput`) prices a block from
 modelled latencies; on a machine where the drafter and the verifier share the cores, or where a
 verify pass of k + 1 tokens costs nearly k + 1 single steps (bfloat16 on a CPU without native
 bfloat16 arithmetic), its model can be wrong, and a request would then speculate into a loss.

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 from llguidance import LLTokenizer
 
-from cluster.routing.draft_length import DraftLength, Plan, model_pays
+from cluster.routing.draft_length import DraftLength
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.draft_modes import ALONE, DraftModes, ModesConfig
 from cluster.routing.drafter_link import DrafterLink
+from cluster.routing.goodput import Plan, model_pays
 from cluster.routing.ports import Pinned, StepCosts
 from cluster.routing.prompt_lookup import PromptLookup
 from cluster.routing.request import GenerationRequest, SpeculationStats

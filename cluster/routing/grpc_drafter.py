@@ -4,7 +4,8 @@ over the network.
 Its session calls (open, draft, predraft, close) are entries of the client's Frames stream,
 with the timeouts, liveness, errors and deadlines of every replica client
 (`cluster.routing.grpc_replica`). A drafter's q rows are kept as received
-(`convert.WireRows`) and sent on to the verifier as bytes: the router never decodes q.
+(`cluster.wire.distributions.WireRows`) and sent on to the verifier as bytes: the router never
+decodes q.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from cluster.routing.grpc_replica import ReplicaClient
 from cluster.routing.waits import Waits
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.predraft import Branch, PreDraft
-from cluster.wire import convert, requests
+from cluster.wire import requests
+from cluster.wire.blocks import block_from_wire, predrafts_from_wire
 from protos import replica_pb2_grpc
 
 
@@ -37,12 +39,12 @@ class GrpcDrafter(ReplicaClient):
         timeout_s: float | None = None,
     ) -> Waits[DraftBlock]:
         """See `DrafterPort.draft`; yields its waits. The block's q stays as received
-        (`convert.WireRows`)."""
+        (`cluster.wire.distributions.WireRows`)."""
         request = requests.draft_request_to_wire(
             session_id, base_length, appended_tokens, num_tokens, truncate_to
         )
         block = yield from self._send("draft", request, timeout_s)
-        return convert.block_from_wire(block, lazy_rows=True)
+        return block_from_wire(block, lazy_rows=True)
 
     def predraft(
         self,
@@ -57,9 +59,9 @@ class GrpcDrafter(ReplicaClient):
         timeout_s: float | None = None,
     ) -> Waits[list[PreDraft]]:
         """See `DrafterPort.predraft`; yields its waits. Each branch's q stays as received
-        (`convert.WireRows`)."""
+        (`cluster.wire.distributions.WireRows`)."""
         request = requests.predraft_request_to_wire(
             session_id, base_length, appended_tokens, block, branches, num_tokens, truncate_to
         )
         response = yield from self._send("predraft", request, timeout_s)
-        return convert.predrafts_from_wire(response, lazy_rows=True)
+        return predrafts_from_wire(response, lazy_rows=True)

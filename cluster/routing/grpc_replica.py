@@ -5,7 +5,7 @@ router's ports over the network.
 The clients implement `DrafterPort` and `VerifierPort`, so the router runs unchanged over
 replicas in other processes (docs/architecture.md, invariant 4: direct gRPC to the pinned
 replica, no Serve hop). Each wraps one `grpc.Channel`, given or opened from a "host:port"
-address, and converts values with `cluster.wire.convert`.
+address, and converts values with the `cluster.wire` modules.
 
 Every session call (open, draft, predraft, verify, close) is an entry of one long-lived Frames
 stream per client (`cluster.routing.frame_channel.FrameChannel`), shared by every `bounded`
@@ -51,10 +51,11 @@ from cluster.routing.liveness import PROBE_TIMEOUT_S, Liveness, Progress
 from cluster.routing.waits import Wait, Waits
 from cluster.runtime.constraint import Constraint
 from cluster.runtime.errors import DeadlineExceededError, ReplicaUnavailableError
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import ReplicaStats
-from cluster.wire import convert, requests
+from cluster.wire import requests
 from cluster.wire.metadata import MESSAGE_SIZE_OPTIONS, SECRET_METADATA_KEY
+from cluster.wire.replica_stats import stats_from_wire
 from cluster.wire.status import error_from_rpc
 from protos import replica_pb2
 
@@ -278,7 +279,7 @@ class ReplicaClient:
 
     def stats(self, *, timeout_s: float | None = None) -> ReplicaStats:
         """What the replica holds right now."""
-        return convert.stats_from_wire(
+        return stats_from_wire(
             self._call(self._stub.Stats, replica_pb2.StatsRequest(), timeout_s, bounded=False)
         )
 

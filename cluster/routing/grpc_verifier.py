@@ -26,7 +26,11 @@ from cluster.runtime.constraint import Constraint
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import DeadlineExceededError, ReplicaUnavailableError, TandemError
 from cluster.runtime.sampling import SamplingParams
-from cluster.wire import convert, requests
+from cluster.wire import requests
+from cluster.wire.blocks import verdict_from_wire
+from cluster.wire.distributions import floats_from_wire
+from cluster.wire.fields import token_ids_to_wire, uint_to_wire
+from cluster.wire.sampling_settings import sampling_to_wire
 from protos import replica_pb2, replica_pb2_grpc
 
 
@@ -130,18 +134,18 @@ class GrpcVerifier(ReplicaClient):
         """See `VerifierPort.reference`. A replay waits while the replica serves calls, so
         under load it may take long: its timeout and deadline are those of any call."""
         request = replica_pb2.ReferenceRequest(
-            prompt_token_ids=convert.token_ids_to_wire(prompt_tokens, "prompt_tokens"),
-            served_token_ids=convert.token_ids_to_wire(served_tokens, "served_tokens"),
-            sampling=convert.sampling_to_wire(sampling),
-            seed=convert.uint_to_wire(seed, "seed"),
+            prompt_token_ids=token_ids_to_wire(prompt_tokens, "prompt_tokens"),
+            served_token_ids=token_ids_to_wire(served_tokens, "served_tokens"),
+            sampling=sampling_to_wire(sampling),
+            seed=uint_to_wire(seed, "seed"),
             dtype=dtype,
         )
         response: replica_pb2.ReferenceResponse = self._call(
             self._stub.Reference, request, timeout_s
         )
         tokens = tuple(response.token_ids)
-        gaps = convert.floats_from_wire(response.gaps, "gaps")
-        served_gaps = convert.floats_from_wire(response.served_gaps, "served_gaps")
+        gaps = floats_from_wire(response.gaps, "gaps")
+        served_gaps = floats_from_wire(response.served_gaps, "served_gaps")
         if len(gaps) != len(tokens) or len(served_gaps) not in (0, len(tokens)):
             raise ReplicaUnavailableError(
                 f"{self._replica}: a reference of {len(tokens)} tokens came with {len(gaps)} "
@@ -167,7 +171,7 @@ class _Running:
         if isinstance(answer, TandemError):
             self._events.report(answer)
         else:
-            self._events.report(convert.verdict_from_wire(answer))
+            self._events.report(verdict_from_wire(answer))
 
 
 def _posted(events: SessionEvents, post_id: int, answer: Any) -> None:
@@ -175,4 +179,4 @@ def _posted(events: SessionEvents, post_id: int, answer: Any) -> None:
     if isinstance(answer, TandemError):
         events.push(post_id, answer)
     else:
-        events.push(post_id, convert.verdict_from_wire(answer))
+        events.push(post_id, verdict_from_wire(answer))

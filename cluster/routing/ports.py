@@ -31,7 +31,7 @@ from cluster.runtime.advance import Advance
 from cluster.runtime.constraint import Constraint
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.predraft import Branch, PreDraft
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from cluster.runtime.audit import Replay

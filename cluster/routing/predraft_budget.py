@@ -1,6 +1,6 @@
 """What outcome-keyed pre-drafting costs and earns, for the adaptive plan: pure arithmetic.
 
-The plan (`cluster.routing.draft_length`) prices each way of running the next round and keeps
+The plan (`cluster.routing.goodput`) prices each way of running the next round and keeps
 the fastest. A pre-drafted round of a k-token block at fan-out F:
 
 - hits with probability h(alpha, k, F): the odds of the F likeliest (accept length, rank)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cluster.metrics import TandemMetrics
+from cluster.metrics.recorder import TandemMetrics
 from cluster.wire.replica_info import REGISTRY_NAMESPACE, ReplicaInfo
 
 DEFAULT_TTL_S = 5.0

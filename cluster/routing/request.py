@@ -14,7 +14,7 @@ from cluster.routing.draft_length_config import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_
 from cluster.runtime.constraint import Constraint, Grammar
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.limits import MAX_PREDRAFT_FAN_OUT
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import MAX_SEED
 
 MAX_STOP_SEQUENCES = 16

@@ -40,12 +40,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from cluster.metrics import TandemMetrics
+from cluster.metrics.recorder import TandemMetrics
 from cluster.routing.draft_calls import DraftCalls
-from cluster.routing.draft_length import Plan
 from cluster.routing.draft_modes import ALONE, LOOKUP, MODEL
 from cluster.routing.failover import Failover
 from cluster.routing.generation import Draft, Generation, Posted
+from cluster.routing.goodput import Plan
 from cluster.routing.outcome import record
 from cluster.routing.output import emit
 from cluster.routing.predrafting import Branches, predrafted

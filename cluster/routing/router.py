@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from llguidance import LLTokenizer
 
-from cluster.metrics import TandemMetrics
+from cluster.metrics.recorder import TandemMetrics
 from cluster.routing.draft_calls import DraftCalls
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.draft_modes import MODEL

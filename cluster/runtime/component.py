@@ -37,7 +37,7 @@ from cluster.runtime.limits import (
 )
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.runner import ModelRunner, build_runner
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import ReplicaSession, ReplicaStats, SessionTable
 
 C = TypeVar("C", bound=SessionLimits)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cluster.runtime.sampling import SparseDistribution
+from cluster.runtime.sparse_distribution import SparseDistribution
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class DraftBlock:
     draft_probs: Sequence[SparseDistribution] | None = None
     """The exact q each token was sampled from, one per token; None when drafted
     deterministically (q is one-hot at the drafted token). A tuple, or on the router a lazy
-    sequence over the rows as they came off the wire (`cluster.wire.convert.WireRows`), which
+    sequence over the rows as they came off the wire (`cluster.wire.distributions.WireRows`), which
     the router passes on to the verifier as bytes, never decoded."""
     load: StepLoad | None = None
     """The drafter's load when it drafted this block (None: not reported)."""

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cluster.runtime.draft_block import StepLoad
-from cluster.runtime.sampling import SparseDistribution
+from cluster.runtime.sparse_distribution import SparseDistribution
 
 
 @dataclass(frozen=True, slots=True, order=True)

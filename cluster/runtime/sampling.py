@@ -1,89 +1,28 @@
 """Sampling transforms: logits to the distribution a token is actually drawn from.
 
-Contract: pure functions of tensors and explicit `torch.Generator`s; no I/O, no global random
-state. `logits_to_probs` turns logits into the distribution *actually used* after temperature,
-top-k and top-p, as float32 rows that sum to 1; `logits_to_probs_rows` does it for rows that
-each have their own settings (an engine step's sessions) in one pass, and `sample_rows` draws
-their tokens, each row with its own generator. The drafter's q and the verifier's p both come
-from these, and the rejection rule in `verifier.rejection` is lossless only because it sees those
-exact distributions (docs/architecture.md, invariant 1). A drafter that truncates its distribution
-sends the surviving entries as a `SparseDistribution`; `to_dense` rebuilds the exact q from it.
+Contract: pure functions of tensors; no I/O, no global random state. `logits_to_probs` turns
+logits into the distribution *actually used* after temperature, top-k and top-p
+(`SamplingParams`), as float32 rows that sum to 1; `logits_to_probs_rows` does it for rows that
+each have their own settings (an engine step's sessions) in one pass. Tokens are then chosen
+from those rows by `cluster.runtime.token_choice` (greedy argmax, or a draw with each row's own
+generator). The drafter's q and the verifier's p both come from these, and the rejection rule
+in `verifier.rejection` is lossless only because it sees those exact distributions
+(docs/architecture.md, invariant 1). A drafter that truncates its distribution sends the
+surviving entries as a `SparseDistribution` (`cluster.runtime.sparse_distribution`), whose
+`to_dense` rebuilds the exact q from it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from cluster.runtime.errors import InvalidArgumentError
-
-NO_TOP_K = 0
-"""`SamplingParams.top_k` value that keeps the whole vocabulary."""
-
-NO_TOP_P = 1.0
-"""`SamplingParams.top_p` value that makes no nucleus cut."""
-
-
-def _is_real(value: object) -> bool:
-    # bool is an int subclass; `temperature=True` is a bug, not a temperature of 1.
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request turns logits into a token; validated when built."""
-
-    temperature: float = 0.0
-    """Logits are divided by this before the softmax; 0 means greedy (argmax, no randomness)."""
-
-    top_k: int = NO_TOP_K
-    """Keep only the `top_k` most probable tokens; 0 means no limit."""
-
-    top_p: float = NO_TOP_P
-    """Keep the smallest set of most probable tokens whose mass reaches `top_p`; 1.0: no cut."""
-
-    seed_exact: bool = False
-    """Draw each token by the seed-exact rule (`cluster.runtime.gumbel`): a function of the
-    seed, the position and this distribution alone, whatever drafted the block. False: the
-    rejection rule, which accepts more drafts but whose tokens depend on the draw order.
-    Greedy requests ignore it (argmax needs no noise)."""
-
-    def __post_init__(self) -> None:
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature):
-            raise InvalidArgumentError(
-                f"temperature must be a finite number >= 0, got {self.temperature!r}"
-            )
-        if self.temperature < 0:
-            raise InvalidArgumentError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
-            raise InvalidArgumentError(
-                f"top_k must be an int >= 0 (0 = no limit), got {self.top_k!r}"
-            )
-        if self.top_k < 0:
-            raise InvalidArgumentError(f"top_k must be >= 0 (0 = no limit), got {self.top_k!r}")
-        if not _is_real(self.top_p) or not math.isfinite(self.top_p):
-            raise InvalidArgumentError(
-                f"top_p must be a finite number with 0 < top_p <= 1, got {self.top_p!r}"
-            )
-        if not 0 < self.top_p <= 1:
-            raise InvalidArgumentError(f"top_p must satisfy 0 < top_p <= 1, got {self.top_p!r}")
-        if not isinstance(self.seed_exact, bool):
-            raise InvalidArgumentError(f"seed_exact must be a bool, got {self.seed_exact!r}")
-
-    @property
-    def is_greedy(self) -> bool:
-        """True when tokens are chosen by argmax (temperature 0)."""
-        return self.temperature == 0
-
-    @property
-    def draws_seed_exact(self) -> bool:
-        """True when tokens are sampled by the seed-exact rule (not greedy, `seed_exact`)."""
-        return self.seed_exact and not self.is_greedy
+from cluster.runtime.sampling_params import NO_TOP_K, NO_TOP_P, SamplingParams
+from cluster.runtime.token_choice import argmax_rows
 
 
 def _check_logits(logits: Tensor) -> Tensor:  # logits: [n, vocab] -> [n], logits' dtype
@@ -114,47 +53,6 @@ def _raise_for_bad_logits(logits: Tensor) -> None:
     if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
         raise InvalidArgumentError("logits must not contain NaN or +inf")
     raise InvalidArgumentError("every logits row needs at least one finite entry")
-
-
-def argmax_rows(rows: Tensor) -> Tensor:  # rows: [n, vocab] -> int64 [n]
-    """Each row's argmax: the lowest index on ties, a NaN if there is one (as `torch.argmax`).
-
-    On the CPU a float32 matrix goes through numpy's kernel: torch's CPU argmax over a row
-    is 20-25x slower (measured with torch 2.13: ~230 us for 5 x 32,000 against ~9 us), and
-    greedy drafting and acceptance take an argmax every token.
-    """
-    if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() == 2:
-        return torch.from_numpy(rows.detach().numpy().argmax(axis=1)).long()
-    return rows.argmax(dim=-1)
-
-
-def greedy_tokens(rows: Tensor) -> list[int]:  # rows: [n, vocab]
-    """Each row's argmax (`argmax_rows`) as ints; InvalidArgumentError when a row's maximum is
-    not finite (a NaN, +inf, or every entry -inf): a greedy choice needs a finite best."""
-    if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() == 2:
-        values = rows.detach().numpy()
-        best = values.argmax(axis=1)
-        finite = bool(np.isfinite(values[np.arange(len(best)), best]).all())
-        tokens = best.tolist()
-    else:
-        best_t = rows.argmax(dim=-1)
-        finite = bool(torch.isfinite(rows.gather(1, best_t[:, None])).all())
-        tokens = best_t.tolist()
-    if not finite:
-        raise InvalidArgumentError("a greedy row has NaN, +inf or no max")
-    return tokens
-
-
-def row_argmax(rows: Tensor) -> tuple[list[int], list[bool]]:  # rows: [n, vocab]
-    """Each row's argmax as an int, and whether that row's maximum is finite: `greedy_tokens`
-    for rows of several callers at once (each checks its own rows)."""
-    if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() == 2:
-        values = rows.detach().numpy()
-        best = values.argmax(axis=1)
-        finite = np.isfinite(values[np.arange(len(best)), best])
-        return best.tolist(), finite.tolist()
-    best_t = rows.argmax(dim=-1)
-    return best_t.tolist(), torch.isfinite(rows.gather(1, best_t[:, None]))[:, 0].tolist()
 
 
 def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:  # logits: [n, vocab]
@@ -362,100 +260,3 @@ def _top_k_ids(probs: Tensor, top_k: int) -> Tensor:  # probs: [n, vocab] -> [n,
     room = top_k - above.sum(dim=-1, keepdim=True)  # how many tied tokens fit, >= 1
     keep = above | (tied & (tied.cumsum(dim=-1) <= room))
     return keep.nonzero()[:, 1].view(n, top_k)
-
-
-def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:  # probs: [n, vocab]
-    """Draw one token per row with `torch.multinomial`; returns `[n]` int64 token ids."""
-    if not isinstance(probs, Tensor) or probs.dim() != 2:
-        raise InvalidArgumentError("probs must be a 2-D tensor [n, vocab]")
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-
-
-def sample_rows(probs: Tensor, generators: Sequence[torch.Generator | None]) -> list[int]:
-    """Draw one token for each row of `probs` `[n, vocab]` with its own generator.
-
-    Row `i` gets exactly the token `sample(probs[i:i+1], generators[i])` would draw, and
-    advances `generators[i]` as that call would, so seeded outputs do not depend on which
-    sessions share an engine step. `torch.multinomial` takes one generator, hence one call
-    per row; the tokens come back to the host together. InvalidArgumentError when `probs`
-    is not 2-D or `len(generators) != n`.
-    """
-    if not isinstance(probs, Tensor) or probs.dim() != 2:
-        raise InvalidArgumentError("probs must be a 2-D tensor [n, vocab]")
-    if len(generators) != probs.shape[0]:
-        raise InvalidArgumentError(
-            f"sample_rows needs one generator (or None) per row: {probs.shape[0]} rows, "
-            f"{len(generators)} generators"
-        )
-    if not generators:
-        return []
-    draws = [
-        torch.multinomial(row, 1, generator=generator)
-        for row, generator in zip(probs.split(1), generators, strict=True)
-    ]
-    return torch.cat(draws).flatten().tolist()
-
-
-@dataclass(frozen=True)
-class SparseDistribution:
-    """A distribution over exactly `token_ids`; every other token has probability 0.
-
-    This is how a drafter that truncated its q (top-k / top-p) sends it: the entries it could
-    have sampled, with the probabilities it sampled them with. Nothing is renormalised.
-    """
-
-    token_ids: Tensor  # [s] int64
-    probs: Tensor  # [s] float32
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.token_ids, Tensor) or not isinstance(self.probs, Tensor):
-            raise InvalidArgumentError("SparseDistribution needs tensors for token_ids and probs")
-        if self.token_ids.dim() != 1 or self.token_ids.dtype != torch.int64:
-            raise InvalidArgumentError(
-                "SparseDistribution.token_ids must be a 1-D int64 tensor, got "
-                f"{self.token_ids.dtype} {tuple(self.token_ids.shape)}"
-            )
-        if self.probs.dim() != 1 or self.probs.dtype != torch.float32:
-            raise InvalidArgumentError(
-                "SparseDistribution.probs must be a 1-D float32 tensor, got "
-                f"{self.probs.dtype} {tuple(self.probs.shape)}"
-            )
-        if self.token_ids.shape != self.probs.shape:
-            raise InvalidArgumentError(
-                f"SparseDistribution has {self.token_ids.numel()} token ids but "
-                f"{self.probs.numel()} probabilities"
-            )
-
-
-def to_sparse(probs_row: Tensor) -> SparseDistribution:  # probs_row: [vocab]
-    """Keep the nonzero entries of one distribution row, in ascending token id order."""
-    if not isinstance(probs_row, Tensor) or probs_row.dim() != 1:
-        raise InvalidArgumentError("to_sparse takes one 1-D distribution row [vocab]")
-    token_ids = torch.nonzero(probs_row).flatten()
-    return SparseDistribution(token_ids=token_ids, probs=probs_row[token_ids].to(torch.float32))
-
-
-def to_dense(rows: Sequence[SparseDistribution], vocab_size: int) -> Tensor:
-    """Expand sparse rows into a dense float32 `[len(rows), vocab_size]` tensor.
-
-    Entries are placed exactly as sent; nothing is renormalised, because the drafter sent the
-    exact q it sampled from (docs/architecture.md, invariant 1).
-    """
-    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
-        raise InvalidArgumentError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
-    dense = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
-    for index, row in enumerate(rows):
-        ids, probs = row.token_ids, row.probs
-        if ids.numel() == 0:
-            raise InvalidArgumentError(f"sparse row {index} is empty: a distribution needs mass")
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-            raise InvalidArgumentError(
-                f"sparse row {index} has token ids outside [0, {vocab_size}): "
-                f"min {int(ids.min())}, max {int(ids.max())}"
-            )
-        if torch.unique(ids).numel() != ids.numel():
-            raise InvalidArgumentError(f"sparse row {index} repeats a token id")
-        if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
-            raise InvalidArgumentError(f"sparse row {index} has probabilities not finite and >= 0")
-        dense[index, ids.cpu()] = probs.cpu()
-    return dense

@@ -40,7 +40,8 @@ from cluster.runtime.kv_cache import SequenceKV
 from cluster.runtime.limits import DEFAULT_KV_OVERCOMMIT
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.runner import ModelRunner
-from cluster.runtime.sampling import SamplingParams, SparseDistribution
+from cluster.runtime.sampling_params import SamplingParams
+from cluster.runtime.sparse_distribution import SparseDistribution
 
 MAX_SEED = 2**64 - 1
 DRAFTER_SEED_SALT = 0x9E3779B97F4A7C15

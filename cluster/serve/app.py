@@ -24,7 +24,8 @@ from ray import serve
 from ray.serve import Application
 
 from cluster.config import ReplicaGroupConfig, TandemConfig
-from cluster.replica.host import DEREGISTER_TIMEOUT_S, DRAIN_TIMEOUT_S, SHUTDOWN_GRACE_S
+from cluster.replica.host import DRAIN_TIMEOUT_S, SHUTDOWN_GRACE_S
+from cluster.replica.registration import DEREGISTER_TIMEOUT_S
 from cluster.routing.registry import ensure_registry, registry_name
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.limits import SessionLimits

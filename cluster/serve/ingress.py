@@ -7,7 +7,8 @@ Every call is authenticated by its `authorization` metadata against the config's
 the HTTP face's `GET /health`, `/version` and `/metrics` (`IngressProbes`). Both health checks
 say the same: serving while at least one verifier replica is live. `/metrics` scrapes every
 live node's Ray metrics agent (where `tandem status` reads them too) and serves Tandem's metrics
-of them, names as the agents serve them (`ray_tandem_...`, `cluster.metrics.tandem_exposition`).
+of them, names as the agents serve them (`ray_tandem_...`,
+`cluster.metrics.scrape.tandem_exposition`).
 
 A thin shell (the app builder applies `serve.deployment`): Serve's gRPC proxy calls the method
 named like the RPC, and each is the public API's one servicer's
@@ -57,7 +58,7 @@ from cluster.api.tenants import Tenants, bearer_key
 from cluster.api.tool_formats import choose_format
 from cluster.config import TandemConfig
 from cluster.local import text_decoder
-from cluster.metrics import tandem_exposition
+from cluster.metrics.scrape import tandem_exposition
 from cluster.routing.directory import RegistryPool, from_registry_actor
 from cluster.routing.registry import get_registry
 from cluster.routing.router import Router

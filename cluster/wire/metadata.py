@@ -1,7 +1,7 @@
 """What rides beside a message on the replicas' internal gRPC API: metadata keys and size limits.
 
 Both ends use these: the replica's server (`cluster.replica.rpc`) checks the secret, sends the
-retry hint and applies the size limit; the router's clients (`cluster.routing.replica_client`)
+retry hint and applies the size limit; the router's clients (`cluster.routing.grpc_replica`)
 send the secret, read the hint and open their channels with the same limit.
 """
 

@@ -4,9 +4,9 @@ servicers and Frames streams, so that both ends share one layout.
 `open_request_to_wire`, `draft_request_to_wire`, `predraft_request_to_wire`,
 `verify_request_to_wire` and `close_request_to_wire` build the messages; `*_from_wire` reads
 each back as the arguments of the component's call (`OpenCall`, `DraftCall`, `PredraftCall`,
-`VerifyCall`). Values inside them are laid out by `cluster.wire.convert`, which checks what
-comes off the wire as far as the wire can tell. `FRAME_VERSION` is the layout of the frames
-that carry them (`protos/replica.proto`).
+`VerifyCall`). Values inside them are laid out by `cluster.wire.fields`, `sampling_settings`,
+`distributions` and `blocks`, which check what comes off the wire as far as the wire can
+tell. `FRAME_VERSION` is the layout of the frames that carry them (`protos/replica.proto`).
 """
 
 from __future__ import annotations
@@ -18,22 +18,21 @@ from cluster.runtime.advance import Advance
 from cluster.runtime.constraint import Constraint
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.predraft import Branch
-from cluster.runtime.sampling import SamplingParams
-from cluster.wire.convert import (
+from cluster.runtime.sampling_params import SamplingParams
+from cluster.wire.blocks import block_from_wire, block_to_wire, branch_from_wire, branch_to_wire
+from cluster.wire.fields import (
     MAX_UINT32,
-    block_from_wire,
-    block_to_wire,
-    branch_from_wire,
-    branch_to_wire,
-    constraint_from_wire,
-    constraint_to_wire,
-    sampling_from_wire,
-    sampling_to_wire,
     session_id_from_wire,
     time_limit_from_wire,
     time_limit_to_wire,
     token_ids_to_wire,
     uint_to_wire,
+)
+from cluster.wire.sampling_settings import (
+    constraint_from_wire,
+    constraint_to_wire,
+    sampling_from_wire,
+    sampling_to_wire,
 )
 from protos import replica_pb2
 

@@ -48,8 +48,9 @@ from cluster.runtime.engine import Task
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.gumbel import gumbel_tokens
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import logits_to_probs, logits_to_probs_rows, to_dense
+from cluster.runtime.sampling import logits_to_probs, logits_to_probs_rows
 from cluster.runtime.session import DRAFTER_SEED_SALT, ReplicaSession
+from cluster.runtime.sparse_distribution import to_dense
 from cluster.runtime.task import each_alone_if_refused
 from drafter.drafter import draft_sampling
 from verifier.batch_layout import Batch

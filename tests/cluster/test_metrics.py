@@ -27,7 +27,7 @@ from cluster.api.tenants import (
 )
 from cluster.cli.status_table import replica_lines
 from cluster.local import LocalTandem
-from cluster.metrics import (
+from cluster.metrics.catalog import (
     ACCEPTED_BY_POSITION,
     ACCEPTED_TOKENS,
     DRAFT_LATENCY,
@@ -45,20 +45,15 @@ from cluster.metrics import (
     VERIFY_LATENCY,
     VERIFY_PASSES,
     Kind,
-    MemorySink,
     Metric,
-    NullSink,
-    RaySink,
-    TandemMetrics,
-    default_sink,
     engine_numbers,
-    parse_prometheus,
     replica_gauge,
     replica_measurements,
     replica_numbers,
-    series,
-    summarize,
 )
+from cluster.metrics.recorder import TandemMetrics
+from cluster.metrics.scrape import parse_prometheus, summarize
+from cluster.metrics.sinks import MemorySink, NullSink, RaySink, default_sink, series
 from cluster.routing.registry import ReplicaRegistry
 from cluster.routing.request import SpeculationStats
 from cluster.routing.router import Router

@@ -12,7 +12,9 @@ from cluster.runtime.gumbel import gumbel_tokens
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.predraft import Branch, PreDraft
 from cluster.runtime.saguaro import saguaro_probs
-from cluster.runtime.sampling import SamplingParams, logits_to_probs, to_dense
+from cluster.runtime.sampling import logits_to_probs
+from cluster.runtime.sampling_params import SamplingParams
+from cluster.runtime.sparse_distribution import to_dense
 from drafter.branches import noisy_ranked_token, ranked_token
 from drafter.config import DrafterConfig
 from drafter.drafter import Drafter, draft_sampling

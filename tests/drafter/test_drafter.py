@@ -7,7 +7,9 @@ import torch
 
 from cluster.runtime.errors import InvalidArgumentError, StaleBaseError
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams, logits_to_probs, to_dense
+from cluster.runtime.sampling import logits_to_probs
+from cluster.runtime.sampling_params import SamplingParams
+from cluster.runtime.sparse_distribution import to_dense
 from drafter.config import DrafterConfig
 from drafter.drafter import Drafter, draft_sampling
 

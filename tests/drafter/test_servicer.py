@@ -11,7 +11,7 @@ from cluster.routing.grpc_drafter import GrpcDrafter
 from cluster.routing.waits import run
 from cluster.runtime.errors import InvalidArgumentError, ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from drafter.config import DrafterConfig
 from drafter.drafter import Drafter
 from drafter.servicer import DrafterServicer
@@ -69,6 +69,6 @@ def test_outside_a_serve_replica_there_is_no_rank() -> None:
     # So a drafter hosted anywhere but in Serve (tests, `tandem generate --local`) never errs
     # on purpose: only Serve's rank-0 drafter replica honours `error_fraction`
     # (`drafter.deployment.CHAOS_RANK`).
-    from cluster.replica.host import serve_rank
+    from cluster.replica.placement import serve_rank
 
     assert serve_rank() is None

@@ -11,7 +11,7 @@ the target's own whatever was drafted)."""
 
 from __future__ import annotations
 
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from drafter.config import SuffixConfig
 from drafter.suffix import SuffixDrafter
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cluster.runtime.draft_block import DraftBlock
-from cluster.runtime.sampling import SparseDistribution
+from cluster.runtime.sparse_distribution import SparseDistribution
 from experiments.frame_codec import (
     GREEDY,
     build_frames,

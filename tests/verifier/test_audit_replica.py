@@ -23,7 +23,7 @@ from cluster.runtime.errors import (
     ReplicaUnavailableError,
 )
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from tests.polling import wait_until
 from tests.replicas import serve_verifier
 from verifier.audit_replica import ReferenceReplayer, wait_until_idle

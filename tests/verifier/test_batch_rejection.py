@@ -19,13 +19,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from cluster.runtime.sampling import (
-    SamplingParams,
-    SparseDistribution,
-    logits_to_probs,
-    to_dense,
-    to_sparse,
-)
+from cluster.runtime.sampling import logits_to_probs
+from cluster.runtime.sampling_params import SamplingParams
+from cluster.runtime.sparse_distribution import SparseDistribution, to_dense, to_sparse
 from tests.verifier.rejection_reference import reference_rejection_sample, seeded, token_ids
 from verifier.batch_rejection import (
     BatchSession,

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.sampling import SparseDistribution
+from cluster.runtime.sparse_distribution import SparseDistribution
 from tests.verifier.rejection_reference import seeded, token_ids
 from verifier.batch_rejection import BatchSession, batch_rejection_sample
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from cluster.runtime.sampling import SparseDistribution, to_sparse
+from cluster.runtime.sparse_distribution import SparseDistribution, to_sparse
 from tests.verifier.rejection_reference import seeded
 from tests.verifier.test_rejection_statistics import (
     ALPHA,

@@ -17,7 +17,7 @@ from cluster.routing.request import GenerationRequest
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.model_spec import TINY_TARGET, ModelSpec
 from cluster.runtime.models import LoadedModel, load_model
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from tests.conftest import CODE_PROMPT, PROMPTS, encode
 from verifier.reference import Replay, fp32_copy, model_dtype, replay
 

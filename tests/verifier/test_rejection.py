@@ -15,7 +15,9 @@ import torch
 from torch import Tensor
 
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.sampling import SamplingParams, logits_to_probs, to_dense, to_sparse
+from cluster.runtime.sampling import logits_to_probs
+from cluster.runtime.sampling_params import SamplingParams
+from cluster.runtime.sparse_distribution import to_dense, to_sparse
 from tests.verifier.rejection_reference import reference_rejection_sample, seeded, token_ids
 from verifier.rejection import greedy_accept, rejection_sample
 

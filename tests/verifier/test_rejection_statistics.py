@@ -12,7 +12,8 @@ import torch
 from scipy.stats import chi2
 from torch import Tensor
 
-from cluster.runtime.sampling import SamplingParams, logits_to_probs
+from cluster.runtime.sampling import logits_to_probs
+from cluster.runtime.sampling_params import SamplingParams
 from tests.verifier.rejection_reference import (
     Sampler,
     reference_rejection_sample,

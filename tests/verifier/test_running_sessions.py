@@ -13,7 +13,7 @@ from cluster.runtime.advance import Advance
 from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.rebase import reconcile
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from tests.verifier.test_verifier import GREEDY, PROMPT, greedy_continuation
 from verifier.config import VerifierConfig
 from verifier.verifier import Verifier

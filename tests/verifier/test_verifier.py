@@ -16,7 +16,8 @@ from cluster.runtime.errors import (
     StaleBaseError,
 )
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams, SparseDistribution
+from cluster.runtime.sampling_params import SamplingParams
+from cluster.runtime.sparse_distribution import SparseDistribution
 from verifier.config import VerifierConfig
 from verifier.verifier import Verifier
 

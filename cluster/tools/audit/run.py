@@ -21,7 +21,7 @@ from cluster.api.client_types import GenerateResult, build_request
 from cluster.runtime.audit import AuditReport, cause, compare
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from protos import generate_pb2
 from verifier.reference import replay
 

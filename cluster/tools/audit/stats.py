@@ -43,7 +43,8 @@ from torch import Tensor
 
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams, logits_to_probs
+from cluster.runtime.sampling import logits_to_probs
+from cluster.runtime.sampling_params import SamplingParams
 
 MIN_EXPECTED = 5.0
 """The smallest expected count a cell may have on its own (the chi-square rule of thumb)."""

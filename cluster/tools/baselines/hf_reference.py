@@ -28,7 +28,8 @@ from torch import Tensor
 from cluster.runtime.constraint import Grammar
 from cluster.runtime.gumbel import exponential_row
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams, logits_to_probs
+from cluster.runtime.sampling import logits_to_probs
+from cluster.runtime.sampling_params import SamplingParams
 
 
 class SeedExactProcessor:

@@ -22,7 +22,7 @@ def bench_settings(args: Any) -> dict[str, Any]:
     file's, else the defaults, else the preset's draft), so that the bench measures what users
     get."""
     from cluster.config import TandemConfig
-    from cluster.replica.host import fitted_threads
+    from cluster.replica.placement import fitted_threads
 
     config = TandemConfig.from_yaml(args.serve_config) if args.serve_config else TandemConfig()
     config = dataclasses.replace(

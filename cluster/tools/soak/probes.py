@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.metrics import DRAFTER_DEGRADED, parse_prometheus
+from cluster.metrics.catalog import DRAFTER_DEGRADED
+from cluster.metrics.scrape import parse_prometheus
 from cluster.serve.loopback import LOOPBACK
 from cluster.serve.ray_cluster import cluster_processes
 

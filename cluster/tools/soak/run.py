@@ -192,7 +192,7 @@ class SoakRun:
         """Size the verifier pool from the target's KV bytes per token, and start the service."""
         from cluster.config import TandemConfig
         from cluster.presets import DEFAULT_PRESET, resolve_pair
-        from cluster.replica.host import kv_cache_bytes_per_token
+        from cluster.replica.load import kv_cache_bytes_per_token
         from cluster.runtime.models import load_model
         from cluster.tools.prompt_files import load_prompts
 

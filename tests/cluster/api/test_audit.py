@@ -32,7 +32,8 @@ from cluster.runtime.audit import (
 )
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams, logits_to_probs
+from cluster.runtime.sampling import logits_to_probs
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.tools.audit.stats import END, first_two_test
 from tests.cluster.broken_verifiers import AcceptAllVerifier
 from tests.cluster.grpc_front import serve_local

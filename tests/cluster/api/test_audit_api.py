@@ -38,21 +38,16 @@ from cluster.api.service_config import ServiceConfig
 from cluster.api.tenants import Tenants
 from cluster.config import TandemConfig
 from cluster.local import LocalTandem, local_router, text_decoder
-from cluster.metrics import (
-    AUDIT_CHECKED,
-    AUDIT_DROPPED,
-    AUDIT_MISMATCHED,
-    REQUESTS,
-    MemorySink,
-    TandemMetrics,
-)
+from cluster.metrics.catalog import AUDIT_CHECKED, AUDIT_DROPPED, AUDIT_MISMATCHED, REQUESTS
+from cluster.metrics.recorder import TandemMetrics
+from cluster.metrics.sinks import MemorySink
 from cluster.routing.directory import RegistryPool
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.runtime.audit import AuditReport
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.serve.http import OpenAIHttp
 from cluster.wire.replica_info import ReplicaInfo
 from drafter.drafter import Drafter

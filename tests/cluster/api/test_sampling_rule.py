@@ -38,9 +38,9 @@ from cluster.api.tenants import Tenants
 from cluster.config import TandemConfig
 from cluster.local import LocalTandem
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.tools.baselines.hf_reference import reference_generate
-from cluster.wire.convert import sampling_from_wire, sampling_to_wire
+from cluster.wire.sampling_settings import sampling_from_wire, sampling_to_wire
 from protos import generate_pb2, sampling_pb2
 from tests.conftest import CODE_PROMPT
 

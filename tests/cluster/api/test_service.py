@@ -33,7 +33,7 @@ from cluster.runtime.errors import (
     ResourceExhaustedError,
     SessionNotFoundError,
 )
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from protos import generate_pb2, sampling_pb2
 from tests.conftest import CODE_PROMPT
 

@@ -17,7 +17,7 @@ from cluster.routing.router import Router
 from cluster.routing.waits import run
 from cluster.runtime.errors import ClusterSecretError, InvalidArgumentError
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from drafter.drafter import Drafter
 from protos import replica_pb2
 from tests.conftest import encode

@@ -1,4 +1,4 @@
-"""What one Frames stream may hold is bounded (`cluster.replica.frames`, `StreamLimits`):
+"""What one Frames stream may hold is bounded (`cluster.replica.stream_limits`, `StreamLimits`):
 
 - a frame with more entries than `MAX_FRAME_ENTRIES` ends its stream with INVALID_ARGUMENT
   naming the limit, before any of its entries is read (and over gRPC, only that stream);
@@ -26,17 +26,10 @@ from typing import Any, NoReturn
 import grpc
 import pytest
 
-from cluster.replica.frames import (
-    END,
-    MAX_FRAME_ENTRIES,
-    MAX_PENDING_ENTRIES,
-    EntryHandler,
-    FrameCounters,
-    FrameStream,
-    OutgoingFrames,
-    StreamLimits,
-)
+from cluster.replica.frames import EntryHandler, FrameCounters, FrameStream
+from cluster.replica.outgoing_frames import END, OutgoingFrames
 from cluster.replica.servicer import SessionServicer
+from cluster.replica.stream_limits import MAX_FRAME_ENTRIES, MAX_PENDING_ENTRIES, StreamLimits
 from cluster.runtime.errors import InvalidArgumentError, ResourceExhaustedError
 from cluster.runtime.limits import DEFAULT_MAX_SESSIONS
 from cluster.runtime.models import LoadedModel

@@ -27,7 +27,7 @@ from cluster.runtime.advance import Advance
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.wire import requests
 from cluster.wire.metadata import MAX_MESSAGE_BYTES, SECRET_METADATA_KEY
 from protos import replica_pb2

@@ -27,7 +27,7 @@ from cluster.local import LocalTandem
 from cluster.routing.request import GenerationRequest
 from cluster.runtime.constraint import Grammar
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from tests.cluster.api.test_openai_auto_tools import ASK, SCHEMAS, TOOLS
 from tests.cluster.routing.lockstep_routers import Routers, router_pair
 from tests.cluster.routing.test_structured_outputs import (

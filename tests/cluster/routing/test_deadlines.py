@@ -26,7 +26,7 @@ from cluster.routing.waits import run
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import DeadlineExceededError, ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.wire.replica_info import ReplicaInfo
 from drafter.drafter import Drafter
 from tests.conftest import CODE_PROMPT, encode

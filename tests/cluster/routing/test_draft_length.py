@@ -14,16 +14,9 @@ import pytest
 
 from cluster.local import InProcess, LocalTandem, text_decoder
 from cluster.routing.draft_calls import DraftCalls
-from cluster.routing.draft_length import (
-    DraftLength,
-    Plan,
-    best_plan,
-    expected_tokens,
-    pass_seconds,
-    rate,
-    usable_load,
-)
+from cluster.routing.draft_length import DraftLength, usable_load
 from cluster.routing.draft_length_config import DraftLengthConfig
+from cluster.routing.goodput import Plan, best_plan, expected_tokens, pass_seconds, rate
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.routing.session_events import SessionEvents

@@ -26,7 +26,7 @@ from cluster.runtime.errors import (
     TandemError,
 )
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from drafter.drafter import Drafter
 from tests.cluster.routing.fake_ports import Dying, Refusing, Wrapper
 from tests.cluster.routing.stepping import OpensOnSteps

@@ -37,7 +37,8 @@ from cluster.local import LocalTandem
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams, logits_to_probs
+from cluster.runtime.sampling import logits_to_probs
+from cluster.runtime.sampling_params import SamplingParams
 from tests.cluster.routing.lockstep_routers import held_lockstep_router
 
 ALPHA = 1e-4

@@ -40,7 +40,7 @@ from torch import Tensor
 import verifier.step_outcomes
 from cluster.local import LocalTandem, local_router
 from cluster.routing.router import Router
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from drafter.drafter import draft_sampling
 from tests.cluster.broken_verifiers import BonusFromDraftVerifier, residual_not_renormalised
 from tests.cluster.routing.test_lossless_sampling import (

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from cluster.local import LocalTandem
-from cluster.routing.draft_length import DraftLength, Plan, best_plan, rate
+from cluster.routing.draft_length import DraftLength
 from cluster.routing.draft_length_config import DraftLengthConfig
+from cluster.routing.goodput import Plan, best_plan, rate
 from cluster.routing.predraft_budget import (
     PredraftCost,
     branch_odds,

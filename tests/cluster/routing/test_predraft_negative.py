@@ -27,7 +27,7 @@ from cluster.routing.generation import Draft
 from cluster.runtime.draft_block import DraftBlock, Verdict
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.predraft import PreDraft
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from drafter.config import DrafterConfig
 from drafter.drafter import Drafter
 from tests.cluster.routing.test_predraft_sampling import (

@@ -34,7 +34,8 @@ from cluster.local import LocalTandem, local_router
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams, logits_to_probs
+from cluster.runtime.sampling import logits_to_probs
+from cluster.runtime.sampling_params import SamplingParams
 from drafter.config import DrafterConfig
 from drafter.drafter import Drafter
 from tests.exact_cells import Prefix, cell_mass, chi_square_p_value

@@ -21,7 +21,7 @@ import pytest
 
 from cluster.local import LocalTandem, local_router
 from cluster.routing.request import GenerationRequest, GenerationResult
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from tests.conftest import CODE_PROMPT, PROMPTS, encode
 
 SEED_EXACT = SamplingParams(temperature=1.0, seed_exact=True)

@@ -29,7 +29,7 @@ from cluster.routing.waits import run
 from cluster.runtime.errors import InvalidArgumentError, ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.predraft import Branch
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.wire import requests
 from drafter.drafter import Drafter
 from drafter.servicer import DrafterServicer

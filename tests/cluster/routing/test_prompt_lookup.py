@@ -18,7 +18,8 @@ from cluster.local import InProcess, LocalTandem, text_decoder
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams, logits_to_probs
+from cluster.runtime.sampling import logits_to_probs
+from cluster.runtime.sampling_params import SamplingParams
 from drafter.config import NgramConfig
 from tests.cluster.routing.fake_ports import Wrapper
 from tests.cluster.routing.test_lossless_sampling import (

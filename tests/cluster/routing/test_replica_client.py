@@ -36,7 +36,7 @@ from cluster.runtime.errors import (
     StaleBaseError,
 )
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from drafter.drafter import Drafter
 from tests.conftest import MAX_TOKENS as REFERENCE_TOKENS
 from tests.conftest import PROMPTS

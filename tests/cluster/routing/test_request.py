@@ -9,7 +9,7 @@ import pytest
 
 from cluster.routing.request import GenerationRequest, SpeculationStats
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

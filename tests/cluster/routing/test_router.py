@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from cluster.local import InProcess, LocalTandem, local_router, text_decoder
-from cluster.metrics import DRAFTER_DEGRADED, MemorySink, TandemMetrics, series
+from cluster.metrics.catalog import DRAFTER_DEGRADED
+from cluster.metrics.recorder import TandemMetrics
+from cluster.metrics.sinks import MemorySink, series
 from cluster.routing.request import FinishReason, GenerationRequest
 from cluster.routing.router import Router
 from cluster.routing.session_events import SessionEvents
@@ -37,7 +39,7 @@ from cluster.runtime.errors import (
 )
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.predraft import PreDraft
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from drafter.config import DrafterConfig, NgramConfig
 from drafter.drafter import Drafter
 from tests.cluster.routing.fake_ports import Answer, Wrapper

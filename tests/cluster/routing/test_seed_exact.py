@@ -44,7 +44,8 @@ from cluster.routing.request import GenerationRequest, GenerationResult
 from cluster.routing.router import Router
 from cluster.runtime.model_spec import TINY_DRAFT, ModelSpec
 from cluster.runtime.models import LoadedModel, load_model
-from cluster.runtime.sampling import SamplingParams, logits_to_probs
+from cluster.runtime.sampling import logits_to_probs
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.tools.baselines.hf_reference import reference_generate
 from drafter.config import NgramConfig
 from drafter.drafter import Drafter

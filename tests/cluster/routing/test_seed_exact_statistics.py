@@ -37,7 +37,7 @@ from torch import Tensor
 from cluster.local import LocalTandem
 from cluster.routing.request import GenerationRequest
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.tools.baselines.hf_reference import reference_generate
 from tests.cluster.broken_verifiers import DraftStreamVerifier, ReusedNoiseVerifier, local_with
 from tests.cluster.routing.lockstep_routers import held_lockstep_router

@@ -45,7 +45,7 @@ from cluster.routing.router import Router
 from cluster.runtime.constraint import Grammar
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.tools.baselines.hf_reference import reference_generate
 from drafter.config import NgramConfig
 from protos import generate_pb2, sampling_pb2

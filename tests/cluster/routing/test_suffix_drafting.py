@@ -24,7 +24,7 @@ from cluster.routing.waits import run
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.errors import ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from drafter.config import SuffixConfig
 from drafter.drafter import Drafter
 from drafter.suffix import SuffixDrafter

@@ -21,7 +21,7 @@ from cluster.runtime.engine import Engine
 from cluster.runtime.errors import ResourceExhaustedError
 from cluster.runtime.model_spec import TINY_DRAFT, TINY_TARGET, ModelSpec
 from cluster.runtime.models import LoadedModel, load_model
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from drafter.config import DrafterConfig
 from drafter.drafter import Drafter
 from verifier.config import VerifierConfig

@@ -49,7 +49,8 @@ from cluster.runtime.gumbel import (
     gumbel_tokens,
     row_key,
 )
-from cluster.runtime.sampling import SamplingParams, logits_to_probs
+from cluster.runtime.sampling import logits_to_probs
+from cluster.runtime.sampling_params import SamplingParams
 
 ALPHA = 1e-4
 NUM_DRAWS = 20_000  # about 0.3 s per 20,000 rows of a tiny vocabulary

@@ -1,5 +1,5 @@
-"""Tests for cluster.runtime.sampling: the distribution actually used, sampling, and sparse
-rows."""
+"""Tests for cluster.runtime.sampling (the distribution actually used), sampling_params,
+token_choice (argmax and draws) and sparse_distribution (sparse rows)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.sampling import (
-    SamplingParams,
-    SparseDistribution,
-    argmax_rows,
-    greedy_tokens,
-    logits_to_probs,
-    logits_to_probs_rows,
-    sample,
-    sample_rows,
-    to_dense,
-    to_sparse,
-)
+from cluster.runtime.sampling import logits_to_probs, logits_to_probs_rows
+from cluster.runtime.sampling_params import SamplingParams
+from cluster.runtime.sparse_distribution import SparseDistribution, to_dense, to_sparse
+from cluster.runtime.token_choice import argmax_rows, greedy_tokens, sample, sample_rows
 
 
 def _row(*values: float) -> torch.Tensor:

@@ -15,9 +15,9 @@ from cluster.runtime.errors import (
     SessionNotFoundError,
 )
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import TIME_LIMIT_GRACE_S, SessionTable
-from cluster.wire import convert
+from cluster.wire.fields import MAX_UINT32, time_limit_from_wire, time_limit_to_wire
 from drafter.drafter import Drafter
 from protos import replica_pb2
 from tests.cluster.runtime.fake_runner import PrefillingTable
@@ -153,13 +153,13 @@ def test_components_drop_their_sessions_past_the_time_limit(
 
 
 def test_the_time_limit_crosses_the_wire_in_whole_milliseconds_rounded_up() -> None:
-    assert convert.time_limit_to_wire(1.2341) == 1235  # never drops a session early
-    assert convert.time_limit_to_wire(1e-6) == 1  # 0 would be refused
-    assert convert.time_limit_to_wire(1e12) == convert.MAX_UINT32
+    assert time_limit_to_wire(1.2341) == 1235  # never drops a session early
+    assert time_limit_to_wire(1e-6) == 1  # 0 would be refused
+    assert time_limit_to_wire(1e12) == MAX_UINT32
     request = replica_pb2.OpenSessionRequest(session_id="s")
-    assert convert.time_limit_from_wire(request) is None
+    assert time_limit_from_wire(request) is None
     request.time_limit_ms = 1500
-    assert convert.time_limit_from_wire(request) == 1.5
+    assert time_limit_from_wire(request) == 1.5
     request.time_limit_ms = 0
     with pytest.raises(InvalidArgumentError, match="time_limit_ms must be >= 1 when set"):
-        convert.time_limit_from_wire(request)
+        time_limit_from_wire(request)

@@ -14,7 +14,7 @@ from cluster.runtime.errors import (
     SessionNotFoundError,
 )
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import ReplicaStats, SessionTable
 from drafter.config import DrafterConfig
 from drafter.drafter import Drafter

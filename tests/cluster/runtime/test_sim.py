@@ -18,7 +18,7 @@ from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.model_spec import ModelSpec
 from cluster.runtime.models import LoadedModel, load_model
 from cluster.runtime.runner import SequenceWork, build_runner
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.sim_model import SimCausalLM, SimModelRunner
 
 VOCAB = 4_000

@@ -29,20 +29,15 @@ import torch
 from cluster.api.tenants import AuthConfig
 from cluster.autoscaling_config import POLICY_PATH, AutoscalingConfig
 from cluster.config import ReplicaGroupConfig, TandemConfig
-from cluster.replica.host import (
-    DEREGISTER_TIMEOUT_S,
-    DRAIN_TIMEOUT_S,
-    SHUTDOWN_GRACE_S,
-    ReplicaHost,
-    ReplicaShell,
-    kv_cache_bytes_per_token,
-)
+from cluster.replica.host import DRAIN_TIMEOUT_S, SHUTDOWN_GRACE_S, ReplicaHost, ReplicaShell
+from cluster.replica.load import kv_cache_bytes_per_token
+from cluster.replica.registration import DEREGISTER_TIMEOUT_S
 from cluster.routing.grpc_verifier import GrpcVerifier
 from cluster.routing.waits import run
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import InvalidArgumentError, ReplicaUnavailableError
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.sampling import SamplingParams
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import ReplicaStats
 from cluster.serve import autoscaling
 from cluster.serve.app import GRACEFUL_SHUTDOWN_S, replica_count

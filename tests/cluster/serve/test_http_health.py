@@ -21,7 +21,7 @@ import httpx2
 import openai
 import pytest
 
-from cluster.metrics import parse_prometheus, tandem_exposition
+from cluster.metrics.scrape import parse_prometheus, tandem_exposition
 from cluster.runtime import tiny
 from cluster.serve.http import OpenAIHttp
 from cluster.serve.ingress import MetricsUnavailableError

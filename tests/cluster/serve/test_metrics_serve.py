@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from cluster.api.client import TandemClient, TandemClientError
-from cluster.metrics import Sample, parse_prometheus, replica_measurements
+from cluster.metrics.catalog import replica_measurements
+from cluster.metrics.scrape import Sample, parse_prometheus
 from tests.cluster.conftest import SMALL_LIMITS, TANDEM, TENANT_KEYS, live_replicas
 from tests.conftest import CODE_PROMPT
 

@@ -79,7 +79,8 @@ from cluster.api.tenants import AuthConfig, TenantConfig, hash_api_key, new_api_
 from cluster.config import FrontConfig, TandemConfig
 from cluster.runtime.draft_block import DraftBlock
 from cluster.runtime.models import LoadedModel, load_model
-from cluster.runtime.sampling import SamplingParams, SparseDistribution
+from cluster.runtime.sampling_params import SamplingParams
+from cluster.runtime.sparse_distribution import SparseDistribution
 from cluster.serve.ingress import RouterIngress
 from cluster.wire.replica_info import ReplicaInfo
 from drafter.drafter import Drafter

@@ -20,18 +20,31 @@ from cluster.runtime.errors import (
     TandemError,
 )
 from cluster.runtime.predraft import Branch, PreDraft
-from cluster.runtime.sampling import SamplingParams, SparseDistribution
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import ReplicaStats
-from cluster.wire import convert, requests
+from cluster.runtime.sparse_distribution import SparseDistribution
+from cluster.wire import requests
+from cluster.wire.blocks import (
+    block_from_wire,
+    block_to_wire,
+    predraft_from_wire,
+    predrafts_from_wire,
+    predrafts_to_wire,
+    verdict_from_wire,
+    verdict_to_wire,
+)
+from cluster.wire.distributions import WireRows, sparse_to_wire
+from cluster.wire.fields import MAX_INT32, MAX_UINT32, MAX_UINT64
 from cluster.wire.frame_budget import split_by_size
+from cluster.wire.replica_stats import stats_from_wire, stats_to_wire
 from cluster.wire.status import entry_error, error_from_entry
 from protos import replica_pb2
 
 EXAMPLES = settings(max_examples=60, deadline=None, derandomize=True)
 
-tokens = st.lists(st.integers(0, convert.MAX_INT32), max_size=12).map(tuple)
+tokens = st.lists(st.integers(0, MAX_INT32), max_size=12).map(tuple)
 session_ids = st.text(min_size=1, max_size=20)
-tags = st.integers(0, convert.MAX_UINT64)
+tags = st.integers(0, MAX_UINT64)
 
 
 @st.composite
@@ -41,7 +54,7 @@ def rows(draw: st.DrawFn, count: int) -> tuple[SparseDistribution, ...]:
     made = []
     for _ in range(count):
         size = draw(st.integers(0, 6))
-        ids = draw(st.lists(st.integers(0, convert.MAX_INT32), min_size=size, max_size=size))
+        ids = draw(st.lists(st.integers(0, MAX_INT32), min_size=size, max_size=size))
         bits = draw(st.lists(st.integers(0, 2**32 - 1), min_size=size, max_size=size))
         probs = torch.from_numpy(np.asarray(bits, dtype=np.uint32).view(np.float32).copy())
         made.append(SparseDistribution(torch.tensor(ids, dtype=torch.int64), probs))
@@ -85,7 +98,7 @@ def same_rows(got: object, want: tuple[SparseDistribution, ...] | None) -> bool:
     session_id=session_ids,
     prompt=tokens.filter(bool),
     seed=st.integers(0, 2**63 - 1),
-    max_new_tokens=st.none() | st.integers(0, convert.MAX_UINT32),
+    max_new_tokens=st.none() | st.integers(0, MAX_UINT32),
     resumed=st.booleans(),
 )
 def test_an_open_entry_reads_back_as_its_values(
@@ -115,10 +128,10 @@ def test_an_open_entry_reads_back_as_its_values(
 @given(
     tag=tags,
     session_id=session_ids,
-    base=st.integers(0, convert.MAX_UINT64),
+    base=st.integers(0, MAX_UINT64),
     appended=tokens,
-    num_tokens=st.integers(0, convert.MAX_UINT32),
-    truncate_to=st.none() | st.integers(0, convert.MAX_UINT64),
+    num_tokens=st.integers(0, MAX_UINT32),
+    truncate_to=st.none() | st.integers(0, MAX_UINT64),
 )
 def test_a_draft_entry_reads_back_as_its_values(
     tag: int,
@@ -138,7 +151,7 @@ def test_a_draft_entry_reads_back_as_its_values(
 
 
 branches = st.lists(
-    st.builds(Branch, st.integers(0, convert.MAX_UINT32), st.integers(0, convert.MAX_UINT32)),
+    st.builds(Branch, st.integers(0, MAX_UINT32), st.integers(0, MAX_UINT32)),
     max_size=8,
 ).map(tuple)
 
@@ -147,12 +160,12 @@ branches = st.lists(
 @given(
     tag=tags,
     session_id=session_ids,
-    base=st.integers(0, convert.MAX_UINT64),
+    base=st.integers(0, MAX_UINT64),
     appended=tokens,
     block=tokens,
     chosen=branches,
-    num_tokens=st.integers(0, convert.MAX_UINT32),
-    truncate_to=st.none() | st.integers(0, convert.MAX_UINT64),
+    num_tokens=st.integers(0, MAX_UINT32),
+    truncate_to=st.none() | st.integers(0, MAX_UINT64),
 )
 def test_a_predraft_entry_reads_back_as_its_values(
     tag: int,
@@ -180,8 +193,8 @@ def predrafts(draw: st.DrawFn) -> PreDraft:
     drafted = draw(tokens)
     sampled = draw(st.booleans()) and len(drafted) > 0
     return PreDraft(
-        accepted=draw(st.integers(0, convert.MAX_UINT32)),
-        token=draw(st.integers(0, convert.MAX_INT32)),
+        accepted=draw(st.integers(0, MAX_UINT32)),
+        token=draw(st.integers(0, MAX_INT32)),
         tokens=drafted,
         draft_probs=draw(rows(len(drafted))) if sampled else None,
         load=draw(
@@ -198,12 +211,12 @@ def predrafts(draw: st.DrawFn) -> PreDraft:
 def test_predrafted_branches_read_back_with_q_bit_for_bit_and_pass_through_as_bytes(
     tag: int, drafted: list[PreDraft], session_id: str
 ) -> None:
-    sent = convert.predrafts_to_wire(drafted)
+    sent = predrafts_to_wire(drafted)
     frame = replica_pb2.ReplicaFrame(results=[replica_pb2.FrameResult(tag=tag, predrafted=sent)])
     (result,) = replica_pb2.ReplicaFrame.FromString(over_the_wire(frame)).results
     assert result.tag == tag and result.WhichOneof("result") == "predrafted"
-    decoded = convert.predrafts_from_wire(result.predrafted)
-    on_router = convert.predrafts_from_wire(result.predrafted, lazy_rows=True)
+    decoded = predrafts_from_wire(result.predrafted)
+    on_router = predrafts_from_wire(result.predrafted, lazy_rows=True)
     for want, got, kept, as_sent in zip(drafted, decoded, on_router, sent.branches, strict=True):
         for read in (got, kept):
             assert (read.accepted, read.token) == (want.accepted, want.token)
@@ -211,12 +224,12 @@ def test_predrafted_branches_read_back_with_q_bit_for_bit_and_pass_through_as_by
             assert same_rows(read.draft_probs, want.draft_probs)
         if want.draft_probs is None:
             continue
-        assert not isinstance(got.draft_probs, convert.WireRows)
+        assert not isinstance(got.draft_probs, WireRows)
         assert kept.draft_probs is not None
         # A hit branch is verified as a block: its q, cut to what is left, goes on undecoded.
         cut = len(kept.tokens) - 1
         prefix = kept.draft_probs[:cut]
-        assert isinstance(prefix, convert.WireRows)
+        assert isinstance(prefix, WireRows)
         block = DraftBlock(base_length=7, tokens=kept.tokens[:cut], draft_probs=prefix)
         request = requests.verify_request_to_wire(session_id, block)
         assert [(r.token_ids, r.probs) for r in request.block.draft_probs] == [
@@ -225,10 +238,10 @@ def test_predrafted_branches_read_back_with_q_bit_for_bit_and_pass_through_as_by
 
 
 def test_a_predrafted_branch_with_q_for_some_of_its_tokens_is_refused() -> None:
-    row = convert.sparse_to_wire(SparseDistribution(torch.tensor([3]), torch.tensor([1.0])))
+    row = sparse_to_wire(SparseDistribution(torch.tensor([3]), torch.tensor([1.0])))
     message = replica_pb2.PreDraft(accepted=1, token=4, token_ids=[5, 6], draft_probs=[row])
     try:
-        convert.predraft_from_wire(message)
+        predraft_from_wire(message)
     except InvalidArgumentError as error:
         assert "predraft has 2 tokens but 1 draft distributions" in str(error)
     else:
@@ -269,12 +282,12 @@ def test_a_drafted_block_passes_through_the_router_as_the_same_bytes(
     tag: int, block: DraftBlock, session_id: str
 ) -> None:
     # The drafter answers in a frame; the router keeps q as received and verifies with it.
-    sent = convert.block_to_wire(block)
+    sent = block_to_wire(block)
     frame = replica_pb2.ReplicaFrame(results=[replica_pb2.FrameResult(tag=tag, block=sent)])
     (result,) = replica_pb2.ReplicaFrame.FromString(over_the_wire(frame)).results
-    on_router = convert.block_from_wire(result.block, lazy_rows=True)
+    on_router = block_from_wire(result.block, lazy_rows=True)
     if block.draft_probs is not None:
-        assert isinstance(on_router.draft_probs, convert.WireRows)
+        assert isinstance(on_router.draft_probs, WireRows)
     request = requests.verify_request_to_wire(session_id, on_router)
     assert [(r.token_ids, r.probs) for r in request.block.draft_probs] == [
         (r.token_ids, r.probs) for r in sent.draft_probs
@@ -288,11 +301,11 @@ def test_a_drafted_block_passes_through_the_router_as_the_same_bytes(
 
 
 def test_wire_rows_check_sizes_without_decoding_and_refuse_a_bad_row() -> None:
-    good = convert.sparse_to_wire(SparseDistribution(torch.tensor([3]), torch.tensor([1.0])))
+    good = sparse_to_wire(SparseDistribution(torch.tensor([3]), torch.tensor([1.0])))
     bad = replica_pb2.SparseDistribution(token_ids=b"\x01\x00\x00\x00", probs=b"")
-    assert len(convert.WireRows([good, good])) == 2
+    assert len(WireRows([good, good])) == 2
     try:
-        convert.WireRows([good, bad])
+        WireRows([good, bad])
     except InvalidArgumentError as error:
         assert "draft_probs[1] has 1 token ids but 0 probabilities" in str(error)
     else:
@@ -311,10 +324,10 @@ def test_a_verdict_result_reads_back(
 ) -> None:
     verdict = Verdict(7, num_accepted, tuple(range(num_accepted + 1)), committed, bonus_deferred)
     frame = replica_pb2.ReplicaFrame(
-        results=[replica_pb2.FrameResult(tag=tag, verdict=convert.verdict_to_wire(verdict))]
+        results=[replica_pb2.FrameResult(tag=tag, verdict=verdict_to_wire(verdict))]
     )
     (result,) = replica_pb2.ReplicaFrame.FromString(over_the_wire(frame)).results
-    assert result.tag == tag and convert.verdict_from_wire(result.verdict) == verdict
+    assert result.tag == tag and verdict_from_wire(result.verdict) == verdict
 
 
 ERRORS: list[TandemError] = [
@@ -352,8 +365,8 @@ def test_stats_carry_the_frame_counters_both_ways() -> None:
     stats = ReplicaStats(
         2, 10, frames_sent=5, results_sent=40, frames_received=6, entries_received=41
     )
-    message = replica_pb2.ReplicaStats.FromString(convert.stats_to_wire(stats).SerializeToString())
-    assert convert.stats_from_wire(message) == stats
+    message = replica_pb2.ReplicaStats.FromString(stats_to_wire(stats).SerializeToString())
+    assert stats_from_wire(message) == stats
 
 
 def test_frames_are_cut_under_the_byte_budget_in_order() -> None:

@@ -1,4 +1,4 @@
-"""cluster.wire.convert: every plain value survives a trip through serialised replica.proto
+"""cluster.wire's conversions: every plain value survives a trip through serialised replica.proto
 bytes."""
 
 from __future__ import annotations
@@ -14,9 +14,14 @@ from google.protobuf.message import Message
 from cluster.runtime.draft_block import DraftBlock, StepLoad, Verdict
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.sampling import SamplingParams, SparseDistribution, to_dense
+from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import ReplicaStats
-from cluster.wire import convert
+from cluster.runtime.sparse_distribution import SparseDistribution, to_dense
+from cluster.wire.blocks import block_from_wire, block_to_wire, verdict_from_wire, verdict_to_wire
+from cluster.wire.distributions import sparse_from_wire, sparse_to_wire
+from cluster.wire.fields import MAX_UINT32, session_id_from_wire, uint_to_wire
+from cluster.wire.replica_stats import stats_from_wire, stats_to_wire
+from cluster.wire.sampling_settings import sampling_from_wire, sampling_to_wire
 from protos import replica_pb2, sampling_pb2
 from tests.wire_messages import raw_sparse
 
@@ -60,19 +65,17 @@ def assert_same_rows(
 )
 def test_sampling_round_trips(params: SamplingParams) -> None:
     # Values float32 can hold exactly come back equal.
-    assert convert.sampling_from_wire(over_the_wire(convert.sampling_to_wire(params))) == params
+    assert sampling_from_wire(over_the_wire(sampling_to_wire(params))) == params
 
 
 def test_default_top_p_travels_unset_and_unset_reads_as_no_cut() -> None:
-    assert not convert.sampling_to_wire(SamplingParams(temperature=1.0)).HasField("top_p")
-    params = convert.sampling_from_wire(sampling_pb2.SamplingParams(temperature=1.0))
+    assert not sampling_to_wire(SamplingParams(temperature=1.0)).HasField("top_p")
+    params = sampling_from_wire(sampling_pb2.SamplingParams(temperature=1.0))
     assert params.top_p == 1.0
 
 
 def test_temperature_travels_as_float32() -> None:
-    params = convert.sampling_from_wire(
-        over_the_wire(convert.sampling_to_wire(SamplingParams(0.7)))
-    )
+    params = sampling_from_wire(over_the_wire(sampling_to_wire(SamplingParams(0.7))))
     assert params.temperature == torch.tensor(0.7, dtype=torch.float32).item() != 0.7
 
 
@@ -89,7 +92,7 @@ def test_bad_sampling_from_the_wire_is_refused(
     message: sampling_pb2.SamplingParams, field: str
 ) -> None:
     with pytest.raises(InvalidArgumentError, match=field):
-        convert.sampling_from_wire(message)
+        sampling_from_wire(message)
 
 
 # --- SparseDistribution -----------------------------------------------------------------------
@@ -102,7 +105,7 @@ def test_sparse_q_round_trips_bit_for_bit() -> None:
     ids = torch.randperm(150_000, generator=generator)[:1000]
     row = SparseDistribution(token_ids=ids, probs=probs)
 
-    back = convert.sparse_from_wire(over_the_wire(convert.sparse_to_wire(row)))
+    back = sparse_from_wire(over_the_wire(sparse_to_wire(row)))
 
     assert_same_rows((back,), (row,))
 
@@ -110,7 +113,7 @@ def test_sparse_q_round_trips_bit_for_bit() -> None:
 def test_sparse_with_mismatched_counts_is_refused_naming_the_row() -> None:
     message = raw_sparse(token_ids=[1, 2, 3], probs=[0.5, 0.5])
     with pytest.raises(InvalidArgumentError, match=r"draft_probs\[4\] has 3 token ids but 2"):
-        convert.sparse_from_wire(message, "draft_probs[4]")
+        sparse_from_wire(message, "draft_probs[4]")
 
 
 @pytest.mark.parametrize(
@@ -127,7 +130,7 @@ def test_sparse_contents_are_left_to_to_dense(
     ids: list[int], probs: list[float], reason: str
 ) -> None:
     # The wire cannot know the vocabulary; to_dense, which the verifier runs, rejects these.
-    row = convert.sparse_from_wire(raw_sparse(token_ids=ids, probs=probs))
+    row = sparse_from_wire(raw_sparse(token_ids=ids, probs=probs))
     with pytest.raises(InvalidArgumentError, match=reason):
         to_dense([row], vocab_size=10)
 
@@ -149,7 +152,7 @@ def test_sparse_contents_are_left_to_to_dense(
     ids=["deterministic", "empty", "sampled"],
 )
 def test_block_round_trips(block: DraftBlock) -> None:
-    back = convert.block_from_wire(over_the_wire(convert.block_to_wire(block)))
+    back = block_from_wire(over_the_wire(block_to_wire(block)))
     assert (back.base_length, back.tokens) == (block.base_length, block.tokens)
     assert_same_rows(back.draft_probs, block.draft_probs)
 
@@ -160,21 +163,21 @@ LOAD = StepLoad(batch_sequences=12, batch_tokens=57, cost_base_s=0.0125, cost_pe
 @pytest.mark.parametrize("load", [LOAD, StepLoad(0, 0, 0.0, 0.0), None], ids=str)
 def test_block_load_round_trips(load: StepLoad | None) -> None:
     block = DraftBlock(base_length=9, tokens=(1, 2), load=load)
-    message = over_the_wire(convert.block_to_wire(block))
+    message = over_the_wire(block_to_wire(block))
     assert message.HasField("load") == (load is not None)  # all zeros is still a report
-    assert convert.block_from_wire(message).load == load
+    assert block_from_wire(message).load == load
 
 
 def test_block_load_the_wire_cannot_hold_is_refused() -> None:
     block = DraftBlock(base_length=9, tokens=(1,), load=StepLoad(-1, 5, 0.0, 0.0))
     with pytest.raises(InvalidArgumentError, match=r"load\.batch_sequences"):
-        convert.block_to_wire(block)
+        block_to_wire(block)
 
 
 def test_sampled_empty_block_reads_back_as_deterministic() -> None:
     # With no token to accept, () and None mean the same; the wire cannot tell them apart.
     block = DraftBlock(base_length=5, tokens=(), draft_probs=())
-    assert convert.block_from_wire(over_the_wire(convert.block_to_wire(block))).draft_probs is None
+    assert block_from_wire(over_the_wire(block_to_wire(block))).draft_probs is None
 
 
 def test_block_with_wrong_number_of_distributions_is_refused() -> None:
@@ -184,7 +187,7 @@ def test_block_with_wrong_number_of_distributions_is_refused() -> None:
         draft_probs=[raw_sparse(token_ids=[1], probs=[1.0])],
     )
     with pytest.raises(InvalidArgumentError, match="2 tokens but 1 draft distributions"):
-        convert.block_from_wire(message)
+        block_from_wire(message)
 
 
 def test_block_row_mismatch_names_its_position() -> None:
@@ -196,7 +199,7 @@ def test_block_row_mismatch_names_its_position() -> None:
         ],
     )
     with pytest.raises(InvalidArgumentError, match=r"draft_probs\[1\] has 1 token ids but 2"):
-        convert.block_from_wire(message)
+        block_from_wire(message)
 
 
 @pytest.mark.parametrize(
@@ -211,7 +214,7 @@ def test_block_the_wire_cannot_hold_is_refused_before_sending(
     block: DraftBlock, message: str
 ) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
-        convert.block_to_wire(block)
+        block_to_wire(block)
 
 
 # --- Verdict, ReplicaStats, scalars -----------------------------------------------------------
@@ -241,7 +244,7 @@ def test_block_the_wire_cannot_hold_is_refused_before_sending(
     ids=["rejected", "bonus_deferred", "none_accepted", "with_load", "zero_load"],
 )
 def test_verdict_round_trips(verdict: Verdict) -> None:
-    assert convert.verdict_from_wire(over_the_wire(convert.verdict_to_wire(verdict))) == verdict
+    assert verdict_from_wire(over_the_wire(verdict_to_wire(verdict))) == verdict
 
 
 def test_stats_round_trip() -> None:
@@ -252,9 +255,9 @@ def test_stats_round_trip() -> None:
         sessions_expired=4,
         sessions_evicted=5,
     )
-    message = over_the_wire(convert.stats_to_wire(stats))
+    message = over_the_wire(stats_to_wire(stats))
     assert not message.HasField("engine")
-    assert convert.stats_from_wire(message) == stats  # engine None: no engine runs
+    assert stats_from_wire(message) == stats  # engine None: no engine runs
 
 
 ENGINE = EngineStats(
@@ -282,7 +285,7 @@ ENGINE = EngineStats(
 @pytest.mark.parametrize("engine", [ENGINE, EngineStats()], ids=["busy", "fresh"])
 def test_stats_with_engine_round_trip(engine: EngineStats) -> None:
     stats = ReplicaStats(num_sessions=3, num_cached_tokens=77, busy_s=1.5, engine=engine)
-    back = convert.stats_from_wire(over_the_wire(convert.stats_to_wire(stats)))
+    back = stats_from_wire(over_the_wire(stats_to_wire(stats)))
     assert back == stats and back.engine is not None
     assert back.engine.kv_blocks_free == engine.kv_blocks_free
 
@@ -297,13 +300,13 @@ def test_every_engine_figure_has_a_wire_field() -> None:
 def test_engine_figures_the_wire_cannot_hold_are_refused() -> None:
     stats = ReplicaStats(1, 1, engine=EngineStats(kv_blocks_used=-1))
     with pytest.raises(InvalidArgumentError, match=r"engine\.kv_blocks_used"):
-        convert.stats_to_wire(stats)
+        stats_to_wire(stats)
 
 
 def test_empty_session_id_is_refused() -> None:
-    assert convert.session_id_from_wire("s-1") == "s-1"
+    assert session_id_from_wire("s-1") == "s-1"
     with pytest.raises(InvalidArgumentError, match="session_id must not be empty"):
-        convert.session_id_from_wire("")
+        session_id_from_wire("")
 
 
 @pytest.mark.parametrize("value", [-1, 2**32, True])
@@ -311,4 +314,4 @@ def test_uint_out_of_field_range_is_refused(value: int) -> None:
     with pytest.raises(
         InvalidArgumentError, match=re.escape("num_tokens must be in 0..4294967295")
     ):
-        convert.uint_to_wire(value, "num_tokens", convert.MAX_UINT32)
+        uint_to_wire(value, "num_tokens", MAX_UINT32)

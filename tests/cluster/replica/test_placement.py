@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from cluster.replica.host import place_threads
+from cluster.replica.placement import place_threads
 from cluster.runtime.errors import InvalidArgumentError
 
 
 def test_pins_the_process_and_sets_threads() -> None:
     # In a child process: pinning this one would slow the rest of the suite.
     code = (
-        "import os, torch; from cluster.replica.host import place_threads; "
+        "import os, torch; from cluster.replica.placement import place_threads; "
         "place_threads(1, [0]); print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())"
     )
     out = subprocess.run(
@@ -25,7 +25,7 @@ def test_pins_the_process_and_sets_threads() -> None:
 
 def test_zero_threads_fits_the_cpus_the_process_may_use() -> None:
     code = (
-        "import os, torch; from cluster.replica.host import place_threads; "
+        "import os, torch; from cluster.replica.placement import place_threads; "
         "n = place_threads(0, [0]); m = place_threads(0); "
         "print(n, torch.get_num_threads(), m == len(os.sched_getaffinity(0)))"
     )
