@@ -49,14 +49,14 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.runtime.engine import Batched, Forward, Preempted, Task
+from cluster.runtime.block_runner import ModelRunner
 from cluster.runtime.gumbel import exponentials, row_key
 from cluster.runtime.kv_cache import SequenceKV
 from cluster.runtime.predraft import Branch, PreDraft
-from cluster.runtime.runner import ModelRunner
 from cluster.runtime.sampling import logits_to_probs_rows
 from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.sparse_distribution import SparseDistribution
+from cluster.runtime.task import Batched, Forward, Preempted, Task
 from drafter.draws import DraftRow, sample_step, seed_exact_step
 
 _fork_ids = itertools.count()

@@ -37,6 +37,7 @@ from dataclasses import replace
 
 import torch
 
+from cluster.runtime.block_runner import ModelRunner, PoolExhaustedError
 from cluster.runtime.component import SessionComponent, submitted
 from cluster.runtime.constraint import (
     Constraint,
@@ -46,12 +47,10 @@ from cluster.runtime.constraint import (
     wait_for,
 )
 from cluster.runtime.draft_block import DraftBlock, StepLoad
-from cluster.runtime.engine import Batched, Task
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.limits import MAX_PREDRAFT_FAN_OUT
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.predraft import Branch, PreDraft
-from cluster.runtime.runner import ModelRunner, PoolExhaustedError
 from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import (
     DRAFTER_SEED_SALT,
@@ -61,6 +60,7 @@ from cluster.runtime.session import (
     make_generator,
 )
 from cluster.runtime.sparse_distribution import SparseDistribution
+from cluster.runtime.task import Batched, Task
 from cluster.runtime.token_choice import argmax_rows
 from drafter.branches import BranchDraw, branch_task, fork_id
 from drafter.config import DrafterConfig

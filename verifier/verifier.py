@@ -30,19 +30,18 @@ import torch
 
 from cluster.runtime.advance import Advance
 from cluster.runtime.audit import Replay
+from cluster.runtime.block_runner import ModelRunner
 from cluster.runtime.call_scope import caller_gone
 from cluster.runtime.component import SessionComponent, submitted
 from cluster.runtime.constraint import Constraint, mask_logits, masks_ahead, wait_for
 from cluster.runtime.draft_block import DraftBlock, StepLoad, Verdict
-from cluster.runtime.engine import Batched, Task
 from cluster.runtime.errors import InvalidArgumentError, StaleBaseError
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.rebase import reconcile
-from cluster.runtime.runner import ModelRunner
 from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import ReplicaSession, check_token_ids
 from cluster.runtime.sparse_distribution import to_dense
-from cluster.runtime.task import each_alone_if_refused
+from cluster.runtime.task import Batched, Task, each_alone_if_refused
 from verifier.audit_replica import ReferenceReplayer
 from verifier.batch_rejection import (
     BatchSession,

@@ -26,8 +26,9 @@ from typing import Any, Generic, TypeVar
 import torch
 from llguidance import LLTokenizer
 
+from cluster.runtime.block_runner import ModelRunner
 from cluster.runtime.constraint import GRAMMAR_TOKENIZERS, Constraint, TokenMatcher
-from cluster.runtime.engine import Engine, Forward, Preempted, Task
+from cluster.runtime.engine import Engine
 from cluster.runtime.errors import ResourceExhaustedError
 from cluster.runtime.limits import (
     DEFAULT_MAX_STEP_SEQUENCES,
@@ -36,9 +37,10 @@ from cluster.runtime.limits import (
     SessionLimits,
 )
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.runner import ModelRunner, build_runner
+from cluster.runtime.runner import build_runner
 from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.session import ReplicaSession, ReplicaStats, SessionTable
+from cluster.runtime.task import Forward, Preempted, Task
 
 C = TypeVar("C", bound=SessionLimits)
 R = TypeVar("R")

@@ -34,26 +34,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from cluster.runtime.block_runner import ModelRunner, SequenceWork
 from cluster.runtime.call_scope import caller_gone
 from cluster.runtime.draft_block import StepLoad
 from cluster.runtime.engine_counters import EngineCounters
 from cluster.runtime.engine_stats import EngineStats
 from cluster.runtime.errors import InvalidArgumentError, ResourceExhaustedError
 from cluster.runtime.limits import DEFAULT_MAX_STEP_SEQUENCES, DEFAULT_MAX_STEP_TOKENS, GATHER_SHARE
-from cluster.runtime.runner import ModelRunner, SequenceWork
 from cluster.runtime.scheduler import Scheduler
 from cluster.runtime.stepper import Stepper
-from cluster.runtime.task import Batched, Forward, Preempted, Running, Task
-
-__all__ = [
-    "Batched",
-    "Engine",
-    "Forward",
-    "Preempted",
-    "Task",
-]
-"""The engine's public names; the task protocol lives in `task` and is re-exported here (the
-budgets' defaults live in `limits`)."""
+from cluster.runtime.task import Forward, Running, Task
 
 logger = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from cluster.runtime.block_runner import ModelRunner, SequenceWork
 from cluster.runtime.cost_curve import CostCurve, smooth
 from cluster.runtime.draft_block import StepLoad
 from cluster.runtime.engine_stats import EngineStats
-from cluster.runtime.runner import ModelRunner, SequenceWork
 
 
 @dataclass

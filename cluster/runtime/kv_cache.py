@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from cluster.runtime.block_runner import ModelRunner, SequenceWork
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.runner import ModelRunner, SequenceWork
 
 SHORT_PREFIX = 16
 """Sequences up to this long are compared token by token (`common_prefix_length`)."""

@@ -33,7 +33,6 @@ from transformers import DynamicCache, PreTrainedModel
 from cluster.runtime.block_runner import (
     BlockAccountedRunner,
     ModelRunner,
-    PoolExhaustedError,
     SequenceWork,
 )
 from cluster.runtime.errors import InvalidArgumentError
@@ -41,8 +40,6 @@ from cluster.runtime.kv_pool import (
     BlockAllocator,
     KVBlockPool,
     blocks_for,
-    free_memory_bytes,
-    kv_bytes_per_token,
     num_input_ids,
     pool_blocks,
 )
@@ -50,20 +47,6 @@ from cluster.runtime.models import LoadedModel
 from cluster.runtime.paged_attention import ATTENTION_NAME, BATCH_KWARG, pack_step
 from cluster.runtime.quantize import activations_quantized
 from cluster.runtime.sim_model import SimCausalLM, SimModelRunner
-
-__all__ = [
-    "ModelRunner",
-    "PagedModelRunner",
-    "PoolExhaustedError",
-    "SequenceWork",
-    "SerialModelRunner",
-    "build_runner",
-    "free_memory_bytes",
-    "kv_bytes_per_token",
-    "paged_self_test",
-    "pool_blocks",
-    "split_rows",
-]
 
 logger = logging.getLogger(__name__)
 

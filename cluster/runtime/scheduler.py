@@ -31,10 +31,10 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from cluster.runtime.block_runner import ModelRunner, SequenceWork
 from cluster.runtime.cost_curve import smooth
 from cluster.runtime.kv_pool import blocks_for
 from cluster.runtime.limits import DEFAULT_MAX_STEP_SEQUENCES, DEFAULT_MAX_STEP_TOKENS, GATHER_SHARE
-from cluster.runtime.runner import ModelRunner, SequenceWork
 from cluster.runtime.task import Forward, Running, Task
 
 SMALL_ITEM_TOKENS = 33

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.runtime.advance import Advance
+from cluster.runtime.block_runner import ModelRunner
 from cluster.runtime.constraint import TokenMatcher
 from cluster.runtime.draft_block import Verdict
 from cluster.runtime.engine_stats import EngineStats
@@ -39,7 +40,6 @@ from cluster.runtime.errors import (
 from cluster.runtime.kv_cache import SequenceKV
 from cluster.runtime.limits import DEFAULT_KV_OVERCOMMIT
 from cluster.runtime.models import LoadedModel
-from cluster.runtime.runner import ModelRunner
 from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.sparse_distribution import SparseDistribution
 

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from cluster.runtime.block_runner import ModelRunner, PoolExhaustedError, SequenceWork
 from cluster.runtime.engine_counters import EngineCounters
 from cluster.runtime.errors import CancelledError, InvalidArgumentError
-from cluster.runtime.runner import ModelRunner, PoolExhaustedError, SequenceWork
 from cluster.runtime.scheduler import Scheduler, remaining
 from cluster.runtime.task import Batched, Forward, Preempted, Running
 from cluster.runtime.token_choice import greedy_tokens, row_argmax

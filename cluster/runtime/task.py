@@ -30,9 +30,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from cluster.runtime.block_runner import SequenceWork
 from cluster.runtime.call_scope import Gone
 from cluster.runtime.errors import InvalidArgumentError
-from cluster.runtime.runner import SequenceWork
 
 R = TypeVar("R")
 P = TypeVar("P")

@@ -44,14 +44,13 @@ import cluster.local
 from cluster.local import LocalTandem, build_local
 from cluster.presets import resolve_pair
 from cluster.runtime.draft_block import DraftBlock, Verdict
-from cluster.runtime.engine import Task
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.gumbel import gumbel_tokens
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.sampling import logits_to_probs, logits_to_probs_rows
 from cluster.runtime.session import DRAFTER_SEED_SALT, ReplicaSession
 from cluster.runtime.sparse_distribution import to_dense
-from cluster.runtime.task import each_alone_if_refused
+from cluster.runtime.task import Task, each_alone_if_refused
 from drafter.drafter import draft_sampling
 from verifier.batch_layout import Batch
 from verifier.batch_rejection import BatchSession, SessionOutcome, batch_rejection_sample

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from cluster.runtime.runner import PoolExhaustedError, SequenceWork
+from cluster.runtime.block_runner import PoolExhaustedError, SequenceWork
 from cluster.runtime.session import ReplicaSession, SessionTable
 
 VOCAB = 4

@@ -17,10 +17,11 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 import pytest
 import torch
 
+from cluster.runtime.block_runner import SequenceWork
 from cluster.runtime.call_scope import call_scope
-from cluster.runtime.engine import Batched, Engine, Forward, Preempted, Task
+from cluster.runtime.engine import Engine
 from cluster.runtime.errors import CancelledError, ResourceExhaustedError
-from cluster.runtime.runner import SequenceWork
+from cluster.runtime.task import Batched, Forward, Preempted, Task
 from tests.cluster.runtime.fake_runner import VOCAB, RecordingRunner
 
 

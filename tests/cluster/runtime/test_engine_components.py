@@ -284,7 +284,7 @@ def test_a_pool_too_small_preempts_an_idle_session_which_then_recomputes_exactly
 
 
 def _kv_bytes_per_token(model: LoadedModel) -> int:
-    from cluster.runtime.runner import kv_bytes_per_token
+    from cluster.runtime.kv_pool import kv_bytes_per_token
 
     return kv_bytes_per_token(model.model)
 

@@ -8,11 +8,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cluster.runtime.block_runner import ModelRunner
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.kv_cache import SequenceKV, common_prefix_length
 from cluster.runtime.model_spec import TINY_TARGET, ModelSpec
 from cluster.runtime.models import LoadedModel, load_model
-from cluster.runtime.runner import ModelRunner, build_runner
+from cluster.runtime.runner import build_runner
 
 # fp32 on the CPU: a cached forward and a full forward differ only by summation order.
 ATOL = 1e-4

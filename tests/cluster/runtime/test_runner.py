@@ -16,20 +16,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from cluster.runtime import kv_pool, tiny
 from cluster.runtime import runner as runner_module
+from cluster.runtime.block_runner import ModelRunner, PoolExhaustedError, SequenceWork
 from cluster.runtime.errors import InvalidArgumentError, ResourceExhaustedError
+from cluster.runtime.kv_pool import kv_bytes_per_token, pool_blocks
 from cluster.runtime.models import LoadedModel
 from cluster.runtime.paged_attention import ATTENTION_NAME
-from cluster.runtime.runner import (
-    ModelRunner,
-    PagedModelRunner,
-    PoolExhaustedError,
-    SequenceWork,
-    SerialModelRunner,
-    build_runner,
-    kv_bytes_per_token,
-    pool_blocks,
-    split_rows,
-)
+from cluster.runtime.runner import PagedModelRunner, SerialModelRunner, build_runner, split_rows
 
 ATOL = 2e-5  # fp32: a batched or cached forward differs from a full one by summation order
 

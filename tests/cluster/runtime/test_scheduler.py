@@ -4,8 +4,8 @@ decision."""
 
 from __future__ import annotations
 
+from cluster.runtime.block_runner import SequenceWork
 from cluster.runtime.limits import GATHER_SHARE
-from cluster.runtime.runner import SequenceWork
 from cluster.runtime.scheduler import MAX_GATHER_S, Scheduler
 from cluster.runtime.task import Forward, Running, Task
 from tests.cluster.runtime.fake_runner import RecordingRunner

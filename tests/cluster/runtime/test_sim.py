@@ -14,10 +14,11 @@ from cluster.local import build_local, local_router
 from cluster.presets import resolve_pair
 from cluster.routing.request import GenerationRequest
 from cluster.runtime import sim, sim_source
+from cluster.runtime.block_runner import SequenceWork
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.runtime.model_spec import ModelSpec
 from cluster.runtime.models import LoadedModel, load_model
-from cluster.runtime.runner import SequenceWork, build_runner
+from cluster.runtime.runner import build_runner
 from cluster.runtime.sampling_params import SamplingParams
 from cluster.runtime.sim_model import SimCausalLM, SimModelRunner
 

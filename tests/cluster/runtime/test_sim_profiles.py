@@ -9,8 +9,8 @@ import torch
 
 from cluster.presets import PRESETS, resolve_pair
 from cluster.runtime import sim, sim_source
+from cluster.runtime.block_runner import SequenceWork
 from cluster.runtime.models import load_model
-from cluster.runtime.runner import SequenceWork
 from cluster.runtime.sim_model import SimModelRunner
 
 TARGET, DRAFT = sim_source.PROFILES["h200-70b"], sim_source.PROFILES["h100-1b"]
