@@ -557,10 +557,13 @@ def test_a_request_started_while_the_gate_holds_the_target_opens_its_drafter_onl
     opened, closed = drafter.calls["open"], drafter.calls["close"]
     if held > 16:  # never drafted: no session was opened, so none was closed
         assert opened == closed == 0 and result.stats.num_drafted == 0
-    else:  # opened on the prompt at its first speculating round, caught up, closed
-        assert opened == closed == 1
-        if not advances:  # every round's block is verified: the drafted ones too
-            assert result.stats.num_drafted > 0
+    elif advances:
+        # A running session commits tokens without the router: on a loaded host it may end the
+        # request before a fourth round asks the gate. A session opened is always closed.
+        assert opened == closed <= 1
+    else:  # opened on the prompt at its first speculating round, caught up, closed, and every
+        # round's block is verified: the drafted ones too
+        assert opened == closed == 1 and result.stats.num_drafted > 0
     assert local_tandem.drafter.stats().num_sessions == 0
     assert local_tandem.verifier.stats().num_sessions == 0
 
