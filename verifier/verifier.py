@@ -156,8 +156,9 @@ class Verifier(SessionComponent[VerifierConfig]):
 
     def _verify(self, session_id: str, block: DraftBlock, defer_bonus: bool) -> Task[Verdict]:
         """A block sent by the router, verified from where its session stands when the engine
-        takes it (`verifier.reconcile`): a running session may have advanced since the block's
-        base, or not be where the block assumed (it is then dropped, committing nothing)."""
+        takes it (`cluster.runtime.rebase.reconcile`): a running session may have advanced since
+        the block's base, or not be where the block assumed (it is then dropped, committing
+        nothing)."""
         session = self._sessions.get(session_id)
         committed = session.committed_length
         if block.base_length > committed:

@@ -1,6 +1,6 @@
 """Running verifier sessions: a session opened with an `Advance` is in every engine step,
 taking the target's own next token when no block is there, verifying a block sent to it from
-where it then stands (`verifier.reconcile`), and stopping where its output ends."""
+where it then stands (`cluster.runtime.rebase.reconcile`), and stopping where its output ends."""
 
 from __future__ import annotations
 
