@@ -221,7 +221,21 @@ def step_costs(verifier: ReplicaInfo, drafter: ReplicaInfo | None) -> StepCosts 
         draft_per_token_s=drafter_engine.startup_per_token_s,
         verify_base_s=verifier_engine.startup_base_s,
         verify_per_token_s=verifier_engine.startup_per_token_s,
+        shared_cores=share_cores(verifier, drafter),
     )
+
+
+def share_cores(verifier: ReplicaInfo, drafter: ReplicaInfo) -> bool:
+    """Whether the two replicas' forward passes take the same CPU cores: both on one node
+    (both outside Ray: one machine), neither on a simulated device, neither holding a GPU.
+    Replicas pinned to disjoint CPUs (`drafter_cpus`, `verifier_cpus`) count as sharing: a
+    replica does not report its CPUs, and lockstep rounds cost them little (`Router`)."""
+    engines = (verifier.engine_stats(), drafter.engine_stats())
+    if any(engine is None or engine.runner == "sim" for engine in engines):
+        return False
+    if any(replica.resources.get("GPU", 0.0) > 0 for replica in (verifier, drafter)):
+        return False
+    return verifier.node_id == drafter.node_id
 
 
 def _rank(tenant: str, replica_id: str) -> bytes:

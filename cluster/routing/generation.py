@@ -24,7 +24,7 @@ from llguidance import LLTokenizer
 
 from cluster.routing.draft_length import DraftLength
 from cluster.routing.draft_length_config import DraftLengthConfig
-from cluster.routing.draft_modes import ALONE, DraftModes, ModesConfig
+from cluster.routing.draft_modes import ALONE, MODEL, DraftModes, ModesConfig
 from cluster.routing.drafter_link import DrafterLink
 from cluster.routing.goodput import Plan, model_pays
 from cluster.routing.ports import Pinned, StepCosts
@@ -85,6 +85,17 @@ def starting_modes(config: DraftLengthConfig, max_k: int, costs: StepCosts | Non
     return modes
 
 
+def runs_in_lockstep(costs: StepCosts | None, modes: DraftModes, speculates: bool) -> bool:
+    """Whether a request's verifier session should not run (advance on its own) but wait for
+    each round's block: where it `speculates`, and its draft model starts on and shares the
+    verifier's cores (a request of the target alone keeps its session running). There
+    a step the verifier takes alone, while the draft model drafts the block it would verify,
+    slows that draft and commits the tokens the block was for; on the qwen-coder pair on 2
+    cores (AVX-512 host) the draft model's blocks were then mostly stale and the request ran at
+    0.94x the target alone, against 1.41x in lockstep (docs/models.md, "The host decides")."""
+    return speculates and costs is not None and costs.shared_cores and modes.mode == MODEL
+
+
 class Generation:
     """The state of one request inside the router."""
 
@@ -113,6 +124,9 @@ class Generation:
         self.advance = advance
         """Where its verifier session's output ends: the session runs (None: it advances by
         the blocks the router posts only)."""
+        self.lockstep_reason = ""
+        """Why its session does not run where the router would run it (`runs_in_lockstep`),
+        as the report of its drafting says it; empty: it runs, or the router runs none."""
         self.lookup_matcher: TokenMatcher | None = None
         """Where prompt lookup's drafts are cut: the first token the constraint forbids."""
         if constraint is not None and ngram is not None:

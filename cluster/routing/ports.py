@@ -179,6 +179,9 @@ class StepCosts:
     draft_per_token_s: float
     verify_base_s: float
     verify_per_token_s: float
+    shared_cores: bool = False
+    """The two run their forward passes on the same CPU cores (one node, no GPU, no simulated
+    device): a step the verifier takes on its own then slows the draft a block waits on."""
 
     @property
     def draft_step_s(self) -> float:

@@ -23,10 +23,11 @@ soon as there is something to do, waiting on whichever comes first (`_wait`):
    (end tokens, stop strings, `max_tokens`), so a stream carries at most one chunk per
    verifier step.
 
-With `Generation.advance` None (the router option `verifier_advances` off), sessions do not
-run: every round posts one block, an empty one when there is nothing to speculate (the target
-alone), and waits for its verdict, as a lockstep loop does; the first round then waits for the
-drafter too.
+With `Generation.advance` None (the router option `verifier_advances` off, or a request whose
+draft model shares the verifier's cores: `cluster.routing.generation.runs_in_lockstep`),
+sessions do not run: every round posts one block, an empty one when there is nothing to
+speculate (the target alone), and waits for its verdict, as a lockstep loop does; the first
+round then waits for the drafter too.
 
 Timing for the adaptive plan: a verify pass is the time between two reports of the session
 (about one verifier step), a draft the call's own time. Pure orchestration: it yields its waits
@@ -340,7 +341,8 @@ class Rounds:
         if gen.request.draft_tokens <= 0:
             return  # the target alone by request: nothing to measure or decide
         gen.modes.observe(gen.round_mode, num_tokens, since_s)
-        gen.stats.draft_mode, gen.stats.draft_mode_reason = gen.modes.mode, gen.modes.reason
+        gen.stats.draft_mode = gen.modes.mode
+        gen.stats.draft_mode_reason = gen.modes.reason + gen.lockstep_reason
         self.gate.committed(num_tokens)
         if gen.lengths.max_fan_out > 0:
             self.predraft_gate.committed(num_tokens)

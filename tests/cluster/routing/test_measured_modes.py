@@ -21,10 +21,11 @@ import pytest
 
 from cluster.local import InProcess, LocalTandem, build_local, text_decoder
 from cluster.presets import resolve_pair
-from cluster.routing.directory import step_costs
+from cluster.routing.directory import share_cores, step_costs
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.draft_modes import MODEL, ModesConfig
-from cluster.routing.generation import starting_modes
+from cluster.routing.generation import runs_in_lockstep, starting_modes
+from cluster.routing.ports import Pinned, StepCosts
 from cluster.routing.request import GenerationRequest
 from cluster.routing.router import Router
 from cluster.runtime.engine_stats import EngineStats
@@ -123,3 +124,92 @@ def test_a_replica_reporting_a_ten_times_slower_draft_turns_model_drafting_off()
     # Not measured (an older replica, or no engine): nothing is assumed.
     assert step_costs(verifier, ReplicaInfo("d", "drafter", "a:2", 0, 0)) is None
     assert step_costs(verifier, None) is None
+
+
+def replica(side: str, step_s: float, node: str = "n1", runner: str = "paged",
+            resources: dict[str, float] | None = None) -> ReplicaInfo:  # fmt: skip
+    stats = EngineStats(runner=runner, startup_base_s=step_s, startup_per_token_s=0.0)
+    return ReplicaInfo(side[0], side, "a:1", 0, 0, engine=stats.to_dict(), node_id=node,
+                       resources=resources or {})  # fmt: skip
+
+
+def test_replicas_share_cores_on_one_node_without_a_gpu_or_a_simulated_device() -> None:
+    verifier = replica("verifier", 0.3)
+    assert share_cores(verifier, replica("drafter", 0.06))
+    assert not share_cores(verifier, replica("drafter", 0.06, node="n2"))
+    assert not share_cores(verifier, replica("drafter", 0.06, runner="sim"))
+    assert not share_cores(
+        replica("verifier", 0.3, resources={"GPU": 1.0}), replica("drafter", 0.06)
+    )
+    costs = step_costs(verifier, replica("drafter", 0.06))
+    assert costs is not None and costs.shared_cores
+
+
+def test_a_request_drafting_with_a_model_on_shared_cores_runs_in_lockstep() -> None:
+    config = DraftLengthConfig(enabled=True)
+    verifier = replica("verifier", 0.3)
+    shared = step_costs(verifier, replica("drafter", 0.06))
+    apart = step_costs(verifier, replica("drafter", 0.06, node="n2"))
+    slow = step_costs(verifier, replica("drafter", 3.0))  # the draft model starts off
+    assert runs_in_lockstep(shared, starting_modes(config, 4, shared), speculates=True)
+    assert not runs_in_lockstep(shared, starting_modes(config, 4, shared), speculates=False)
+    assert not runs_in_lockstep(apart, starting_modes(config, 4, apart), speculates=True)
+    assert not runs_in_lockstep(slow, starting_modes(config, 4, slow), speculates=True)
+    assert not runs_in_lockstep(None, starting_modes(config, 4, None), speculates=True)
+
+
+class CostedReplicas:
+    """The in-process pair, pinned with the given start-up step costs."""
+
+    def __init__(self, tandem: LocalTandem, costs: StepCosts) -> None:
+        self.opened: list[Any] = []
+        self._verifier = OpenRecorder(InProcess(tandem.verifier), self.opened)
+        self._drafter = InProcess(tandem.drafter)
+        self._costs = costs
+
+    def pin(self, speculate: bool, deadline: float | None = None, tenant: str = "",
+            suffix: bool = True) -> Pinned:  # fmt: skip
+        drafter = self._drafter if speculate else None
+        return Pinned(self._verifier, drafter, step_costs=self._costs if speculate else None)
+
+    def spare(self, side: str, avoid: frozenset[str], deadline: float | None = None) -> None:
+        return None
+
+
+class OpenRecorder:
+    """A verifier port that records the `advance` each session is opened with."""
+
+    def __init__(self, port: Any, opened: list[Any]) -> None:
+        self._port, self._opened = port, opened
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._port, name)
+
+    def open_session(self, *args: Any, **kwargs: Any) -> Any:
+        self._opened.append(kwargs.get("advance"))
+        return self._port.open_session(*args, **kwargs)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_router_opens_a_lockstep_session_where_the_draft_shares_the_cores(
+    tiny: LocalTandem, shared: bool
+) -> None:
+    costs = StepCosts(0.002, 0.0, 0.02, 0.0, shared_cores=shared)
+    replicas = CostedReplicas(tiny, costs)
+    router = Router.over_pool(
+        replicas, text_decoder(tiny.tokenizer), tiny.target.eos_token_ids,
+        draft_length=DraftLengthConfig(enabled=True, speculation_gate=False),
+    )  # fmt: skip
+    prompt = tuple(tiny.tokenizer.encode("def add(a, b):"))
+    reference = router.generate(GenerationRequest(prompt, 24, draft_tokens=0, ignore_eos=True))
+    result = router.generate(GenerationRequest(prompt, 24, draft_tokens=4, ignore_eos=True))
+    assert result.tokens == reference.tokens
+    alone_advance, speculative_advance = replicas.opened
+    assert alone_advance is not None  # the target alone's session always runs
+    assert (speculative_advance is None) == shared
+    if shared:
+        assert result.stats.model_drafted > 0  # in lockstep, the draft model's blocks verified
+        assert result.stats.draft_mode_reason.endswith("lockstep rounds: the draft shares the "
+                                                       "target's cores")  # fmt: skip
+    else:
+        assert "lockstep" not in result.stats.draft_mode_reason
