@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from cluster.runtime.errors import InvalidArgumentError
 from cluster.serve import loopback, ray_cluster
+from cluster.serve.loopback import PORT_FLAGS
 
 if TYPE_CHECKING:
     from cluster.config import FrontConfig, TandemConfig
@@ -24,9 +25,6 @@ if TYPE_CHECKING:
 DEFAULT_PROXY_HTTP_PORT = 8001
 """Serve's HTTP proxy where the routers serve no HTTP of their own (`front.http_port: null`)
 and no flag names one; otherwise the routers' HTTP port + 1."""
-PORT_FLAGS = ("--port", "--http-port", "--proxy-port", "--proxy-http-port")
-"""The flags that set the four public ports: the routers' own gRPC and HTTP servers (the
-default door), Serve's gRPC and HTTP proxies (the second door)."""
 
 
 def port_number(text: str) -> int:

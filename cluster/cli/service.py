@@ -132,6 +132,9 @@ def serve_command(args: argparse.Namespace) -> int:
         state = ray_cluster.start_cluster(args.num_cpus)
     else:
         config, proxy_http_port = _kept_proxies(config, proxy_http_port, state)
+        if state.proxy_port is None:  # a cluster started elsewhere: Serve's proxies bind now
+            proxies = (config.proxy_grpc_port, proxy_http_port)
+            doors.check_ports_free(list(zip(proxies, doors.PORT_FLAGS[2:], strict=True)))
     step = "connecting to the local Ray cluster"
     try:
         ray_cluster.connect(state)
@@ -176,8 +179,11 @@ def _failed_start(
         stopped = "the Ray cluster running before keeps running (`tandem shutdown` stops it)"
     if isinstance(error, KeyboardInterrupt):
         return f"interrupted while {step}; {stopped}"
-    lines = str(error).strip().splitlines()
-    cause = f"{type(error).__name__}: {lines[0] if lines else 'no message'}"
+    # A Ray task's error (RayTaskError) opens with the task's name: its cause says what failed.
+    inner = getattr(error, "cause", None)
+    failure = inner if isinstance(inner, BaseException) else error
+    lines = str(failure).strip().splitlines()
+    cause = f"{type(failure).__name__}: {lines[0] if lines else 'no message'}"
     return (
         f"the service did not start: {step} failed ({cause}); {stopped}. Ray's logs are in "
         f"{logs}. Try again once the machine has CPUs and memory to spare, or with fewer "

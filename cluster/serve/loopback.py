@@ -3,7 +3,9 @@ to an outgoing connection first, and wait for ports to be let go.
 
 `free_port` picks from `SERVER_PORTS` (narrowed per process by `SERVER_PORTS_ENV`), outside the
 kernel's ephemeral range, and never twice in one process (`reserve_ports` keeps a user's named
-ports out). Plain sockets and environment variables: no Ray.
+ports out). `free_door_ports` and `port_arguments` give a tool's own `tandem serve` a free port
+for each of its four doors (`PORT_FLAGS`), the proxies' included: one above a free port, their
+default, is free only by chance. Plain sockets and environment variables: no Ray.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ SERVER_PORTS_ENV = "TANDEM_SERVER_PORTS"
 two services started at once on one machine by different processes (parallel test workers, two
 operators) then never pick the same port, which `_handed_out` only rules out within a process."""
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORT_FLAGS = ("--port", "--http-port", "--proxy-port", "--proxy-http-port")
+"""The flags that set the four public ports: the routers' own gRPC and HTTP servers (the
+default door), Serve's gRPC and HTTP proxies (the second door)."""
 _handed_out: set[int] = set()
 """Ports this process has picked already: two picks before either is bound never agree."""
 
@@ -46,6 +51,18 @@ def free_port() -> int:
     with socket.socket() as probe:  # none outside the ephemeral range: the kernel's pick
         probe.bind((LOOPBACK, 0))
         return int(probe.getsockname()[1])
+
+
+def free_door_ports() -> dict[str, int]:
+    """A free loopback port for each of `PORT_FLAGS` (`loopback.free_port`, four different
+    ones): for the `tandem serve` a tool starts beside whatever else runs on this machine. Each
+    is named, since a proxy's default (one above the router's port) is free only by chance."""
+    return {flag: free_port() for flag in PORT_FLAGS}
+
+
+def port_arguments(ports: dict[str, int]) -> list[str]:
+    """`tandem serve`'s flags for `ports` (`free_door_ports`): `--port 20123 ...`."""
+    return [text for flag, port in ports.items() for text in (flag, str(port))]
 
 
 def reserve_ports(*ports: int) -> None:

@@ -226,14 +226,14 @@ def run(config_path: Path, home: Path, say: Callable[[str], None]) -> str:
     with _driver(state) as ray:
         node_ids = _wait_for_nodes(ray, types)
         say("nodes up: " + ", ".join(f"{name} {node_id}" for name, node_id in node_ids.items()))
-        grpc_port = loopback.free_port()
+        ports = loopback.free_door_ports()
         say(f"deploying the {PRESET} preset placed by {config_path} (tandem serve) ...")
         _tandem(
             "serve", "--config", str(config_path), "--preset", PRESET,
-            "--port", str(grpc_port), "--http-port", str(loopback.free_port()), "--detach",
-            timeout_s=DEPLOY_TIMEOUT_S,
+            *loopback.port_arguments(ports), "--detach", timeout_s=DEPLOY_TIMEOUT_S,
         )  # fmt: skip
-        _generate(f"{loopback.LOOPBACK}:{grpc_port}", (home / "api_key").read_text(), say)
+        address = f"{loopback.LOOPBACK}:{ports['--port']}"
+        _generate(address, (home / "api_key").read_text(), say)
         say("tandem status:")
         _tandem("status", timeout_s=STATUS_TIMEOUT_S)
         from cluster.routing.registry import get_registry

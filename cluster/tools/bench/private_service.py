@@ -28,7 +28,7 @@ def private_service(
     made for its local tenant and the home. Whatever ends the block (its end, an error,
     Ctrl-C, SIGTERM), everything the service runs is stopped and the home removed
     (`cluster.tools.cleanup`)."""
-    from cluster.serve.loopback import free_port
+    from cluster.serve import loopback
     from cluster.serve.ray_cluster import HOME_ENV
     from cluster.tools import cleanup
 
@@ -36,18 +36,19 @@ def private_service(
         home = Path(tempfile.mkdtemp(prefix="tandem-bench-", dir="/tmp"))  # short: Ray's sockets
         env = {**os.environ, HOME_ENV: str(home)}
         try:
-            port = free_port()
+            ports = loopback.free_door_ports()
+            port = ports["--port"]
             progress(f"starting tandem serve --preset {preset} in {home} (takes a minute)")
             # Interrupted, `subprocess.run` kills `tandem serve`; what it started is stopped
             # below all the same.
             started = subprocess.run(
-                [cleanup.tandem_command(), "serve", "--preset", preset, "--port", str(port),
-                 "--http-port", str(free_port()), "--detach", *flags],
+                [cleanup.tandem_command(), "serve", "--preset", preset,
+                 *loopback.port_arguments(ports), "--detach", *flags],
                 env=env, capture_output=True, text=True, check=False,
             )  # fmt: skip
             if started.returncode != 0:
                 raise InvalidArgumentError(f"tandem serve failed:\n{started.stderr[-2000:]}")
-            yield f"127.0.0.1:{port}", (home / "api_key").read_text(), home
+            yield f"{loopback.LOOPBACK}:{port}", (home / "api_key").read_text(), home
         finally:
             with cleanup.signals_held():
                 progress(f"stopping the service in {home}")

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from cluster.runtime.errors import TandemError
-from cluster.serve.loopback import LOOPBACK, free_port
+from cluster.serve import loopback
 from cluster.serve.ray_cluster import API_KEY_ENV, HOME_ENV, ClusterState, cluster_processes
 from cluster.tools import cleanup
 
@@ -40,8 +40,9 @@ class PrivateService:
     def __init__(self, config: dict[str, Any]) -> None:
         self.home = Path(tempfile.mkdtemp(prefix="tandem-soak-", dir="/tmp"))
         self.temp_dir = str(self.home / "ray")
-        self.port = free_port()
-        self.address = f"{LOOPBACK}:{self.port}"
+        self.ports = loopback.free_door_ports()
+        self.port = self.ports["--port"]
+        self.address = f"{loopback.LOOPBACK}:{self.port}"
         # The home's own key and secret, never the caller's.
         self.env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
         self.env[HOME_ENV] = str(self.home)
@@ -53,7 +54,7 @@ class PrivateService:
         interrupted, `subprocess.run` kills it, and `stop` stops what it had started)."""
         started = subprocess.run(
             [cleanup.tandem_command(), "serve", "--config", str(self.config_path),
-             "--port", str(self.port), "--http-port", str(free_port()), "--detach"],
+             *loopback.port_arguments(self.ports), "--detach"],
             env=self.env, capture_output=True, text=True, timeout=SERVE_TIMEOUT_S, check=False,
         )  # fmt: skip
         if started.returncode != 0:

@@ -105,6 +105,31 @@ def test_a_port_in_use_or_given_twice_is_refused_naming_its_flag(
     assert ray_cluster.load_state() is None  # refused before any cluster was started
 
 
+def test_a_tools_service_names_a_free_port_for_each_door() -> None:
+    ports = loopback.free_door_ports()
+    assert list(ports) == list(PORT_FLAGS) and len(set(ports.values())) == 4
+    assert all(loopback.port_is_free(port) for port in ports.values())
+    # The proxies' ports are the ones picked, not one above the routers' (free by chance only).
+    assert doors(*loopback.port_arguments(ports)) == tuple(ports.values())
+
+
+def test_a_proxy_port_in_use_on_a_cluster_started_elsewhere_is_refused_before_serve_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cluster `tandem serve` did not start (`make demo-nodes` starts its own nodes) has no
+    proxies yet: their ports are checked as a new cluster's are, and the cluster keeps running."""
+    _, stopped, args = failing_start(
+        tmp_path, monkeypatch, AssertionError("Serve must not start"), running_before=True
+    )
+    for flag in PORT_FLAGS[2:]:
+        with socket.socket() as held:
+            held.bind((LOOPBACK, getattr(args, flag.removeprefix("--").replace("-", "_"))))
+            held.listen()
+            with pytest.raises(InvalidArgumentError, match=rf"another with {flag}$"):
+                cli_service.serve_command(args)
+    assert stopped == []
+
+
 def test_serve_prints_the_default_door_first_then_serves_proxies() -> None:
     state = ClusterState(
         "127.0.0.1:6379", "/tmp/x", True, grpc_port=9000, http_port=8000,
@@ -209,6 +234,21 @@ def test_a_failed_start_says_what_failed_in_one_line_and_stops_what_it_started(
         assert stopped == [] and "keeps running" in message
     else:
         assert stopped == [state] and "it started is stopped (7 processes)" in message
+
+
+def test_a_failed_ray_task_is_reported_by_its_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ray.exceptions import RayTaskError
+
+    bind = RuntimeError("Failed to bind to address '127.0.0.1:20001'.")
+    task = RayTaskError("ready", "Traceback ...", bind, proctitle="ray::ProxyActor.ready()")
+    _, _, args = failing_start(tmp_path, monkeypatch, task.as_instanceof_cause(), True)
+    with pytest.raises(ray_cluster.ClusterError) as failed:
+        cli_service.serve_command(args)
+    assert "proxies failed (RuntimeError: Failed to bind to address '127.0.0.1:20001'.)" in str(
+        failed.value
+    )
 
 
 def test_a_start_refused_for_its_input_keeps_its_status_and_stops_what_it_started(
