@@ -116,17 +116,12 @@ class Generation:
         advance: Advance | None = None,
     ) -> None:
         """`clock`: what `request.deadline` is an instant of; `ngram`: prompt lookup's settings
-        (None: no lookup); `constraint`: what the generated tokens must follow (its sessions
-        get it), and `grammar_tokenizer` the tokenizer prompt lookup's drafts are checked with
-        against its grammar (None: no lookup under a grammar)."""
+        (None: no lookup); `advance`: where its session would stop running, kept unless it runs
+        in lockstep (`runs_in_lockstep`); `constraint`: what the generated tokens must follow
+        (its sessions get it), and `grammar_tokenizer` the tokenizer prompt lookup's drafts are
+        checked with against its grammar (None: no lookup under a grammar)."""
         self.request = request
         self.constraint = constraint
-        self.advance = advance
-        """Where its verifier session's output ends: the session runs (None: it advances by
-        the blocks the router posts only)."""
-        self.lockstep_reason = ""
-        """Why its session does not run where the router would run it (`runs_in_lockstep`),
-        as the report of its drafting says it; empty: it runs, or the router runs none."""
         self.lookup_matcher: TokenMatcher | None = None
         """Where prompt lookup's drafts are cut: the first token the constraint forbids."""
         if constraint is not None and ngram is not None:
@@ -155,6 +150,17 @@ class Generation:
         self.lengths = DraftLength(draft_length, request.draft_tokens, pipelined)
         self.modes = starting_modes(draft_length, request.draft_tokens, pinned.step_costs)
         """Which drafting its own measured rate keeps (`cluster.routing.draft_modes`)."""
+        lockstep = runs_in_lockstep(pinned.step_costs, self.modes, request.draft_tokens > 0)
+        self.advance = None if lockstep else advance
+        """Where its verifier session's output ends: the session runs (None: it advances by
+        the blocks the router posts only)."""
+        self.lockstep_reason = (
+            "; lockstep rounds: the draft shares the target's cores"
+            if lockstep and advance is not None
+            else ""
+        )
+        """Why its session does not run where the router would run it (`runs_in_lockstep`),
+        as the report of its drafting says it; empty: it runs, or the router runs none."""
         self.history = list(request.prompt_tokens)
         """Every committed token: what prompt lookup searches. Only `commit` changes it."""
         self.lookup = PromptLookup(ngram) if ngram is not None else None

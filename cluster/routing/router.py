@@ -38,7 +38,7 @@ from cluster.routing.draft_calls import DraftCalls
 from cluster.routing.draft_length_config import DraftLengthConfig
 from cluster.routing.draft_modes import MODEL
 from cluster.routing.failover import Failover
-from cluster.routing.generation import Decode, Generation, runs_in_lockstep
+from cluster.routing.generation import Decode, Generation
 from cluster.routing.output import decode_for
 from cluster.routing.ports import (
     DrafterPort,
@@ -281,9 +281,6 @@ class Router:
                 grammar_tokenizer=self._grammar_tokenizer,
                 advance=self._advance(request),
             )
-            if runs_in_lockstep(pinned.step_costs, gen.modes, speculate):
-                gen.advance = None
-                gen.lockstep_reason = "; lockstep rounds: the draft shares the target's cores"
             recent = self._rounds.recent
             if recent is not None:  # price the first rounds with today's load
                 gen.lengths.inherit(recent.lengths)
