@@ -27,7 +27,7 @@ from cluster.api.tenants import hash_api_key, new_api_key
 from cluster.config import CLUSTER_SECRET_ENV
 from cluster.routing.grpc_drafter import GrpcDrafter
 from cluster.routing.grpc_verifier import GrpcVerifier
-from cluster.serve.loopback import free_port
+from cluster.serve.loopback import free_door_ports, port_arguments
 from cluster.serve.ray_cluster import API_KEY_ENV, cluster_processes
 
 TENANT_KEYS = {"main": new_api_key(), "small": new_api_key(), "private": new_api_key()}
@@ -57,15 +57,14 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
         },
     ]
     config.write_text(yaml.safe_dump({"auth": {"tenants": tenants}}))
-    port, http_port = free_port(), free_port()
-    proxy_port, proxy_http_port = free_port(), free_port()
+    ports = free_door_ports()
+    port, http_port, proxy_port, proxy_http_port = ports.values()
     started = time.monotonic()
     serve = subprocess.run(
         # Fixed rounds (no adaptive plan, no lookup): the tests count blocks and pipeline hits.
         [TANDEM, "serve", "--preset", "tiny", "--drafters", "2", "--verifiers", "2",
-         "--no-adaptive-draft", "--no-prompt-lookup", "--port", str(port), "--detach",
-         "--http-port", str(http_port), "--proxy-port", str(proxy_port),
-         "--proxy-http-port", str(proxy_http_port), "--config", str(config)],
+         "--no-adaptive-draft", "--no-prompt-lookup", *port_arguments(ports), "--detach",
+         "--config", str(config)],
         env=env, capture_output=True, text=True, timeout=SERVE_TIMEOUT_S, check=False,
     )  # fmt: skip
     cold_start_s = time.monotonic() - started

@@ -83,22 +83,22 @@ def test_a_port_in_use_or_given_twice_is_refused_naming_its_flag(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(ray_cluster.HOME_ENV, str(tmp_path))
-    ports = {flag: loopback.free_port() for flag in PORT_FLAGS}
+    ports = loopback.free_door_ports()
     with socket.socket() as held:
         held.bind((LOOPBACK, ports["--proxy-http-port"]))
         held.listen()
         for flag in PORT_FLAGS:
-            args = parse(*(word for f, p in ports.items() for word in (f, str(p))))
+            args = parse(*loopback.port_arguments(ports))
             if flag != "--proxy-http-port":
                 with socket.socket() as other:  # this one held too
                     other.bind((LOOPBACK, ports[flag]))
                     other.listen()
                     with pytest.raises(InvalidArgumentError, match=rf"another with {flag}$"):
                         cli_service.serve_command(args)
-        args = parse(*(word for f, p in ports.items() for word in (f, str(p))))
+        args = parse(*loopback.port_arguments(ports))
         with pytest.raises(InvalidArgumentError, match=r"another with --proxy-http-port$"):
             cli_service.serve_command(args)
-    twice = parse(*(word for f, p in ports.items() for word in (f, str(p))),
+    twice = parse(*loopback.port_arguments(ports),
                   "--proxy-port", str(ports["--port"]))  # fmt: skip
     with pytest.raises(InvalidArgumentError, match="--port and --proxy-port are both port"):
         cli_service.serve_command(twice)
@@ -212,8 +212,7 @@ def failing_start(
         raise error
 
     monkeypatch.setattr(serve, "start", start)
-    free = [str(loopback.free_port()) for _ in PORT_FLAGS]
-    args = parse(*(w for pair in zip(PORT_FLAGS, free, strict=True) for w in pair))
+    args = parse(*loopback.port_arguments(loopback.free_door_ports()))
     return state, stopped, args
 
 

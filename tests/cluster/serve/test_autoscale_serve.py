@@ -27,7 +27,7 @@ from cluster.api.client import TandemClient
 from cluster.config import CLUSTER_SECRET_ENV
 from cluster.local import LocalTandem
 from cluster.routing.request import GenerationRequest
-from cluster.serve.loopback import free_port
+from cluster.serve.loopback import free_door_ports, port_arguments
 from cluster.serve.ray_cluster import API_KEY_ENV, cluster_processes
 from tests.cluster.conftest import SERVE_TIMEOUT_S, TANDEM
 from tests.conftest import PROMPTS, encode
@@ -71,11 +71,10 @@ def autoscaled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, o
             }
         )
     )
-    port = free_port()
+    ports = free_door_ports()
+    port = ports["--port"]
     serve = subprocess.run(
-        [TANDEM, "serve", "--config", str(config), "--port", str(port), "--detach",
-         "--http-port", str(free_port()), "--proxy-port", str(free_port()),
-         "--proxy-http-port", str(free_port())],
+        [TANDEM, "serve", "--config", str(config), *port_arguments(ports), "--detach"],
         env=env, capture_output=True, text=True, timeout=SERVE_TIMEOUT_S, check=False,
     )  # fmt: skip
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import CLUSTER_SECRET_ENV
-from cluster.serve.loopback import free_port, port_is_free
+from cluster.serve.loopback import free_door_ports, port_arguments, port_is_free
 from cluster.serve.ray_cluster import API_KEY_ENV, cluster_processes
 from tests.cluster.conftest import SERVE_TIMEOUT_S, TANDEM
 
@@ -39,13 +39,13 @@ def test_serve_generate_shutdown_cycles_on_the_same_ports() -> None:
     home = Path("/tmp") / f"tandem-restarts-{os.getpid()}"
     env = {k: v for k, v in os.environ.items() if k not in (CLUSTER_SECRET_ENV, API_KEY_ENV)}
     env["TANDEM_HOME"] = str(home)
-    port, http_port, proxy_port, proxy_http_port = (free_port() for _ in range(4))
+    ports = free_door_ports()
+    port, proxy_port = ports["--port"], ports["--proxy-port"]
     try:
         for cycle in range(CYCLES):
             serve = run(
-                env, "serve", "--preset", "tiny", "--port", str(port),
-                "--http-port", str(http_port), "--proxy-port", str(proxy_port),
-                "--proxy-http-port", str(proxy_http_port), "--detach", timeout_s=SERVE_TIMEOUT_S,
+                env, "serve", "--preset", "tiny", *port_arguments(ports), "--detach",
+                timeout_s=SERVE_TIMEOUT_S,
             )  # fmt: skip
             assert serve.returncode == 0, f"cycle {cycle}: {serve.stderr[-3000:]}"
             generated = run(  # the default door: the routers' own server
@@ -62,8 +62,7 @@ def test_serve_generate_shutdown_cycles_on_the_same_ports() -> None:
             assert down.returncode == 0, f"cycle {cycle}: {down.stderr[-3000:]}"
             # When shutdown returns, nothing of the cluster is left and its ports are free.
             assert cluster_processes(str(home / "ray")) == [], f"cycle {cycle}"
-            ports = (port, http_port, proxy_port, proxy_http_port)
-            assert all(port_is_free(p) for p in ports), f"cycle {cycle}"
+            assert all(port_is_free(p) for p in ports.values()), f"cycle {cycle}"
             print(f"cycle {cycle + 1} of {CYCLES}: served, generated, shut down", flush=True)
     finally:
         if (home / "cluster.json").exists():
